@@ -1,0 +1,57 @@
+"""The `ringserve` command line.
+
+Subcommands are thin: each parses its own flags and calls into the package that owns the work.
+Imports are lazy so `ringserve cleanup` never pays for importing JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _make_tiny_model(argv: list[str]) -> int:
+    from model.tiny import main
+
+    return main(argv)
+
+
+def _fetch_model(argv: list[str]) -> int:
+    from model.fetch import main
+
+    return main(argv)
+
+
+def _cleanup(argv: list[str]) -> int:
+    from actors.launcher import cleanup_main
+
+    return cleanup_main(argv)
+
+
+def _generate(argv: list[str]) -> int:
+    from model.generate import main
+
+    return main(argv)
+
+
+COMMANDS = {
+    "generate": (_generate, "generate text from prompts with the default (or a given) model"),
+    "make-tiny-model": (_make_tiny_model, "write a tiny random-weight HF-format model directory"),
+    "fetch-model": (_fetch_model, "build a local HF-format copy of a known model (e.g. smollm2)"),
+    "cleanup": (_cleanup, "remove shared-memory segments left behind by dead ringserve processes"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="ringserve", description="ringserve LLM serving engine")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    return COMMANDS[args.command][0](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
