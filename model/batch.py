@@ -1,0 +1,154 @@
+"""Host side of a step: turn per-request segments into padded, bucketed device inputs.
+
+A `Segment` is one request's work in one step: its new tokens (`extend_len` of them, the ids
+may be negative future indices), the position of the first one (`committed_len`: tokens whose
+KV is already written), and its page table covering `committed_len + extend_len` tokens.
+
+Flat token layout of an extend step (block = 4 here, two segments of 6 and 1 tokens):
+
+    block:    0            1            2            3 (padding to the bucket)
+    token:  a0 a1 a2 a3 | a4 a5 -- -- | b0 -- -- -- | -- -- -- --
+    sample:            (a5, row 1)    (b0, row 2)
+
+Every segment starts a fresh block, so a block never mixes requests. Decode steps use
+block = 1 (T = NB = padded batch). Padding tokens write KV to location 0 (the sink page) and
+their rows are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from model.llama import ForwardBatch
+from model.sampler import SamplingBatch
+
+
+@dataclasses.dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class Segment:
+    token_ids: np.ndarray  # [extend_len] int32 (negative: future slot -(id) - 1)
+    committed_len: int  # KV tokens already written before this step = position of token_ids[0]
+    pages: np.ndarray  # int32 page table covering committed_len + extend_len tokens
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    future_slot: int = -1  # future slot that receives the sampled token; -1: the sink
+
+    @property
+    def extend_len(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Buckets:
+    """The padded shapes compiled up front: (block, NB) program keys."""
+
+    decode_batches: tuple[int, ...]  # NB values for block = 1
+    extend_tokens: tuple[int, ...]  # T values for block = extend_block (NB = T / block)
+    extend_block: int
+
+    @staticmethod
+    def make(max_batch: int, max_extend_tokens: int, extend_block: int) -> Buckets:
+        def pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
+            out, x = [], lo
+            while x < hi:
+                out.append(x)
+                x *= 2
+            out.append(hi)
+            return tuple(sorted(set(out)))
+
+        if max_extend_tokens % extend_block:
+            raise ValueError(f"max_extend_tokens={max_extend_tokens} must be a multiple of extend_block={extend_block}")
+        return Buckets(pow2_up_to(1, max_batch), pow2_up_to(extend_block, max_extend_tokens), extend_block)
+
+    def keys(self) -> list[tuple[int, int]]:
+        dec = [(1, nb) for nb in self.decode_batches]
+        ext = [(self.extend_block, t // self.extend_block) for t in self.extend_tokens]
+        return dec + [k for k in ext if k not in dec]
+
+    def pick(self, is_decode: bool, n: int) -> tuple[int, int]:
+        """Smallest key holding n decode rows or n extend blocks; ValueError past the largest."""
+        if is_decode:
+            for nb in self.decode_batches:
+                if nb >= n:
+                    return (1, nb)
+            raise ValueError(f"decode batch of {n} requests exceeds the largest bucket {self.decode_batches[-1]}")
+        for t in self.extend_tokens:
+            if t >= n * self.extend_block:
+                return (self.extend_block, t // self.extend_block)
+        raise ValueError(
+            f"extend step needs {n * self.extend_block} padded tokens, more than the largest bucket "
+            f"{self.extend_tokens[-1]} (chunk the prefill)"
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class HostBatch:
+    key: tuple[int, int]
+    forward: ForwardBatch  # NumPy arrays
+    sampling: SamplingBatch  # NumPy arrays
+    rows: list[int]  # sample row of each segment, in segment order
+
+
+def build_batch(segments: list[Segment], buckets: Buckets, page_size: int, max_pages: int, sink_slot: int) -> HostBatch:
+    if not segments:
+        raise ValueError("empty batch")
+    is_decode = all(s.extend_len == 1 for s in segments)
+    blk = 1 if is_decode else buckets.extend_block
+    n_blocks = sum(-(-s.extend_len // blk) for s in segments)
+    key = buckets.pick(is_decode, n_blocks)
+    nb = key[1]
+    t = nb * blk
+    ids = np.zeros(t, np.int32)
+    pos = np.zeros(t, np.int32)
+    loc = np.zeros(t, np.int32)
+    pages = np.zeros((nb, max_pages), np.int32)
+    kv_len = np.zeros(nb, np.int32)
+    sample_idx = np.zeros(nb, np.int32)
+    sample_slot = np.full(nb, sink_slot, np.int32)
+    temp = np.zeros(nb, np.float32)
+    top_k = np.full(nb, -1, np.int32)
+    top_p = np.ones(nb, np.float32)
+    min_p = np.zeros(nb, np.float32)
+    seed = np.zeros(nb, np.uint32)
+    spos = np.zeros(nb, np.int32)
+    rows = []
+    b = 0
+    for s in segments:
+        n, c = s.extend_len, s.committed_len
+        need_pages = -(-(c + n) // page_size)
+        if len(s.pages) < need_pages:
+            raise ValueError(f"segment needs {need_pages} pages for {c + n} tokens, got {len(s.pages)}")
+        if need_pages > max_pages:
+            raise ValueError(f"segment of {c + n} tokens exceeds the context limit of {max_pages * page_size}")
+        p = np.arange(c, c + n, dtype=np.int64)
+        tok_loc = s.pages[p // page_size].astype(np.int64) * page_size + p % page_size
+        nblk = -(-n // blk)
+        start = b * blk
+        ids[start : start + n] = s.token_ids
+        pos[start : start + n] = p
+        loc[start : start + n] = tok_loc
+        for j in range(nblk):
+            pages[b + j, :need_pages] = s.pages[:need_pages]
+            kv_len[b + j] = c + n
+            sample_idx[b + j] = start + min((j + 1) * blk, n) - 1
+        last = b + nblk - 1
+        sample_slot[last] = s.future_slot if s.future_slot >= 0 else sink_slot
+        sp = s.sampling
+        temp[last], top_k[last], top_p[last], min_p[last] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        seed[last], spos[last] = np.uint32(sp.seed & 0xFFFFFFFF), c + n
+        rows.append(last)
+        b += nblk
+    random = temp > 0
+    filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
+    fwd = ForwardBatch(ids, pos, loc, pages, kv_len, sample_idx, sample_slot)
+    smp = SamplingBatch(temp, top_k, top_p, min_p, seed, spos, np.bool_(random.any()), np.bool_(filt.any()))
+    return HostBatch(key, fwd, smp, rows)

@@ -1,0 +1,174 @@
+"""The jitted step: forward + sample over the paged KV cache, one program per shape bucket.
+
+`ModelExecutor` owns the parameters (sharded over the `tp` mesh), the KV cache and the future
+buffer on device. Every (block, NB) bucket is compiled ahead of time at start-up (with a
+progress bar); `run` only ever calls those compiled executables, so nothing can recompile
+while serving (`trace_count` counts traces and tests pin it).
+
+The KV cache and the future buffer are donated to every step and replaced by its outputs, so
+the update is in place. Future buffer: `future[slot]` holds the last token sampled for the
+request in `slot` (entry `max_slots` is the sink for padding rows); an input id `-(slot + 1)`
+reads it on device, which is what lets the scheduler run one batch ahead (overlap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from model.attention import resolve_backend
+from model.batch import Buckets, HostBatch, Segment, build_batch
+from model.config import ModelConfig
+from model.llama import CausalLM, ForwardBatch, hf_to_ours
+from model.mesh import kv_sharding, make_mesh, param_spec, replicated
+from model.sampler import SampleOut, SamplingBatch, sample
+from model.weights import load_checkpoint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    page_size: int = 16
+    num_pages: int = 2048  # including the sink page 0
+    max_context_len: int = 4096
+    max_batch: int = 64  # largest decode bucket (= max running requests)
+    max_extend_tokens: int = 1024  # largest extend bucket, in padded tokens
+    extend_block: int = 16  # query block of extend steps
+    attn_chunk_tokens: int = 256  # keys read per attention loop iteration
+    dtype: str = "float32"
+    tp_size: int = 1
+    top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
+    attention_backend: str = "auto"
+    precompile: bool = True  # compile every bucket at start-up
+
+    @property
+    def max_pages(self) -> int:
+        """Page-table width: pages of the longest context, rounded up to whole attention chunks."""
+        chunk_pages = self.chunk_pages
+        pages = -(-self.max_context_len // self.page_size)
+        return -(-pages // chunk_pages) * chunk_pages
+
+    @property
+    def chunk_pages(self) -> int:
+        return max(1, self.attn_chunk_tokens // self.page_size)
+
+    @property
+    def num_slots_total(self) -> int:
+        """KV token locations on device (page 0 included)."""
+        return self.num_pages * self.page_size
+
+
+class ModelExecutor:
+    def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
+        self.cfg = cfg
+        self.mesh = make_mesh(cfg.tp_size)
+        self.backend = resolve_backend(cfg.attention_backend, jax.devices()[0].platform)
+        self.model_config, tensors = load_checkpoint(model_path)
+        mc = self.model_config
+        if cfg.max_context_len > mc.max_position_embeddings:
+            log.warning("max_context_len %d > model's max_position_embeddings %d", cfg.max_context_len, mc.max_position_embeddings)
+        self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
+        self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink
+        self._place_params(hf_to_ours(mc, tensors, DTYPES[cfg.dtype]))
+        del tensors
+        kv_shape = (mc.num_kv_heads, cfg.num_slots_total, mc.head_dim)
+        kv_sh = kv_sharding(self.mesh, mc)
+        zeros = jax.jit(lambda: jnp.zeros(kv_shape, DTYPES[cfg.dtype]), out_shardings=kv_sh)
+        self.kv = [(zeros(), zeros()) for _ in range(mc.num_layers)]
+        self.future = jax.device_put(jnp.zeros(self.max_slots + 1, jnp.int32), replicated(self.mesh))
+        self.trace_count = 0
+        self._jitted = jax.jit(self._step, donate_argnums=(1, 2))
+        self._programs: dict[tuple[int, int], object] = {}
+        if cfg.precompile:
+            self.compile_all()
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _place_params(self, w: dict[str, np.ndarray]) -> None:
+        """Build the module tree from host arrays, then put each leaf on its `tp` sharding."""
+        from tqdm import tqdm
+
+        graphdef, host_state = nnx.split(CausalLM(self.model_config, w))
+        flat, treedef = jax.tree_util.tree_flatten_with_path(host_state)
+        placed = []
+        for path, leaf in tqdm(flat, desc="placing weights", unit="tensor", disable=len(flat) < 64):
+            names = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+            spec = param_spec(names, np.shape(leaf), self.model_config, self.cfg.tp_size)
+            placed.append(jax.device_put(leaf, NamedSharding(self.mesh, spec)))
+        self.graphdef = graphdef
+        self.params = jax.tree_util.tree_unflatten(treedef, placed)
+
+    def _step(self, params, kv, future, batch: ForwardBatch, sp: SamplingBatch):
+        self.trace_count += 1  # Python side effect: runs once per trace, never per call
+        model = nnx.merge(self.graphdef, params)
+        ids = jnp.where(batch.input_ids < 0, future[jnp.maximum(-batch.input_ids - 1, 0)], batch.input_ids)
+        h, kv = model(ids, batch, kv, self.cfg.page_size, self.cfg.chunk_pages)
+        logits = model.logits(h[batch.sample_idx])
+        out = sample(logits, sp, self.cfg.top_logprobs_num)
+        future = future.at[batch.sample_slot].set(out.tokens)
+        return kv, future, out
+
+    def compile_all(self) -> float:
+        """AOT-compile every bucket (progress bar); returns seconds spent."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        for key in tqdm(self.buckets.keys(), desc="compiling buckets", unit="bucket"):
+            self._program(key)
+        return time.perf_counter() - t0
+
+    def _program(self, key: tuple[int, int]):
+        prog = self._programs.get(key)
+        if prog is None:
+            blk, nb = key
+            t = blk * nb
+            rep = replicated(self.mesh)
+
+            def spec(shape, dtype):
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+            fwd = ForwardBatch(
+                spec((t,), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32),
+                spec((nb, self.cfg.max_pages), jnp.int32), spec((nb,), jnp.int32),
+                spec((nb,), jnp.int32), spec((nb,), jnp.int32),
+            )  # fmt: skip
+            smp = SamplingBatch(
+                spec((nb,), jnp.float32), spec((nb,), jnp.int32), spec((nb,), jnp.float32),
+                spec((nb,), jnp.float32), spec((nb,), jnp.uint32), spec((nb,), jnp.int32),
+                spec((), jnp.bool_), spec((), jnp.bool_),
+            )  # fmt: skip
+            prog = self._jitted.lower(self.params, self.kv, self.future, fwd, smp).compile()
+            self._programs[key] = prog
+        return prog
+
+    # ---- serving ------------------------------------------------------------------------------
+    def run(self, segments: list[Segment]) -> tuple[SampleOut, list[int]]:
+        """One step over `segments`; returns the (device) sample output and each segment's row."""
+        hb = build_batch(segments, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        return self.run_host_batch(hb), hb.rows
+
+    def run_host_batch(self, hb: HostBatch) -> SampleOut:
+        if hb.key not in self._programs and self.cfg.precompile:
+            raise RuntimeError(f"bucket {hb.key} was not compiled at start-up")
+        prog = self._program(hb.key)
+        rep = replicated(self.mesh)
+        fwd = jax.device_put(hb.forward, rep)
+        smp = jax.device_put(hb.sampling, rep)
+        self.kv, self.future, out = prog(self.params, self.kv, self.future, fwd, smp)
+        return out
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._programs)

@@ -1,0 +1,78 @@
+"""Checkpoint reading: HF safetensors directories and `.gguf` files, into NumPy.
+
+safetensors' own NumPy backend refuses bf16, so the (simple, documented) file format is read
+here directly: an 8-byte little-endian header length, a JSON header
+`{name: {dtype, shape, data_offsets: [begin, end]}}`, then the raw tensor bytes. Tensors are
+memory-mapped, so loading a checkpoint costs no copy until a tensor is placed on device.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from model.config import ModelConfig
+
+_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array) for every tensor of one .safetensors file (memory-mapped, read-only)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{path}: truncated or not a safetensors file (header length {n} > file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: malformed safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    for name, info in header.items():
+        dt = _DTYPES.get(info.get("dtype"))
+        if dt is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        begin, end = info["data_offsets"]
+        if end > mm.size:
+            raise ValueError(f"{path}: tensor {name!r} ends at byte {end} past the end of the file")
+        yield name, mm[begin:end].view(dt).reshape(info["shape"])
+
+
+def load_checkpoint(model_path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and HF-named NumPy tensors from a model directory or a `.gguf` file."""
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file {str(path)!r} does not exist")
+        from model.gguf import load_gguf
+
+        g = load_gguf(path)
+        return ModelConfig.from_dict(g.config, source=str(path)), g.tensors
+    config = ModelConfig.from_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weight files in the model directory")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    return config, tensors
