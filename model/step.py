@@ -92,6 +92,7 @@ class ModelExecutor:
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(1, 2))
         self._programs: dict[tuple[int, int], object] = {}
+        self._logits_fn = None
         if cfg.precompile:
             self.compile_all()
 
@@ -168,6 +169,23 @@ class ModelExecutor:
         smp = jax.device_put(hb.sampling, rep)
         self.kv, self.future, out = prog(self.params, self.kv, self.future, fwd, smp)
         return out
+
+    def logits(self, segments: list[Segment]) -> tuple[np.ndarray, list[int]]:
+        """Full-vocabulary f32 logits of each segment's last token (writes KV like `run`).
+
+        A diagnostic path for parity tests and tools: it is jitted on demand, never used while
+        serving, and does not count in `trace_count`."""
+        hb = build_batch(segments, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        if self._logits_fn is None:
+
+            def fwd(params, kv, batch):
+                model = nnx.merge(self.graphdef, params)
+                h, kv = model(batch.input_ids, batch, kv, self.cfg.page_size, self.cfg.chunk_pages)
+                return kv, model.logits(h[batch.sample_idx])
+
+            self._logits_fn = jax.jit(fwd, donate_argnums=(1,))
+        self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
+        return np.asarray(logits)[hb.rows], hb.rows
 
     @property
     def num_programs(self) -> int:

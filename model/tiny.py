@@ -21,6 +21,7 @@ input. The init is scaled for both (measured on 3 prompts x 32 greedy tokens wit
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -48,6 +49,11 @@ DEFAULT_DIMS = dict(
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("RINGSERVE_CACHE", Path.home() / ".cache" / "ringserve")) / "models"
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    return train_tokenizer(vocab_size).to_str()
 
 
 def train_tokenizer(vocab_size: int):
@@ -152,7 +158,9 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, *
         raise ValueError(f"--arch {family!r} is not supported; choose one of {list(FAMILIES)}")
     out = Path(out_dir)
     merged = {**DEFAULT_DIMS, **dims}
-    tok = train_tokenizer(merged["vocab_size"])
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(_trained_tokenizer_json(merged["vocab_size"]))
     merged["vocab_size"] = tok.get_vocab_size()
     cfg = _hf_config(family, merged, seed)
     out.parent.mkdir(parents=True, exist_ok=True)

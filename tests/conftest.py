@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny checkpoints made once per test session (offline, seeded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(family) -> path of a tiny random checkpoint of that family (seed 0)."""
+    from model.tiny import make_tiny_model
+
+    made: dict[str, object] = {}
+
+    def get(family: str = "llama"):
+        if family not in made:
+            made[family] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, seed=0)
+        return made[family]
+
+    return get

@@ -1,0 +1,43 @@
+"""Reference outputs from Hugging Face transformers (PyTorch, CPU, float32)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    m.eval()
+    return m
+
+
+def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations, one prompt at a time (no padding), EOS ignored."""
+    import torch
+
+    m = hf_model(str(path))
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            g = m.generate(
+                torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            out.append(g[0, len(p) :].tolist())
+    return out
+
+
+def hf_logits(path, prompt: list[int]) -> np.ndarray:
+    """Float32 logits [len(prompt), vocab] of one prompt."""
+    import torch
+
+    m = hf_model(str(path))
+    with torch.no_grad():
+        return m(torch.tensor([prompt])).logits[0].float().numpy()
