@@ -105,7 +105,7 @@ class ModelExecutor:
         flat, treedef = jax.tree_util.tree_flatten_with_path(host_state)
         placed = []
         for path, leaf in tqdm(flat, desc="placing weights", unit="tensor", disable=len(flat) < 64):
-            names = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+            names = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
             spec = param_spec(names, np.shape(leaf), self.model_config, self.cfg.tp_size)
             placed.append(jax.device_put(leaf, NamedSharding(self.mesh, spec)))
         self.graphdef = graphdef

@@ -1,6 +1,7 @@
 """ringserve's JAX runtime against Hugging Face transformers on the same tiny checkpoints.
 
-Tolerance: prefill logits agree to 2e-4 of the logit scale (max |logit|) - float32 on both
+Tolerance: prefill logits agree to 1e-5 of the logit scale (max |logit| ~50; measured max error
+~8e-5 absolute, 1.5e-6 relative, at 200 tokens) - float32 on both
 sides, different summation orders. Greedy is well defined on these checkpoints because their
 init keeps the top-2 logit gap >= ~0.03 (see model/tiny.py), far above that error.
 """
@@ -74,7 +75,7 @@ def test_prefill_logits_match_hf(tiny_dir, family):
     ours, _ = ex.logits([Segment(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
     ref = hf_logits(path, prompt)[-1]
     scale = np.abs(ref).max()
-    assert np.abs(ours[0] - ref).max() <= 2e-4 * scale, (np.abs(ours[0] - ref).max(), scale)
+    assert np.abs(ours[0] - ref).max() <= 1e-5 * scale, (np.abs(ours[0] - ref).max(), scale)
     assert ours[0].argmax() == ref.argmax()
 
 

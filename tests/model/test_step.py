@@ -1,0 +1,89 @@
+"""The bucketed step: every bucket compiled at start-up, nothing traced again while serving;
+the future buffer; tensor parallelism on forced CPU devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model.batch import Segment
+from model.step import ExecutorConfig, ModelExecutor
+
+PAGE = 16
+
+
+def test_all_buckets_compiled_once_and_never_again(tiny_dir):
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, extend_block=16)
+    ex = ModelExecutor(tiny_dir("llama"), cfg)
+    # decode NB 1,2,4 + extend T 16,32,64 (NB 1,2,4 at block 16)
+    assert ex.num_programs == 6
+    traced = ex.trace_count
+    assert traced == 6
+    rng = np.random.default_rng(0)
+    pages = [np.arange(1 + 8 * i, 9 + 8 * i, dtype=np.int32) for i in range(4)]
+    for n_req in (1, 2, 3, 4):
+        for n_tok in (1, 5, 16, 17):
+            segs = [Segment(rng.integers(3, 2000, n_tok).astype(np.int32), 0, pages[i]) for i in range(n_req)]
+            if n_req * -(-n_tok // 16) * 16 > 64:
+                continue
+            ex.run(segs)
+    assert ex.trace_count == traced and ex.num_programs == 6
+    with pytest.raises(ValueError, match="largest bucket"):
+        ex.run([Segment(np.zeros(1, np.int32), 0, pages[0]) for _ in range(5)])
+    with pytest.raises(ValueError, match="largest bucket 64"):
+        ex.run([Segment(np.zeros(65, np.int32), 0, pages[0])])
+
+
+def test_future_index_reads_previous_sample_on_device(tiny_dir):
+    """Batch N+1 carries -(slot+1) instead of the token batch N sampled: same tokens result."""
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, precompile=False)
+    prompt = np.random.default_rng(3).integers(3, 2000, 20).astype(np.int32)
+    pages = np.arange(1, 9, dtype=np.int32)
+
+    def generate(use_future: bool) -> list[int]:
+        ex = ModelExecutor(tiny_dir("llama"), cfg)
+        out, rows = ex.run([Segment(prompt, 0, pages, future_slot=2)])
+        toks = [int(out.tokens[rows[0]])]
+        for i in range(8):
+            inp = -3 if use_future else toks[-1]
+            out, rows = ex.run([Segment(np.array([inp], np.int32), len(prompt) + i, pages, future_slot=2)])
+            toks.append(int(out.tokens[rows[0]]))
+        return toks
+
+    assert generate(True) == generate(False)
+
+
+TP_SCRIPT = r"""
+import json, sys
+import numpy as np
+from model.batch import Segment
+from model.step import ExecutorConfig, ModelExecutor
+from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+path, tp = sys.argv[1], int(sys.argv[2])
+cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp, precompile=False)
+ex = ModelExecutor(path, cfg)
+prompts = prompts_with_shared_prefix(32, [3, 20, 50])
+shards = {repr(tuple(l.sharding.spec)) for l in __import__("jax").tree_util.tree_leaves(ex.params)}
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 16), "specs": sorted(shards), "kv": repr(tuple(ex.kv[0][0].sharding.spec))}))
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tensor_parallel_matches_tp1(tiny_dir, family):
+    path = str(tiny_dir(family))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    results = {}
+    for tp in (1, 2, 4):
+        r = subprocess.run([sys.executable, "-c", TP_SCRIPT, path, str(tp)], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[tp] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert results[2]["tokens"] == results[1]["tokens"]
+    assert results[4]["tokens"] == results[1]["tokens"]
+    assert "(None, 'tp')" in results[4]["specs"]  # column-parallel: really sharded
+    assert "('tp', None)" in results[4]["specs"]  # row-parallel
+    assert results[4]["kv"].startswith("('tp',")  # KV cache split by KV head
