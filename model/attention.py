@@ -61,7 +61,7 @@ def paged_attention(
     qg = q.reshape(nb, blk, kvh, g, d).astype(jnp.float32) * scale
 
     def body(c, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(block_pages, c * chunk_pages, chunk_pages, axis=1)
         k = k_pages[:, pages].reshape(kvh, nb, chunk, d).astype(jnp.float32)
         v = v_pages[:, pages].reshape(kvh, nb, chunk, d).astype(jnp.float32)
@@ -77,9 +77,9 @@ def paged_attention(
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=-1)
+        denom = denom * alpha + p.sum(axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("bkgqc,kbcd->bkgqd", p, v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     n_chunks = (jnp.max(kv_len) + chunk - 1) // chunk
     init = (
@@ -87,8 +87,8 @@ def paged_attention(
         jnp.zeros((nb, kvh, g, blk), jnp.float32),
         jnp.zeros((nb, kvh, g, blk, d), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # fully masked (padding) rows give 0, not NaN
+    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # fully masked (padding) rows give 0, not NaN
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(nb, blk, h, d).astype(q.dtype)
 
 

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from model.config import RopeConfig
 
 
 class Linear(nnx.Module):
-    def __init__(self, w: jax.Array, b: jax.Array | None = None):
+    def __init__(self, w: ArrayLike, b: ArrayLike | None = None):
         self.w = nnx.Param(w)
         self.b = nnx.Param(b) if b is not None else None
 
@@ -30,7 +31,7 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, w: jax.Array, eps: float):
+    def __init__(self, w: ArrayLike, eps: float):
         self.w = nnx.Param(w)
         self.eps = eps
 

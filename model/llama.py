@@ -7,7 +7,8 @@ layout); matmuls see only the flat [T, hidden] tokens, attention sees [NB, block
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,21 +19,23 @@ from model.attention import paged_attention, write_kv
 from model.config import ModelConfig
 from model.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 
+Arr = Any  # jax.Array on device; np.ndarray while the host builds it
+
 
 class ForwardBatch(NamedTuple):
     """Device inputs of one step. T = NB * block tokens (padding included)."""
 
-    input_ids: jax.Array  # [T] int32; a negative id -i reads future slot i-1 (overlap scheduling)
-    positions: jax.Array  # [T] int32
-    out_loc: jax.Array  # [T] int32 KV location to write (0 = sink for padding)
-    block_pages: jax.Array  # [NB, max_pages] int32 page table of each block's request
-    kv_len: jax.Array  # [NB] int32 KV tokens of the block's request after this step
-    sample_idx: jax.Array  # [NB] int32 flat index of the token whose logits are sampled per row
-    sample_slot: jax.Array  # [NB] int32 future slot that receives the sampled token (sink = last)
+    input_ids: Arr  # [T] int32; a negative id -i reads future slot i-1 (overlap scheduling)
+    positions: Arr  # [T] int32
+    out_loc: Arr  # [T] int32 KV location to write (0 = sink for padding)
+    block_pages: Arr  # [NB, max_pages] int32 page table of each block's request
+    kv_len: Arr  # [NB] int32 KV tokens of the block's request after this step
+    sample_idx: Arr  # [NB] int32 flat index of the token whose logits are sampled per row
+    sample_slot: Arr  # [NB] int32 future slot that receives the sampled token (sink = last)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, jax.Array], prefix: str):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Arr], prefix: str):
         def lin(name: str, bias: bool = False) -> Linear:
             return Linear(w[f"{prefix}{name}.weight"], w.get(f"{prefix}{name}.bias") if bias else None)
 
@@ -74,7 +77,7 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, jax.Array], i: int):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Arr], i: int):
         p = f"model.layers.{i}."
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
         self.attn = Attention(cfg, w, p + "self_attn.")
@@ -90,7 +93,7 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, jax.Array]):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Arr]):
         self.cfg = cfg
         self.embed = nnx.Param(w["model.embed_tokens.weight"])  # [V, H]
         self.layers = nnx.List([DecoderLayer(cfg, w, i) for i in range(cfg.num_layers)])
@@ -133,8 +136,19 @@ def hf_to_ours(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> dict[
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+    h, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    expect = {
+        "embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "q_proj.weight": (cfg.q_size, h),
+        "k_proj.weight": (cfg.kv_size, h), "v_proj.weight": (cfg.kv_size, h), "o_proj.weight": (h, cfg.q_size),
+        "gate_proj.weight": (cfg.intermediate_size, h), "up_proj.weight": (cfg.intermediate_size, h),
+        "down_proj.weight": (h, cfg.intermediate_size), "q_norm.weight": (hd,), "k_norm.weight": (hd,),
+        "q_proj.bias": (cfg.q_size,), "k_proj.bias": (cfg.kv_size,), "v_proj.bias": (cfg.kv_size,),
+    }  # fmt: skip
     for n in needed:
         a = np.asarray(tensors[n])
+        want = next((shape for suffix, shape in expect.items() if n.endswith(suffix)), (h,))
+        if tuple(a.shape) != want:
+            raise ValueError(f"tensor {n!r} has shape {tuple(a.shape)}, but config.json implies {want}")
         if n.endswith("proj.weight") or n == "lm_head.weight":
             a = a.T
         out[n] = np.ascontiguousarray(a.astype(dtype))

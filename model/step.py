@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -26,7 +27,6 @@ from jax.sharding import NamedSharding
 
 from model.attention import resolve_backend
 from model.batch import Buckets, HostBatch, Segment, build_batch
-from model.config import ModelConfig
 from model.llama import CausalLM, ForwardBatch, hf_to_ours
 from model.mesh import kv_sharding, make_mesh, param_spec, replicated
 from model.sampler import SampleOut, SamplingBatch, sample
@@ -92,7 +92,7 @@ class ModelExecutor:
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(1, 2))
         self._programs: dict[tuple[int, int], object] = {}
-        self._logits_fn = None
+        self._logits_fn: Callable | None = None
         if cfg.precompile:
             self.compile_all()
 

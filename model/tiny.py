@@ -59,6 +59,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
 def train_tokenizer(vocab_size: int):
     """Byte-level BPE trained on `pydoc_data.topics` (CPython's own docs: offline, deterministic)."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -144,7 +145,7 @@ def _weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         w[p + "mlp.gate_proj.weight"] = lin(inter, h)
         w[p + "mlp.up_proj.weight"] = lin(inter, h)
         w[p + "mlp.down_proj.weight"] = lin(h, inter, gain=3.0)
-    w["model.norm.weight"] = norm(h) * (10.0 if tied else 1.0)
+    w["model.norm.weight"] = (norm(h) * (10.0 if tied else 1.0)).astype(np.float32)
     if not tied:
         w["lm_head.weight"] = rng.standard_normal((v, h)).astype(np.float32)
     return w

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from model.batch import Segment, SamplingParams
+from model.batch import SamplingParams, Segment
 from model.sampler import SamplingBatch, keep_mask, sample
 from model.step import ExecutorConfig, ModelExecutor
 

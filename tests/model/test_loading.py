@@ -1,0 +1,132 @@
+"""Checkpoint loading: dtypes, config spellings, and clear errors for bad model directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from model.step import ExecutorConfig, ModelExecutor
+from model.weights import load_checkpoint
+from tests.hf_ref import hf_greedy
+from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+
+CFG = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128, precompile=False)
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoints_load_and_match_hf(tiny_dir, tmp_path, dtype):
+    """A checkpoint saved by transformers in bf16/f16; computed in f32 on both sides."""
+    import torch
+
+    from tests.hf_ref import hf_model
+
+    hf = hf_model(str(tiny_dir("qwen2")))
+    out = tmp_path / dtype
+    hf.to(getattr(torch, dtype)).save_pretrained(out)
+    hf.to(torch.float32)
+    config, tensors = load_checkpoint(out)
+    assert str(tensors["model.embed_tokens.weight"].dtype) == dtype
+    assert config.family == "qwen2" and config.qkv_bias
+    prompts = prompts_with_shared_prefix(16, [5, 30])
+    ours = greedy_with_cached_prefix(ModelExecutor(out, CFG), prompts, 16, 12)
+    assert ours == hf_greedy(out, prompts, 12)
+
+
+def test_rope_theta_and_rope_parameters_spellings_agree(tiny_dir):
+    d = json.loads((tiny_dir("llama") / "config.json").read_text())
+    new = ModelConfig.from_dict(d)
+    old = dict(d)
+    params = dict(old.pop("rope_parameters"))
+    old["rope_theta"] = params.pop("rope_theta")
+    old["rope_scaling"] = params
+    assert ModelConfig.from_dict(old) == new
+    assert new.rope.rope_type == "llama3" and new.rope.theta == 500000.0 and new.rope.factor == 8.0
+    assert new.tie_word_embeddings
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"model directory .*nope.* does not exist"):
+        load_checkpoint(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ValueError, match=r"config.json: missing"):
+        load_checkpoint(tmp_path)
+
+
+def test_malformed_config(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: malformed JSON"):
+        load_checkpoint(d)
+
+
+def test_unknown_architecture(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: unsupported architecture \['GPT2LMHeadModel'\]; supported"):
+        load_checkpoint(d)
+
+
+def test_missing_required_field(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: missing required field 'hidden_size'"):
+        load_checkpoint(d)
+
+
+def test_no_weights(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no \*.safetensors weight files"):
+        load_checkpoint(d)
+
+
+def test_truncated_weights(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100_000])
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor .* past the end of the file"):
+        load_checkpoint(d)
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    from safetensors.numpy import save_file
+
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    _, tensors = load_checkpoint(d)
+    tensors = {k: np.array(v) for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\), e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
+        ModelExecutor(d, CFG)
+
+
+def test_wrong_tensor_shape_is_named(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 512
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(640, 256\), but config.json implies \(512, 256\)"):
+        ModelExecutor(d, CFG)
+
+
+def test_bad_runtime_options(tiny_dir):
+    with pytest.raises(ValueError, match="tp_size=3 but 1 cpu device"):
+        ModelExecutor(tiny_dir("llama"), ExecutorConfig(tp_size=3, precompile=False))
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        ModelExecutor(tiny_dir("llama"), ExecutorConfig(dtype="int8", precompile=False))
+    with pytest.raises(ValueError, match="attention_backend='pallas' needs a TPU"):
+        ModelExecutor(tiny_dir("llama"), ExecutorConfig(attention_backend="pallas", precompile=False))
