@@ -67,7 +67,9 @@ class Buckets:
 
         if max_extend_tokens % extend_block:
             raise ValueError(f"max_extend_tokens={max_extend_tokens} must be a multiple of extend_block={extend_block}")
-        return Buckets(pow2_up_to(1, max_batch), pow2_up_to(extend_block, max_extend_tokens), extend_block)
+        # No 1-token program: with T == 1, XLA CPU rewrites the KV scatter into a form that
+        # copies every layer's whole cache each step (measured: 89 ms vs 2.6 ms at T == 2).
+        return Buckets(pow2_up_to(min(2, max_batch), max_batch), pow2_up_to(extend_block, max_extend_tokens), extend_block)
 
     def keys(self) -> list[tuple[int, int]]:
         dec = [(1, nb) for nb in self.decode_batches]

@@ -1,0 +1,39 @@
+"""Benchmark helpers: a per-run table of medians so each file can print ours/peer ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+RESULTS: dict[tuple[str, ...], float] = {}
+
+
+@pytest.fixture
+def record(benchmark):
+    """record(key, tokens_per_call): after `benchmark` ran, store its median and return tokens/s."""
+
+    def rec(key: tuple[str, ...], tokens: int) -> float | None:
+        stats = getattr(benchmark, "stats", None)
+        if not stats:  # --benchmark-disable: ran once as a smoke test, nothing measured
+            return None
+        median = stats.stats.median
+        RESULTS[key] = median
+        benchmark.extra_info["tokens_per_s"] = tokens / median
+        return tokens / median
+
+    return rec
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RESULTS:
+        return
+    tr = terminalreporter
+    tr.section("ringserve vs peers (median of this run)")
+    for key, ours in sorted(RESULTS.items()):
+        if key[-1] != "ringserve":
+            continue
+        peer_key = key[:-1] + ("transformers",)
+        line = f"{' / '.join(key[:-1]):40s} ringserve {ours * 1e3:9.3f} ms"
+        if peer_key in RESULTS:
+            peer = RESULTS[peer_key]
+            line += f"   transformers {peer * 1e3:9.3f} ms   speed ratio ours/transformers {peer / ours:6.2f}x"
+        tr.write_line(line)
