@@ -1,0 +1,58 @@
+"""ServerArgs: frozen, validated once with field-naming errors, CLI generated from the fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from actors.server_args import ServerArgs
+
+
+def parse(argv: list[str]) -> ServerArgs:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return ServerArgs.from_cli_args(p.parse_args(argv))
+
+
+def test_every_field_has_a_flag_and_defaults_round_trip():
+    assert parse([]) == ServerArgs()
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    flags = {a.dest for a in p._actions}
+    assert {f.name for f in dataclasses.fields(ServerArgs)} <= flags
+
+
+def test_flags_parse_to_typed_fields():
+    a = parse(["--page-size", "4", "--enable-mixed-chunk", "--schedule-policy", "lpm", "--model-path", "tiny", "--chunked-prefill-size", "-1"])
+    assert (a.page_size, a.enable_mixed_chunk, a.schedule_policy, a.model_path, a.chunked_prefill_size) == (4, True, "lpm", "tiny", -1)
+    assert parse(["--disable-overlap-schedule"]).enable_overlap is False
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ServerArgs().page_size = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(page_size=3), "page_size=3: must be a power of two"),
+        (dict(schedule_policy="random"), "schedule_policy='random': choose one of ['fcfs', 'lpm']"),
+        (dict(dtype="int4"), "dtype='int4': choose one of"),
+        (dict(chunked_prefill_size=0), "chunked_prefill_size=0: -1 (off) or >= 1"),
+        (dict(max_total_tokens=16, page_size=16), "max_total_tokens=16: must hold at least 2 pages"),
+        (dict(max_prefill_tokens=100), "max_prefill_tokens=100: must be a multiple of extend_block=16"),
+        (dict(ring_bytes=5000), "ring_bytes=5000: must be a power of two"),
+        (dict(pagesize=16), "unknown server option 'pagesize'; did you mean ['page_size'"),
+    ],
+)
+def test_bad_options_name_the_field_and_limit(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        ServerArgs.from_kwargs(**kwargs)
+    assert message in str(e.value)
+
+
+def test_num_pages_rounds_down():
+    assert ServerArgs(max_total_tokens=1000, page_size=16).num_pages == 62
