@@ -46,7 +46,7 @@ def test_no_program_copies_the_kv_cache(tiny_dir):
 
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=1024, max_batch=8, max_extend_tokens=64, extend_block=16)
     ex = ModelExecutor(tiny_dir("llama"), cfg)
-    kv_shape = "f32[%d,%d,%d]" % ex.kv[0][0].shape
+    kv_shape = "f32[{},{},{}]".format(*ex.kv[0][0].shape)
     for key, prog in ex._programs.items():
         copies = [ln for ln in prog.as_text().splitlines() if re.search(re.escape(kv_shape) + r"\{[^}]*\} copy\(", ln)]
         assert not copies, (key, copies[:2])

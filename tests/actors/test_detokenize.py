@@ -1,0 +1,85 @@
+"""Incremental detokenization: never a broken character, never a resent id; stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.detokenize import IncrementalDecoder, find_stop
+from actors.sampling_params import SamplingParams
+
+TEXT = "Héllo wörld — naïve café, 世界 🙂🚀 ok. Ünïcödé ∑∫ done"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dir("llama")))
+
+
+def test_byte_level_bpe_splits_characters_and_the_decoder_waits(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the text must split a character across ids"
+    dec = IncrementalDecoder(tok)
+    deltas = [dec.push([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + dec.finish() == TEXT
+    assert "" in deltas  # it did wait at least once
+    assert dec.ids == ids  # each id exactly once
+
+
+def test_chunks_of_ids_give_the_same_text(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    dec = IncrementalDecoder(tok)
+    out = "".join(dec.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + dec.finish()
+    assert out == TEXT
+
+
+def test_finish_flushes_an_incomplete_character(tok):
+    ids = tok.encode("a🙂", add_special_tokens=False)
+    dec = IncrementalDecoder(tok)
+    text = "".join(dec.push([i]) for i in ids[:-1])
+    assert text == "a"
+    assert dec.finish().endswith("\ufffd")
+
+
+def test_skip_special_tokens(tok):
+    ids = tok.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)
+    assert "".join(IncrementalDecoder(tok).push([i]) for i in ids) == "hi"
+    keep = IncrementalDecoder(tok, skip_special_tokens=False)
+    assert "".join(keep.push([i]) for i in ids) == "<|im_start|>hi<|im_end|>"
+
+
+def test_find_stop_across_boundaries():
+    assert find_stop("hello wor", ("world",), 0) is None
+    assert find_stop("hello world", ("world",), 9) == (6, "world")  # straddles the previous end
+    assert find_stop("a STOP b END", ("END", "STOP"), 0) == (2, "STOP")
+    assert find_stop("abc", (), 0) is None
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens=-1 must be an integer >= 0"),
+        ({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+        ({"top_p": 0}, "top_p=0 must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p=1.5 must be in (0, 1]"),
+        ({"top_k": 0}, "top_k=0 must be -1 (off) or >= 1"),
+        ({"min_p": 2}, "min_p=2 must be in [0, 1]"),
+        ({"n": 0}, "n=0 must be an integer in [1, 64]"),
+        ({"stop": [""]}, "must be non-empty strings"),
+        ({"stop_token_ids": [5, 99999]}, "stop_token_ids [99999] outside the vocabulary [0, 2048)"),
+        ({"frequency_penaltyy": 1}, "unknown parameter(s) ['frequency_penaltyy']"),
+        ({"max_tokens": 5, "max_new_tokens": 6}, "both 'max_tokens' and 'max_new_tokens'"),
+        ({"max_new_tokens": 2000}, "max_new_tokens=2000 exceeds the limit 1000"),
+    ],
+)
+def test_bad_sampling_params_name_field_and_limit(params, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams.from_dict(params, vocab_size=2048, max_new_tokens_limit=1000)
+    assert message in str(e.value)
+
+
+def test_aliases_and_normalisation():
+    p = SamplingParams.from_dict({"max_tokens": 7, "stop": "END", "seed": 3, "temperature": 0})
+    assert (p.max_new_tokens, p.stop, p.sampling_seed, p.is_greedy) == (7, ("END",), 3, True)
