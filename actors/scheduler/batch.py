@@ -1,0 +1,63 @@
+"""What the scheduler hands the runner for one step: rows of (request, work), incrementally.
+
+The runner mirrors every live slot (its page table and committed length). A row therefore
+carries only what the runner cannot know yet:
+
+    new slot   : the slot, the pages of its cached prefix, its sampling params   (once)
+    every row  : slot, extend tokens (concrete ids, or none for decode: the runner reads
+                 `future[slot]`), pages newly appended to the slot's table (usually none)
+    batch      : slots released since the previous batch
+
+so a decode step costs a fixed number of bytes per row, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from actors.scheduler.req import Req
+
+
+@dataclasses.dataclass(slots=True)
+class Row:
+    req: Req
+    committed_len: int  # KV tokens written before this step = position of the first new token
+    extend_len: int
+    token_ids: np.ndarray | None  # int32 [extend_len]; None = decode (runner uses future[slot])
+    new_pages: np.ndarray  # int32 pages appended to the slot's table by this step
+    prefix_pages: np.ndarray | None  # int32 full table at admission (new or resumed slot), else None
+    sample: bool  # this step ends the request's extend (or decodes): its sampled token is kept
+    epoch: int = 0  # req.retractions when scheduled: a result for an older epoch is dropped
+
+    @property
+    def slot(self) -> int:
+        return self.req.slot
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledBatch:
+    step_id: int
+    rows: list[Row]
+    released_slots: list[int]
+    is_decode: bool
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [r.req for r in self.rows]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.extend_len for r in self.rows)
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    """The runner's answer for one batch, rows in the batch's order."""
+
+    step_id: int
+    tokens: np.ndarray  # int32 [rows]
+    logprobs: np.ndarray | None = None  # f32 [rows]
+    top_ids: np.ndarray | None = None  # int32 [rows, N]
+    top_logprobs: np.ndarray | None = None  # f32 [rows, N]

@@ -1,0 +1,80 @@
+"""Decode-step preparation: one more token of KV per running request, retracting under pressure.
+
+When the pool cannot give every running request its next token, requests are retracted (their
+KV freed, back to WAITING) in SGLang's order: fewest output tokens first, then longest prompt,
+until the rest fit. `new_token_ratio` (the share of each request's remaining max_new_tokens the
+prefill side keeps in reserve) jumps up after a retract and decays by a fixed step per decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from actors.scheduler.memory import MemoryBooks
+from actors.scheduler.req import Req
+
+
+@dataclasses.dataclass(slots=True)
+class NewTokenRatio:
+    init: float
+    min: float
+    decay: float  # per decode step
+    value: float = -1.0
+
+    def __post_init__(self) -> None:
+        self.value = self.init
+
+    def step(self) -> None:
+        self.value = max(self.min, self.value - self.decay)
+
+    def reset(self) -> None:
+        self.value = self.init
+
+    def after_retract(self, running: list[Req]) -> None:
+        """Reserve what the survivors are likely to still need (SGLang's estimate)."""
+        decoded = sum(len(r.output_ids) for r in running)
+        total = sum(r.max_new_tokens for r in running) or 1
+        self.value = min(1.0, (decoded + 0.1 * total) / total + self.min)
+
+
+def retract_order(running: list[Req]) -> list[Req]:
+    """Victims first: fewest outputs, then longest prompt, then latest arrival."""
+    return sorted(running, key=lambda r: (len(r.output_ids), -r.origin_len, -r.arrival))
+
+
+def prepare_decode(books: MemoryBooks, running: list[Req]) -> tuple[dict[int, np.ndarray], list[Req]]:
+    """Allocate one more token for every running request.
+
+    Returns ({id(req): pages appended to its table}, retracted). `books.alloc` covers
+    `committed_len + 1` and is idempotent, so survivors that got a page before a retraction
+    keep it (recorded once) and simply get nothing more on the retry. Retracted requests are
+    already released from `books`; the caller requeues them."""
+    victims = retract_order(running)
+    keep = list(running)
+    grants: dict[int, np.ndarray] = {}
+    retracted: list[Req] = []
+    while True:
+        short = None
+        for r in keep:
+            pages = books.alloc(r, 1)
+            if pages is None:
+                short = r
+                break
+            if len(pages):
+                grants[id(r)] = pages
+        if short is None:
+            return {id(r): grants.get(id(r), _EMPTY) for r in keep}, retracted
+        if len(keep) == 1:
+            raise RuntimeError(
+                f"KV pool too small to decode even one request ({short.rid}, {short.fill_len} tokens): raise max_total_tokens"
+            )
+        victim = next(v for v in victims if v in keep)
+        keep.remove(victim)
+        grants.pop(id(victim), None)
+        books.release(victim, None)
+        retracted.append(victim)
+
+
+_EMPTY = np.zeros(0, np.int32)

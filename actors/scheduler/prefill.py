@@ -1,0 +1,74 @@
+"""Building a prefill (extend) batch: token budgets, chunking, one chunked request at a time.
+
+Budgets of one prefill batch (as in SGLang's PrefillAdder, seed 003):
+- rem_input : new tokens this batch may compute (max_prefill_tokens)
+- rem_chunk : new tokens one request may compute this batch (chunked_prefill_size; None = off)
+- rem_total : KV tokens left after reserving, for every running request and every request
+              admitted here, `min(remaining max_new_tokens, CLIP) * new_token_ratio` decode room
+
+A request whose remaining extend exceeds rem_chunk is cut to a (page-aligned) chunk and becomes
+THE chunked request; nothing else is added after it. It resumes first in the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from actors.scheduler.memory import MemoryBooks
+from actors.scheduler.req import Req
+
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's decode reservation (as SGLang)
+
+
+class AddResult(enum.Enum):
+    CONTINUE = 0  # added (fully); try the next request
+    NO_TOKEN = 1  # out of KV or input budget: stop adding
+    CHUNKED = 2  # added a chunk; stop adding
+
+
+@dataclasses.dataclass(slots=True)
+class Planned:
+    req: Req
+    extend_len: int
+    last_chunk: bool  # the extend reaches fill_len: the sampled token is kept
+
+
+class PrefillAdder:
+    def __init__(self, books: MemoryBooks, *, reserved_decode: float, max_prefill_tokens: int, chunk_size: int | None, new_token_ratio: float):
+        self.books = books
+        self.page = books.page_size
+        self.rem_total = books.available_tokens() - reserved_decode
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = chunk_size
+        self.ratio = new_token_ratio
+        self.planned: list[Planned] = []
+
+    def _decode_reserve(self, req: Req) -> float:
+        left = max(0, req.max_new_tokens - len(req.output_ids))
+        return min(left, CLIP_MAX_NEW_TOKENS) * self.ratio
+
+    def add(self, req: Req) -> AddResult:
+        """Plan `req`'s next extend (already admitted: slot and cached prefix set)."""
+        want = req.remaining_extend
+        assert want > 0, f"request {req.rid} has nothing to extend"
+        limit = self.rem_input
+        if self.rem_chunk is not None:
+            limit = min(limit, self.rem_chunk)
+        if self.rem_total - self._decode_reserve(req) < min(want, limit) or limit <= 0:
+            return AddResult.NO_TOKEN
+        if want <= limit:
+            self._take(req, want, True)
+            return AddResult.CONTINUE
+        # Chunk: end on a page boundary when that still computes something, so the tree can
+        # cache whole pages between chunks; a chunk budget below a page is used as is.
+        n = ((req.committed_len + limit) // self.page) * self.page - req.committed_len
+        self._take(req, n if n > 0 else limit, False)
+        return AddResult.CHUNKED
+
+    def _take(self, req: Req, n: int, last: bool) -> None:
+        self.planned.append(Planned(req, n, last))
+        self.rem_input -= n
+        if self.rem_chunk is not None:
+            self.rem_chunk -= n
+        self.rem_total -= n + (self._decode_reserve(req) if last else 0)

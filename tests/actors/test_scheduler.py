@@ -1,0 +1,182 @@
+"""The scheduler on CPU with a fake runner whose outputs are known: exact batch composition,
+chunking, mixed batches, retract under a tiny KV pool, overlap, stop strings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.sampling_params import SamplingParams
+from actors.scheduler.core import SchedulerCore
+from actors.scheduler.req import Req
+from actors.server_args import ServerArgs
+from tests.actors.fake_runner import FakeRunner, reference
+from tests.actors.simple_books import SimpleBooks
+
+VOCAB = 1000
+
+
+def letters(ids: list[int]) -> str:
+    """Fake detokenizer: token t -> two letters, so a stop string can straddle tokens."""
+    return "".join(chr(97 + t % 26) + chr(97 + (t // 26) % 26) for t in ids)
+
+
+def make(num_pages=256, page=1, max_running=8, **kw):
+    args = ServerArgs(page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw)
+    books = SimpleBooks(num_pages, page, max_running)
+    return SchedulerCore(args, books, letters), FakeRunner(page, VOCAB), books
+
+
+def req(rid: str, prompt: list[int], max_new: int, **sp) -> Req:
+    return Req(rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, **sp), seed=0)
+
+
+def drive(core: SchedulerCore, runner: FakeRunner, overlap: bool = False, max_steps: int = 10_000):
+    """Run to completion; overlap: batch N+1 is scheduled and run before N's result is processed."""
+    outputs: dict[str, list[int]] = {}
+    pending = None
+    for _ in range(max_steps):
+        batch = core.get_next_batch()
+        result = runner.run(batch) if batch is not None else None
+        if overlap:
+            if pending is not None:
+                for o in core.process_result(*pending):
+                    outputs.setdefault(o.req.rid, []).extend(o.new_ids)
+            pending = (batch, result) if batch is not None else None
+        elif batch is not None:
+            for o in core.process_result(batch, result):
+                outputs.setdefault(o.req.rid, []).extend(o.new_ids)
+        if batch is None and pending is None:
+            if core.idle:
+                return outputs
+            core.check_idle()
+    raise AssertionError("did not finish")
+
+
+def test_admission_then_decode_exact_batches():
+    core, runner, books = make()
+    prompts = {"a": [11, 12, 13, 14, 15], "b": [21, 22, 23], "c": [31, 32, 33, 34, 35, 36, 37]}
+    for rid, p in prompts.items():
+        core.add_request(req(rid, p, 3))
+    out = drive(core, runner)
+    # one prefill batch of all three, then two decode steps of three rows
+    assert runner.log == [[(0, 5), (1, 3), (2, 7)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 1)]]
+    assert out == {rid: reference(p, 3, VOCAB) for rid, p in prompts.items()}
+    core.check_idle()
+    assert books.available_tokens() == 255
+
+
+def test_chunked_prefill_runs_4_4_2():
+    core, runner, _ = make(chunked_prefill_size=4)
+    prompt = list(range(100, 110))
+    core.add_request(req("a", prompt, 2))
+    out = drive(core, runner)
+    assert runner.log == [[(0, 4)], [(0, 4)], [(0, 2)], [(0, 1)]]
+    assert out["a"] == reference(prompt, 2, VOCAB)
+
+
+def test_chunk_boundary_is_page_aligned():
+    core, runner, _ = make(page=4, chunked_prefill_size=6)
+    prompt = list(range(100, 114))  # 14 tokens, chunk budget 6 -> page-aligned chunks of 4
+    core.add_request(req("a", prompt, 1))
+    out = drive(core, runner)
+    assert runner.log == [[(0, 4)], [(0, 4)], [(0, 6)]]  # the rest fits the budget whole
+    assert out["a"] == reference(prompt, 1, VOCAB)
+
+
+def test_only_one_chunked_request_and_it_resumes_first():
+    core, runner, _ = make(chunked_prefill_size=4)
+    core.add_request(req("long", list(range(100, 110)), 1))
+    core.add_request(req("short", [7, 8], 1))
+    drive(core, runner)
+    # the long one is cut and nothing is added after it; it resumes first; the short one
+    # joins when the chunk budget has room left
+    assert runner.log == [[(0, 4)], [(0, 4)], [(0, 2), (1, 2)]]
+
+
+def test_mixed_chunk_batches_decode_with_a_prefill_chunk():
+    core, runner, _ = make(chunked_prefill_size=4, enable_mixed_chunk=True)
+    core.add_request(req("a", [1, 2, 3], 5))
+    b = core.get_next_batch()
+    for _ in core.process_result(b, runner.run(b)):
+        pass
+    core.add_request(req("b", list(range(50, 60)), 2))
+    out = drive(core, runner)
+    # a: 1 token from its prefill + 3 in mixed batches + 1; b: 1 from its last chunk + 1
+    assert runner.log == [[(0, 3)], [(1, 4), (0, 1)], [(1, 4), (0, 1)], [(1, 2), (0, 1)], [(0, 1), (1, 1)]]
+    assert out["b"] == reference(list(range(50, 60)), 2, VOCAB)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retract_under_a_tiny_pool_keeps_outputs_exact(overlap):
+    core, runner, books = make(num_pages=40, page=2, max_running=8)
+    rng = np.random.default_rng(0)
+    prompts = {f"r{i}": rng.integers(10, 900, int(rng.integers(3, 9))).tolist() for i in range(6)}
+    for rid, p in prompts.items():
+        core.add_request(req(rid, p, 12))
+    out = drive(core, runner, overlap=overlap)
+    assert core.num_retracted > 0, "the pool was meant to force a retract"
+    assert out == {rid: reference(p, 12, VOCAB) for rid, p in prompts.items()}
+    core.check_idle()
+    assert books.available_tokens() == 39 * 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_and_normal_give_identical_streams(overlap):
+    core, runner, _ = make(chunked_prefill_size=8, max_running=4)
+    rng = np.random.default_rng(1)
+    prompts = {f"r{i}": rng.integers(10, 900, int(rng.integers(1, 30))).tolist() for i in range(10)}
+    for rid, p in prompts.items():
+        core.add_request(req(rid, p, int(rng.integers(1, 20))))
+    want = {rid: reference(p, core.by_rid[rid].max_new_tokens, VOCAB) for rid, p in prompts.items()}
+    assert drive(core, runner, overlap=overlap) == want
+
+
+def test_stop_string_across_token_boundaries():
+    prompt = [5, 6, 7]
+    ref = reference(prompt, 10, VOCAB)
+    text = letters(ref)
+    stop = text[7:10]  # last letter of token 3 + both letters of token 4 (0-based): straddles
+    core, runner, _ = make()
+    r = req("a", prompt, 10, stop=(stop,))
+    core.add_request(r)
+    out = drive(core, runner)
+    assert out["a"] == ref[:5]
+    assert r.finish_reason.type == "stop" and r.finish_reason.matched == stop
+
+
+def test_eos_and_stop_token_ids_and_length():
+    prompt = [5, 6, 7]
+    ref = reference(prompt, 10, VOCAB)
+    core, runner, _ = make()
+    a = req("a", prompt, 10, stop_token_ids=(ref[2],))
+    b = req("b", prompt, 4)
+    c = req("c", prompt, 10)
+    c.eos_ids = frozenset({ref[6]})
+    d = req("d", prompt, 8, ignore_eos=True)
+    d.eos_ids = frozenset({ref[1]})
+    for x in (a, b, c, d):
+        core.add_request(x)
+    out = drive(core, runner)
+    assert out == {"a": ref[:3], "b": ref[:4], "c": ref[:7], "d": ref[:8]}
+    assert [x.finish_reason.to_dict() for x in (a, b, c, d)] == [
+        {"type": "stop", "matched": ref[2]}, {"type": "length"}, {"type": "stop", "matched": ref[6]}, {"type": "length"},
+    ]  # fmt: skip
+
+
+def test_abort_pause_retract_and_flush():
+    core, runner, books = make()
+    for i in range(3):
+        core.add_request(req(f"r{i}", [10 + i, 20, 30], 50))
+    b = core.get_next_batch()
+    core.process_result(b, runner.run(b))
+    ok, why = core.flush_cache()
+    assert not ok and "3 running and 0 waiting" in why
+    outs = core.abort("r1")
+    assert outs[0].finished and outs[0].req.finish_reason.type == "abort"
+    core.retract_all()
+    assert sorted(r.rid for r in core.waiting) == ["r0", "r2"] and all(r.slot == -1 for r in core.waiting)
+    assert books.available_tokens() == 255 and core.running == []
+    out = drive(core, runner)
+    assert out["r0"] == reference([10, 20, 30], 50, VOCAB)[1:]  # re-prefilled, same continuation
+    assert core.flush_cache() == (True, "cache flushed")
