@@ -83,3 +83,33 @@ def test_bad_sampling_params_name_field_and_limit(params, message):
 def test_aliases_and_normalisation():
     p = SamplingParams.from_dict({"max_tokens": 7, "stop": "END", "seed": 3, "temperature": 0})
     assert (p.max_new_tokens, p.stop, p.sampling_seed, p.is_greedy) == (7, ("END",), 3, True)
+
+
+def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
+    from actors.detok_core import DetokenizerCore
+
+    text = "alpha beta STOP gamma"
+    ids = tok.encode(text, add_special_tokens=False)
+    core = DetokenizerCore(tok)
+    core.open("r", stops=("STOP",))
+    streamed = ""
+    for i, t in enumerate(ids):
+        done = tok.decode(ids[: i + 1]).endswith("STOP")
+        streamed += core.push("r", [t], finished=done, matched_stop="STOP" if done else None)
+        assert "S" not in streamed or streamed.endswith("alpha beta ")  # never a piece of the stop
+        if done:
+            break
+    assert streamed == "alpha beta "
+    core.open("k", stops=("STOP",), no_stop_trim=True)
+    kept = core.push("k", ids[: i + 1], finished=True, matched_stop="STOP")
+    assert kept == "alpha beta STOP"
+
+
+def test_detokenizer_without_stops_streams_everything(tok):
+    from actors.detok_core import DetokenizerCore
+
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    core = DetokenizerCore(tok)
+    core.open("r")
+    out = "".join(core.push("r", [t], finished=False) for t in ids[:-1]) + core.push("r", ids[-1:], finished=True)
+    assert out == TEXT and "r" not in core.states
