@@ -11,12 +11,13 @@ import dataclasses
 from typing import Any
 
 # Aliases other frameworks send (verl sends max_tokens; OpenAI clients send seed).
+DEFAULT_MAX_NEW_TOKENS = 128
 ALIASES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -42,8 +43,10 @@ class SamplingParams:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES))}")
-        if d.get("max_new_tokens") is None:
+        if d.get("max_new_tokens") is None:  # the default is capped to fit; an explicit value must fit
             d.pop("max_new_tokens", None)
+            if max_new_tokens_limit is not None:
+                d["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
         if isinstance(d.get("stop"), str):
             d["stop"] = (d["stop"],)
         for k in ("stop", "stop_token_ids"):
