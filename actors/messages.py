@@ -1,0 +1,225 @@
+"""Every message that crosses a process boundary, as msgspec Structs; one tagged union per ring.
+
+    frontend ──ToScheduler──► scheduler ──ToRunner (broadcast)──► runner(s)
+                                  ▲ ◄──────── ToSchedulerFromRunner ─┘ (rank 0 only)
+                                  └──ToDetokenizer──► detokenizer ──ToFrontend──► frontend
+
+Structs are array_like (no field names on the wire), omit_defaults and gc=False. Token ids,
+page ids and per-row numbers travel as little-endian int32 / float32 `bytes` (read back with
+`np.frombuffer`, no copy). Nothing is pickled: every ring has a typed decoder below, which
+rejects anything that is not one of its union's tags.
+
+A decode step is columnar (`StepMsg.decode_*`): per row a slot, the committed length the
+scheduler expects the runner's mirror to have, and the page appended by this step (-1: none).
+Its size is fixed per row, so bytes per decode step grow with batch size, never with context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from actors.server_args import ServerArgs
+
+_S = {"array_like": True, "omit_defaults": True, "gc": False}
+
+
+def i32(a: Any) -> bytes:
+    """int32 little-endian bytes of a sequence or array."""
+    return np.ascontiguousarray(a, dtype="<i4").tobytes()
+
+
+def f32(a: Any) -> bytes:
+    return np.ascontiguousarray(a, dtype="<f4").tobytes()
+
+
+def as_i32(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype="<i4")
+
+
+def as_f32(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype="<f4")
+
+
+# ---- actor configs (the opaque `config` bytes each actor is spawned with) ---------------------
+class ActorConfig(msgspec.Struct, **_S):
+    args: ServerArgs
+    model_dir: str  # resolved local HF-format directory (or .gguf file for the runner)
+    tokenizer_dir: str
+    eos_ids: list[int] = []
+    vocab_size: int = 0
+
+
+# ---- frontend -> scheduler -------------------------------------------------------------------
+class WireSampling(msgspec.Struct, **_S):
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+class GenerateReq(msgspec.Struct, tag="gen", **_S):
+    rid: str
+    input_ids: bytes  # int32 prompt
+    sampling: WireSampling
+    seed: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+class AbortReq(msgspec.Struct, tag="abort", **_S):
+    rid: str | None = None  # None: every request
+
+
+class PauseReq(msgspec.Struct, tag="pause", **_S):
+    mode: str = "abort"  # abort | retract | in_place
+
+
+class ContinueReq(msgspec.Struct, tag="continue", **_S):
+    pass
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush", **_S):
+    pass
+
+
+class InfoReq(msgspec.Struct, tag="info", **_S):
+    pass
+
+
+ToScheduler = GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq
+
+
+# ---- scheduler -> runners (broadcast) --------------------------------------------------------
+class SlotStart(msgspec.Struct, **_S):
+    """Sent once when a slot (re)starts: its cached prefix pages and device sampling params."""
+
+    prefix_pages: bytes  # int32
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+
+class ExtendRow(msgspec.Struct, **_S):
+    slot: int
+    committed_len: int  # the runner's mirror must agree (protocol check)
+    token_ids: bytes  # int32 [extend_len]
+    new_pages: bytes = b""  # int32 pages appended to the slot's table
+    sample: bool = True  # False: a middle prefill chunk, its sampled token is discarded
+    start: SlotStart | None = None
+
+
+class StepMsg(msgspec.Struct, tag="step", **_S):
+    """One batch. Result rows come back in order: extend rows, then decode rows."""
+
+    step_id: int
+    released: bytes = b""  # int32 slots freed since the previous step (applied first)
+    extend: list[ExtendRow] = []
+    decode_slots: bytes = b""  # int32 [B]; the input token is future[slot] on device
+    decode_committed: bytes = b""  # int32 [B]
+    decode_new_page: bytes = b""  # int32 [B], -1 = no new page
+
+
+class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
+    pass
+
+
+ToRunner = StepMsg | RunnerShutdown
+
+
+# ---- runner -> scheduler ---------------------------------------------------------------------
+class StepResultMsg(msgspec.Struct, tag="result", **_S):
+    step_id: int
+    tokens: bytes  # int32 [rows]
+    logprobs: bytes = b""  # f32 [rows] (when some row asked)
+    top_ids: bytes = b""  # int32 [rows, top_n]
+    top_logprobs: bytes = b""  # f32 [rows, top_n]
+    top_n: int = 0
+    forward_s: float = 0.0  # device time of this step as the runner saw it
+
+
+ToSchedulerFromRunner = StepResultMsg
+
+
+# ---- scheduler -> detokenizer -> frontend ----------------------------------------------------
+class DetokOpen(msgspec.Struct, **_S):
+    stop: list[str] = []
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class TokenOut(msgspec.Struct, **_S):
+    rid: str
+    new_ids: bytes  # int32 output ids since the last TokenOut of this request
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    logprobs: bytes = b""  # f32 per new id
+    top_ids: bytes = b""  # int32 [new, top_n]
+    top_logprobs: bytes = b""  # f32 [new, top_n]
+    top_n: int = 0
+    open: DetokOpen | None = None  # on the request's first output
+
+
+class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):
+    outs: list[TokenOut]
+
+
+class ControlReply(msgspec.Struct, tag="reply", **_S):
+    """Answer to a control request (pause, continue, flush, info, abort), passed through the
+    detokenizer so it arrives after every output the scheduler sent before it."""
+
+    kind: str
+    ok: bool = True
+    message: str = ""
+    payload: bytes = b""  # JSON (server info)
+
+
+ToDetokenizer = BatchTokenOut | ControlReply
+
+
+class StrOut(msgspec.Struct, **_S):
+    rid: str
+    text: str  # new text since the previous StrOut of this request
+    new_ids: bytes
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    logprobs: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    top_n: int = 0
+
+
+class BatchStrOut(msgspec.Struct, tag="strs", **_S):
+    outs: list[StrOut]
+
+
+ToFrontend = BatchStrOut | ControlReply
+
+
+# ---- codecs: one encoder, one typed decoder per ring -----------------------------------------
+encode = msgspec.msgpack.Encoder().encode
+
+to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+to_runner = msgspec.msgpack.Decoder(ToRunner)
+from_runner = msgspec.msgpack.Decoder(ToSchedulerFromRunner)
+to_detokenizer = msgspec.msgpack.Decoder(ToDetokenizer)
+to_frontend = msgspec.msgpack.Decoder(ToFrontend)
+actor_config = msgspec.msgpack.Decoder(ActorConfig)
