@@ -1,12 +1,13 @@
-"""The runner's mirror of every live slot, rebuilt from the scheduler's incremental messages.
+"""The runner's mirror of every live slot, rebuilt from the scheduler's incremental StepMsgs.
 
 Per slot the runner keeps what the scheduler stops sending after a request's first step:
-its page table (grown by `new_pages`), its committed length (advanced by each step's
+its page table (grown by appended pages), its committed length (advanced by each step's
 extend_len) and its sampling parameters. A step message then only names the slot, the new
-tokens (or none for decode: the model reads `future[slot]`) and any new pages, and the mirror
-turns it into the `model.batch.Segment`s the executor runs. Messages are applied in order;
-a mismatch between the scheduler's committed length and the mirror's is a protocol bug and
-fails loudly.
+tokens (none for decode: the model reads `future[slot]`, the token the slot sampled last) and
+any new page, and the mirror turns it into the `model.batch.Segment`s the executor runs.
+
+Messages are applied in order: released slots first, then rows. A mismatch between the
+scheduler's committed length and the mirror's is a protocol bug and fails loudly.
 """
 
 from __future__ import annotations
@@ -15,25 +16,14 @@ import dataclasses
 
 import numpy as np
 
+from actors.messages import StepMsg, as_i32
 from model.batch import SamplingParams, Segment
 
 
 @dataclasses.dataclass(slots=True)
-class RunnerRow:
-    slot: int
-    committed_len: int
-    extend_len: int
-    token_ids: np.ndarray | None  # None: decode, input is future[slot]
-    new_pages: np.ndarray
-    prefix_pages: np.ndarray | None = None  # set when the slot (re)starts
-    sampling: SamplingParams | None = None  # set when the slot (re)starts
-    sample: bool = True
-
-
-@dataclasses.dataclass(slots=True)
 class _Slot:
-    pages: np.ndarray
-    committed: int
+    pages: np.ndarray  # int32 page table; append-only while the slot lives
+    committed: int  # KV tokens written (after the steps applied so far)
     sampling: SamplingParams
 
 
@@ -42,25 +32,38 @@ class SlotMirrors:
         self.max_slots = max_slots
         self.slots: dict[int, _Slot] = {}
 
-    def release(self, slots: list[int]) -> None:
-        for s in slots:
-            self.slots.pop(s, None)
+    def _get(self, slot: int, committed: int) -> _Slot:
+        s = self.slots.get(slot)
+        if s is None:
+            raise ValueError(f"slot {slot} is not live on this runner (message out of order?)")
+        if s.committed != committed:
+            raise ValueError(f"slot {slot}: scheduler says committed_len={committed}, runner has {s.committed}")
+        return s
 
-    def apply(self, rows: list[RunnerRow]) -> list[Segment]:
+    def apply(self, msg: StepMsg) -> list[Segment]:
+        """Segments of one step, in result-row order (extend rows, then decode rows)."""
+        for slot in as_i32(msg.released).tolist():
+            self.slots.pop(slot, None)
         segs = []
-        for r in rows:
-            if r.prefix_pages is not None:
-                if r.sampling is None:
-                    raise ValueError(f"slot {r.slot}: a starting slot must carry its sampling params")
-                self.slots[r.slot] = _Slot(np.asarray(r.prefix_pages, np.int32), r.committed_len, r.sampling)
-            s = self.slots.get(r.slot)
-            if s is None:
-                raise ValueError(f"slot {r.slot} is not live on this runner (message out of order?)")
-            if s.committed != r.committed_len:
-                raise ValueError(f"slot {r.slot}: scheduler says committed_len={r.committed_len}, runner has {s.committed}")
-            if len(r.new_pages):
-                s.pages = np.concatenate([s.pages, np.asarray(r.new_pages, np.int32)])
-            ids = r.token_ids if r.token_ids is not None else np.array([-(r.slot + 1)], np.int32)
+        for r in msg.extend:
+            if r.start is not None:
+                if not 0 <= r.slot < self.max_slots:
+                    raise ValueError(f"slot {r.slot} outside [0, {self.max_slots})")
+                st = r.start
+                self.slots[r.slot] = _Slot(as_i32(st.prefix_pages).copy(), r.committed_len,
+                                           SamplingParams(st.temperature, st.top_k, st.top_p, st.min_p, st.seed))  # fmt: skip
+            s = self._get(r.slot, r.committed_len)
+            if r.new_pages:
+                s.pages = np.concatenate([s.pages, as_i32(r.new_pages)])
+            ids = as_i32(r.token_ids)
             segs.append(Segment(ids, s.committed, s.pages, s.sampling, future_slot=r.slot if r.sample else -1))
-            s.committed += r.extend_len
+            s.committed += len(ids)
+        if msg.decode_slots:
+            for slot, committed, page in zip(as_i32(msg.decode_slots).tolist(), as_i32(msg.decode_committed).tolist(),
+                                             as_i32(msg.decode_new_page).tolist(), strict=True):  # fmt: skip
+                s = self._get(slot, committed)
+                if page >= 0:
+                    s.pages = np.append(s.pages, np.int32(page))
+                segs.append(Segment(np.array([-(slot + 1)], np.int32), s.committed, s.pages, s.sampling, future_slot=slot))
+                s.committed += 1
         return segs

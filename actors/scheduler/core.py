@@ -76,9 +76,13 @@ class SchedulerCore:
         self.chunked = None
 
     def flush_cache(self) -> tuple[bool, str]:
-        if self.by_rid:
-            return False, f"{len(self.running)} running and {len(self.waiting)} waiting requests; flush needs an idle engine"
+        """Empty the prefix cache and pools. Refused while any request holds KV; requests
+        that wait without KV (e.g. retracted by a pause) do not block it."""
+        holding = self.live()
+        if holding:
+            return False, f"{len(holding)} requests hold KV ({len(self.running)} running); flush needs them finished or retracted"
         self.books.flush()
+        self.ratio.reset()
         return True, "cache flushed"
 
     @property
@@ -141,6 +145,8 @@ class SchedulerCore:
         for p in adder.planned:
             req = p.req
             prefix = self.books.pages(req).copy() if id(req) in new else None
+            if id(req) in new and req.retractions == 0:
+                req.cached_tokens = req.cached_len
             pages = self.books.alloc(req, p.extend_len)
             assert pages is not None, f"prefill budget admitted {req.rid} but the pool refused {p.extend_len} tokens"
             start = req.committed_len

@@ -63,6 +63,7 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     slot: int = -1
     cached_len: int = 0  # prefix granted by the radix tree at admission (this turn)
+    cached_tokens: int = 0  # cached_len of the first admission (reported to the user)
     committed_len: int = 0  # KV written
     finish_reason: FinishReason | None = None
     retractions: int = 0

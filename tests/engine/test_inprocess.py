@@ -1,15 +1,16 @@
-"""Scheduler + slot mirrors + the real JAX executor, in one process (no rings): greedy tokens
-equal HF transformers' under chunking, page sizes, retract and overlap."""
+"""Scheduler + StepMsg wire encoding + slot mirrors + the real JAX executor, in one process
+(no rings): greedy tokens equal HF transformers' under chunking, page sizes, retract and overlap."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from actors import messages as m
 from actors.runner_state import SlotMirrors
 from actors.sampling_params import SamplingParams
 from actors.scheduler.batch import StepResult
-from actors.scheduler.convert import runner_row
+from actors.scheduler.output import step_msg
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
@@ -40,8 +41,8 @@ def run_engine(path, prompts, max_new, *, page, chunk, num_pages, overlap, max_r
         batch = core.get_next_batch()
         res = None
         if batch is not None:
-            mirrors.release(batch.released_slots)
-            res, rows = ex.run(mirrors.apply([runner_row(r) for r in batch.rows]))
+            wire = m.to_runner.decode(m.encode(step_msg(batch)))  # the real wire round trip
+            res, rows = ex.run(mirrors.apply(wire))
             res_rows[batch.step_id] = rows
         if overlap:
             if pending:

@@ -1,0 +1,80 @@
+"""The scheduler's outgoing wire messages: a batch as an incremental StepMsg, outputs as TokenOuts.
+
+What a StepMsg carries per row (everything else the runner already mirrors, see
+actors/runner_state.py):
+
+    starting slot (new or resumed request): SlotStart = cached prefix pages + sampling params
+    extend row : slot, committed_len, the new token ids, pages appended this step
+    decode row : slot, committed_len, the page appended this step or -1     (12 bytes, columnar)
+    every step : slots released since the previous step
+
+Rows keep the batch's order; the scheduler core puts every extend row before the decode rows
+(mixed batches), which is the order the runner returns tokens in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.messages import DetokOpen, ExtendRow, SlotStart, StepMsg, TokenOut, f32, i32
+from actors.scheduler.batch import Row, ScheduledBatch
+from actors.scheduler.core import ReqOutput
+from actors.scheduler.req import Req
+
+
+def slot_start(row: Row) -> SlotStart:
+    assert row.prefix_pages is not None
+    req, sp = row.req, row.req.sampling
+    return SlotStart(i32(row.prefix_pages), float(sp.temperature), int(sp.top_k), float(sp.top_p), float(sp.min_p), int(req.seed))
+
+
+def step_msg(batch: ScheduledBatch) -> StepMsg:
+    extend: list[ExtendRow] = []
+    dec: list[Row] = []
+    for row in batch.rows:
+        if row.token_ids is None:
+            dec.append(row)
+            continue
+        assert not dec, "extend rows must precede decode rows (result order)"
+        start = slot_start(row) if row.prefix_pages is not None else None
+        extend.append(ExtendRow(row.slot, row.committed_len, i32(row.token_ids), i32(row.new_pages) if len(row.new_pages) else b"", row.sample, start))
+    msg = StepMsg(batch.step_id, i32(batch.released_slots) if batch.released_slots else b"", extend)
+    if dec:
+        new_page = np.full(len(dec), -1, np.int32)
+        for i, r in enumerate(dec):
+            assert len(r.new_pages) <= 1, f"decode row of slot {r.slot} got {len(r.new_pages)} pages for one token"
+            if len(r.new_pages):
+                new_page[i] = r.new_pages[0]
+        msg.decode_slots = i32([r.slot for r in dec])
+        msg.decode_committed = i32([r.committed_len for r in dec])
+        msg.decode_new_page = i32(new_page)
+    return msg
+
+
+def detok_open(req: Req) -> DetokOpen:
+    sp = req.sampling
+    return DetokOpen(list(sp.stop), sp.no_stop_trim, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+
+
+def token_out(o: ReqOutput, first: bool) -> TokenOut:
+    req = o.req
+    n = len(o.new_ids)
+    done = len(req.output_ids)
+    out = TokenOut(
+        rid=req.rid,
+        new_ids=i32(o.new_ids),
+        prompt_tokens=req.origin_len,
+        completion_tokens=done,
+        cached_tokens=req.cached_tokens,
+        finished=o.finished,
+        finish_reason=req.finish_reason.to_dict() if o.finished and req.finish_reason else None,
+        open=detok_open(req) if first else None,
+    )
+    if req.return_logprob and n:
+        out.logprobs = f32(req.output_logprobs[done - n : done])
+        if req.top_logprobs_num:
+            tops = req.output_top_logprobs[done - n : done]
+            out.top_n = req.top_logprobs_num
+            out.top_logprobs = f32([[lp for lp, _ in t] for t in tops])
+            out.top_ids = i32([[tid for _, tid in t] for t in tops])
+    return out
