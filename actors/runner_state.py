@@ -37,7 +37,9 @@ class SlotMirrors:
         if s is None:
             raise ValueError(f"slot {slot} is not live on this runner (message out of order?)")
         if s.committed != committed:
-            raise ValueError(f"slot {slot}: scheduler says committed_len={committed}, runner has {s.committed}")
+            raise ValueError(
+                f"slot {slot}: scheduler says committed_len={committed}, runner has {s.committed}"
+            )
         return s
 
     def apply(self, msg: StepMsg) -> list[Segment]:
@@ -56,7 +58,9 @@ class SlotMirrors:
             if r.new_pages:
                 s.pages = np.concatenate([s.pages, as_i32(r.new_pages)])
             ids = as_i32(r.token_ids)
-            segs.append(Segment(ids, s.committed, s.pages, s.sampling, future_slot=r.slot if r.sample else -1))
+            segs.append(
+                Segment(ids, s.committed, s.pages, s.sampling, future_slot=r.slot if r.sample else -1)
+            )
             s.committed += len(ids)
         if msg.decode_slots:
             for slot, committed, page in zip(as_i32(msg.decode_slots).tolist(), as_i32(msg.decode_committed).tolist(),
@@ -64,6 +68,10 @@ class SlotMirrors:
                 s = self._get(slot, committed)
                 if page >= 0:
                     s.pages = np.append(s.pages, np.int32(page))
-                segs.append(Segment(np.array([-(slot + 1)], np.int32), s.committed, s.pages, s.sampling, future_slot=slot))
+                segs.append(
+                    Segment(
+                        np.array([-(slot + 1)], np.int32), s.committed, s.pages, s.sampling, future_slot=slot
+                    )
+                )
                 s.committed += 1
         return segs

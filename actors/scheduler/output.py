@@ -25,7 +25,14 @@ from actors.scheduler.req import Req
 def slot_start(row: Row) -> SlotStart:
     assert row.prefix_pages is not None
     req, sp = row.req, row.req.sampling
-    return SlotStart(i32(row.prefix_pages), float(sp.temperature), int(sp.top_k), float(sp.top_p), float(sp.min_p), int(req.seed))
+    return SlotStart(
+        i32(row.prefix_pages),
+        float(sp.temperature),
+        int(sp.top_k),
+        float(sp.top_p),
+        float(sp.min_p),
+        int(req.seed),
+    )
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:
@@ -37,12 +44,23 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
             continue
         assert not dec, "extend rows must precede decode rows (result order)"
         start = slot_start(row) if row.prefix_pages is not None else None
-        extend.append(ExtendRow(row.slot, row.committed_len, i32(row.token_ids), i32(row.new_pages) if len(row.new_pages) else b"", row.sample, start))
+        extend.append(
+            ExtendRow(
+                row.slot,
+                row.committed_len,
+                i32(row.token_ids),
+                i32(row.new_pages) if len(row.new_pages) else b"",
+                row.sample,
+                start,
+            )
+        )
     msg = StepMsg(batch.step_id, i32(batch.released_slots) if batch.released_slots else b"", extend)
     if dec:
         new_page = np.full(len(dec), -1, np.int32)
         for i, r in enumerate(dec):
-            assert len(r.new_pages) <= 1, f"decode row of slot {r.slot} got {len(r.new_pages)} pages for one token"
+            assert len(r.new_pages) <= 1, (
+                f"decode row of slot {r.slot} got {len(r.new_pages)} pages for one token"
+            )
             if len(r.new_pages):
                 new_page[i] = r.new_pages[0]
         msg.decode_slots = i32([r.slot for r in dec])

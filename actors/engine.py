@@ -1,0 +1,242 @@
+"""`Engine`: the in-process API. Launches the scheduler, runner and detokenizer actors over
+shared-memory rings and serves `generate` through the frontend (actors/frontend.py).
+
+    with Engine("tiny", page_size=16) as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        for chunk in engine.generate(prompt, stream=True): ...
+        engine.pause_generation("retract"); engine.flush_cache(); engine.continue_generation()
+
+`model_path=None` is SmolLM2-135M-Instruct (fetched once into the cache), "tiny" the generated
+tiny Llama, else a model directory or a .gguf file. Every other keyword is a ServerArgs field.
+Bad input raises ValueError naming the field and the limit before anything is sent, so the
+engine keeps serving every other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from actors import messages as m
+from actors.frontend import EngineDead, TokenizerManager
+from actors.inputs import normalize_generate
+from actors.server_args import ServerArgs
+
+log = logging.getLogger("ringserve.engine")
+
+READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def resolve_model(model_path: str | None) -> tuple[Path, Path]:
+    """(what the runner loads, the HF-format directory holding the tokenizer)."""
+    from model.generate import resolve_model_path
+
+    path = resolve_model_path("smollm2" if model_path is None else model_path)
+    if not path.exists():
+        raise ValueError(f"model_path={str(path)!r}: no such directory or file")
+    return path, (path if path.is_dir() else path.parent)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any):
+        from transformers import AutoTokenizer
+
+        from actors.launcher import ActorGroup
+        from model.config import ModelConfig
+
+        self.args = args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        if args.num_pages - 1 < -(-args.context_length // args.page_size) + 1:
+            raise ValueError(f"max_total_tokens={args.max_total_tokens}: the KV pool must hold one request of context_length="
+                             f"{args.context_length} plus a page ({(-(-args.context_length // args.page_size) + 2) * args.page_size} tokens)")  # fmt: skip
+        self.model_dir, tok_dir = resolve_model(args.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        mc = ModelConfig.from_dir(self.model_dir) if self.model_dir.is_dir() else None
+        eos = set(mc.eos_token_ids if mc else ())
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
+        cfg = m.encode(m.ActorConfig(args, str(self.model_dir), str(tok_dir), sorted(eos), self.vocab_size))
+
+        self.group = group = ActorGroup()
+        self._closed = False
+        try:
+            cap = args.ring_bytes
+            sched_in, runner_in = group.ring("sched", cap), group.broadcast_ring("runner", 1, cap)
+            runner_out, detok_in, front_in = (
+                group.ring("result", cap),
+                group.ring("detok", cap),
+                group.ring("front", cap),
+            )
+            group.spawn("scheduler", "actors.scheduler.loop:run", cfg,
+                        {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name, "to_detok": detok_in.name})  # fmt: skip
+            group.spawn(
+                "runner", "actors.runner:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name}
+            )
+            group.spawn(
+                "detokenizer",
+                "actors.detokenizer:run",
+                cfg,
+                {"inbox": detok_in.name, "outbox": front_in.name},
+            )
+            self.frontend = TokenizerManager(self.tokenizer, sched_in, front_in)
+            group.on_failure(self._on_failure)
+            group.wait_ready(READY_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _on_failure(self, name: str, exitcode: int | None, traceback_text: str) -> None:
+        err = EngineDead(f"actor {name!r} died (exit code {exitcode}):\n{traceback_text}")
+        log.error("%s", err)
+        fe = getattr(self, "frontend", None)
+        if fe is not None:
+            fe.loop.call_soon_threadsafe(fe.fail_all, err)
+
+    # ---- generation -------------------------------------------------------------------------
+    def _specs(self, prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num):
+        return normalize_generate(
+            prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+            encode=self.tokenizer.encode, vocab_size=self.vocab_size, context_length=self.args.context_length,
+            max_top_logprobs_num=self.args.max_top_logprobs_num, default_seed=self.args.seed,
+        )  # fmt: skip
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                             top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
+                             stream: bool = False) -> Any:  # fmt: skip
+        """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
+        async iterator of chunks (each with "index" when several requests were given)."""
+        specs, batched = self._specs(
+            prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num
+        )
+        fe = self.frontend
+        states = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._submit(specs), fe.loop))
+        if stream:
+            return self._astream(states, batched)
+        outs = [
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fe.wait(st), fe.loop)) for st in states
+        ]
+        return outs if batched else outs[0]
+
+    async def _submit(self, specs):
+        fe = self.frontend
+        states = []
+        try:
+            for s in specs:
+                states.append(await fe.submit(s))
+        except BaseException:
+            for st in states:  # all or nothing: do not leave half a batch running
+                fe.abort(st.spec.rid)
+            raise
+        return states
+
+    async def _astream(self, states, batched: bool) -> AsyncIterator[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        fe = self.frontend
+
+        async def pump(i, st):
+            try:
+                async for out in fe.stream(st):
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, out, None))
+            except BaseException as e:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, None, e))
+
+        for i, st in enumerate(states):
+            asyncio.run_coroutine_threadsafe(pump(i, st), fe.loop)
+        left = len(states)
+        while left:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if batched:
+                out["index"] = i
+            if out["meta_info"]["finish_reason"] is not None:
+                left -= 1
+            yield out
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                 top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
+                 stream: bool = False) -> Any:  # fmt: skip
+        """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
+        an iterator of chunks with the text and ids so far, the last one finished."""
+        specs, batched = self._specs(
+            prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num
+        )
+        fe = self.frontend
+        states = fe.run_sync(self._submit(specs))
+        if stream:
+            return self._stream_sync(states, batched)
+        outs = [fe.run_sync(fe.wait(st)) for st in states]
+        return outs if batched else outs[0]
+
+    def _stream_sync(self, states, batched: bool) -> Iterator[dict]:
+        agen = self._astream(states, batched)
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.close()
+
+    # ---- control ----------------------------------------------------------------------------
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        if rid is None and not abort_all:
+            raise ValueError("abort_request: give a rid, or abort_all=True")
+        self.frontend.abort(None if abort_all else rid)
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """Returns when the scheduler is quiet: abort (every request finishes with 'abort'),
+        retract (KV freed, requests wait) or in_place (everything kept)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: choose one of {list(PAUSE_MODES)}")
+        return self._control(m.PauseReq(mode), "pause")
+
+    def continue_generation(self) -> dict:
+        return self._control(m.ContinueReq(), "continue")
+
+    def flush_cache(self) -> dict:
+        """Empty the prefix cache and KV pools; refused (success False, with the reason) while a
+        request holds KV."""
+        return self._control(m.FlushCacheReq(), "flush")
+
+    def _control(self, msg: Any, kind: str) -> dict:
+        r = self.frontend.run_sync(self.frontend.control(msg, kind))
+        return {"success": r.ok, "message": r.message}
+
+    def get_server_info(self) -> dict:
+        info = self.frontend.run_sync(self.frontend.server_info())
+        info["model_path"] = str(self.model_dir)
+        info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
+        return info
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        fe = getattr(self, "frontend", None)
+        if fe is not None:
+            fe.close()
+        self.group.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

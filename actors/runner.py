@@ -1,0 +1,120 @@
+"""The runner actor: owns the model, the KV cache on device and the slot mirrors.
+
+One runner per host; on one host it drives every local device through the `tp` mesh. It
+applies the scheduler's StepMsgs in order (actors/runner_state.py), runs the compiled step
+(model/step.py) and sends the sampled tokens back (rank 0 only on a multi-host slice).
+
+Pipelining: JAX dispatch is asynchronous, so after dispatching step N the runner looks for
+step N+1 before it blocks on N's tokens. In overlap mode the scheduler has usually sent N+1
+already, so N+1's host work (mirrors, padding, transfer) overlaps N's device time and the
+device never waits for the host between two steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from actors import messages as m
+from actors.runner_state import SlotMirrors
+from model.sampler import SampleOut
+from model.step import ExecutorConfig, ModelExecutor
+
+log = logging.getLogger("ringserve.runner")
+
+
+def executor_config(args) -> ExecutorConfig:
+    """The executor's shapes from the server options (the scheduler plans within the same)."""
+    return ExecutorConfig(
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_context_len=args.context_length,
+        max_batch=args.max_running_requests,
+        # a prefill batch computes <= max_prefill_tokens new tokens; each row pads to a block
+        max_extend_tokens=args.max_prefill_tokens + args.extend_block * args.max_running_requests,
+        extend_block=args.extend_block,
+        attn_chunk_tokens=args.attn_chunk_tokens,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        top_logprobs_num=args.max_top_logprobs_num,
+        attention_backend=args.attention_backend,
+        precompile=args.precompile,
+    )
+
+
+class Pending:
+    __slots__ = ("step_id", "out", "rows", "t0", "want_top")
+
+    def __init__(self, step_id: int, out: SampleOut, rows: list[int], t0: float, want_top: bool):
+        self.step_id, self.out, self.rows, self.t0, self.want_top = step_id, out, rows, t0, want_top
+
+
+class Runner:
+    def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int):
+        self.ex = executor
+        self.mirrors = SlotMirrors(max_slots)
+        self.top_n = top_n
+
+    def dispatch(self, msg: m.StepMsg) -> Pending:
+        t0 = time.perf_counter()
+        segs = self.mirrors.apply(msg)
+        out, rows = self.ex.run(segs)
+        return Pending(msg.step_id, out, rows, t0, self.top_n > 0)
+
+    def result(self, p: Pending) -> m.StepResultMsg:
+        rows = np.asarray(p.rows)
+        tokens = np.asarray(p.out.tokens)[rows]  # blocks until the step is done
+        res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(p.out.logprobs)[rows]))
+        if p.want_top:
+            res.top_n = self.top_n
+            res.top_ids = m.i32(np.asarray(p.out.top_ids)[rows])
+            res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[rows])
+        res.forward_s = time.perf_counter() - p.t0
+        return res
+
+    def serve(self, inbox, outbox, stopping, send_results: bool = True) -> None:
+        pending: Pending | None = None
+        while not stopping():
+            raw = inbox.recv(timeout=0 if pending is not None else 0.5)
+            if raw is None:
+                if pending is not None:
+                    self._send(outbox, pending, send_results)
+                    pending = None
+                continue
+            msg = m.to_runner.decode(raw)
+            if isinstance(msg, m.RunnerShutdown):
+                break
+            nxt = self.dispatch(msg)
+            if pending is not None:
+                self._send(outbox, pending, send_results)
+            pending = nxt
+        if pending is not None:
+            self._send(outbox, pending, send_results)
+
+    def _send(self, outbox, p: Pending, send_results: bool) -> None:
+        res = self.result(p)
+        if send_results:
+            outbox.send(m.encode(res))
+
+
+def run(ctx) -> None:
+    """Actor entry point: rings `inbox` (broadcast reader 0) and `outbox` (results)."""
+    from actors.ring import BroadcastRing, Ring
+
+    cfg = m.actor_config.decode(ctx.config)
+    args = cfg.args
+    t0 = time.perf_counter()
+    ex = ModelExecutor(cfg.model_dir, executor_config(args))
+    ctx.log.info(
+        "model loaded and %d step programs compiled in %.1fs (attention: %s)",
+        ex.num_programs,
+        time.perf_counter() - t0,
+        ex.backend,
+    )
+    runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num)
+    inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
+    outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
+    ctx.ready()
+    runner.serve(inbox, outbox, ctx.stopping)

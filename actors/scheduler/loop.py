@@ -1,0 +1,237 @@
+"""The scheduler actor: the event loop around `SchedulerCore` (no JAX in this process).
+
+    recv requests ─► get_next_batch ─► send StepMsg ─► [overlap: process result of N-1]
+         ▲                                              [normal : process result of N  ]
+         └──────────── outputs ─► detokenizer ◄─────────────┘
+
+Normal mode waits for batch N's tokens before planning N+1. Overlap mode (default) sends
+N+1 first, then processes N: the runner computes N+1 while the host books N's tokens; where
+N+1 needs a token N has not returned yet it reads the runner's future buffer (see core.py).
+At most two batches are ever in flight.
+
+Control requests (pause, continue, flush, info) are answered through the detokenizer, so a
+reply arrives at the frontend after every output sent before it. Pause and flush first finish
+the batches in flight (seed 000). When nothing runs, the KV books' integrity check runs once;
+a violation is logged loudly and counted in get_server_info (tests assert it stays 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from actors import messages as m
+from actors.sampling_params import SamplingParams
+from actors.scheduler.batch import ScheduledBatch, StepResult
+from actors.scheduler.books import KVBooks
+from actors.scheduler.core import ReqOutput, SchedulerCore
+from actors.scheduler.output import step_msg, token_out
+from actors.scheduler.req import Req, ReqStatus
+from actors.server_args import ServerArgs
+
+log = logging.getLogger("ringserve.scheduler")
+
+IDLE_WAIT_S = 0.5  # longest blocking wait for a request while idle (then `stopping` is checked)
+
+
+def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
+    w = g.sampling
+    sp = SamplingParams(
+        max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, min_p=w.min_p,
+        stop=tuple(w.stop), stop_token_ids=tuple(w.stop_token_ids), ignore_eos=w.ignore_eos,
+        skip_special_tokens=w.skip_special_tokens, spaces_between_special_tokens=w.spaces_between_special_tokens,
+        no_stop_trim=w.no_stop_trim,
+    )  # fmt: skip
+    return Req(g.rid, m.as_i32(g.input_ids).copy(), sp, g.seed, eos_ids, g.return_logprob, g.top_logprobs_num)
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, eos_ids: list[int], decode_tail: Callable[[list[int]], str],
+                 inbox, to_runner, from_runner, to_detok):  # fmt: skip
+        self.args = args
+        self.eos = frozenset(eos_ids)
+        self.books = KVBooks(
+            args.num_pages,
+            args.page_size,
+            args.max_running_requests,
+            disable_radix_cache=args.disable_radix_cache,
+        )
+        self.core = SchedulerCore(args, self.books, decode_tail)
+        self.inbox, self.to_runner, self.from_runner, self.to_detok = inbox, to_runner, from_runner, to_detok
+        self.in_flight: collections.deque[ScheduledBatch] = collections.deque()
+        self.opened: set[str] = set()  # rids whose first TokenOut (with DetokOpen) was sent
+        self.checked_idle = False
+        self.initial_tokens = self.books.available_tokens()
+        self.stats = collections.Counter[str]()
+        self.times = collections.Counter[str]()
+        self.integrity_errors: list[str] = []
+
+    # ---- main loop --------------------------------------------------------------------------
+    def serve(self, stopping: Callable[[], bool]) -> None:
+        overlap = self.args.enable_overlap
+        while not stopping():
+            self._recv_requests(block=not self.in_flight and (self.core.idle or self.core.paused))
+            t0 = time.perf_counter()
+            batch = self.core.get_next_batch()
+            if batch is not None:
+                self._send(batch)
+            self.times["schedule_s"] += time.perf_counter() - t0
+            if self.in_flight and (not overlap or batch is None or len(self.in_flight) > 1):
+                self._finish_oldest()
+            if batch is None and not self.in_flight:
+                self._on_idle()
+
+    def _recv_requests(self, block: bool) -> None:
+        raw = self.inbox.recv(timeout=IDLE_WAIT_S if block else 0)
+        while raw is not None:
+            self._handle(m.to_scheduler.decode(raw))
+            raw = self.inbox.recv(timeout=0)
+
+    def _send(self, batch: ScheduledBatch) -> None:
+        self.checked_idle = False
+        self.stats["decode_steps" if batch.is_decode else "prefill_steps"] += 1
+        self.stats["tokens_computed"] += batch.num_tokens
+        msg = step_msg(batch)
+        self.to_runner.send(m.encode(msg))
+        self.in_flight.append(batch)
+
+    def _finish_oldest(self) -> None:
+        batch = self.in_flight.popleft()
+        t0 = time.perf_counter()
+        raw = self.from_runner.recv(timeout=None)
+        t1 = time.perf_counter()
+        res = m.from_runner.decode(raw)
+        assert res.step_id == batch.step_id, f"runner answered step {res.step_id}, expected {batch.step_id}"
+        self.times["wait_runner_s"] += t1 - t0
+        self.times["runner_forward_s"] += res.forward_s
+        n = len(batch.rows)
+        top_ids = top_lp = None
+        if res.top_n:
+            top_ids = m.as_i32(res.top_ids).reshape(n, res.top_n)
+            top_lp = m.as_f32(res.top_logprobs).reshape(n, res.top_n)
+        result = StepResult(
+            res.step_id,
+            m.as_i32(res.tokens),
+            m.as_f32(res.logprobs) if res.logprobs else None,
+            top_ids,
+            top_lp,
+        )
+        self._emit(self.core.process_result(batch, result))
+        self.times["process_s"] += time.perf_counter() - t1
+
+    def _drain(self) -> None:
+        while self.in_flight:
+            self._finish_oldest()
+
+    def _emit(self, outs: list[ReqOutput]) -> None:
+        if not outs:
+            return
+        tos = []
+        for o in outs:
+            first = o.req.rid not in self.opened
+            if o.finished:
+                self.opened.discard(o.req.rid)
+            elif first:
+                self.opened.add(o.req.rid)
+            tos.append(token_out(o, first))
+        self.to_detok.send(m.encode(m.BatchTokenOut(tos)))
+
+    def _on_idle(self) -> None:
+        if self.checked_idle:
+            return
+        self.checked_idle = True
+        try:
+            self.core.check_idle()
+        except AssertionError as e:  # kvmem's IntegrityError is an AssertionError
+            self.integrity_errors.append(str(e))
+            log.error("KV INTEGRITY VIOLATION: %s", e)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _handle(self, msg: m.ToScheduler) -> None:
+        if isinstance(msg, m.GenerateReq):
+            try:
+                self.core.add_request(to_req(msg, self.eos))
+            except ValueError as e:  # e.g. a duplicate rid: answer that request, nothing else
+                self.to_detok.send(m.encode(m.BatchTokenOut([m.TokenOut(
+                    msg.rid, b"", len(msg.input_ids) // 4, 0, finished=True,
+                    finish_reason={"type": "abort", "message": str(e)}, open=m.DetokOpen())])))  # fmt: skip
+        elif isinstance(msg, m.AbortReq):
+            self._emit(self.core.abort(msg.rid))
+        elif isinstance(msg, m.PauseReq):
+            self._drain()
+            if msg.mode == "abort":
+                self._emit(self.core.abort(None, "aborted by pause_generation"))
+            elif msg.mode == "retract":
+                self.core.retract_all()
+            self.core.paused = True
+            self._reply("pause", True, f"paused ({msg.mode})")
+        elif isinstance(msg, m.ContinueReq):
+            self.core.paused = False
+            self._reply("continue", True, "continued")
+        elif isinstance(msg, m.FlushCacheReq):
+            self._drain()
+            ok, why = self.core.flush_cache()
+            if ok:
+                self.stats["decode_steps"] = 0
+                self.checked_idle = False
+            self._reply("flush", ok, why)
+        elif isinstance(msg, m.InfoReq):
+            self._reply("info", True, "", json.dumps(self.info()).encode())
+
+    def _reply(self, kind: str, ok: bool, message: str, payload: bytes = b"") -> None:
+        self.to_detok.send(m.encode(m.ControlReply(kind, ok, message, payload)))
+
+    def info(self) -> dict:
+        c = self.core
+        t = self.times
+        steps = self.stats["decode_steps"] + self.stats["prefill_steps"]
+        host = t["schedule_s"] + t["process_s"]
+        return {
+            **c.info(),
+            "running_batch_size": len(c.running),
+            "waiting_queue_size": len(c.waiting),
+            "running_rids": [r.rid for r in c.running],
+            "waiting_rids": [r.rid for r in c.waiting],
+            "retracted_waiting": sum(
+                1 for r in c.waiting if r.status is ReqStatus.WAITING and r.retractions > 0
+            ),
+            "available_kv_tokens": self.books.available_tokens(),
+            "initial_kv_tokens": self.initial_tokens,
+            "tree_cache_size": self.books.tree_size(),
+            "req_to_token_pool_used": self.args.max_running_requests - self.books.free_slots(),
+            "forward_ct_decode": self.stats["decode_steps"],
+            "forward_ct_prefill": self.stats["prefill_steps"],
+            "tokens_computed": self.stats["tokens_computed"],
+            "in_flight": len(self.in_flight),
+            "integrity_errors": list(self.integrity_errors),
+            "host_s_per_step": host / steps if steps else 0.0,
+            "forward_s_per_step": t["runner_forward_s"] / steps if steps else 0.0,
+        }
+
+
+def run(ctx) -> None:
+    """Actor entry point (see actors/actor.py): rings `inbox`, `to_runner`, `from_runner`, `to_detok`."""
+    from actors.ring import BroadcastRing, Ring
+
+    cfg = m.actor_config.decode(ctx.config)
+    args = cfg.args
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+
+    def decode_tail(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    spin = args.spin_us
+    loop = SchedulerLoop(
+        args, cfg.eos_ids, decode_tail,
+        inbox=Ring.attach(ctx.rings["inbox"], spin_us=spin),
+        to_runner=BroadcastRing.attach(ctx.rings["to_runner"], reader=None, spin_us=spin),  # the writer
+        from_runner=Ring.attach(ctx.rings["from_runner"], spin_us=spin),
+        to_detok=Ring.attach(ctx.rings["to_detok"], spin_us=spin),
+    )  # fmt: skip
+    ctx.ready()
+    loop.serve(ctx.stopping)
