@@ -1,0 +1,43 @@
+"""Engine fixtures: engines over the real actors (processes + rings), leak checks after use."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+# Small shapes keep start-up (compiling every bucket) to a few seconds on the tiny model.
+SMALL = dict(max_running_requests=16, context_length=256, max_prefill_tokens=256, max_total_tokens=16 * 512)
+
+
+def assert_no_leak(engine) -> dict:
+    """The KV books are intact and every page and slot is back (the tree's pages are evictable)."""
+    info = engine.get_server_info()
+    assert info["integrity_errors"] == [], info["integrity_errors"]
+    assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 0
+    assert info["req_to_token_pool_used"] == 0
+    assert info["available_kv_tokens"] == info["initial_kv_tokens"]
+    return info
+
+
+@contextlib.contextmanager
+def engine_ctx(model_path, **kw):
+    from actors.engine import Engine
+
+    engine = Engine(str(model_path), **{**SMALL, **kw})
+    try:
+        yield engine
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
+
+
+def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 60, vocab: int = 2000) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, int(k)).tolist() for k in rng.integers(lo, hi, n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_dir):
+    return tiny_dir("llama")

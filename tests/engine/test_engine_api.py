@@ -1,0 +1,194 @@
+"""Engine API behaviour on the tiny model: prefix cache, bad input, logprobs, stop strings,
+pause / continue / abort / flush_cache (seed 000's plan), all through the real processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import SMALL, assert_no_leak, random_prompts
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    from actors.engine import Engine
+
+    e = Engine(str(tiny_llama), page_size=16, **SMALL)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leak_after(engine):
+    yield
+    engine.continue_generation()
+    assert_no_leak(engine)
+
+
+def test_prefix_cache_hit_gives_identical_output(engine):
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 2000, 200).tolist()
+    a, b = prefix + [11, 12, 13], prefix + [21, 22]
+    sp = {**GREEDY, "max_new_tokens": 8}
+    assert engine.flush_cache()["success"]
+    first = engine.generate(input_ids=a, sampling_params=sp)
+    assert first["meta_info"]["cached_tokens"] == 0
+    warm = engine.generate(input_ids=b, sampling_params=sp)
+    assert warm["meta_info"]["cached_tokens"] >= 192
+    assert engine.flush_cache()["success"]
+    cold = engine.generate(input_ids=b, sampling_params=sp)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["output_ids"] == cold["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(prompt=""), ["prompt", "empty"]),
+        (dict(input_ids=[]), ["input_ids", "empty"]),
+        (dict(input_ids=[5, 10**6]), ["input_ids", "1000000", "vocabulary"]),
+        (dict(input_ids=[-1, 5]), ["input_ids", "-1", "vocabulary"]),
+        (dict(input_ids=list(range(3, 300))), ["297 tokens", "context length 256"]),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": -1}), ["max_new_tokens", ">= 0"]),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": 10_000}), ["max_new_tokens", "limit"]),
+        (dict(prompt="hi", sampling_params={"top_p": 0}), ["top_p", "(0, 1]"]),
+        (dict(prompt="hi", sampling_params={"top_p": 1.5}), ["top_p", "(0, 1]"]),
+        (dict(prompt="hi", sampling_params={"temperature": -0.5}), ["temperature", ">= 0"]),
+        (dict(prompt="hi", sampling_params={"beam_width": 4}), ["unknown", "beam_width"]),
+        (dict(prompt="hi", top_logprobs_num=99), ["top_logprobs_num", "5"]),
+    ],
+)
+def test_bad_input_names_field_and_limit_and_engine_keeps_serving(engine, kwargs, words):
+    # a long request is running while the bad one arrives; it must finish untouched
+    want = engine.generate(input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 24})
+    stream = engine.generate(input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 24}, stream=True)
+    next(stream)
+    with pytest.raises(ValueError) as err:
+        engine.generate(**kwargs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    *_, last = stream
+    assert last["output_ids"] == want["output_ids"]
+
+
+def test_empty_prompt_message(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate(input_ids=[])
+
+
+def test_logprobs_and_top_logprobs(engine):
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 5}, return_logprob=True, top_logprobs_num=3)
+    lps = out["meta_info"]["output_token_logprobs"]
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert len(tops) == 5 and all(len(t) == 3 for t in tops)
+    for (lp, tid, _), top in zip(lps, tops, strict=True):
+        assert lp <= 0 and top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-5)  # greedy = the argmax
+        assert top[0][0] >= top[1][0] >= top[2][0]
+
+
+def test_stop_string_is_trimmed_unless_no_stop_trim(engine):
+    base = engine.generate(input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 20})
+    text = base["text"]
+    assert len(text) > 12, text
+    stop = text[6:9]
+    cut = engine.generate(input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 20, "stop": stop})
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[: text.index(stop)]
+    kept = engine.generate(input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 20, "stop": stop, "no_stop_trim": True})
+    assert kept["text"].startswith(text[: text.index(stop)] + stop)
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples(engine):
+    sp = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 1234, "ignore_eos": True}
+    a = engine.generate(input_ids=[5, 6], sampling_params=sp)
+    b = engine.generate(input_ids=[[5, 6], [40, 41, 42]], sampling_params=sp)[0]
+    assert a["output_ids"] == b["output_ids"]
+    many = engine.generate(input_ids=[5, 6], sampling_params={**sp, "n": 3})
+    assert len(many) == 3 and many[0]["output_ids"] == a["output_ids"]
+
+
+def _in_background(engine, prompts, max_new):
+    box: dict = {}
+
+    def go():
+        try:
+            box["out"] = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+        except BaseException as e:  # surfaced by the test
+            box["err"] = e
+
+    base = engine.get_server_info()["forward_ct_decode"]
+    t = threading.Thread(target=go)
+    t.start()
+    deadline = time.monotonic() + 60
+    while engine.get_server_info()["forward_ct_decode"] < base + 3:
+        assert time.monotonic() < deadline, "generation never started decoding"
+        time.sleep(0.01)
+    return t, box
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_continue_gives_the_uninterrupted_tokens(engine, mode):
+    prompts = random_prompts(4, seed=9, lo=5, hi=40)
+    want = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 120})
+    t, box = _in_background(engine, prompts, 120)
+    before = engine.get_server_info()
+    assert engine.pause_generation(mode)["success"]
+    info = engine.get_server_info()
+    if mode == "retract":
+        assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 4
+        assert info["available_kv_tokens"] == info["initial_kv_tokens"]
+    else:
+        assert info["running_batch_size"] + info["waiting_queue_size"] == before["running_batch_size"] + before["waiting_queue_size"]
+        assert info["available_kv_tokens"] < info["initial_kv_tokens"]
+        time.sleep(0.2)
+        assert engine.get_server_info()["forward_ct_decode"] == info["forward_ct_decode"], "paused engine kept decoding"
+    assert engine.continue_generation()["success"]
+    t.join(60)
+    assert "err" not in box and [o["output_ids"] for o in box["out"]] == [o["output_ids"] for o in want]
+
+
+def test_pause_abort_returns_partial_outputs_and_resubmit_matches(engine):
+    prompts = random_prompts(3, seed=4, lo=5, hi=30)
+    want = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 150})
+    t, box = _in_background(engine, prompts, 150)
+    assert engine.pause_generation("abort")["success"]
+    t.join(30)
+    outs = box["out"]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+    info = engine.get_server_info()
+    assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 0
+    engine.continue_generation()
+    # partial rollout: resubmit prompt + produced with the remaining budget (sglang-jax #580)
+    for o, p, w in zip(outs, prompts, want, strict=True):
+        got = o["output_ids"]
+        assert got == w["output_ids"][: len(got)]
+        rest = engine.generate(input_ids=p + got, sampling_params={**GREEDY, "max_new_tokens": 150 - len(got)})
+        assert got + rest["output_ids"] == w["output_ids"]
+
+
+def test_flush_refused_while_running_then_allowed_after_retract(engine):
+    t, box = _in_background(engine, random_prompts(2, seed=2), 200)
+    r = engine.flush_cache()
+    assert not r["success"] and "hold KV" in r["message"]
+    engine.pause_generation("retract")
+    assert engine.flush_cache()["success"]
+    info = engine.get_server_info()
+    assert info["tree_cache_size"] == 0 and info["req_to_token_pool_used"] == 0 and info["forward_ct_decode"] == 0
+    engine.continue_generation()
+    t.join(60)
+    assert "err" not in box
+
+
+def test_abort_one_request(engine):
+    t, box = _in_background(engine, random_prompts(2, seed=8, lo=5, hi=10), 300)
+    rid = engine.get_server_info()["running_rids"][0]
+    engine.abort_request(rid)
+    t.join(60)
+    reasons = sorted(o["meta_info"]["finish_reason"]["type"] for o in box["out"])
+    assert reasons == ["abort", "length"]

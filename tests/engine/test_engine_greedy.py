@@ -1,0 +1,64 @@
+"""The whole engine (frontend, scheduler, runner, detokenizer processes over shm rings) gives
+Hugging Face transformers' greedy tokens, whatever the chunking, page size, overlap or KV
+pressure; and leaves no page or slot behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import engine_ctx, random_prompts
+from tests.hf_ref import hf_greedy
+
+N_PROMPTS = 16
+MAX_NEW = 16
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    prompts = random_prompts(N_PROMPTS, seed=5)
+    return prompts, hf_greedy(tiny_llama, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize(
+    "page_size, chunked_prefill_size, overlap, max_total_tokens",
+    [
+        (16, -1, True, None),
+        (16, 16, False, None),
+        (1, 4, True, None),
+        (1, -1, False, None),
+        (16, 16, True, 16 * 24),  # 23 usable pages for 16 requests of 2-5 pages: retract must happen
+    ],
+    ids=["page16-nochunk-overlap", "page16-chunk16-normal", "page1-chunk4-overlap", "page1-nochunk-normal", "page16-retract"],
+)
+def test_greedy_equals_hf(tiny_llama, reference, page_size, chunked_prefill_size, overlap, max_total_tokens):
+    prompts, want = reference
+    kw = dict(page_size=page_size, chunked_prefill_size=chunked_prefill_size, disable_overlap_schedule=not overlap)
+    if max_total_tokens:
+        kw["max_total_tokens"] = max_total_tokens
+    with engine_ctx(tiny_llama, **kw) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == want
+        for o, p in zip(outs, prompts, strict=True):
+            meta = o["meta_info"]
+            assert meta["finish_reason"] == {"type": "length"}
+            assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(p), MAX_NEW)
+        info = engine.get_server_info()
+        if max_total_tokens:
+            assert info["num_retracted"] > 0, "the small pool was meant to force a retract"
+        else:
+            assert info["num_retracted"] == 0
+
+
+def test_text_and_streaming(tiny_llama):
+    with engine_ctx(tiny_llama) as engine:
+        prompt = "The quick brown fox"
+        full = engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert full["text"] == engine.tokenizer.decode(full["output_ids"], skip_special_tokens=True)
+        chunks = list(engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, stream=True))
+        assert len(chunks) > 1 and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+        assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+        # each chunk extends the previous one (text and ids so far)
+        for a, b in zip(chunks, chunks[1:], strict=False):
+            assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
