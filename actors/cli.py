@@ -29,13 +29,20 @@ def _cleanup(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
+    from actors.cli_generate import main
+
+    return main(argv)
+
+
+def _generate_static(argv: list[str]) -> int:
     from model.generate import main
 
     return main(argv)
 
 
 COMMANDS = {
-    "generate": (_generate, "generate text from prompts with the default (or a given) model"),
+    "generate": (_generate, "generate text through the engine (every actor) and report throughput"),
+    "generate-static": (_generate_static, "generate in-process with the model runtime alone (static batch, no actors)"),
     "make-tiny-model": (_make_tiny_model, "write a tiny random-weight HF-format model directory"),
     "fetch-model": (_fetch_model, "build a local HF-format copy of a known model (e.g. smollm2)"),
     "cleanup": (_cleanup, "remove shared-memory segments left behind by dead ringserve processes"),
