@@ -61,13 +61,11 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
 def load_checkpoint(model_path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and HF-named NumPy tensors from a model directory or a `.gguf` file."""
     path = Path(model_path)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ValueError(f"GGUF file {str(path)!r} does not exist")
-        from model.gguf import load_gguf
+    if path.suffix == ".gguf":  # converted in memory on every load (see model/gguf.py)
+        from model.gguf import read_gguf_weights
 
-        g = load_gguf(path)
-        return ModelConfig.from_dict(g.config, source=str(path)), g.tensors
+        config_dict, gguf_tensors = read_gguf_weights(path)
+        return ModelConfig.from_dict(config_dict, source=str(path)), gguf_tensors
     config = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:

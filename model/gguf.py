@@ -1,0 +1,329 @@
+"""Llama-family GGUF files (llama.cpp's format) read into HF names, layouts, config and tokenizer.
+
+What a GGUF does differently from an HF checkpoint, and how it is undone here:
+- tensors are quantized per block (Q4_1, Q8_0, K-quants, ...): dequantized to float32 with the
+  `gguf` package (NumPy only). Types outside `SUPPORTED` are refused, naming file and type;
+- GGUF dims are listed fastest-first (`t.shape` = [in, out]); HF `[out, in]` is the reverse;
+- for `general.architecture == "llama"`, llama.cpp's converter permutes the rows of q_proj and
+  k_proj so each head's rotary pairs are adjacent rows (2j, 2j+1) instead of HF's halves
+  (j, j + d/2). Per head (q: n_head heads, k: n_head_kv heads), with rows viewed as [2, d/2]:
+      GGUF rows = HF rows.reshape(2, d/2).T.flatten()  -> HF row h*d/2 + j is GGUF row 2j + h
+  `unpermute_rope_rows` inverts it. qwen2/qwen3 files are not permuted (NeoX-style RoPE);
+- config comes from metadata (`llama.embedding_length`, ...); llama3 RoPE scaling is stored
+  only as a `rope_freqs` tensor of per-frequency divisors, from which the llama3 parameters are
+  recovered (and checked to reproduce every frequency) or the file is refused;
+- no output.weight means the LM head is tied to token_embd.
+
+`load_checkpoint(path.gguf)` converts in memory on each load (weights never touch disk): the
+user's file stays the single source, and a dequantized f32 cache would be ~5x its size.
+`gguf_to_hf_dir` writes the same conversion as an HF directory (what fetch-model ships).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from model.config import ModelConfig, RopeConfig
+from model.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
+
+SUPPORTED = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_PERMUTED_QK = ("llama",)  # architectures whose q/k rows llama.cpp permutes
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclasses.dataclass(slots=True)
+class GGUFModel:
+    config: dict[str, Any]  # an HF config.json
+    tensors: dict[str, np.ndarray]  # HF names and layouts, float32
+    tokenizer_json: str
+    tokenizer_config: dict[str, Any]
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's q/k row permutation (adjacent rotary pairs -> HF halves)."""
+    d_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (HF halves -> adjacent rotary pairs); used to write GGUF files."""
+    d_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, d_half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Meta:
+    """Typed access to one GGUF's key/value metadata; errors name the file and the key."""
+
+    def __init__(self, reader, path: Path):
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def need(self, key: str) -> Any:
+        v = self.get(key)
+        if v is None:
+            raise ValueError(f"{self.path}: missing GGUF metadata {key!r}")
+        return v
+
+
+def _open(path: Path) -> _Meta:
+    import gguf
+
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError/struct.error/... on a bad file
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return _Meta(reader, path)
+
+
+def read_gguf_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(HF config dict, HF-named float32 tensors) of a GGUF file."""
+    return _weights(_open(Path(path)))
+
+
+def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    import gguf
+
+    reader, path = meta.reader, meta.path
+    arch = meta.get("general.architecture")
+    if arch not in _ARCH:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+    heads = int(meta.need(f"{arch}.attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
+    hidden = int(meta.need(f"{arch}.embedding_length"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    rot_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rot_dim != head_dim:
+        raise ValueError(
+            f"{path}: partial RoPE ({arch}.rope.dimension_count={rot_dim} < head_dim={head_dim}) is not supported"
+        )
+    for t in reader.tensors:  # refuse before spending time dequantizing anything
+        if t.tensor_type.name not in SUPPORTED:
+            raise ValueError(
+                f"{path}: tensor {t.name!r} is quantized as {t.tensor_type.name}, which ringserve cannot "
+                f"dequantize; supported types: {', '.join(SUPPORTED)}"
+            )
+    tensors: dict[str, np.ndarray] = {}
+    rope_freqs = None
+    for t in reader.tensors:
+        a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        a = a.reshape(tuple(int(x) for x in reversed(t.shape)))
+        if t.name == _ROPE_FREQS:
+            rope_freqs = a
+            continue
+        hf = _hf_name(t.name)
+        if hf is None:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
+        if arch in _PERMUTED_QK and ".q_proj." in hf:
+            a = unpermute_rope_rows(a, heads)
+        elif arch in _PERMUTED_QK and ".k_proj." in hf:
+            a = unpermute_rope_rows(a, kv_heads)
+        tensors[hf] = a
+    if "model.embed_tokens.weight" not in tensors:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+    n_tokens = len(meta.get("tokenizer.ggml.tokens") or [])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    stops = list(
+        dict.fromkeys(
+            int(i)
+            for k in ("eos", "eot", "eom")
+            if (i := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None
+        )
+    )
+    config: dict[str, Any] = {
+        "architectures": [_ARCH[arch]],
+        "model_type": arch,
+        "vocab_size": int(
+            meta.get(f"{arch}.vocab_size") or n_tokens or tensors["model.embed_tokens.weight"].shape[0]
+        ),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.need(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.need(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        # GGUF stores f32: print the shortest decimal that round-trips (1e-05, not 9.99999974e-06)
+        "rms_norm_eps": float(str(np.float32(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")))),
+        "max_position_embeddings": int(meta.need(f"{arch}.context_length")),
+        "rope_parameters": _rope_parameters(meta, arch, head_dim, rope_freqs),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": stops[0] if len(stops) == 1 else (stops or None),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos),
+        "dtype": "float32",
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    return config, tensors
+
+
+def _rope_parameters(meta: _Meta, arch: str, head_dim: int, rope_freqs: np.ndarray | None) -> dict[str, Any]:
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"{meta.path}: RoPE scaling {scaling!r} is not supported (only linear and llama3)")
+    if scaling == "linear":
+        return {
+            "rope_type": "linear",
+            "rope_theta": theta,
+            "factor": float(meta.need(f"{arch}.rope.scaling.factor")),
+        }
+    if rope_freqs is None or np.all(rope_freqs == 1.0):
+        return {"rope_type": "default", "rope_theta": theta}
+    return _llama3_from_rope_freqs(rope_freqs, theta, head_dim, meta.path)
+
+
+def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
+    """Recover llama3 RoPE parameters from llama.cpp's per-frequency divisors.
+
+    llama.cpp rotates frequency i by base_i / divisors[i]; the llama3 rule makes the divisor 1
+    above the high-frequency cutoff, `factor` below the low one, and blends between them. The
+    divisors fix `factor` (their max); the cutoffs depend on original_max_position_embeddings,
+    low_freq_factor and high_freq_factor, taken from the values every Llama 3.x release uses
+    (1, 4 and a power of two), and accepted only if they reproduce every frequency."""
+    from model.layers import rope_inv_freq
+
+    base = rope_inv_freq(RopeConfig(theta=theta), head_dim)
+    if divisors.shape != base.shape:
+        raise ValueError(f"{path}: rope_freqs has {divisors.size} entries, expected head_dim/2 = {base.size}")
+    want = base / divisors
+    factor = float(divisors.max())
+    for original in (2**k for k in range(8, 18)):
+        params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": original}  # fmt: skip
+        cfg = RopeConfig(
+            theta=theta, rope_type="llama3", factor=factor, original_max_position_embeddings=original
+        )
+        if np.allclose(rope_inv_freq(cfg, head_dim), want, rtol=1e-6, atol=0.0):
+            return params
+    raise ValueError(
+        f"{path}: rope_freqs (per-frequency RoPE divisors, max {factor:g}) do not match llama3 scaling with "
+        f"low_freq_factor=1, high_freq_factor=4 and any power-of-two original context; not supported"
+    )
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def read_gguf_vocab(path: str | Path) -> GGUFVocab:
+    return _vocab(_open(Path(path)))
+
+
+def _vocab(meta: _Meta) -> GGUFVocab:
+    path = meta.path
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
+        )
+    tokens = [str(t) for t in meta.need("tokenizer.ggml.tokens")]
+    arch = meta.get("general.architecture")
+
+    def opt_id(key: str) -> int | None:
+        v = meta.get(key)
+        return None if v is None else int(v)
+
+    return GGUFVocab(
+        tokens=tokens,
+        token_types=[int(t) for t in meta.get("tokenizer.ggml.token_type", [1] * len(tokens))],
+        merges=[str(m) for m in meta.need("tokenizer.ggml.merges")],
+        pre=str(meta.get("tokenizer.ggml.pre", "default")),
+        bos_id=opt_id("tokenizer.ggml.bos_token_id"),
+        eos_id=opt_id("tokenizer.ggml.eos_token_id"),
+        unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
+        pad_id=opt_id("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+        max_length=int(meta.get(f"{arch}.context_length") or 8192),
+    )
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    meta = _open(Path(path))
+    config, tensors = _weights(meta)
+    tok_json, tok_cfg = build_tokenizer(_vocab(meta), str(path))
+    return GGUFModel(config, tensors, tok_json, tok_cfg)
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """The GGUF's tokenizer as a transformers tokenizer, built in memory."""
+    return hf_tokenizer(*build_tokenizer(read_gguf_vocab(path), str(path)))
+
+
+def gguf_to_hf_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write an HF-format directory: config.json, model.safetensors (f32), tokenizer files,
+    generation_config.json. `out_dir` is created; files in it are overwritten."""
+    from safetensors.numpy import save_file
+
+    g = load_gguf(gguf_path)
+    ModelConfig.from_dict(g.config, source=str(gguf_path))  # fail here, not when serving
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(g.config, indent=2) + "\n")
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in g.tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (out / "tokenizer.json").write_text(g.tokenizer_json)
+    (out / "tokenizer_config.json").write_text(json.dumps(g.tokenizer_config, indent=2) + "\n")
+    gen = {
+        k: g.config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if g.config[k] is not None
+    }
+    (out / "generation_config.json").write_text(json.dumps({**gen, "do_sample": False}, indent=2) + "\n")
+    return out
