@@ -20,17 +20,25 @@ def main(argv: list[str]) -> int:
     from actors.server_args import ServerArgs
 
     ap = argparse.ArgumentParser(prog="ringserve generate", description="generate text through the engine")
-    ap.add_argument("--model", default="tiny", help="'tiny' (default, generated offline), 'smollm2', a model directory or a .gguf file")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (default, generated offline), 'smollm2', a model directory or a .gguf file",
+    )
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-in prompts")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    ap.add_argument("--batch", type=int, default=0, help="also time N requests (the prompts repeated) through the engine")
+    ap.add_argument(
+        "--batch", type=int, default=0, help="also time N requests (the prompts repeated) through the engine"
+    )
     ServerArgs.add_cli_args(ap)
     args = ap.parse_args(argv)
-    server = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__ and k != "model_path"}
+    server = {
+        k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__ and k != "model_path"
+    }
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
@@ -44,8 +52,18 @@ def main(argv: list[str]) -> int:
         if args.no_chat or not tok.chat_template:
             prompts = texts
         else:
-            prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False) for t in texts]
-        sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+            prompts = [
+                tok.apply_chat_template(
+                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+                )
+                for t in texts
+            ]
+        sp = {
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+        }
         print(f"### {texts[0]}")
         shown = 0
         for chunk in engine.generate(prompts[0], sp, stream=True):
@@ -58,7 +76,9 @@ def main(argv: list[str]) -> int:
         if args.batch:
             batch = [prompts[i % len(prompts)] for i in range(args.batch)]
             t = time.perf_counter()
-            outs = engine.generate(batch, [{**sp, "ignore_eos": True, "sampling_seed": i} for i in range(len(batch))])
+            outs = engine.generate(
+                batch, [{**sp, "ignore_eos": True, "sampling_seed": i} for i in range(len(batch))]
+            )
             dt = time.perf_counter() - t
             n = sum(o["meta_info"]["completion_tokens"] for o in outs)
             info = engine.get_server_info()
