@@ -1,0 +1,374 @@
+"""ActorGroup: the parent's side of the actor system (rings, spawn, readiness, watch, teardown),
+and `ringserve cleanup` for segments left behind by dead processes.
+
+    parent                                   actor process (spawn)
+    ActorGroup.ring()/broadcast_ring() ───── ring names in ActorSpec.rings ──► attach
+    ActorGroup.spawn() ── pipe: Stop ───────────────────────────────────────► ctx.stopping()
+    watcher thread ◄───── pipe: Ready / LogLine / Failed (msgspec) ─────────── ctx.ready(), ctx.log
+                   ◄───── process sentinel (readable when the process ends)
+
+One watcher thread owns every process after spawn: it forwards log lines, records readiness,
+and reaps exits. An exit the group did not ask for (any code, 0 included) is a failure: the
+watcher calls `on_failure(name, exitcode, traceback_text)` once, then tears the group down.
+Teardown (failure or shutdown): Stop to every actor, mark every ring closed (blocked
+send/recv raise RingClosed), wait `grace` s, SIGTERM, wait 1 s, SIGKILL, reap, unlink every
+segment and semaphore. Ring handles stay mapped (a parent thread may still hold one); they are
+freed with the group's ring objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+from actors.actor import ActorSpec, Failed, LogLine, Ready, Stop, actor_main, decode_control, encode
+from actors.ring import BroadcastRing, Ring, _RingBase
+
+__all__ = ["ActorFailed", "ActorGroup", "cleanup_main"]
+
+log = logging.getLogger("ringserve.launcher")
+OnFailure = Callable[[str, int | None, str], None]
+
+
+class ActorFailed(RuntimeError):
+    """An actor failed at start-up or died; the message carries its traceback."""
+
+    def __init__(self, name: str, exitcode: int | None, traceback_text: str) -> None:
+        super().__init__(f"actor {name!r} failed ({_describe(exitcode)}):\n{traceback_text}")
+        self.name, self.exitcode, self.traceback_text = name, exitcode, traceback_text
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass(eq=False)
+class _Actor:
+    name: str
+    proc: BaseProcess
+    conn: Connection
+    info: bytes | None = None  # set by Ready
+    traceback: str = ""  # set by Failed
+    exitcode: int | None = None  # set when reaped
+    conn_open: bool = True
+    logs: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+
+class ActorGroup:
+    """Rings, actor processes and their watcher; a context manager that shuts everything down."""
+
+    def __init__(self, on_failure: OnFailure | None = None, *, log_level: int = logging.INFO,
+                 stop_timeout: float = 5.0) -> None:  # fmt: skip
+        self.on_failure = on_failure  # called once, from the watcher thread
+        self.failure: ActorFailed | None = None
+        self._log_level = log_level
+        self._stop_timeout = stop_timeout
+        self._mp = multiprocessing.get_context("spawn")
+        self._actors: dict[str, _Actor] = {}
+        self._rings: list[_RingBase] = []
+        self._cond = threading.Condition()
+        self._grace: float | None = None  # set: the watcher must tear down with this grace
+        self._stopping = False  # exits are expected from now on
+        self._closed = threading.Event()  # teardown finished: processes reaped, names unlinked
+        self._wake_r, self._wake_w = os.pipe()
+        self._watcher = threading.Thread(target=self._watch, name="ringserve-actor-watch", daemon=True)
+        self._watcher.start()
+
+    # ---- rings ---------------------------------------------------------------------------
+    def ring(self, edge: str, capacity: int = 1 << 22, *, spin_us: int = 50) -> Ring:
+        ring = Ring.create(edge, capacity, spin_us=spin_us)
+        self._own(ring)
+        return ring
+
+    def broadcast_ring(
+        self, edge: str, n: int, capacity: int = 1 << 22, *, spin_us: int = 50
+    ) -> BroadcastRing:
+        ring = BroadcastRing.create(edge, n, capacity, spin_us=spin_us)
+        self._own(ring)
+        return ring
+
+    def _own(self, ring: _RingBase) -> None:
+        with self._cond:
+            self._rings.append(ring)
+            closing = self._stopping
+        if closing:  # lost a race with teardown: do not leave the names behind
+            ring.mark_closed()
+            ring.unlink()
+            raise RuntimeError("the actor group is shutting down")
+
+    @property
+    def ring_names(self) -> list[str]:
+        return [r.name for r in self._rings]
+
+    # ---- actors --------------------------------------------------------------------------
+    def spawn(self, name: str, target: str, config: bytes = b"", rings: dict[str, str] | None = None) -> None:
+        """Start actor `name` running `target` ("module:function") in a spawned process."""
+        if name in self._actors:
+            raise ValueError(f"actor {name!r} already exists")
+        if target.count(":") != 1:
+            raise ValueError(f"actor target {target!r} must be 'module:function'")
+        spec = ActorSpec(name, target, bytes(config), dict(rings or {}), self._log_level, os.getpid())
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        proc = self._mp.Process(
+            target=actor_main, args=(child_conn, encode(spec)), name=f"ringserve-{name}", daemon=True
+        )
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError(f"cannot spawn {name!r}: the actor group is shutting down")
+            proc.start()
+            self._actors[name] = _Actor(name, proc, parent_conn)
+        child_conn.close()
+        self._wake()
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, bytes]:
+        """Wait until every spawned actor called ctx.ready(); {name: info}. If one fails first,
+        the group is torn down and ActorFailed (with its traceback) is raised; on timeout too."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.failure is None and not self._stopping:
+                missing = [n for n, a in self._actors.items() if a.info is None]
+                if not missing:
+                    return {n: a.info or b"" for n, a in self._actors.items()}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            failure, stopping = self.failure, self._stopping
+        if failure is not None:
+            self._closed.wait()
+            raise ActorFailed(failure.name, failure.exitcode, failure.traceback_text)
+        if stopping:
+            raise RuntimeError("the actor group was shut down")
+        self.shutdown()
+        raise TimeoutError(f"actors {missing} did not report ready within {timeout} s")
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """True once teardown finished (every process reaped, every ring name unlinked)."""
+        return self._closed.wait(timeout)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every actor (Stop, then SIGTERM after `timeout` s, then SIGKILL), reap them and
+        unlink every ring. Idempotent; called from the watcher (on_failure) it only requests it."""
+        with self._cond:
+            if self._grace is None:
+                self._grace = self._stop_timeout if timeout is None else timeout
+        self._wake()
+        if threading.current_thread() is self._watcher:
+            return
+        self._closed.wait()
+        self._watcher.join()
+
+    def __enter__(self) -> ActorGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- the watcher thread --------------------------------------------------------------
+    def _watch(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    grace = self._grace
+                if grace is not None:
+                    break
+                for a in self._pump(0.5):
+                    if self._failed(a):
+                        break
+            self._teardown(self._grace if self._grace is not None else self._stop_timeout)
+        finally:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
+            with self._cond:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
+            self._closed.set()
+
+    def _wake(self) -> None:
+        """Interrupt the watcher's wait (new actor, shutdown request)."""
+        with self._cond:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
+
+    def _pump(self, timeout: float) -> list[_Actor]:
+        """Wait up to `timeout` s for control messages or exits; handle them; return the newly
+        reaped actors."""
+        with self._cond:
+            live = [a for a in self._actors.values() if a.exitcode is None]
+        objs: dict[Connection | int, _Actor | None] = {self._wake_r: None}
+        for a in live:
+            objs[a.proc.sentinel] = a
+            if a.conn_open:
+                objs[a.conn] = a
+        dead: list[_Actor] = []
+        for obj in wait(list(objs), timeout):
+            actor = objs[obj]  # type: ignore[index]
+            if actor is None:
+                os.read(self._wake_r, 4096)
+            elif obj is actor.conn:
+                self._drain(actor)
+            elif actor.exitcode is None:
+                actor.proc.join()
+                self._drain(actor)  # a traceback sent just before the exit is still in the pipe
+                actor.exitcode = actor.proc.exitcode
+                dead.append(actor)
+        return dead
+
+    def _drain(self, a: _Actor) -> None:
+        while a.conn_open:
+            try:
+                if not a.conn.poll(0):
+                    return
+                msg = decode_control(a.conn.recv_bytes())
+            except (EOFError, OSError):
+                a.conn_open = False
+                return
+            if isinstance(msg, Ready):
+                with self._cond:
+                    a.info = msg.info
+                    self._cond.notify_all()
+            elif isinstance(msg, LogLine):
+                self._emit(a, msg)
+            elif isinstance(msg, Failed):
+                a.traceback = msg.traceback
+
+    def _emit(self, a: _Actor, msg: LogLine) -> None:
+        line = f"[{a.name}] {msg.message}"
+        a.logs.append(line)
+        logger = logging.getLogger(f"ringserve.actor.{a.name}")
+        if logger.isEnabledFor(msg.level):
+            record = logger.makeRecord(logger.name, msg.level, msg.logger, 0, line, (), None)
+            record.created = msg.created
+            logger.handle(record)
+
+    def _failed(self, a: _Actor) -> bool:
+        """An actor exited; if the group did not ask for it, record the failure, tell the
+        callback (once) and request teardown. True if this was a failure."""
+        with self._cond:
+            if self._stopping or self._grace is not None:
+                return False
+            self._stopping = True
+            text = a.traceback or self._no_traceback(a)
+            self.failure = ActorFailed(a.name, a.exitcode, text)
+            self._grace = self._stop_timeout
+            self._cond.notify_all()
+        log.error("%s", self.failure)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(a.name, a.exitcode, text)
+            except Exception:
+                log.exception("on_failure callback raised")
+        return True
+
+    @staticmethod
+    def _no_traceback(a: _Actor) -> str:
+        if a.exitcode == 0:
+            text = f"actor {a.name!r} returned (exit code 0) before the group asked it to stop"
+        else:
+            text = f"actor {a.name!r} died ({_describe(a.exitcode)}) without sending a traceback"
+        if a.logs:
+            text += "\nits last log lines:\n" + "\n".join(a.logs)
+        return text
+
+    def _teardown(self, grace: float) -> None:
+        with self._cond:
+            self._stopping = True
+            actors = list(self._actors.values())
+            rings = list(self._rings)
+        stop = encode(Stop())
+        for a in actors:
+            if a.exitcode is None and a.conn_open:
+                try:
+                    a.conn.send_bytes(stop)
+                except OSError:
+                    pass
+        for ring in rings:  # wakes every blocked send/recv, here and in the actors
+            ring.mark_closed()
+        for sig, wait_s in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):
+            live = [a for a in actors if a.exitcode is None]
+            if not live:
+                break
+            for a in live:
+                if sig is not None and a.proc.pid is not None:
+                    try:
+                        os.kill(a.proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait_s
+            while any(a.exitcode is None for a in actors) and time.monotonic() < deadline:
+                self._pump(min(0.1, max(0.0, deadline - time.monotonic())))
+        for a in actors:
+            self._drain(a)
+            a.conn.close()
+        for ring in rings:
+            ring.unlink()
+
+
+# ---- ringserve cleanup -------------------------------------------------------------------
+_NAME = re.compile(r"(?:sem\.)?rs-(\d+)-[0-9a-f]+-")
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if `pid` is a running process (a zombie is dead: it will never touch a segment)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def cleanup_main(argv: list[str] | None = None) -> int:
+    """`ringserve cleanup [--dry-run]`: remove rs-<pid>-* segments and semaphores in /dev/shm
+    whose creating process is gone; keep those of live processes."""
+    parser = argparse.ArgumentParser(prog="ringserve cleanup", description=cleanup_main.__doc__)
+    parser.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    parser.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    removed = kept = 0
+    for entry in sorted(os.listdir(args.shm_dir)):
+        m = _NAME.match(entry)
+        if m is None:
+            continue
+        if _pid_alive(int(m[1])):
+            kept += 1
+            continue
+        path = os.path.join(args.shm_dir, entry)
+        if not args.dry_run:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except PermissionError as e:
+                print(f"cannot remove {path}: {e}")
+                continue
+        removed += 1
+        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {removed}, kept {kept} of live processes")
+    return 0
