@@ -1,0 +1,87 @@
+"""Streaming sessions: a finished turn's slot is kept, trimmed, for the session's next turn.
+
+A turn's row when it finishes (O = origin_len, F = finished_len, T = O + F). A round that
+accepts several tokens at once (speculative decoding) can commit past T ("overshoot"), and
+the round planned after it (overlap) can reserve even further:
+
+    positions: 0 ........ O-1 | O ....... T-1 | T ......... committed_len ... allocated_len
+               [--- input ---] [- kept output -] [- overshoot: stale for the next turn -]
+
+`finish_turn` trims it (seed 001): pages wholly past ceil(T / page_size) are freed, and
+
+    committed_len <= T,   allocated_len <= T,   len(output_ids) == F
+
+so `start_turn` never grants the next turn more than T tokens: the next turn's input holds
+different tokens from T on. With one token per round and no extra round, committed_len is
+T - 1 (the last output token is never fed back): the next turn recomputes position T - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvmem.slots import ReqKV
+
+if TYPE_CHECKING:
+    from kvmem.cache import KVCache
+
+
+@dataclasses.dataclass(slots=True)
+class KeptSlot:
+    kv: ReqKV  # the finished turn's record, trimmed; still holds its slot, pages and lock
+    token_ids: np.ndarray  # int32 tokens [0, kv.committed_len): what its KV was computed for
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class SessionSlots:
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.kept: dict[str, KeptSlot] = {}
+
+    def records(self) -> list[ReqKV]:
+        return [k.kv for k in self.kept.values()]
+
+    def start_turn(self, session_id: str, token_ids: np.ndarray) -> ReqKV | None:
+        """The record for a turn whose input is `token_ids` (earlier turns included).
+
+        With a kept slot: it is reused, granting the longest prefix that `token_ids` repeats,
+        capped at the kept committed_len and at len(token_ids) - 1 (one token is computed);
+        the rest of the row is cut page-aligned. Without: a fresh `admit` (tree prefix). None
+        when no slot is free."""
+        token_ids = np.asarray(token_ids, np.int32)
+        kept = self.kept.pop(session_id, None)
+        if kept is None:
+            return self.cache.admit(token_ids[: len(token_ids) - 1])
+        kv = kept.kv
+        granted = min(kv.committed_len, common_prefix_len(kept.token_ids, token_ids), len(token_ids) - 1)
+        self.cache.trim(kv, granted)
+        kv.cached_len = kv.committed_len
+        return kv
+
+    def finish_turn(
+        self, session_id: str, kv: ReqKV, origin_ids: np.ndarray, output_ids: list[int], finished_len: int
+    ) -> int:
+        """Keep `kv` for the session's next turn, trimmed to origin_len + finished_len; the
+        overshoot is cut from `output_ids` in place. Returns the pages freed."""
+        if session_id in self.kept:
+            raise ValueError(f"session {session_id!r} already keeps slot {self.kept[session_id].kv.slot}")
+        if not 0 <= finished_len <= len(output_ids):
+            raise ValueError(f"finished_len={finished_len} with {len(output_ids)} output tokens")
+        del output_ids[finished_len:]
+        freed = self.cache.trim(kv, len(origin_ids) + finished_len)
+        ids = np.concatenate([np.asarray(origin_ids, np.int32), np.asarray(output_ids, np.int32)])
+        self.kept[session_id] = KeptSlot(kv, ids[: kv.committed_len])
+        return freed
+
+    def close(self, session_id: str) -> None:
+        """End a session: its kept KV is cached in the tree (whole pages), the slot freed."""
+        kept = self.kept.pop(session_id)
+        self.cache.release(kept.kv, kept.token_ids)
