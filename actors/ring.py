@@ -38,12 +38,14 @@ up to `spin_us` polling its semaphore's value, then sleeps in sem_timedwait: no 
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import re
 import secrets
 import struct
 import time
+import weakref
 
 import posix_ipc
 
@@ -57,6 +59,16 @@ _MORE, _ABORT = 1, 2
 _CLOSED = 12  # offset of the closed flag
 _WCUR = 64  # offset of the write cursor
 _EDGE = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+_OWNED: weakref.WeakSet[_RingBase] = weakref.WeakSet()  # rings this process created, not yet closed
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    """An owner that exits without close() still removes its names (SIGKILL: `ringserve cleanup`)."""
+    for ring in list(_OWNED):
+        ring.unlink()
 
 
 class RingTimeout(TimeoutError):
@@ -114,6 +126,8 @@ class _RingBase:
         self._rcur_off = _rcur(reader) if reader is not None else 0
         self._parts: list[bytes] = []
         self._closed_handle = False
+        if owner:
+            _OWNED.add(self)
 
     # ---- creation ------------------------------------------------------------------------
     @classmethod
