@@ -38,11 +38,23 @@ class PrefillAdder:
     def __init__(self, books: MemoryBooks, *, reserved_decode: float, max_prefill_tokens: int, chunk_size: int | None, new_token_ratio: float):
         self.books = books
         self.page = books.page_size
-        self.rem_total = books.available_tokens() - reserved_decode
+        self.reserved_decode = reserved_decode
+        self.planned_kv = 0.0  # KV this batch will take: its extends' new pages + decode reserves
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunk_size
         self.ratio = new_token_ratio
         self.planned: list[Planned] = []
+
+    @property
+    def rem_total(self) -> float:
+        """KV tokens left for this batch. Read live, as admitting a request locks its cached
+        prefix, which then stops counting as evictable room (SGLang's `_lock_node`)."""
+        return self.books.available_tokens() - self.reserved_decode - self.planned_kv
+
+    def _paged(self, req: Req, n: int) -> int:
+        """Tokens of the whole pages `n` more tokens past committed_len take from the pool."""
+        p, start = self.page, req.committed_len
+        return (-(-(start + n) // p) - -(-start // p)) * p
 
     def _decode_reserve(self, req: Req) -> float:
         left = max(0, req.max_new_tokens - len(req.output_ids))
@@ -55,7 +67,7 @@ class PrefillAdder:
         limit = self.rem_input
         if self.rem_chunk is not None:
             limit = min(limit, self.rem_chunk)
-        if self.rem_total - self._decode_reserve(req) < min(want, limit) or limit <= 0:
+        if limit <= 0 or self.rem_total - self._decode_reserve(req) < self._paged(req, min(want, limit)):
             return AddResult.NO_TOKEN
         if want <= limit:
             self._take(req, want, True)
@@ -71,4 +83,4 @@ class PrefillAdder:
         self.rem_input -= n
         if self.rem_chunk is not None:
             self.rem_chunk -= n
-        self.rem_total -= n + (self._decode_reserve(req) if last else 0)
+        self.planned_kv += self._paged(req, n) + (self._decode_reserve(req) if last else 0)
