@@ -130,3 +130,40 @@ def test_bad_runtime_options(tiny_dir):
         ModelExecutor(tiny_dir("llama"), ExecutorConfig(dtype="int8", precompile=False))
     with pytest.raises(ValueError, match="attention_backend='pallas' needs a TPU"):
         ModelExecutor(tiny_dir("llama"), ExecutorConfig(attention_backend="pallas", precompile=False))
+
+
+def test_model_path_is_a_plain_file(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"model path .*model\.bin.* is not a directory \(or a \.gguf file\)"):
+        load_checkpoint(f)
+
+
+def test_config_that_is_not_an_object(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json: expected a JSON object, got list"):
+        load_checkpoint(d)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, r"unsupported rope type 'yarn'"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads=8 is not a multiple of num_key_value_heads=3"),
+    ],
+)
+def test_unsupported_config_values(tiny_dir, tmp_path, change, error):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: " + error):
+        load_checkpoint(d)
+
+
+def test_malformed_safetensors_header(tiny_dir, tmp_path):
+    d = copy_model(tiny_dir("llama"), tmp_path / "m")
+    (d / "model.safetensors").write_bytes((12).to_bytes(8, "little") + b"{not json!!}")
+    with pytest.raises(ValueError, match=r"model.safetensors: malformed safetensors header"):
+        load_checkpoint(d)
