@@ -14,7 +14,9 @@ from model.weights import load_checkpoint
 from tests.hf_ref import hf_greedy
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
-CFG = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128, precompile=False)
+CFG = ExecutorConfig(
+    page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128, precompile=False
+)
 
 
 def copy_model(src, dst):
@@ -75,7 +77,9 @@ def test_unknown_architecture(tiny_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"config.json: unsupported architecture \['GPT2LMHeadModel'\]; supported"):
+    with pytest.raises(
+        ValueError, match=r"config.json: unsupported architecture \['GPT2LMHeadModel'\]; supported"
+    ):
         load_checkpoint(d)
 
 
@@ -110,7 +114,9 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path):
     _, tensors = load_checkpoint(d)
     tensors = {k: np.array(v) for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
     save_file(tensors, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\), e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing 1 tensor\(s\), e.g. \['model.layers.1.mlp.up_proj.weight'\]"
+    ):
         ModelExecutor(d, CFG)
 
 
@@ -119,7 +125,10 @@ def test_wrong_tensor_shape_is_named(tiny_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 512
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(640, 256\), but config.json implies \(512, 256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(640, 256\), but config.json implies \(512, 256\)",
+    ):
         ModelExecutor(d, CFG)
 
 
@@ -135,7 +144,9 @@ def test_bad_runtime_options(tiny_dir):
 def test_model_path_is_a_plain_file(tmp_path):
     f = tmp_path / "model.bin"
     f.write_bytes(b"\0")
-    with pytest.raises(ValueError, match=r"model path .*model\.bin.* is not a directory \(or a \.gguf file\)"):
+    with pytest.raises(
+        ValueError, match=r"model path .*model\.bin.* is not a directory \(or a \.gguf file\)"
+    ):
         load_checkpoint(f)
 
 
@@ -149,7 +160,10 @@ def test_config_that_is_not_an_object(tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, r"unsupported rope type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            r"unsupported rope type 'yarn'",
+        ),
         ({"num_key_value_heads": 3}, r"num_attention_heads=8 is not a multiple of num_key_value_heads=3"),
     ],
 )
