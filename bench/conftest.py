@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-RESULTS: dict[tuple[str, ...], float] = {}
+RESULTS: dict[tuple[str, ...], float] = {}  # key -> median seconds per call
+TOKENS: dict[tuple[str, ...], int] = {}  # key -> tokens per call
 
 
 @pytest.fixture
@@ -17,6 +18,7 @@ def record(benchmark):
             return None
         median = stats.stats.median
         RESULTS[key] = median
+        TOKENS[key] = tokens
         benchmark.extra_info["tokens_per_s"] = tokens / median
         return tokens / median
 
@@ -28,12 +30,14 @@ def pytest_terminal_summary(terminalreporter):
         return
     tr = terminalreporter
     tr.section("ringserve vs peers (median of this run)")
+    tr.write_line("ours/transformers = tokens/s ratio (> 1: ringserve is faster)")
     for key, ours in sorted(RESULTS.items()):
         if key[-1] != "ringserve":
             continue
         peer_key = key[:-1] + ("transformers",)
-        line = f"{' / '.join(key[:-1]):40s} ringserve {ours * 1e3:9.3f} ms"
+        n = TOKENS[key]
+        line = f"{' / '.join(key[:-1]):32s} ringserve {ours * 1e3:8.2f} ms {n / ours:8.0f} tok/s"
         if peer_key in RESULTS:
             peer = RESULTS[peer_key]
-            line += f"   transformers {peer * 1e3:9.3f} ms   speed ratio ours/transformers {peer / ours:6.2f}x"
+            line += f"   transformers {peer * 1e3:8.2f} ms {TOKENS[peer_key] / peer:8.0f} tok/s   ours/transformers {peer / ours:5.2f}x"
         tr.write_line(line)

