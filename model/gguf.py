@@ -17,6 +17,7 @@ What a GGUF does differently from an HF checkpoint, and how it is undone here:
 `load_checkpoint(path.gguf)` converts in memory on each load (weights never touch disk): the
 user's file stays the single source, and a dequantized f32 cache would be ~5x its size.
 `gguf_to_hf_dir` writes the same conversion as an HF directory (what fetch-model ships).
+The tokenizer, which actors load by directory, is written (small) by `gguf_tokenizer_dir`.
 """
 
 from __future__ import annotations
@@ -303,6 +304,37 @@ def load_gguf(path: str | Path) -> GGUFModel:
 def load_gguf_tokenizer(path: str | Path):
     """The GGUF's tokenizer as a transformers tokenizer, built in memory."""
     return hf_tokenizer(*build_tokenizer(read_gguf_vocab(path), str(path)))
+
+
+def gguf_tokenizer_dir(path: str | Path) -> Path:
+    """A directory holding the GGUF's tokenizer files, for code that loads tokenizers by path
+    (`AutoTokenizer.from_pretrained`). Content-addressed, so never stale and written once:
+    $RINGSERVE_CACHE/gguf-tokenizers/<sha256 of the two files' bytes, 16 hex>/."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    from model.fetch import cache_root
+
+    tok_json, tok_cfg = build_tokenizer(read_gguf_vocab(path), str(path))
+    cfg_text = json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n"
+    key = hashlib.sha256(tok_json.encode() + b"\0" + cfg_text.encode()).hexdigest()[:16]
+    target = cache_root() / "gguf-tokenizers" / key
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        (tmp / "tokenizer.json").write_text(tok_json)
+        (tmp / "tokenizer_config.json").write_text(cfg_text)  # written last: marks completeness
+        try:
+            tmp.rename(target)
+        except OSError:  # a concurrent call won the race with identical content
+            if not (target / "tokenizer_config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def gguf_to_hf_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:

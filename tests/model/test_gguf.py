@@ -14,7 +14,13 @@ import pytest
 
 from model.batch import Segment
 from model.config import ModelConfig
-from model.gguf import load_gguf_tokenizer, permute_rope_rows, read_gguf_weights, unpermute_rope_rows
+from model.gguf import (
+    gguf_tokenizer_dir,
+    load_gguf_tokenizer,
+    permute_rope_rows,
+    read_gguf_weights,
+    unpermute_rope_rows,
+)
 from model.step import ExecutorConfig, ModelExecutor
 from model.weights import load_checkpoint
 from tests.model.bpe_ref import TEXTS, RefBPE
@@ -282,3 +288,22 @@ def test_add_bos_token_adds_exactly_one(tiny_dir, tmp_path):
     ids = rebuilt.encode("hello")
     assert ids[0] == bos and ids.count(bos) == 1
     assert rebuilt.encode("hello", add_special_tokens=False) == ids[1:]
+
+
+def test_tokenizer_directory_for_a_gguf(tiny_dir, tmp_path, monkeypatch):
+    """What the actors load by path for `--model FILE.gguf`: cached under RINGSERVE_CACHE by content."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_dir("llama"), tmp_path / "t.gguf")
+    d = gguf_tokenizer_dir(path)
+    assert d.parent == tmp_path / "cache" / "gguf-tokenizers"
+    assert sorted(p.name for p in d.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert gguf_tokenizer_dir(path) == d and len(list(d.parent.iterdir())) == 1
+    from_dir, in_memory = AutoTokenizer.from_pretrained(str(d)), load_gguf_tokenizer(path)
+    for text in TEXTS:
+        assert from_dir.encode(text) == in_memory.encode(text), text
+    chat = [{"role": "user", "content": "Hi"}]
+    assert from_dir.apply_chat_template(chat, tokenize=False) == in_memory.apply_chat_template(
+        chat, tokenize=False
+    )
