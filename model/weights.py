@@ -41,7 +41,9 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
             raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise ValueError(f"{path}: truncated or not a safetensors file (header length {n} > file size {size})")
+            raise ValueError(
+                f"{path}: truncated or not a safetensors file (header length {n} > file size {size})"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
