@@ -143,7 +143,7 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     rot_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
     if rot_dim != head_dim:
         raise ValueError(
-            f"{path}: partial RoPE ({arch}.rope.dimension_count={rot_dim} < head_dim={head_dim}) is not supported"
+            f"{path}: partial RoPE ({arch}.rope.dimension_count={rot_dim} != head_dim={head_dim}) is not supported"
         )
     for t in reader.tensors:  # refuse before spending time dequantizing anything
         if t.tensor_type.name not in SUPPORTED:
