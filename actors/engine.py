@@ -38,7 +38,11 @@ def resolve_model(model_path: str | None) -> tuple[Path, Path]:
     path = resolve_model_path("smollm2" if model_path is None else model_path)
     if not path.exists():
         raise ValueError(f"model_path={str(path)!r}: no such directory or file")
-    return path, (path if path.is_dir() else path.parent)
+    if path.is_dir():
+        return path, path
+    from model.gguf import gguf_tokenizer_dir
+
+    return path, gguf_tokenizer_dir(path)
 
 
 class Engine:

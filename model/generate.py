@@ -108,7 +108,12 @@ def main(argv: list[str]) -> int:
     path = resolve_model_path(args.model)
     t0 = time.perf_counter()
     ex = ModelExecutor(path, ExecutorConfig(dtype=args.dtype, tp_size=args.tp_size, max_batch=64, num_pages=4096, max_context_len=2048))
-    tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(path.parent))
+    if path.is_dir():
+        tok = AutoTokenizer.from_pretrained(str(path))
+    else:
+        from model.gguf import gguf_tokenizer_dir
+
+        tok = AutoTokenizer.from_pretrained(str(gguf_tokenizer_dir(path)))
     print(f"loaded {path} ({ex.model_config.family}, {ex.model_config.num_layers} layers) and compiled "
           f"{ex.num_programs} buckets in {time.perf_counter() - t0:.1f}s", file=sys.stderr)  # fmt: skip
     texts = args.prompt or DEFAULT_PROMPTS
