@@ -279,8 +279,10 @@ class RadixCache:
 
         `token_ids` are its tokens [0, committed_len); the page-aligned part is inserted. The
         row is not changed: pages the tree adopts are marked tree-owned; where the tree already
-        held the prefix under other pages the request keeps its own. The lock moves to the
-        inserted node (if that node extends the locked one)."""
+        held the prefix under other pages the request keeps its own. A prefix has one path in
+        the tree, so the inserted node's path holds every tree-owned page of the row it spans;
+        the lock moves there when that is all of them (a shorter insert adopts nothing and
+        keeps the lock where it is)."""
         n_pages = len(token_ids) // self.page_size
         res = self.insert(
             np.asarray(token_ids[: n_pages * self.page_size], np.int32),
@@ -288,10 +290,14 @@ class RadixCache:
             kv.extra_key,
         )
         slots.disown(kv.slot, res.adopted_from, n_pages)
-        if res.node is not kv.node and self._extends(res.node, kv.node):
+        shared = np.flatnonzero(~slots.owned_mask(kv.slot))
+        if res.node is not kv.node and (shared.size == 0 or shared[-1] < n_pages):
             self.inc_lock_ref(res.node)
             self.dec_lock_ref(kv.node)
             kv.node = res.node
+        assert shared.size == 0 or shared[-1] < n_pages or res.adopted_from == n_pages, (
+            "a shorter insert adopted pages"
+        )
 
     def cache_finished_req(self, slots: SlotPool, kv: ReqKV, token_ids: np.ndarray | None) -> None:
         """Let go of a request: insert `token_ids` ([0, keep_len), the KV worth keeping; None:
@@ -310,11 +316,3 @@ class RadixCache:
         self.dec_lock_ref(kv.node)
         kv.node = self.root
         slots.free_slot(kv.slot)
-
-    def _extends(self, node: TreeNode, ancestor: TreeNode) -> bool:
-        n: TreeNode | None = node
-        while n is not None:
-            if n is ancestor:
-                return True
-            n = n.parent
-        return False

@@ -138,3 +138,31 @@ def test_finish_turn_rejects_a_bad_finished_len():
     kv = c.sessions.start_turn("s", np.arange(4, dtype=np.int32))
     with pytest.raises(ValueError, match="finished_len=3 with 2 output tokens"):
         c.sessions.finish_turn("s", kv, np.arange(4, dtype=np.int32), [5, 6], 3)
+
+
+def test_next_turn_caching_on_another_branch_moves_the_lock_there():
+    """Found by the stateful test: turn 1 cached [0 0 0 1] (pages 1, 2) and finished at T = 3,
+    so its row was cut to page 1. Turn 2 writes [0 0] at positions 2-3 and caches them: the
+    tree branches after page 1 and the request must lock the new branch (pages 1, 3), not the
+    old one, or page 3 could be evicted under it."""
+    c = KVCache(5, 2, 1)
+    kv = c.sessions.start_turn("s", np.array([0, 0], np.int32))
+    c.reserve(kv, 4)
+    c.commit(kv, 4)
+    c.cache_unfinished(kv, np.array([0, 0, 0, 1], np.int32))
+    c.sessions.finish_turn("s", kv, np.array([0, 0], np.int32), [0, 1, 3], 1)
+    assert c.slots.pages(kv.slot).tolist() == [1] and kv.committed_len == 2
+    kv = c.sessions.start_turn("s", np.array([0, 0, 0, 0], np.int32))
+    assert kv.cached_len == 2 and c.reserve(kv, 4).tolist() == [3, 4]
+    c.commit(kv, 2)
+    c.cache_unfinished(kv, np.array([0, 0, 0, 0], np.int32))
+    assert c.tree.path_pages(kv.node).tolist() == [1, 3] and c.slots.owned_mask(kv.slot).tolist() == [
+        False,
+        False,
+        True,
+    ]
+    assert (c.tree.total_pages, c.tree.protected_pages, c.tree.evictable_pages) == (3, 2, 1)
+    c.check_integrity([kv])
+    assert c.tree.evict(2) == 2 and c.allocator.num_free == 1  # the old branch (page 2) goes
+    c.release(kv)
+    c.check_integrity([])
