@@ -74,9 +74,10 @@ class InsertResult:
 
 
 def _common_len(a: np.ndarray, b: np.ndarray, page: int) -> int:
+    """Length of the common prefix of two token arrays, rounded down to whole pages."""
     n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    c = int(diff[0]) if diff.size else n
+    a, b = a[:n], b[:n]
+    c = n if a.tobytes() == b.tobytes() else int((a != b).argmax())  # bytes compare: the fast path
     return c - c % page
 
 

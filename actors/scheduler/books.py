@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from actors.scheduler.memory import MemoryBooks
 from actors.scheduler.req import Req
 from kvmem import KVCache, ReqKV
 
@@ -71,3 +72,7 @@ class KVBooks:
 
     def check_integrity(self, live: list[Req]) -> None:
         self.cache.check_integrity([self._kv(r) for r in live])
+
+
+def _conforms(books: KVBooks) -> MemoryBooks:
+    return books  # mypy checks KVBooks against the protocol here
