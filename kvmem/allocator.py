@@ -49,7 +49,6 @@ class PageAllocator:
         self.page_size = page_size
         self.state = np.zeros(num_pages, np.uint8)
         self._stack = np.zeros(num_pages, np.int32)  # free pages; alloc pops from the top
-        self._stamp = np.zeros(num_pages, np.int32)  # scratch for the duplicate check
         self._n_free = 0
         self._pending: list[np.ndarray] = []  # frees of an open group, pushed at its end
         self._group_depth = 0
@@ -141,21 +140,18 @@ class PageAllocator:
         pages = np.asarray(pages)
         if pages.dtype != np.int32:
             pages = pages.astype(np.int32)
-        k = pages.size
-        if k == 0:
+        if pages.size == 0:
             return pages
-        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+        ordered = np.sort(pages)  # gives the range and the duplicates in one pass
+        if ordered[0] < 0 or ordered[-1] >= self.num_pages:
             bad = next(int(p) for p in pages if not 0 <= p < self.num_pages)
             raise KVUsageError(f"{what} of page {bad}: out of range [1, {self.num_pages})")
         states = self.state[pages]
-        wrong = np.flatnonzero(states != expect)
-        if wrong.size:
-            p, s = int(pages[wrong[0]]), int(states[wrong[0]])
+        if (states != expect).any():
+            i = int((states != expect).argmax())
+            p, s = int(pages[i]), int(states[i])
             raise KVUsageError(f"{what} of page {p}: {_WHY[s]}, expected {STATE_NAMES[expect]}")
-        if k > 1:
-            idx = np.arange(k, dtype=np.int32)
-            self._stamp[pages] = idx
-            dup = np.flatnonzero(self._stamp[pages] != idx)
-            if dup.size:
-                raise KVUsageError(f"{what} of page {int(pages[dup[0]])}: it appears twice in one call")
+        if pages.size > 1 and (ordered[1:] == ordered[:-1]).any():
+            dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+            raise KVUsageError(f"{what} of page {dup}: it appears twice in one call")
         return pages
