@@ -70,14 +70,16 @@ def _check_free(allocator: PageAllocator) -> np.ndarray:
     return free
 
 
-def _check_tree(tree: RadixCache, state: np.ndarray) -> tuple[np.ndarray, dict[int, int]]:
-    """Returns the tree's pages and {node id: locks held directly on it}."""
+def _check_tree(tree: RadixCache, state: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[TreeNode, int]]]:
+    """Returns the tree's pages and {node id: (node, locks held directly on it)}."""
     page = tree.page_size
-    parts, direct = [], {}
+    parts = []
+    below: Counter[int] = Counter()  # node id -> its children's lock_refs
     evictable = protected = count = 0
     if tree.root.lock_ref or tree.root.pages.size:
         _fail("the root holds pages or locks")
-    for node in tree.nodes():
+    nodes = list(tree.nodes())
+    for node in nodes:
         count += 1
         parent = node.parent
         assert parent is not None
@@ -87,15 +89,16 @@ def _check_tree(tree: RadixCache, state: np.ndarray) -> tuple[np.ndarray, dict[i
             _fail(f"{node} is not its parent's child under its first page")
         if parent is not tree.root and node.extra_key != parent.extra_key:
             _fail(f"{node}: namespace {node.extra_key!r} under a node of namespace {parent.extra_key!r}")
-        below = sum(c.lock_ref for c in node.children.values())
-        if node.lock_ref < below:
-            _fail(f"{node}: lock_ref {node.lock_ref} below its children's total {below}")
-        direct[node.id] = node.lock_ref - below
+        below[parent.id] += node.lock_ref
         if node.lock_ref:
             protected += len(node.pages)
         else:
             evictable += len(node.pages)
         parts.append(node.pages)
+    direct = {n.id: (n, n.lock_ref - below[n.id]) for n in nodes}
+    for node, d in direct.values():
+        if d < 0:
+            _fail(f"{node}: lock_ref {node.lock_ref} below its children's total {below[node.id]}")
     if (count, evictable, protected) != (tree.num_nodes, tree.evictable_pages, tree.protected_pages):
         _fail(f"tree counters (nodes, evictable, protected) = {(tree.num_nodes, tree.evictable_pages, tree.protected_pages)}, "
               f"counted {(count, evictable, protected)}")  # fmt: skip
@@ -120,7 +123,7 @@ def _check_rows(
     tree: RadixCache,
     holders: list[ReqKV],
     state: np.ndarray,
-    direct: dict[int, int],
+    direct: dict[int, tuple[TreeNode, int]],
     locks: list[TreeNode],
 ) -> int:
     """Checks every holder's row; returns the number of held pages."""
@@ -185,9 +188,9 @@ def _check_rows(
     lost = (state == HELD) & (counts == 0)
     if lost.any():
         _fail(f"page {_first(lost)} is allocated but no live request or session holds it (leak)")
-    for node in tree.nodes():
-        if direct[node.id] != wanted.get(node.id, 0):
-            _fail(f"{node}: {direct[node.id]} direct lock(s), but {wanted.get(node.id, 0)} holder(s) lock it")
+    for node, d in direct.values():
+        if d != wanted.get(node.id, 0):
+            _fail(f"{node}: {d} direct lock(s), but {wanted.get(node.id, 0)} holder(s) lock it")
     missing = set(wanted) - set(direct)
     if missing:
         _fail(f"node {min(missing)} is locked by a holder but not in the tree")
