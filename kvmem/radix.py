@@ -171,7 +171,7 @@ class RadixCache:
         node, _, pos = self._walk(key, extra_key, split=True, touch=True)
         if pos < len(key):
             leaf = TreeNode(key[pos:].copy(), np.array(pages[pos // page :], np.int32), node, extra_key)
-            self.allocator.adopt(leaf.pages)  # raises (tree unchanged) unless they are HELD
+            self.allocator.adopt(leaf.pages)  # raises before attaching unless they are HELD
             leaf.last_access = self._clock
             node.children[self._child_key(node, leaf.key[:page], extra_key)] = leaf
             self.evictable_pages += len(leaf.pages)
