@@ -3,16 +3,16 @@
 Segment `/rs-<pid>-<random>-<edge>` (mode 0600; little-endian; one writer per cache line):
 
     offset          size  field
-    0               8     magic b"RSRING1\\0"
+    0               8     magic b"RSRING2\\0"
     8               4     N, the number of readers
     12              1     closed flag: 0, or 1 once mark_closed() ran (never cleared)
     16              8     C, capacity of the data area in bytes (a power of two, >= 64)
-    64              8     write cursor: bytes ever written (advisory, see below)
-    128 + 64*i      8     read cursor of reader i (advisory)
+    64              8     write cursor (advisory: stored after each frame, before its post)
+    128 + 64*i      8     read cursor of reader i (advisory: stored before each free_i post)
     D = 128 + 64*N  C     data area; cursor c lives at D + (c & (C - 1))
 
-Cursors are free-running byte counts. A frame starts at a cursor that is a multiple of 8, so its
-8-byte header never straddles the end of the data area; the payload may wrap to the start:
+Cursors are free-running byte counts from 0. A frame starts at a cursor that is a multiple of
+8, so its 8-byte header never straddles the end of the data area; the payload may wrap:
 
     u32 L (payload bytes) | u32 flags (MORE: a later frame continues this message;
     ABORT: drop the partial message) | L payload bytes | zero to 7 pad bytes
@@ -22,13 +22,16 @@ i there are two POSIX semaphores, `<segment>-i<i>` and `<segment>-f<i>`:
 
     items_i  frames written and not yet taken by reader i. The writer posts it after writing a
              frame; reader i's acquire is its barrier before reading that frame.
-    free_i   frames reader i has copied out and the writer has not reclaimed. Reader i posts it
-             after copying; the writer's acquire is its barrier before overwriting them.
+    free_i   granules (G = C/8 bytes) reader i has finished copying out of, not yet credited
+             to the writer. Reader i posts once each time its cursor passes a multiple of G;
+             the writer's acquire is its barrier before overwriting those bytes.
 
-Invariants: the writer keeps head - min_i(tail_i) <= C, where tail_i only advances by frames
-whose free_i token it holds (so the slowest reader holds the writer back); reader i reads only
-frames it holds an items_i token for, in order. The header cursors are stored before the
-matching post for diagnostics and attach; no decision reads another process's cursor.
+Invariants: the writer's view of reader i is tail_i = G * (free_i tokens taken) <= reader i's
+cursor, and the writer keeps head - min_i(tail_i) <= C (the slowest reader holds it back). At
+most G bytes are consumed but uncredited, and a frame is at most C/2 bytes, so a writer facing
+a drained ring always has room. Reader i reads only frames it holds an items_i token for, in
+order. Each role starts at cursor 0: attach before the handle's first send/recv, one writer and
+one handle per reader for the ring's life. No decision reads another process's cursor.
 `mark_closed()` sets the closed flag and posts every semaphore once, so a blocked or later
 send/recv in any process raises RingClosed (the token is put back for the next caller).
 
@@ -51,7 +54,7 @@ import posix_ipc
 
 __all__ = ["BroadcastRing", "Ring", "RingClosed", "RingTimeout", "shm_files"]
 
-_MAGIC = b"RSRING1\0"
+_MAGIC = b"RSRING2\0"
 _HEAD = struct.Struct("<8sIB3xQ")  # magic, N, closed, C
 _U64 = struct.Struct("<Q")
 _FRAME = struct.Struct("<II")  # payload length, flags
@@ -77,6 +80,14 @@ class RingTimeout(TimeoutError):
 
 class RingClosed(ConnectionError):
     """The ring was marked closed (its group is shutting down or a peer died)."""
+
+
+def _trywait(sem: posix_ipc.Semaphore) -> bool:
+    try:
+        sem.acquire(0)
+        return True
+    except posix_ipc.BusyError:
+        return False
 
 
 def _rcur(i: int) -> int:
@@ -109,21 +120,24 @@ class _RingBase:
         self._m = m
         self._mask = cap - 1
         self._data = _rcur(n)
+        self._gshift = cap.bit_length() - 4  # G = C / 8
         self._owner = owner
         self._spin_ns = spin_us * 1000
         self._items = [posix_ipc.Semaphore(f"{name}-i{i}") for i in range(n)]
         self._free = [posix_ipc.Semaphore(f"{name}-f{i}") for i in range(n)]
-        # writer view: head, and each reader's tail as far as the writer has reclaimed it
-        self._head: int = _U64.unpack_from(m, _WCUR)[0]
-        self._tails: list[int] = [_U64.unpack_from(m, _rcur(i))[0] for i in range(n)]
-        self._low = min(self._tails)
+        self._post = self._items[0].release if n == 1 else self._post_all  # publish one frame
+        # writer view: head, and each reader's credited tail (a multiple of G)
+        self._head = 0
+        self._tails = [0] * n
+        self._low = 0
         self._partial = False  # a split message was cut short by a timeout
         # reader view
-        self._reader = reader
         if reader is not None and not 0 <= reader < n:
             raise ValueError(f"reader index {reader} out of range for {n} readers")
-        self._tail = self._tails[reader] if reader is not None else 0
-        self._rcur_off = _rcur(reader) if reader is not None else 0
+        self._reader = reader
+        self._item = self._items[reader] if reader is not None else None
+        self._tail = 0
+        self._rcur_off = _rcur(reader or 0)
         self._parts: list[bytes] = []
         self._closed_handle = False
         if owner:
@@ -176,92 +190,112 @@ class _RingBase:
         if type(data) is not bytes and type(data) is not bytearray:
             data = memoryview(data).cast("B")
         n = len(data)
-        if self._m[_CLOSED]:
-            raise RingClosed(f"ring {self.name} is closed")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._partial:  # the reader holds the head of a message we gave up on: drop it
-            self._room(8, deadline, timeout, 0)
-            self._put(b"", 0, _ABORT)
-            self._partial = False
-        if n <= self.max_frame:
-            need = (n + 15) & ~7
-            if self._head + need - self._low > self.capacity:
-                self._room(need, deadline, timeout, n)
-            self._put(data, n, 0)
-            return
-        view = memoryview(data)
-        step = self.max_frame
-        self._partial = True
-        for a in range(0, n, step):
-            k = min(step, n - a)
-            self._room(_frame_bytes(k), deadline, timeout, n)
-            self._put(view[a : a + k], k, _MORE if a + k < n else 0)
-        self._partial = False
-
-    def _put(self, data: bytes | bytearray | memoryview, n: int, flags: int) -> None:
-        m, cap, base, h = self._m, self.capacity, self._data, self._head
+        m = self._m
+        if m[_CLOSED] or self._partial or n > self.max_frame:
+            return self._send_slow(data, n, timeout)
+        cap, base, h = self.capacity, self._data, self._head
+        need = (n + 15) & ~7
+        if h + need - self._low > cap:
+            self._room(need, None if timeout is None else time.monotonic() + timeout, timeout, n)
+        # the frame: header, payload (maybe in two pieces), then the cursor, then publish
         off = h & self._mask
-        _FRAME.pack_into(m, base + off, n, flags)
+        _FRAME.pack_into(m, base + off, n, 0)
         p = off + 8 if off + 8 < cap else 0
         end = p + n
         if end <= cap:
             m[base + p : base + end] = data
-        else:  # the payload wraps: tail piece at the end of the data area, rest at the start
-            k = cap - p
+        else:
             view = memoryview(data)
-            m[base + p : base + cap] = view[:k]
-            m[base : base + end - cap] = view[k:]
-        self._head = h = h + ((n + 15) & ~7)
+            m[base + p : base + cap] = view[: cap - p]
+            m[base : base + end - cap] = view[cap - p :]
+        self._head = h = h + need
         _U64.pack_into(m, _WCUR, h)
-        for s in self._items:
-            s.release()
+        self._post()
+
+    def _send_slow(self, data: bytes | bytearray | memoryview, n: int, timeout: float | None) -> None:
+        """send() when closed, after a cut message, or for a message split into frames."""
+        if self._m[_CLOSED]:
+            raise RingClosed(f"ring {self.name} is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._partial:  # the reader holds the head of a message we gave up on: drop it
+            self._put(b"", 0, _ABORT, deadline, timeout, 0)
+            self._partial = False
+        view = memoryview(data)
+        step = self.max_frame
+        self._partial = True
+        for a in range(0, max(n, 1), step):
+            k = min(step, n - a)
+            self._put(view[a : a + k], k, _MORE if a + k < n else 0, deadline, timeout, n)
+        self._partial = False
+
+    def _put(self, data: bytes | memoryview, n: int, flags: int, deadline: float | None, timeout: float | None,
+             total: int) -> None:  # fmt: skip
+        """Write and publish one frame (the slow path's copy of send's inline code)."""
+        m, cap, base = self._m, self.capacity, self._data
+        need = (n + 15) & ~7
+        if self._head + need - self._low > cap:
+            self._room(need, deadline, timeout, total)
+        off = self._head & self._mask
+        _FRAME.pack_into(m, base + off, n, flags)
+        p = off + 8 if off + 8 < cap else 0
+        k = min(n, cap - p)
+        m[base + p : base + p + k] = data[:k]
+        m[base : base + n - k] = data[k:]
+        self._head += need
+        _U64.pack_into(m, _WCUR, self._head)
+        self._post()
+
+    def _post_all(self) -> None:
+        for sem in self._items:
+            sem.release()
 
     def _room(self, need: int, deadline: float | None, timeout: float | None, n: int) -> None:
-        """Reclaim frames the readers have released until `need` bytes are free at the head."""
+        """Take free tokens until `need` bytes are free at the head, blocking on the slowest reader."""
         while True:
             for i, sem in enumerate(self._free):
-                got = 0
-                while sem.value > 0:  # only this writer takes free tokens: trywait succeeds
+                got = sem.value
+                for _ in range(got):  # only this writer takes free tokens: trywait succeeds
                     sem.acquire(0)
-                    got += 1
                 if got:
-                    self._reclaimed(i, sem, got)
+                    self._credit(i, sem, got)
             if self._head + need - self._low <= self.capacity:
                 return
             slow = self._tails.index(self._low)
             left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or not self._acquire(self._free[slow], left):
+            sem = self._free[slow]
+            if (left is not None and left <= 0) or not (_trywait(sem) or self._wait(sem, left)):
                 used = self._head - self._low
                 raise RingTimeout(
                     f"ring {self.name}: send of {n} bytes timed out after {timeout} s; the ring is full "
                     f"({used} of {self.capacity} bytes unread by reader {slow}): is the reader alive?"
                 )
-            self._reclaimed(slow, self._free[slow], 1)
+            self._credit(slow, sem, 1)
 
-    def _reclaimed(self, i: int, sem: posix_ipc.Semaphore, frames: int) -> None:
-        """Advance reader i's tail over `frames` frames whose free_i tokens the writer took."""
-        if self._m[_CLOSED]:  # one of the tokens may be mark_closed()'s wake-up, not a frame
+    def _credit(self, i: int, sem: posix_ipc.Semaphore, granules: int) -> None:
+        if self._m[_CLOSED]:  # one of the tokens may be mark_closed()'s wake-up, not a granule
             sem.release()
             raise RingClosed(f"ring {self.name} is closed")
-        m, base, mask, t = self._m, self._data, self._mask, self._tails[i]
-        for _ in range(frames):
-            t += _frame_bytes(_FRAME.unpack_from(m, base + (t & mask))[0])
-        assert t <= self._head, (t, self._head)
-        self._tails[i] = t
+        self._tails[i] += granules << self._gshift
+        assert self._tails[i] <= self._head, (self._tails[i], self._head)
         self._low = min(self._tails)
 
     # ---- reader --------------------------------------------------------------------------
     def recv(self, timeout: float | None = None) -> bytes | None:
         """The next whole message, or None if none arrived within `timeout` s (0: poll; None:
         wait forever). Raises RingClosed once the ring is marked closed."""
-        if self._reader is None:
+        sem = self._item
+        if sem is None:
             raise ValueError(f"ring {self.name}: this handle is the writer; attach with a reader index")
-        sem = self._items[self._reader]
-        deadline = None if timeout is None or timeout <= 0 else time.monotonic() + timeout
         m, cap, base = self._m, self.capacity, self._data
+        deadline = None
         while True:
-            if not self._acquire(sem, timeout):
-                return None
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
+                if timeout is not None and deadline is None and timeout > 0:
+                    deadline = time.monotonic() + timeout
+                if not self._wait(sem, timeout):
+                    return None
             if m[_CLOSED]:
                 sem.release()
                 raise RingClosed(f"ring {self.name} is closed")
@@ -275,9 +309,12 @@ class _RingBase:
                 if end <= cap
                 else m[base + p : base + cap] + m[base : base + end - cap]
             )
-            self._tail = t = t + ((n + 15) & ~7)
-            _U64.pack_into(m, self._rcur_off, t)
-            self._free[self._reader].release()
+            self._tail = t2 = t + ((n + 15) & ~7)
+            if (t ^ t2) >> self._gshift:  # passed a multiple of G: credit the writer
+                _U64.pack_into(m, self._rcur_off, t2)
+                free = self._free[self._reader or 0]
+                for _ in range((t2 >> self._gshift) - (t >> self._gshift)):
+                    free.release()
             if not flags:
                 if not self._parts:
                     return data
@@ -292,29 +329,30 @@ class _RingBase:
             if deadline is not None:  # the rest of a split message shares the timeout
                 timeout = deadline - time.monotonic()
 
-    def _acquire(self, sem: posix_ipc.Semaphore, timeout: float | None) -> bool:
-        """Take one token: try, spin up to spin_us polling the value, then sleep in the kernel."""
-        try:
-            sem.acquire(0)
-            return True
-        except posix_ipc.BusyError:
-            pass
+    def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None) -> bool:
+        """Take one token after a failed trywait: spin up to spin_us polling the semaphore's
+        value (a plain read; the trywait that follows is the barrier), then sleep in the kernel."""
         if timeout is not None and timeout <= 0:
             return False
         if self._spin_ns:
-            now = time.perf_counter_ns()
+            clock = time.perf_counter_ns
+            now = clock()
             stop = now + self._spin_ns
             if timeout is not None:
                 stop = min(stop, now + int(timeout * 1e9))
-            while time.perf_counter_ns() < stop:
-                if sem.value > 0:
-                    try:
-                        sem.acquire(0)
-                        return True
-                    except posix_ipc.BusyError:  # pragma: no cover - single consumer per token
-                        pass
+            while True:
+                for _ in range(8):  # read the clock once per 8 polls
+                    if sem.value > 0:
+                        try:
+                            sem.acquire(0)
+                            return True
+                        except posix_ipc.BusyError:  # pragma: no cover - one consumer per token
+                            pass
+                if clock() >= stop:
+                    break
+                os.sched_yield()  # a peer sharing this core gets to run (a no-op on an idle core)
             if timeout is not None:
-                timeout -= (time.perf_counter_ns() - now) / 1e9
+                timeout -= (clock() - now) / 1e9
                 if timeout <= 0:
                     return False
         try:
