@@ -65,18 +65,22 @@ class Engine:
         self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
         cfg = m.encode(m.ActorConfig(args, str(self.model_dir), str(tok_dir), sorted(eos), self.vocab_size))
 
-        self.group = group = ActorGroup()
+        self.group = group = ActorGroup(on_failure=self._on_failure)
         self._closed = False
         try:
-            cap = args.ring_bytes
-            sched_in, runner_in = group.ring("sched", cap), group.broadcast_ring("runner", 1, cap)
-            runner_out, detok_in, front_in = (
-                group.ring("result", cap),
-                group.ring("detok", cap),
-                group.ring("front", cap),
-            )
-            group.spawn("scheduler", "actors.scheduler.loop:run", cfg,
-                        {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name, "to_detok": detok_in.name})  # fmt: skip
+            cap, spin = args.ring_bytes, args.spin_us
+            sched_in = group.ring("sched", cap, spin_us=spin)
+            runner_in = group.broadcast_ring("runner", 1, cap, spin_us=spin)
+            runner_out = group.ring("result", cap, spin_us=spin)
+            detok_in = group.ring("detok", cap, spin_us=spin)
+            front_in = group.ring("front", cap, spin_us=spin)
+            sched_rings = {
+                "inbox": sched_in.name,
+                "to_runner": runner_in.name,
+                "from_runner": runner_out.name,
+                "to_detok": detok_in.name,
+            }
+            group.spawn("scheduler", "actors.scheduler.loop:run", cfg, sched_rings)
             group.spawn(
                 "runner", "actors.runner:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name}
             )
@@ -87,7 +91,6 @@ class Engine:
                 {"inbox": detok_in.name, "outbox": front_in.name},
             )
             self.frontend = TokenizerManager(self.tokenizer, sched_in, front_in)
-            group.on_failure(self._on_failure)
             group.wait_ready(READY_TIMEOUT_S)
         except BaseException:
             self.shutdown()

@@ -20,7 +20,7 @@ import numpy as np
 from actors import messages as m
 from actors.runner_state import SlotMirrors
 from model.sampler import SampleOut
-from model.step import ExecutorConfig, ModelExecutor
+from model.step import ExecutorConfig, ModelExecutor, enable_compilation_cache
 
 log = logging.getLogger("ringserve.runner")
 
@@ -105,6 +105,8 @@ def run(ctx) -> None:
 
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
+    if args.xla_cache:
+        enable_compilation_cache()
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
     ctx.log.info(

@@ -22,8 +22,12 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerArgs:
     # model
-    model_path: str | None = _opt(None, "'tiny' (generated), 'smollm2' (fetched), a model directory or a .gguf file; None = smollm2")
-    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)")
+    model_path: str | None = _opt(
+        None, "'tiny' (generated), 'smollm2' (fetched), a model directory or a .gguf file; None = smollm2"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _opt(
+        "float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)"
+    )
     tp_size: int = _opt(1, "tensor-parallel devices on this host (the `tp` mesh axis)")
     attention_backend: Literal["auto", "native", "pallas"] = _opt("auto", "paged attention implementation")
     # memory
@@ -32,10 +36,14 @@ class ServerArgs:
     max_running_requests: int = _opt(64, "requests decoded together (largest decode bucket; slot pool rows)")
     context_length: int = _opt(4096, "longest prompt + output of one request")
     # scheduling
-    chunked_prefill_size: int = _opt(512, "max new tokens of one request per prefill step; -1 disables chunking")
+    chunked_prefill_size: int = _opt(
+        512, "max new tokens of one request per prefill step; -1 disables chunking"
+    )
     max_prefill_tokens: int = _opt(2048, "max new tokens in one prefill batch (largest extend bucket)")
     enable_mixed_chunk: bool = _opt(False, "run a prefill chunk and the decode batch in one step")
-    schedule_policy: Literal["fcfs", "lpm"] = _opt("fcfs", "waiting-queue order: first come or longest prefix match")
+    schedule_policy: Literal["fcfs", "lpm"] = _opt(
+        "fcfs", "waiting-queue order: first come or longest prefix match"
+    )
     disable_radix_cache: bool = _opt(False, "cache no prefixes (RL rollouts often run this way)")
     disable_overlap_schedule: bool = _opt(False, "schedule batch N+1 only after batch N's tokens are back")
     new_token_ratio_init: float = _opt(0.7, "initial share of max_new_tokens reserved per running request")
@@ -45,6 +53,9 @@ class ServerArgs:
     extend_block: int = _opt(16, "query block of prefill steps (a request's tokens pad to a multiple)")
     attn_chunk_tokens: int = _opt(256, "keys read per attention loop iteration")
     precompile: bool = _opt(True, "compile every shape bucket at start-up")
+    xla_cache: bool = _opt(
+        True, "keep compiled step programs in $RINGSERVE_CACHE/xla (later start-ups take seconds)"
+    )
     # sampling / outputs
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")
     seed: int = _opt(0, "default sampling seed of requests that give none")
@@ -68,16 +79,42 @@ class ServerArgs:
             if choices is not None:
                 need(v in choices, f"{f.name}={v!r}: choose one of {list(choices)}")
         need(self.tp_size >= 1, f"tp_size={self.tp_size}: must be >= 1")
-        need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, f"page_size={self.page_size}: must be a power of two >= 1")
-        need(self.max_total_tokens >= 2 * self.page_size, f"max_total_tokens={self.max_total_tokens}: must hold at least 2 pages of {self.page_size}")
-        need(self.max_running_requests >= 1, f"max_running_requests={self.max_running_requests}: must be >= 1")
+        need(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            f"page_size={self.page_size}: must be a power of two >= 1",
+        )
+        need(
+            self.max_total_tokens >= 2 * self.page_size,
+            f"max_total_tokens={self.max_total_tokens}: must hold at least 2 pages of {self.page_size}",
+        )
+        need(
+            self.max_running_requests >= 1, f"max_running_requests={self.max_running_requests}: must be >= 1"
+        )
         need(self.context_length >= 2, f"context_length={self.context_length}: must be >= 2")
-        need(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, f"chunked_prefill_size={self.chunked_prefill_size}: -1 (off) or >= 1")
-        need(self.max_prefill_tokens >= self.extend_block, f"max_prefill_tokens={self.max_prefill_tokens}: must be >= extend_block={self.extend_block}")
-        need(self.max_prefill_tokens % self.extend_block == 0, f"max_prefill_tokens={self.max_prefill_tokens}: must be a multiple of extend_block={self.extend_block}")
-        need(0.0 <= self.new_token_ratio_min <= self.new_token_ratio_init <= 1.0, "new_token_ratio_min <= new_token_ratio_init must lie in [0, 1]")
-        need(self.ring_bytes >= 4096 and self.ring_bytes & (self.ring_bytes - 1) == 0, f"ring_bytes={self.ring_bytes}: must be a power of two >= 4096")
-        need(0 <= self.max_top_logprobs_num <= 64, f"max_top_logprobs_num={self.max_top_logprobs_num}: must be in [0, 64]")
+        need(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+            f"chunked_prefill_size={self.chunked_prefill_size}: -1 (off) or >= 1",
+        )
+        need(
+            self.max_prefill_tokens >= self.extend_block,
+            f"max_prefill_tokens={self.max_prefill_tokens}: must be >= extend_block={self.extend_block}",
+        )
+        need(
+            self.max_prefill_tokens % self.extend_block == 0,
+            f"max_prefill_tokens={self.max_prefill_tokens}: must be a multiple of extend_block={self.extend_block}",
+        )
+        need(
+            0.0 <= self.new_token_ratio_min <= self.new_token_ratio_init <= 1.0,
+            "new_token_ratio_min <= new_token_ratio_init must lie in [0, 1]",
+        )
+        need(
+            self.ring_bytes >= 4096 and self.ring_bytes & (self.ring_bytes - 1) == 0,
+            f"ring_bytes={self.ring_bytes}: must be a power of two >= 4096",
+        )
+        need(
+            0 <= self.max_top_logprobs_num <= 64,
+            f"max_top_logprobs_num={self.max_top_logprobs_num}: must be in [0, 64]",
+        )
         need(1 <= self.port <= 65535, f"port={self.port}: must be in [1, 65535]")
 
     @property
@@ -98,7 +135,9 @@ class ServerArgs:
             tp = hints[f.name]
             helptext = f"{f.metadata.get('help', '')} (default: {f.default!r})"
             if tp is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
+                )
                 continue
             choices = _literal_choices(tp)
             if choices is not None:
@@ -120,7 +159,9 @@ class ServerArgs:
         for k in kwargs:
             if k not in names:
                 close = difflib.get_close_matches(k, names, n=3)
-                raise ValueError(f"unknown server option {k!r}" + (f"; did you mean {close}?" if close else ""))
+                raise ValueError(
+                    f"unknown server option {k!r}" + (f"; did you mean {close}?" if close else "")
+                )
         return cls(**kwargs)
 
 

@@ -69,6 +69,19 @@ class ExecutorConfig:
         return self.num_pages * self.page_size
 
 
+def enable_compilation_cache(path: str | Path | None = None) -> Path:
+    """Persist XLA executables on disk (process-wide), keyed by XLA on program and backend:
+    the second start-up with the same shapes loads its buckets instead of compiling them."""
+    from model.tiny import default_cache_dir
+
+    p = Path(path) if path is not None else default_cache_dir().parent / "xla"
+    p.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(p))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return p
+
+
 class ModelExecutor:
     def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
         if cfg.dtype not in DTYPES:
@@ -79,7 +92,11 @@ class ModelExecutor:
         self.model_config, tensors = load_checkpoint(model_path)
         mc = self.model_config
         if cfg.max_context_len > mc.max_position_embeddings:
-            log.warning("max_context_len %d > model's max_position_embeddings %d", cfg.max_context_len, mc.max_position_embeddings)
+            log.warning(
+                "max_context_len %d > model's max_position_embeddings %d",
+                cfg.max_context_len,
+                mc.max_position_embeddings,
+            )
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink
         self._place_params(hf_to_ours(mc, tensors, DTYPES[cfg.dtype]))
@@ -184,7 +201,9 @@ class ModelExecutor:
                 return kv, model.logits(h[batch.sample_idx])
 
             self._logits_fn = jax.jit(fwd, donate_argnums=(1,))
-        self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
+        self.kv, logits = self._logits_fn(
+            self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh))
+        )
         return np.asarray(logits)[hb.rows], hb.rows
 
     @property

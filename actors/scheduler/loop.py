@@ -200,7 +200,7 @@ class SchedulerLoop:
             ),
             "available_kv_tokens": self.books.available_tokens(),
             "initial_kv_tokens": self.initial_tokens,
-            "tree_cache_size": self.books.tree_size(),
+            "tree_cache_size": self.books.cache.tree.total_pages * self.args.page_size,
             "req_to_token_pool_used": self.args.max_running_requests - self.books.free_slots(),
             "forward_ct_decode": self.stats["decode_steps"],
             "forward_ct_prefill": self.stats["prefill_steps"],
