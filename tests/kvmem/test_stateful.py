@@ -319,13 +319,16 @@ class KVMachine(RuleBasedStateMachine):
 
 
 def test_kvmem_random_operations():
+    """Runs examples of up to STEPS_PER_EXAMPLE steps until STEPS steps have been checked."""
     counted[0] = 0
-    cfg = settings(
-        max_examples=max(1, STEPS // STEPS_PER_EXAMPLE),
-        stateful_step_count=STEPS_PER_EXAMPLE,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
     while counted[0] < STEPS:
+        left = STEPS - counted[0]
+        cfg = settings(
+            max_examples=max(1, left // STEPS_PER_EXAMPLE),
+            stateful_step_count=STEPS_PER_EXAMPLE,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
         run_state_machine_as_test(KVMachine, settings=cfg)
     assert counted[0] >= STEPS
+    print(f"kvmem state machine: {counted[0]} steps checked")
