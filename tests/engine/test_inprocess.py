@@ -10,8 +10,8 @@ from actors import messages as m
 from actors.runner_state import SlotMirrors
 from actors.sampling_params import SamplingParams
 from actors.scheduler.batch import StepResult
-from actors.scheduler.output import step_msg
 from actors.scheduler.core import SchedulerCore
+from actors.scheduler.output import step_msg
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from model.step import ExecutorConfig, ModelExecutor
