@@ -35,13 +35,16 @@ one handle per reader for the ring's life. No decision reads another process's c
 `mark_closed()` sets the closed flag and posts every semaphore once, so a blocked or later
 send/recv in any process raises RingClosed (the token is put back for the next caller).
 
-sem_post and sem_trywait are atomics that enter the kernel only to wake a sleeper. A reader spins
-up to `spin_us` polling its semaphore's value, then sleeps in sem_timedwait: no CPU when idle.
+sem_post and sem_trywait are atomics that enter the kernel only to wake a sleeper. A waiting reader
+(or a writer facing a full ring) spins up to `spin_us` polling its semaphore's value, yielding the
+core every few polls (so a peer pinned to the same core still runs), then sleeps in
+sem_timedwait: no CPU when idle. spin_us=0 sleeps at once.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import os
 import re
@@ -49,6 +52,7 @@ import secrets
 import struct
 import time
 import weakref
+from typing import Self
 
 import posix_ipc
 
@@ -71,7 +75,8 @@ _OWNED: weakref.WeakSet[_RingBase] = weakref.WeakSet()  # rings this process cre
 def _unlink_owned() -> None:
     """An owner that exits without close() still removes its names (SIGKILL: `ringserve cleanup`)."""
     for ring in list(_OWNED):
-        ring.unlink()
+        if ring._creator == os.getpid():  # not in a fork()ed child that inherited the set
+            ring.unlink()
 
 
 class RingTimeout(TimeoutError):
@@ -82,21 +87,8 @@ class RingClosed(ConnectionError):
     """The ring was marked closed (its group is shutting down or a peer died)."""
 
 
-def _trywait(sem: posix_ipc.Semaphore) -> bool:
-    try:
-        sem.acquire(0)
-        return True
-    except posix_ipc.BusyError:
-        return False
-
-
 def _rcur(i: int) -> int:
     return 128 + 64 * i
-
-
-def _frame_bytes(n: int) -> int:
-    """Bytes a frame with an n-byte payload occupies: 8-byte header + payload padded to 8."""
-    return (n + 15) & ~7
 
 
 def shm_files(name: str, num_readers: int = 1) -> list[str]:
@@ -140,12 +132,13 @@ class _RingBase:
         self._rcur_off = _rcur(reader or 0)
         self._parts: list[bytes] = []
         self._closed_handle = False
+        self._creator = os.getpid()
         if owner:
             _OWNED.add(self)
 
     # ---- creation ------------------------------------------------------------------------
     @classmethod
-    def _new(cls, edge: str, n: int, capacity: int, spin_us: int, reader: int | None) -> _RingBase:
+    def _new(cls, edge: str, n: int, capacity: int, spin_us: int, reader: int | None) -> Self:
         if not _EDGE.fullmatch(edge):
             raise ValueError(f"ring edge {edge!r} must be 1-32 characters of [A-Za-z0-9_]")
         if capacity < 64 or capacity & (capacity - 1) or capacity > 1 << 31:
@@ -172,7 +165,7 @@ class _RingBase:
             raise
 
     @classmethod
-    def _open(cls, name: str, reader: int | None, spin_us: int) -> _RingBase:
+    def _open(cls, name: str, reader: int | None, spin_us: int) -> Self:
         name = "/" + name.lstrip("/")
         shm = posix_ipc.SharedMemory(name)
         try:
@@ -253,17 +246,16 @@ class _RingBase:
         """Take free tokens until `need` bytes are free at the head, blocking on the slowest reader."""
         while True:
             for i, sem in enumerate(self._free):
-                got = sem.value
-                for _ in range(got):  # only this writer takes free tokens: trywait succeeds
-                    sem.acquire(0)
-                if got:
+                if got := sem.value:
+                    for _ in range(got):  # only this writer takes free tokens: trywait succeeds
+                        sem.acquire(0)
                     self._credit(i, sem, got)
             if self._head + need - self._low <= self.capacity:
                 return
             slow = self._tails.index(self._low)
             left = None if deadline is None else deadline - time.monotonic()
             sem = self._free[slow]
-            if (left is not None and left <= 0) or not (_trywait(sem) or self._wait(sem, left)):
+            if (left is not None and left <= 0) or not self._wait(sem, left):
                 used = self._head - self._low
                 raise RingTimeout(
                     f"ring {self.name}: send of {n} bytes timed out after {timeout} s; the ring is full "
@@ -304,11 +296,10 @@ class _RingBase:
             n, flags = _FRAME.unpack_from(m, base + off)
             p = off + 8 if off + 8 < cap else 0
             end = p + n
-            data = (
-                m[base + p : base + end]
-                if end <= cap
-                else m[base + p : base + cap] + m[base : base + end - cap]
-            )
+            if end <= cap:
+                data = m[base + p : base + end]
+            else:  # the payload wraps
+                data = m[base + p : base + cap] + m[base : base + end - cap]
             self._tail = t2 = t + ((n + 15) & ~7)
             if (t ^ t2) >> self._gshift:  # passed a multiple of G: credit the writer
                 _U64.pack_into(m, self._rcur_off, t2)
@@ -330,8 +321,8 @@ class _RingBase:
                 timeout = deadline - time.monotonic()
 
     def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None) -> bool:
-        """Take one token after a failed trywait: spin up to spin_us polling the semaphore's
-        value (a plain read; the trywait that follows is the barrier), then sleep in the kernel."""
+        """Take one token: spin up to spin_us polling the semaphore's value (a plain read; the
+        trywait that follows is the barrier), yielding every 8 polls, then sleep in the kernel."""
         if timeout is not None and timeout <= 0:
             return False
         if self._spin_ns:
@@ -343,11 +334,8 @@ class _RingBase:
             while True:
                 for _ in range(8):  # read the clock once per 8 polls
                     if sem.value > 0:
-                        try:
-                            sem.acquire(0)
-                            return True
-                        except posix_ipc.BusyError:  # pragma: no cover - one consumer per token
-                            pass
+                        sem.acquire(0)  # cannot fail: each semaphore has one consumer
+                        return True
                 if clock() >= stop:
                     break
                 os.sched_yield()  # a peer sharing this core gets to run (a no-op on an idle core)
@@ -388,10 +376,8 @@ class _RingBase:
     def unlink(self) -> None:
         """Remove the segment and semaphore names; mapped handles keep working until closed."""
         for path in shm_files(self.name, self.num_readers):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def __enter__(self):
         return self
@@ -409,15 +395,11 @@ class Ring(_RingBase):
     @classmethod
     def create(cls, edge: str, capacity: int = 1 << 22, *, spin_us: int = 50) -> Ring:
         """A new ring owned by this process; pass `ring.name` to the peer, which attaches."""
-        ring = cls._new(edge, 1, capacity, spin_us, 0)
-        assert isinstance(ring, Ring)
-        return ring
+        return cls._new(edge, 1, capacity, spin_us, 0)
 
     @classmethod
     def attach(cls, name: str, *, spin_us: int = 50) -> Ring:
-        ring = cls._open(name, 0, spin_us)
-        assert isinstance(ring, Ring)
-        return ring
+        return cls._open(name, 0, spin_us)
 
 
 class BroadcastRing(_RingBase):
@@ -428,14 +410,10 @@ class BroadcastRing(_RingBase):
         cls, edge: str, num_readers: int, capacity: int = 1 << 22, *, spin_us: int = 50
     ) -> BroadcastRing:
         """A new ring owned by this process. This handle writes; readers attach with their index."""
-        ring = cls._new(edge, num_readers, capacity, spin_us, None)
-        assert isinstance(ring, BroadcastRing)
-        return ring
+        return cls._new(edge, num_readers, capacity, spin_us, None)
 
     @classmethod
     def attach(cls, name: str, reader: int | None, *, spin_us: int = 50) -> BroadcastRing:
         """Attach as reader `reader` (0..N-1), or as the writer with reader=None (any index can
         also send: the index is used by recv only)."""
-        ring = cls._open(name, reader, spin_us)
-        assert isinstance(ring, BroadcastRing)
-        return ring
+        return cls._open(name, reader, spin_us)
