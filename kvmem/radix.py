@@ -285,12 +285,7 @@ class RadixCache:
         the lock moves there when that is all of them (a shorter insert adopts nothing and
         keeps the lock where it is)."""
         n_pages = len(token_ids) // self.page_size
-        res = self.insert(
-            np.asarray(token_ids[: n_pages * self.page_size], np.int32),
-            slots.pages(kv.slot)[:n_pages],
-            kv.extra_key,
-        )
-        slots.disown(kv.slot, res.adopted_from, n_pages)
+        res = self._adopt_row(slots, kv, token_ids)
         shared = np.flatnonzero(~slots.owned_mask(kv.slot))
         if res.node is not kv.node and (shared.size == 0 or shared[-1] < n_pages):
             self.inc_lock_ref(res.node)
@@ -300,18 +295,24 @@ class RadixCache:
             "a shorter insert adopted pages"
         )
 
+    def _adopt_row(self, slots: SlotPool, kv: ReqKV, token_ids: np.ndarray) -> InsertResult:
+        """Insert the row's page-aligned prefix of `token_ids`; the pages the tree takes from
+        the row stop being the request's (the row itself is unchanged)."""
+        n_pages = len(token_ids) // self.page_size
+        res = self.insert(
+            np.asarray(token_ids[: n_pages * self.page_size], np.int32),
+            slots.pages(kv.slot)[:n_pages],
+            kv.extra_key,
+        )
+        slots.disown(kv.slot, res.adopted_from, n_pages)
+        return res
+
     def cache_finished_req(self, slots: SlotPool, kv: ReqKV, token_ids: np.ndarray | None) -> None:
         """Let go of a request: insert `token_ids` ([0, keep_len), the KV worth keeping; None:
         nothing) page-aligned, free every page of the row it still owns (the partial last page
         included), unlock, free the slot."""
         if token_ids is not None and len(token_ids) >= self.page_size:
-            n_pages = len(token_ids) // self.page_size
-            res = self.insert(
-                np.asarray(token_ids[: n_pages * self.page_size], np.int32),
-                slots.pages(kv.slot)[:n_pages],
-                kv.extra_key,
-            )
-            slots.disown(kv.slot, res.adopted_from, n_pages)
+            self._adopt_row(slots, kv, token_ids)
         with self.allocator.free_group():
             slots.free_tail(kv.slot, 0)
         self.dec_lock_ref(kv.node)
