@@ -208,6 +208,14 @@ def test_recv_timeout_poll_and_wrapped_payloads():
             assert ring.recv(0) == msg
 
 
+def test_an_idle_reader_sleeps_instead_of_spinning():
+    with Ring.create("idle", 1024, spin_us=200) as ring:
+        t0, c0 = time.monotonic(), time.process_time()
+        assert ring.recv(0.5) is None
+        wall, cpu = time.monotonic() - t0, time.process_time() - c0
+        assert wall >= 0.45 and cpu < 0.05, (wall, cpu)
+
+
 def test_accepts_memoryviews_of_any_format():
     with Ring.create("views", 1024) as ring:
         a = np.arange(10, dtype=np.int32)
