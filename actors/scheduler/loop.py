@@ -66,7 +66,7 @@ class SchedulerLoop:
         self.checked_idle = False
         self.initial_tokens = self.books.available_tokens()
         self.stats = collections.Counter[str]()
-        self.times = collections.Counter[str]()
+        self.times: dict[str, float] = collections.defaultdict(float)
         self.integrity_errors: list[str] = []
 
     # ---- main loop --------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def run(ctx) -> None:
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
 
     def decode_tail(ids: list[int]) -> str:
-        return tok.decode(ids, skip_special_tokens=True)
+        return str(tok.decode(ids, skip_special_tokens=True))
 
     spin = args.spin_us
     loop = SchedulerLoop(
