@@ -122,6 +122,10 @@ class ActorGroup:
         """Process id of actor `name` (None before it started)."""
         return self._actors[name].proc.pid
 
+    def exitcode(self, name: str) -> int | None:
+        """Exit code of actor `name` once the watcher reaped it (-N: killed by signal N); else None."""
+        return self._actors[name].exitcode
+
     # ---- actors --------------------------------------------------------------------------
     def spawn(self, name: str, target: str, config: bytes = b"", rings: dict[str, str] | None = None) -> None:
         """Start actor `name` running `target` ("module:function") in a spawned process."""

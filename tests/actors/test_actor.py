@@ -67,11 +67,10 @@ def test_ready_info_forwarded_logs_and_polite_stop(caplog):
         group.spawn("a", f"{HERE}:idle")
         group.spawn("b", f"{HERE}:idle")
         info = group.wait_ready(60)
-        assert set(info) == {"a", "b"} and all(int(v) > 0 for v in info.values())
-        procs = {n: a.proc for n, a in group._actors.items()}
+        assert info == {n: str(group.pid(n)).encode() for n in ("a", "b")}
         t0 = time.monotonic()
-    assert time.monotonic() - t0 < 3  # asked nicely, both returned: no SIGTERM grace was needed
-    assert {n: p.exitcode for n, p in procs.items()} == {"a": 0, "b": 0}
+    assert time.monotonic() - t0 < 3  # asked nicely, both returned: no SIGTERM after the 5 s grace
+    assert {n: group.exitcode(n) for n in ("a", "b")} == {"a": 0, "b": 0}
     assert group.failure is None and _leftovers(group) == []
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("ringserve.actor.")]
     assert "[a] hello from a" in lines and "[b] hello from b" in lines
@@ -89,7 +88,7 @@ def test_actor_raising_at_startup_fails_wait_ready_with_its_traceback():
     assert "actor 'broken' failed (exit code 1)" in text
     assert "in fails_at_startup" in text and "ValueError: bad config b'cfg-42'" in text
     assert [(n, c) for n, c, _ in calls] == [("broken", 1)] and "ValueError" in calls[0][2]
-    assert group._actors["healthy"].proc.exitcode is not None  # the group went down
+    assert group.exitcode("healthy") is not None  # the group went down
     assert glob.glob(f"/dev/shm/*{ring.name.lstrip('/')}*") == []
     group.shutdown()
 
@@ -105,7 +104,7 @@ def test_actor_dying_later_brings_the_group_down_within_a_second(how):
     group.wait_ready(60)
     t0 = time.monotonic()
     if how == "sigkill":
-        os.kill(group._actors["victim"].proc.pid or 0, signal.SIGKILL)
+        os.kill(group.pid("victim") or 0, signal.SIGKILL)
     else:
         ring.send(how.encode())
     assert group.wait_closed(15)
@@ -124,7 +123,7 @@ def test_actor_dying_later_brings_the_group_down_within_a_second(how):
     else:
         assert code == -signal.SIGKILL and "died (killed by SIGKILL)" in tb
     assert isinstance(group.failure, ActorFailed) and group.failure.traceback_text == tb
-    assert group._actors["bystander"].proc.exitcode == 0  # stopped: RingClosed while stopping is clean
+    assert group.exitcode("bystander") == 0  # stopped: RingClosed while stopping is clean
     assert _leftovers(group) == []
     with pytest.raises(RingClosed):  # the parent's own handles see the closure too
         other.send(b"x")
@@ -150,7 +149,7 @@ def test_shutdown_escalates_to_sigkill_for_an_actor_that_ignores_stop():
     t0 = time.monotonic()
     group.shutdown()
     assert time.monotonic() - t0 < 5
-    assert group._actors["stubborn"].proc.exitcode == -signal.SIGKILL
+    assert group.exitcode("stubborn") == -signal.SIGKILL
     assert group.failure is None
 
 

@@ -280,7 +280,7 @@ def test_reader_killed_mid_stream_is_detected_by_the_writer():
     group = ActorGroup(on_failure=lambda name, code, tb: failures.append((name, code, time.monotonic())))
     ring = group.ring("victim", 1024)
     group.spawn("reader", "tests.actors.test_ring:slow_reader", b"", {"in": ring.name})
-    pid = group._actors["reader"].proc.pid
+    pid = group.pid("reader")
     group.wait_ready(60)
     sent, killed_at = 0, 0.0
     with pytest.raises(RingClosed):
