@@ -19,15 +19,17 @@ freed with the group's ring objects.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -47,6 +49,27 @@ class ActorFailed(RuntimeError):
     def __init__(self, name: str, exitcode: int | None, traceback_text: str) -> None:
         super().__init__(f"actor {name!r} failed ({_describe(exitcode)}):\n{traceback_text}")
         self.name, self.exitcode, self.traceback_text = name, exitcode, traceback_text
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawn child without re-running the parent's `__main__`.
+
+    The spawn method re-imports the parent's main script in the child so pickled functions
+    defined there resolve; actors are named by "module:function" and need none of it. Hiding
+    the script lets a user create an Engine at the top level of a script with no
+    `if __name__ == "__main__":` guard (which would otherwise start engines recursively)."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 def _describe(code: int | None) -> str:
@@ -141,7 +164,8 @@ class ActorGroup:
         with self._cond:
             if self._stopping:
                 raise RuntimeError(f"cannot spawn {name!r}: the actor group is shutting down")
-            proc.start()
+            with _main_module_hidden():
+                proc.start()
             self._actors[name] = _Actor(name, proc, parent_conn)
         child_conn.close()
         self._wake()

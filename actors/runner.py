@@ -103,6 +103,13 @@ def run(ctx) -> None:
     """Actor entry point: rings `inbox` (broadcast reader 0) and `outbox` (results)."""
     from actors.ring import BroadcastRing, Ring
 
+    import threading
+
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore, which an actor's os._exit at the end
+    # would leave registered with the resource tracker ("leaked semaphore" at shutdown).
+    tqdm.set_lock(threading.RLock())
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
     if args.xla_cache:
