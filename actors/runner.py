@@ -101,11 +101,11 @@ class Runner:
 
 def run(ctx) -> None:
     """Actor entry point: rings `inbox` (broadcast reader 0) and `outbox` (results)."""
-    from actors.ring import BroadcastRing, Ring
-
     import threading
 
     from tqdm import tqdm
+
+    from actors.ring import BroadcastRing, Ring
 
     # tqdm's default lock is a multiprocessing semaphore, which an actor's os._exit at the end
     # would leave registered with the resource tracker ("leaked semaphore" at shutdown).
