@@ -15,7 +15,10 @@ engine keeps serving every other request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
+import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,7 +68,10 @@ class Engine:
         self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
         cfg = m.encode(m.ActorConfig(args, str(self.model_dir), str(tok_dir), sorted(eos), self.vocab_size))
 
-        self.group = group = ActorGroup(on_failure=self._on_failure)
+        self._seeds = random.Random(args.seed)  # seeds of requests that give none
+        self.group = group = ActorGroup(
+            on_failure=self._on_failure, log_level=getattr(logging, args.log_level.upper())
+        )
         self._closed = False
         try:
             cap, spin = args.ring_bytes, args.spin_us
@@ -109,7 +115,7 @@ class Engine:
             prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
             encode=self.tokenizer.encode, vocab_size=self.vocab_size, context_length=self.args.context_length,
-            max_top_logprobs_num=self.args.max_top_logprobs_num, default_seed=self.args.seed,
+            max_top_logprobs_num=self.args.max_top_logprobs_num, next_seed=lambda: self._seeds.getrandbits(63),
         )  # fmt: skip
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -117,17 +123,20 @@ class Engine:
                              top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                              stream: bool = False) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
-        async iterator of chunks (each with "index" when several requests were given)."""
+        async iterator of chunks (each with "index" when several requests were given).
+        Cancelling the caller's task aborts its requests."""
         specs, batched = self._specs(
             prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num
         )
         fe = self.frontend
-        states = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._submit(specs), fe.loop))
+        states = await asyncio.wrap_future(fe.submit_threadsafe(self._submit(specs)))
         if stream:
             return self._astream(states, batched)
-        outs = [
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fe.wait(st), fe.loop)) for st in states
-        ]
+        try:
+            outs = [await asyncio.wrap_future(fe.submit_threadsafe(fe.wait(st))) for st in states]
+        except BaseException:
+            self._abort_unfinished(states)
+            raise
         return outs if batched else outs[0]
 
     async def _submit(self, specs):
@@ -137,42 +146,60 @@ class Engine:
             for s in specs:
                 states.append(await fe.submit(s))
         except BaseException:
-            for st in states:  # all or nothing: do not leave half a batch running
-                fe.abort(st.spec.rid)
+            self._abort_unfinished(states)  # all or nothing: do not leave half a batch running
             raise
         return states
 
-    async def _astream(self, states, batched: bool) -> AsyncIterator[dict]:
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+    def _abort_unfinished(self, states) -> None:
+        for st in states:
+            if not st.finished:
+                with contextlib.suppress(Exception):  # the engine may be down already
+                    self.frontend.abort(st.spec.rid)
+
+    def _pump(self, states, put) -> list:
+        """Forward every state's chunks to `put((i, chunk, error))`; (i, None, None) ends one."""
         fe = self.frontend
 
         async def pump(i, st):
             try:
                 async for out in fe.stream(st):
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, out, None))
+                    put((i, out, None))
+                put((i, None, None))
+            except asyncio.CancelledError:
+                raise
             except BaseException as e:
-                loop.call_soon_threadsafe(queue.put_nowait, (i, None, e))
+                put((i, None, e))
 
-        for i, st in enumerate(states):
-            asyncio.run_coroutine_threadsafe(pump(i, st), fe.loop)
+        return [fe.submit_threadsafe(pump(i, st)) for i, st in enumerate(states)]
+
+    async def _astream(self, states, batched: bool) -> AsyncIterator[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        pumps = self._pump(states, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
         left = len(states)
-        while left:
-            i, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if batched:
-                out["index"] = i
-            if out["meta_info"]["finish_reason"] is not None:
-                left -= 1
-            yield out
+        try:
+            while left:
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    left -= 1
+                    continue
+                if batched:
+                    out["index"] = i
+                yield out
+        finally:  # the caller stopped early (break, cancel, error): stop generating
+            for p in pumps:
+                p.cancel()
+            self._abort_unfinished(states)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
-        an iterator of chunks with the text and ids so far, the last one finished."""
+        an iterator of chunks with the text and ids so far, the last one finished; leaving the
+        iterator early aborts its unfinished requests."""
         specs, batched = self._specs(
             prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num
         )
@@ -180,26 +207,53 @@ class Engine:
         states = fe.run_sync(self._submit(specs))
         if stream:
             return self._stream_sync(states, batched)
-        outs = [fe.run_sync(fe.wait(st)) for st in states]
+        try:
+            outs = [fe.run_sync(fe.wait(st)) for st in states]
+        except BaseException:  # KeyboardInterrupt while waiting, or the engine died
+            self._abort_unfinished(states)
+            raise
         return outs if batched else outs[0]
 
     def _stream_sync(self, states, batched: bool) -> Iterator[dict]:
-        agen = self._astream(states, batched)
-        loop = asyncio.new_event_loop()
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        pumps = self._pump(states, q.put)
+        left = len(states)
         try:
-            while True:
-                try:
-                    yield loop.run_until_complete(agen.__anext__())
-                except StopAsyncIteration:
-                    return
+            while left:
+                i, out, err = q.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    left -= 1
+                    continue
+                if batched:
+                    out["index"] = i
+                yield out
         finally:
-            loop.close()
+            for p in pumps:
+                p.cancel()
+            self._abort_unfinished(states)
 
     # ---- control ----------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        if rid is None and not abort_all:
-            raise ValueError("abort_request: give a rid, or abort_all=True")
-        self.frontend.abort(None if abort_all else rid)
+        """Abort one request (its partial output returns with finish_reason abort), the n
+        samples `rid-0 ... rid-(n-1)` of a request made with n > 1, or every request."""
+        if abort_all:
+            self.frontend.abort(None)
+            return
+        if not (isinstance(rid, str) and rid):
+            raise ValueError(
+                f"abort_request: rid={rid!r} must be a non-empty string (or pass abort_all=True)"
+            )
+        fe = self.frontend
+        live = list(fe.states)  # a snapshot; a request finishing meanwhile is a no-op abort
+        samples = [
+            r
+            for r in live
+            if r.startswith(rid + "-") and fe.states.get(r) is not None and fe.states[r].spec.sampling.n > 1
+        ]
+        for r in [rid] + samples:
+            fe.abort(r)
 
     def pause_generation(self, mode: str = "abort") -> dict:
         """Returns when the scheduler is quiet: abort (every request finishes with 'abort'),

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -75,9 +77,16 @@ class TokenizerManager:
         with self.send_lock:
             self.to_scheduler.send(m.encode(msg))
 
+    def submit_threadsafe(self, coro) -> concurrent.futures.Future:
+        """Schedule a coroutine on the frontend loop from any thread."""
+        if self.closing or self.dead is not None:
+            coro.close()
+            raise EngineDead(f"the engine is down: {self.dead or 'shut down'}")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run_sync(self, coro) -> Any:
         """Run a coroutine on the frontend loop from a plain thread and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.submit_threadsafe(coro).result()
 
     def _read(self) -> None:
         while not self.closing:
@@ -88,15 +97,26 @@ class TokenizerManager:
                     self.loop.call_soon_threadsafe(self.fail_all, e)
                 return
             if raw is not None:
-                self.loop.call_soon_threadsafe(self._dispatch, m.to_frontend.decode(raw))
+                self.loop.call_soon_threadsafe(self._dispatch, raw)
 
-    def _dispatch(self, msg: m.ToFrontend) -> None:
-        if isinstance(msg, m.ControlReply):
-            kind, fut = self.replies.popleft()
-            assert kind == msg.kind, f"control reply {msg.kind!r} while waiting for {kind!r}"
-            if not fut.done():
-                fut.set_result(msg)
-            return
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            msg = m.to_frontend.decode(raw)
+            if isinstance(msg, m.ControlReply):
+                if not self.replies or self.replies[0][0] != msg.kind:
+                    raise RuntimeError(
+                        f"control reply {msg.kind!r} while waiting for {[k for k, _ in self.replies]}"
+                    )
+                _, fut = self.replies.popleft()
+                if not fut.done():
+                    fut.set_result(msg)
+                return
+            self._outputs(msg)
+        except Exception as e:  # a protocol bug: fail loudly rather than leave callers waiting
+            log.exception("frontend: bad message from the detokenizer")
+            self.fail_all(e)
+
+    def _outputs(self, msg: m.BatchStrOut) -> None:
         for o in msg.outs:
             st = self.states.get(o.rid)
             if st is None:
@@ -135,6 +155,9 @@ class TokenizerManager:
             _, fut = self.replies.popleft()
             if not fut.done():
                 fut.set_exception(EngineDead(f"the engine is down: {err}"))
+
+    async def _fail_all_async(self, err: BaseException) -> None:
+        self.fail_all(err)
 
     # ---- requests ---------------------------------------------------------------------------
     async def submit(self, spec: RequestSpec) -> ReqState:
@@ -217,6 +240,13 @@ class TokenizerManager:
         self.send(m.AbortReq(rid))
 
     def close(self) -> None:
+        """Fail whatever is still pending (callers get EngineDead, nobody hangs), stop threads."""
+        if self.loop.is_running() and not self.closing:
+            fut = asyncio.run_coroutine_threadsafe(
+                self._fail_all_async(EngineDead("the engine was shut down")), self.loop
+            )
+            with contextlib.suppress(Exception):
+                fut.result(timeout=2)
         self.closing = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.reader.join(timeout=2)

@@ -9,6 +9,7 @@ the limit, before anything is sent, so the engine keeps serving every other requ
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,7 @@ def normalize_generate(
     vocab_size: int,
     context_length: int,
     max_top_logprobs_num: int,
-    default_seed: int,
+    next_seed: Callable[[], int],
 ) -> tuple[list[RequestSpec], bool]:
     """Returns (specs, batched): batched=False when a single prompt was given (one result)."""
     if (prompt is None) == (input_ids is None):
@@ -67,23 +68,42 @@ def normalize_generate(
     rids = rid if isinstance(rid, list) else ([rid] if rid is not None else [None] * n_prompts)
     if len(rids) != n_prompts:
         raise ValueError(f"rid: {len(rids)} given for {n_prompts} prompts")
+    for i, r in enumerate(rids):
+        if r is not None and not (isinstance(r, str) and r):
+            raise ValueError(f"rid[{i}]={r!r}: a request id must be a non-empty string")
     lp = return_logprob if isinstance(return_logprob, list) else [return_logprob] * n_prompts
     tl = top_logprobs_num if isinstance(top_logprobs_num, list) else [top_logprobs_num] * n_prompts
+    if len(lp) != n_prompts or len(tl) != n_prompts:
+        raise ValueError(
+            f"return_logprob / top_logprobs_num: {len(lp)} / {len(tl)} given for {n_prompts} prompts"
+        )
     specs: list[RequestSpec] = []
     for i, ids in enumerate(ids_list):
         where = f"input_ids[{i}]" if batched else "input_ids"
-        if not isinstance(ids, list) or not ids:
+        if not isinstance(ids, list | tuple) or not ids:
             raise ValueError(f"{where}: the prompt is empty (it needs at least one token)")
         for j, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                raise ValueError(f"{where}: token id {t!r} at position {j} is outside the vocabulary [0, {vocab_size})")
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"{where}: token id {t!r} at position {j} is not an integer")
+            if not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"{where}: token id {t!r} at position {j} is outside the vocabulary [0, {vocab_size})"
+                )
+        ids = [int(t) for t in ids]
         if len(ids) >= context_length:
-            raise ValueError(f"{where}: prompt of {len(ids)} tokens does not fit the context length {context_length} (it needs room for one output token)")
-        sp = SamplingParams.from_dict(sp_list[i], vocab_size=vocab_size, max_new_tokens_limit=context_length - len(ids))
+            raise ValueError(
+                f"{where}: prompt of {len(ids)} tokens does not fit the context length {context_length} (it needs room for one output token)"
+            )
+        sp = SamplingParams.from_dict(
+            sp_list[i], vocab_size=vocab_size, max_new_tokens_limit=context_length - len(ids)
+        )
         if not isinstance(tl[i], int) or not 0 <= tl[i] <= max_top_logprobs_num:
-            raise ValueError(f"top_logprobs_num={tl[i]!r} must be in [0, {max_top_logprobs_num}] (server max_top_logprobs_num)")
+            raise ValueError(
+                f"top_logprobs_num={tl[i]!r} must be in [0, {max_top_logprobs_num}] (server max_top_logprobs_num)"
+            )
         base_rid = rids[i] or uuid.uuid4().hex
-        base_seed = sp.sampling_seed if sp.sampling_seed is not None else default_seed
+        # no seed given: a fresh one per prompt, so equal prompts sample differently (GRPO groups)
+        base_seed = sp.sampling_seed if sp.sampling_seed is not None else next_seed()
         for k in range(sp.n):
             specs.append(RequestSpec(
                 rid=base_rid if sp.n == 1 else f"{base_rid}-{k}",

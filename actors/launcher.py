@@ -60,7 +60,9 @@ def _main_module_hidden() -> Iterator[None]:
     the script lets a user create an Engine at the top level of a script with no
     `if __name__ == "__main__":` guard (which would otherwise start engines recursively)."""
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    saved: dict[str, object] = {
+        k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__
+    }
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)

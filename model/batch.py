@@ -66,10 +66,16 @@ class Buckets:
             return tuple(sorted(set(out)))
 
         if max_extend_tokens % extend_block:
-            raise ValueError(f"max_extend_tokens={max_extend_tokens} must be a multiple of extend_block={extend_block}")
+            raise ValueError(
+                f"max_extend_tokens={max_extend_tokens} must be a multiple of extend_block={extend_block}"
+            )
         # No 1-token program: with T == 1, XLA CPU rewrites the KV scatter into a form that
         # copies every layer's whole cache each step (measured: 89 ms vs 2.6 ms at T == 2).
-        return Buckets(pow2_up_to(min(2, max_batch), max_batch), pow2_up_to(extend_block, max_extend_tokens), extend_block)
+        return Buckets(
+            pow2_up_to(min(2, max_batch), max_batch),
+            pow2_up_to(extend_block, max_extend_tokens),
+            extend_block,
+        )
 
     def keys(self) -> list[tuple[int, int]]:
         dec = [(1, nb) for nb in self.decode_batches]
@@ -82,7 +88,9 @@ class Buckets:
             for nb in self.decode_batches:
                 if nb >= n:
                     return (1, nb)
-            raise ValueError(f"decode batch of {n} requests exceeds the largest bucket {self.decode_batches[-1]}")
+            raise ValueError(
+                f"decode batch of {n} requests exceeds the largest bucket {self.decode_batches[-1]}"
+            )
         for t in self.extend_tokens:
             if t >= n * self.extend_block:
                 return (self.extend_block, t // self.extend_block)
@@ -100,7 +108,9 @@ class HostBatch:
     rows: list[int]  # sample row of each segment, in segment order
 
 
-def build_batch(segments: list[Segment], buckets: Buckets, page_size: int, max_pages: int, sink_slot: int) -> HostBatch:
+def build_batch(
+    segments: list[Segment], buckets: Buckets, page_size: int, max_pages: int, sink_slot: int
+) -> HostBatch:
     if not segments:
         raise ValueError("empty batch")
     is_decode = all(s.extend_len == 1 for s in segments)
@@ -130,7 +140,9 @@ def build_batch(segments: list[Segment], buckets: Buckets, page_size: int, max_p
         if len(s.pages) < need_pages:
             raise ValueError(f"segment needs {need_pages} pages for {c + n} tokens, got {len(s.pages)}")
         if need_pages > max_pages:
-            raise ValueError(f"segment of {c + n} tokens exceeds the context limit of {max_pages * page_size}")
+            raise ValueError(
+                f"segment of {c + n} tokens exceeds the context limit of {max_pages * page_size}"
+            )
         p = np.arange(c, c + n, dtype=np.int64)
         tok_loc = s.pages[p // page_size].astype(np.int64) * page_size + p % page_size
         nblk = -(-n // blk)
@@ -146,7 +158,10 @@ def build_batch(segments: list[Segment], buckets: Buckets, page_size: int, max_p
         sample_slot[last] = s.future_slot if s.future_slot >= 0 else sink_slot
         sp = s.sampling
         temp[last], top_k[last], top_p[last], min_p[last] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-        seed[last], spos[last] = np.uint32(sp.seed & 0xFFFFFFFF), c + n
+        seed[last], spos[last] = (
+            np.uint32((sp.seed ^ (sp.seed >> 32)) & 0xFFFFFFFF),
+            c + n,
+        )  # 63-bit seed folded to 32
         rows.append(last)
         b += nblk
     random = temp > 0

@@ -66,7 +66,11 @@ class SchedulerCore:
 
     def abort(self, rid: str | None, message: str = "aborted by request") -> list[ReqOutput]:
         """Abort one request (or all when rid is None); returns their final outputs."""
-        victims = list(self.by_rid.values()) if rid is None else [r for r in [self.by_rid.get(rid)] if r is not None]
+        victims = (
+            list(self.by_rid.values())
+            if rid is None
+            else [r for r in [self.by_rid.get(rid)] if r is not None]
+        )
         return [self._finish(r, FinishReason("abort", message=message)) for r in victims]
 
     def retract_all(self) -> None:
@@ -80,7 +84,10 @@ class SchedulerCore:
         that wait without KV (e.g. retracted by a pause) do not block it."""
         holding = self.live()
         if holding:
-            return False, f"{len(holding)} requests hold KV ({len(self.running)} running); flush needs them finished or retracted"
+            return (
+                False,
+                f"{len(holding)} requests hold KV ({len(self.running)} running); flush needs them finished or retracted",
+            )
         self.books.flush()
         self.ratio.reset()
         return True, "cache flushed"
@@ -121,7 +128,10 @@ class SchedulerCore:
                 return self._build_prefill(adder, admitted)
         shared = InBatchPrefix(a.schedule_policy == "lpm")
         for req in order_waiting(a.schedule_policy, self.waiting, self.books):
-            if len(self.running) + len(adder.planned) >= a.max_running_requests or self.books.free_slots() == 0:
+            if (
+                len(self.running) + len(adder.planned) >= a.max_running_requests
+                or self.books.free_slots() == 0
+            ):
                 break
             if shared.defer(req, self.books.match_len(req)):
                 continue
@@ -148,9 +158,22 @@ class SchedulerCore:
             if id(req) in new and req.retractions == 0:
                 req.cached_tokens = req.cached_len
             pages = self.books.alloc(req, p.extend_len)
-            assert pages is not None, f"prefill budget admitted {req.rid} but the pool refused {p.extend_len} tokens"
+            assert pages is not None, (
+                f"prefill budget admitted {req.rid} but the pool refused {p.extend_len} tokens"
+            )
             start = req.committed_len
-            rows.append(Row(req, start, p.extend_len, req.fill_ids(start, start + p.extend_len), pages, prefix, p.last_chunk, req.retractions))
+            rows.append(
+                Row(
+                    req,
+                    start,
+                    p.extend_len,
+                    req.fill_ids(start, start + p.extend_len),
+                    pages,
+                    prefix,
+                    p.last_chunk,
+                    req.retractions,
+                )
+            )
             req.committed_len += p.extend_len
             if id(req) in new:
                 self.waiting.remove(req)
@@ -170,12 +193,20 @@ class SchedulerCore:
         return ScheduledBatch(0, rows, [], is_decode=False)
 
     def _decode_batch(self) -> ScheduledBatch | None:
-        rows = self._decode_rows(list(self.running))
+        rows = self._decode_rows(list(self.running), spare=self._retract_chunked)
         self.ratio.step()
         return ScheduledBatch(0, rows, [], is_decode=True) if rows else None
 
-    def _decode_rows(self, reqs: list[Req]) -> list[Row]:
-        grants, retracted = prepare_decode(self.books, reqs)
+    def _retract_chunked(self) -> bool:
+        """Free the KV of a half-prefilled request so that decoding can go on."""
+        if self.chunked is None:
+            return False
+        self._retract(self.chunked)
+        self.chunked = None
+        return True
+
+    def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None) -> list[Row]:
+        grants, retracted = prepare_decode(self.books, reqs, spare, defer_last=spare is None)
         for r in retracted:
             self._requeue_retracted(r)
         if retracted:
@@ -197,12 +228,23 @@ class SchedulerCore:
                 continue  # overshoot of a finished/retracted request, or a middle chunk
             if req.status is ReqStatus.DECODE and row.token_ids is not None and not req.output_ids:
                 self.books.cache_unfinished(req)  # prompt done: share it with later requests
+            if req.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
+                outs.append(self._finish(req, FinishReason("length")))
+                continue
             req.output_ids.append(int(result.tokens[i]))
             if req.return_logprob and result.logprobs is not None:
                 req.output_logprobs.append(float(result.logprobs[i]))
                 if req.top_logprobs_num and result.top_ids is not None and result.top_logprobs is not None:
                     n = req.top_logprobs_num
-                    req.output_top_logprobs.append(list(zip(result.top_logprobs[i, :n].tolist(), result.top_ids[i, :n].tolist(), strict=True)))
+                    req.output_top_logprobs.append(
+                        list(
+                            zip(
+                                result.top_logprobs[i, :n].tolist(),
+                                result.top_ids[i, :n].tolist(),
+                                strict=True,
+                            )
+                        )
+                    )
             req.check_finished(self.decode_tail)
             if req.finished:
                 outs.append(self._finish(req, req.finish_reason))
@@ -219,8 +261,10 @@ class SchedulerCore:
         req.finish_reason = reason
         if req.slot >= 0:
             # KV is valid for every token but the last sampled one (never fed back), and never
-            # past what was computed; overshoot beyond that is freed page-aligned.
-            keep = None if reason is not None and reason.type == "abort" else min(req.fill_len - 1, req.committed_len)
+            # past what was scheduled (a batch still in flight writes it before any later batch
+            # can read it); overshoot beyond that is freed page-aligned. Aborted requests keep
+            # their prefix cached too: an RL partial rollout resubmits prompt + produced.
+            keep = min(req.fill_len - 1, req.committed_len)
             self.released_slots.append(req.slot)
             self.books.release(req, keep)
             req.slot = -1

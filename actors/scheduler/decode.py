@@ -9,6 +9,7 @@ prefill side keeps in reserve) jumps up after a retract and decays by a fixed st
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,13 +45,20 @@ def retract_order(running: list[Req]) -> list[Req]:
     return sorted(running, key=lambda r: (len(r.output_ids), -r.origin_len, -r.arrival))
 
 
-def prepare_decode(books: MemoryBooks, running: list[Req]) -> tuple[dict[int, np.ndarray], list[Req]]:
+def prepare_decode(books: MemoryBooks, running: list[Req], spare: Callable[[], bool] | None = None,
+                   defer_last: bool = False) -> tuple[dict[int, np.ndarray], list[Req]]:  # fmt: skip
     """Allocate one more token for every running request.
 
     Returns ({id(req): pages appended to its table}, retracted). `books.alloc` covers
     `committed_len + 1` and is idempotent, so survivors that got a page before a retraction
     keep it (recorded once) and simply get nothing more on the retry. Retracted requests are
-    already released from `books`; the caller requeues them."""
+    already released from `books`; the caller requeues them.
+
+    When even a single request cannot get its next token, the memory is held by someone who
+    is not decoding (the chunked prefill): `spare()` frees it and returns True (then retry);
+    with `defer_last` the request just skips this step (a mixed batch, whose chunk is already
+    planned). A single request always fits an otherwise empty pool (the engine checks
+    max_total_tokens against context_length), so anything else is a bug."""
     victims = retract_order(running)
     keep = list(running)
     grants: dict[int, np.ndarray] = {}
@@ -67,8 +75,12 @@ def prepare_decode(books: MemoryBooks, running: list[Req]) -> tuple[dict[int, np
         if short is None:
             return {id(r): grants.get(id(r), _EMPTY) for r in keep}, retracted
         if len(keep) == 1:
+            if spare is not None and spare():
+                continue
+            if defer_last:
+                return {}, retracted
             raise RuntimeError(
-                f"KV pool too small to decode even one request ({short.rid}, {short.fill_len} tokens): raise max_total_tokens"
+                f"KV pool too small to decode even one request ({short.rid}, {short.fill_len} tokens)"
             )
         victim = next(v for v in victims if v in keep)
         keep.remove(victim)

@@ -87,7 +87,12 @@ class SchedulerLoop:
     def _recv_requests(self, block: bool) -> None:
         raw = self.inbox.recv(timeout=IDLE_WAIT_S if block else 0)
         while raw is not None:
-            self._handle(m.to_scheduler.decode(raw))
+            try:
+                msg = m.to_scheduler.decode(raw)
+            except m.msgspec.DecodeError as e:  # never let one malformed message stop the server
+                log.error("scheduler: dropped a malformed request (%s)", e)
+            else:
+                self._handle(msg)
             raw = self.inbox.recv(timeout=0)
 
     def _send(self, batch: ScheduledBatch) -> None:

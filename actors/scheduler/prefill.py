@@ -35,7 +35,15 @@ class Planned:
 
 
 class PrefillAdder:
-    def __init__(self, books: MemoryBooks, *, reserved_decode: float, max_prefill_tokens: int, chunk_size: int | None, new_token_ratio: float):
+    def __init__(
+        self,
+        books: MemoryBooks,
+        *,
+        reserved_decode: float,
+        max_prefill_tokens: int,
+        chunk_size: int | None,
+        new_token_ratio: float,
+    ):
         self.books = books
         self.page = books.page_size
         self.reserved_decode = reserved_decode

@@ -8,8 +8,10 @@ from actors.inputs import normalize_generate
 
 
 def norm(**kw):
+    seeds = iter(range(7, 1000))
     base = dict(prompt=None, input_ids=None, sampling_params=None, rid=None, return_logprob=False, top_logprobs_num=0,
-                encode=lambda s: [ord(c) % 100 for c in s], vocab_size=100, context_length=64, max_top_logprobs_num=5, default_seed=7)  # fmt: skip
+                encode=lambda s: [ord(c) % 100 for c in s], vocab_size=100, context_length=64, max_top_logprobs_num=5,
+                next_seed=lambda: next(seeds))  # fmt: skip
     base.update(kw)
     return normalize_generate(**base)
 
@@ -17,13 +19,25 @@ def norm(**kw):
 def test_single_and_batched_forms():
     specs, batched = norm(prompt="hi")
     assert not batched and specs[0].input_ids == [4, 5] and specs[0].seed == 7
-    specs, batched = norm(input_ids=[[1, 2], [3]], sampling_params=[{"max_new_tokens": 2}, {"max_tokens": 3}], rid=["a", "b"])
-    assert batched and [s.rid for s in specs] == ["a", "b"] and [s.sampling.max_new_tokens for s in specs] == [2, 3]
+    specs, batched = norm(
+        input_ids=[[1, 2], [3]], sampling_params=[{"max_new_tokens": 2}, {"max_tokens": 3}], rid=["a", "b"]
+    )
+    assert (
+        batched
+        and [s.rid for s in specs] == ["a", "b"]
+        and [s.sampling.max_new_tokens for s in specs] == [2, 3]
+    )
 
 
 def test_n_expands_with_distinct_seeds_and_rids():
-    specs, batched = norm(input_ids=[1, 2], sampling_params={"n": 3, "sampling_seed": 10, "temperature": 1.0}, rid="x")
-    assert batched and [s.rid for s in specs] == ["x-0", "x-1", "x-2"] and [s.seed for s in specs] == [10, 11, 12]
+    specs, batched = norm(
+        input_ids=[1, 2], sampling_params={"n": 3, "sampling_seed": 10, "temperature": 1.0}, rid="x"
+    )
+    assert (
+        batched
+        and [s.rid for s in specs] == ["x-0", "x-1", "x-2"]
+        and [s.seed for s in specs] == [10, 11, 12]
+    )
 
 
 @pytest.mark.parametrize(
@@ -31,13 +45,22 @@ def test_n_expands_with_distinct_seeds_and_rids():
     [
         (dict(prompt=""), "input_ids: the prompt is empty"),
         (dict(input_ids=[]), "the prompt is empty"),
-        (dict(input_ids=[1, 100]), "input_ids: token id 100 at position 1 is outside the vocabulary [0, 100)"),
+        (
+            dict(input_ids=[1, 100]),
+            "input_ids: token id 100 at position 1 is outside the vocabulary [0, 100)",
+        ),
         (dict(input_ids=[[1], [-1]]), "input_ids[1]: token id -1 at position 0 is outside the vocabulary"),
         (dict(input_ids=list(range(64))), "prompt of 64 tokens does not fit the context length 64"),
-        (dict(input_ids=[1], sampling_params={"max_new_tokens": 64}), "max_new_tokens=64 exceeds the limit 63"),
-        (dict(input_ids=[1], sampling_params={"max_new_tokens": -1}), "max_new_tokens=-1 must be an integer >= 0"),
+        (
+            dict(input_ids=[1], sampling_params={"max_new_tokens": 64}),
+            "max_new_tokens=64 exceeds the limit 63",
+        ),
+        (
+            dict(input_ids=[1], sampling_params={"max_new_tokens": -1}),
+            "max_new_tokens=-1 must be an integer >= 0",
+        ),
         (dict(input_ids=[1], sampling_params={"top_p": 0}), "top_p=0 must be in (0, 1]"),
-        (dict(input_ids=[1], sampling_params={"temperature": -1}), "temperature=-1 must be >= 0"),
+        (dict(input_ids=[1], sampling_params={"temperature": -1}), "temperature=-1 must be in [0, 1e4]"),
         (dict(input_ids=[1], sampling_params={"bogus": 1}), "unknown parameter(s) ['bogus']"),
         (dict(input_ids=[1], top_logprobs_num=9), "top_logprobs_num=9 must be in [0, 5]"),
         (dict(input_ids=[[1], [2]], sampling_params=[{}]), "sampling_params: 1 given for 2 prompts"),
@@ -49,3 +72,41 @@ def test_bad_input_names_field_and_limit(kw, message):
     with pytest.raises(ValueError) as e:
         norm(**kw)
     assert message in str(e.value)
+
+
+def test_unseeded_prompts_get_distinct_seeds():
+    specs, _ = norm(input_ids=[[1, 2], [1, 2]], sampling_params={"temperature": 1.0})
+    assert [s.seed for s in specs] == [7, 8]
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(input_ids=[1, 2], rid=123), "rid[0]=123: a request id must be a non-empty string"),
+        (dict(input_ids=[[1], [2]], return_logprob=[True]), "1 / 2 given for 2 prompts"),
+        (dict(input_ids=[1, 2.5]), "token id 2.5 at position 1 is not an integer"),
+        (
+            dict(input_ids=[1, 2], sampling_params="greedy"),
+            "sampling_params: expected a dict of parameters, got str",
+        ),
+        (
+            dict(input_ids=[1, 2], sampling_params={"top_k": 2**40}),
+            "top_k=1099511627776 must be -1 (off) or in [1, 2**31)",
+        ),
+        (
+            dict(input_ids=[1, 2], sampling_params={"temperature": float("inf")}),
+            "temperature=inf must be in [0, 1e4]",
+        ),
+    ],
+)
+def test_more_bad_inputs_name_the_field(kw, msg):
+    with pytest.raises(ValueError) as e:
+        norm(**kw)
+    assert msg in str(e.value)
+
+
+def test_numpy_token_ids_are_accepted():
+    import numpy as np
+
+    specs, _ = norm(input_ids=[np.int64(3), np.int32(4)])
+    assert specs[0].input_ids == [3, 4] and type(specs[0].input_ids[0]) is int

@@ -22,13 +22,17 @@ def letters(ids: list[int]) -> str:
 
 
 def make(num_pages=256, page=1, max_running=8, **kw):
-    args = ServerArgs(page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw)
+    args = ServerArgs(
+        page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw
+    )
     books = SimpleBooks(num_pages, page, max_running)
     return SchedulerCore(args, books, letters), FakeRunner(page, VOCAB), books
 
 
 def req(rid: str, prompt: list[int], max_new: int, **sp) -> Req:
-    return Req(rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, **sp), seed=0)
+    return Req(
+        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, **sp), seed=0
+    )
 
 
 def drive(core: SchedulerCore, runner: FakeRunner, overlap: bool = False, max_steps: int = 10_000):
@@ -182,3 +186,28 @@ def test_abort_pause_retract_and_flush():
     out = drive(core, runner)
     assert out["r0"] == reference([10, 20, 30], 50, VOCAB)[1:]  # re-prefilled, same continuation
     assert core.flush_cache() == (True, "cache flushed")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_starved_by_a_chunked_prefill_retracts_the_chunk(overlap):
+    # no decode reserve: B's chunks may take the pages A needs for its next token; the
+    # scheduler must then give B's KV back (retract it), not crash
+    core, runner, books = make(num_pages=40, page=1, max_running=4, chunked_prefill_size=8, max_prefill_tokens=16,
+                               new_token_ratio_init=0.0, new_token_ratio_min=0.0)  # fmt: skip
+    a, b = [5, 6, 7, 8, 9], list(range(100, 130))
+    core.add_request(req("a", a, 30))
+    first = core.get_next_batch()
+    core.process_result(first, runner.run(first))
+    core.add_request(req("b", b, 4))
+    out = drive(core, runner, overlap=overlap)
+    assert core.num_retracted > 0
+    assert out["a"] == reference(a, 30, VOCAB)[1:] and out["b"] == reference(b, 4, VOCAB)
+    core.check_idle()
+    assert books.available_tokens() == 39
+
+
+def test_max_new_tokens_zero_returns_no_token():
+    core, runner, _ = make()
+    r = req("a", [5, 6, 7], 0)
+    core.add_request(r)
+    assert drive(core, runner) == {"a": []} and r.finish_reason.to_dict() == {"type": "length"}

@@ -58,7 +58,7 @@ def test_prefix_cache_hit_gives_identical_output(engine):
         (dict(prompt="hi", sampling_params={"max_new_tokens": 10_000}), ["max_new_tokens", "limit"]),
         (dict(prompt="hi", sampling_params={"top_p": 0}), ["top_p", "(0, 1]"]),
         (dict(prompt="hi", sampling_params={"top_p": 1.5}), ["top_p", "(0, 1]"]),
-        (dict(prompt="hi", sampling_params={"temperature": -0.5}), ["temperature", ">= 0"]),
+        (dict(prompt="hi", sampling_params={"temperature": -0.5}), ["temperature=-0.5", "[0, 1e4]"]),
         (dict(prompt="hi", sampling_params={"beam_width": 4}), ["unknown", "beam_width"]),
         (dict(prompt="hi", top_logprobs_num=99), ["top_logprobs_num", "5"]),
     ],
