@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_ms_per_step": round(info["host_s_per_step"] * 1e3, 3), "runner_ms_per_step": round(info["forward_s_per_step"] * 1e3, 3),
         "decode_steps": info["forward_ct_decode"], "prefill_steps": info["forward_ct_prefill"], "retracted": info["num_retracted"],
     }  # fmt: skip
+    print(json.dumps(report), flush=True)  # ours first: the peer run can be long
     if not a.no_hf:
         hf_dt, theirs = run_hf(str(path), w, a.hf_batch)
         same = sum(o == t for o, t in zip(ours, theirs, strict=True))
