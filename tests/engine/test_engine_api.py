@@ -66,7 +66,9 @@ def test_prefix_cache_hit_gives_identical_output(engine):
 def test_bad_input_names_field_and_limit_and_engine_keeps_serving(engine, kwargs, words):
     # a long request is running while the bad one arrives; it must finish untouched
     want = engine.generate(input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 24})
-    stream = engine.generate(input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 24}, stream=True)
+    stream = engine.generate(
+        input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 24}, stream=True
+    )
     next(stream)
     with pytest.raises(ValueError) as err:
         engine.generate(**kwargs)
@@ -82,13 +84,20 @@ def test_empty_prompt_message(engine):
 
 
 def test_logprobs_and_top_logprobs(engine):
-    out = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 5}, return_logprob=True, top_logprobs_num=3)
+    out = engine.generate(
+        input_ids=[5, 6, 7],
+        sampling_params={**GREEDY, "max_new_tokens": 5},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
     lps = out["meta_info"]["output_token_logprobs"]
     tops = out["meta_info"]["output_top_logprobs"]
     assert [t for _, t, _ in lps] == out["output_ids"]
     assert len(tops) == 5 and all(len(t) == 3 for t in tops)
     for (lp, tid, _), top in zip(lps, tops, strict=True):
-        assert lp <= 0 and top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-5)  # greedy = the argmax
+        assert (
+            lp <= 0 and top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-5)
+        )  # greedy = the argmax
         assert top[0][0] >= top[1][0] >= top[2][0]
 
 
@@ -97,10 +106,15 @@ def test_stop_string_is_trimmed_unless_no_stop_trim(engine):
     text = base["text"]
     assert len(text) > 12, text
     stop = text[6:9]
-    cut = engine.generate(input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 20, "stop": stop})
+    cut = engine.generate(
+        input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 20, "stop": stop}
+    )
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert cut["text"] == text[: text.index(stop)]
-    kept = engine.generate(input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 20, "stop": stop, "no_stop_trim": True})
+    kept = engine.generate(
+        input_ids=[9, 10, 11],
+        sampling_params={**GREEDY, "max_new_tokens": 20, "stop": stop, "no_stop_trim": True},
+    )
     assert kept["text"].startswith(text[: text.index(stop)] + stop)
 
 
@@ -118,7 +132,9 @@ def _in_background(engine, prompts, max_new):
 
     def go():
         try:
-            box["out"] = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+            box["out"] = engine.generate(
+                input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new}
+            )
         except BaseException as e:  # surfaced by the test
             box["err"] = e
 
@@ -145,10 +161,15 @@ def test_pause_continue_gives_the_uninterrupted_tokens(engine, mode):
         assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 4
         assert info["available_kv_tokens"] == info["initial_kv_tokens"]
     else:
-        assert info["running_batch_size"] + info["waiting_queue_size"] == before["running_batch_size"] + before["waiting_queue_size"]
+        assert (
+            info["running_batch_size"] + info["waiting_queue_size"]
+            == before["running_batch_size"] + before["waiting_queue_size"]
+        )
         assert info["available_kv_tokens"] < info["initial_kv_tokens"]
         time.sleep(0.2)
-        assert engine.get_server_info()["forward_ct_decode"] == info["forward_ct_decode"], "paused engine kept decoding"
+        assert engine.get_server_info()["forward_ct_decode"] == info["forward_ct_decode"], (
+            "paused engine kept decoding"
+        )
     assert engine.continue_generation()["success"]
     t.join(60)
     assert "err" not in box and [o["output_ids"] for o in box["out"]] == [o["output_ids"] for o in want]
@@ -169,7 +190,9 @@ def test_pause_abort_returns_partial_outputs_and_resubmit_matches(engine):
     for o, p, w in zip(outs, prompts, want, strict=True):
         got = o["output_ids"]
         assert got == w["output_ids"][: len(got)]
-        rest = engine.generate(input_ids=p + got, sampling_params={**GREEDY, "max_new_tokens": 150 - len(got)})
+        rest = engine.generate(
+            input_ids=p + got, sampling_params={**GREEDY, "max_new_tokens": 150 - len(got)}
+        )
         assert got + rest["output_ids"] == w["output_ids"]
 
 
@@ -180,7 +203,11 @@ def test_flush_refused_while_running_then_allowed_after_retract(engine):
     engine.pause_generation("retract")
     assert engine.flush_cache()["success"]
     info = engine.get_server_info()
-    assert info["tree_cache_size"] == 0 and info["req_to_token_pool_used"] == 0 and info["forward_ct_decode"] == 0
+    assert (
+        info["tree_cache_size"] == 0
+        and info["req_to_token_pool_used"] == 0
+        and info["forward_ct_decode"] == 0
+    )
     engine.continue_generation()
     t.join(60)
     assert "err" not in box
@@ -193,3 +220,33 @@ def test_abort_one_request(engine):
     t.join(60)
     reasons = sorted(o["meta_info"]["finish_reason"]["type"] for o in box["out"])
     assert reasons == ["abort", "length"]
+
+
+def test_leaving_a_stream_early_aborts_its_request(engine):
+    stream = engine.generate(
+        input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 200}, stream=True
+    )
+    first = next(stream)
+    assert first["meta_info"]["finish_reason"] is None
+    stream.close()  # the caller walks away (break / garbage collection)
+    deadline = time.monotonic() + 10
+    while engine.get_server_info()["running_batch_size"]:
+        assert time.monotonic() < deadline, "an abandoned stream kept generating"
+        time.sleep(0.01)
+
+
+def test_max_new_tokens_zero_prefills_only(engine):
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 0})
+    assert (
+        out["output_ids"] == []
+        and out["text"] == ""
+        and out["meta_info"]["finish_reason"] == {"type": "length"}
+    )
+
+
+def test_unseeded_equal_prompts_sample_differently(engine):
+    outs = engine.generate(
+        input_ids=[[5, 6, 7]] * 4,
+        sampling_params={"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True},
+    )
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1

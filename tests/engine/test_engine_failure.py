@@ -21,6 +21,7 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
     try:
         names = engine.group.ring_names
+
         def left() -> list[str]:  # segments and their semaphores (sem.<name>-...)
             return [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}*")]
 
@@ -29,7 +30,10 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
 
         def go():
             try:
-                engine.generate(input_ids=[[5, 6, 7]] * 4, sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True})
+                engine.generate(
+                    input_ids=[[5, 6, 7]] * 4,
+                    sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+                )
             except BaseException as e:
                 box["err"] = e
 
@@ -47,3 +51,51 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
         assert left() == []
     finally:
         engine.shutdown()
+
+
+def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
+    from actors.engine import Engine
+    from actors.frontend import EngineDead
+
+    engine = Engine(str(tiny_llama), page_size=16, **SMALL)
+    box: dict = {}
+
+    def go():
+        try:
+            engine.generate(
+                input_ids=[[5, 6, 7]] * 2,
+                sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+            )
+        except BaseException as e:
+            box["err"] = e
+
+    t = threading.Thread(target=go)
+    t.start()
+    while engine.get_server_info()["forward_ct_decode"] < 2:
+        time.sleep(0.01)
+    engine.shutdown()
+    t.join(10)
+    assert not t.is_alive() and isinstance(box.get("err"), EngineDead)
+    with pytest.raises(EngineDead):
+        engine.generate(input_ids=[5, 6])
+
+
+SCRIPT = """
+from actors.engine import Engine
+e = Engine({path!r}, max_running_requests=4, context_length=128, max_prefill_tokens=64, max_total_tokens=2048)
+print(e.generate(input_ids=[5, 6, 7], sampling_params={{"max_new_tokens": 4, "temperature": 0}})["meta_info"]["completion_tokens"])
+e.shutdown()
+"""
+
+
+def test_engine_at_the_top_level_of_a_script_without_main_guard(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "rollout.py"
+    script.write_text(SCRIPT.format(path=str(tiny_llama)))
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "4"

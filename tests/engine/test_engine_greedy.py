@@ -29,11 +29,19 @@ def reference(tiny_llama):
         (1, -1, False, None),
         (16, 16, True, 16 * 24),  # 23 usable pages for 16 requests of 2-5 pages: retract must happen
     ],
-    ids=["page16-nochunk-overlap", "page16-chunk16-normal", "page1-chunk4-overlap", "page1-nochunk-normal", "page16-retract"],
+    ids=[
+        "page16-nochunk-overlap",
+        "page16-chunk16-normal",
+        "page1-chunk4-overlap",
+        "page1-nochunk-normal",
+        "page16-retract",
+    ],
 )
 def test_greedy_equals_hf(tiny_llama, reference, page_size, chunked_prefill_size, overlap, max_total_tokens):
     prompts, want = reference
-    kw = dict(page_size=page_size, chunked_prefill_size=chunked_prefill_size, disable_overlap_schedule=not overlap)
+    kw = dict(
+        page_size=page_size, chunked_prefill_size=chunked_prefill_size, disable_overlap_schedule=not overlap
+    )
     if max_total_tokens:
         kw["max_total_tokens"] = max_total_tokens
     with engine_ctx(tiny_llama, **kw) as engine:
@@ -55,13 +63,17 @@ def test_text_and_streaming(tiny_llama):
         prompt = "The quick brown fox"
         full = engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
         assert full["text"] == engine.tokenizer.decode(full["output_ids"], skip_special_tokens=True)
-        chunks = list(engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, stream=True))
+        chunks = list(
+            engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, stream=True)
+        )
         assert len(chunks) > 1 and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
         assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
         assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
         # each chunk extends the previous one (text and ids so far)
         for a, b in zip(chunks, chunks[1:], strict=False):
-            assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+            assert (
+                b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+            )
 
 
 @pytest.mark.network
@@ -77,9 +89,14 @@ def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
 
     tok = AutoTokenizer.from_pretrained(str(path))
     topics = ["France", "the ocean", "colors", "prime numbers", "JAX", "Paris", "a cat", "rain"]
-    questions = ["What is the capital of France?"] + [f"Say {'one' if i % 2 else 'two'} thing about {t}." for i, t in enumerate(topics)]
+    questions = ["What is the capital of France?"] + [
+        f"Say {'one' if i % 2 else 'two'} thing about {t}." for i, t in enumerate(topics)
+    ]
     questions += [f"Count to {k}." for k in range(3, 10)]
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False) for q in questions[:16]]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions[:16]
+    ]
     prompts = [tok.encode(c, add_special_tokens=False) for c in chats]
     want = hf_greedy(path, prompts, MAX_NEW)
     with engine_ctx(path, page_size=16, chunked_prefill_size=16, precompile=False) as engine:

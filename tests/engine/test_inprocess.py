@@ -27,7 +27,14 @@ def run_engine(path, prompts, max_new, *, page, chunk, num_pages, overlap, max_r
     core = SchedulerCore(args, SimpleBooks(num_pages, page, max_running), lambda ids: "")
     mirrors = SlotMirrors(max_running)
     for i, p in enumerate(prompts):
-        core.add_request(Req(f"r{i}", np.asarray(p, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0), seed=0))
+        core.add_request(
+            Req(
+                f"r{i}",
+                np.asarray(p, np.int32),
+                SamplingParams(max_new_tokens=max_new, temperature=0),
+                seed=0,
+            )
+        )
     pending = None
     out: dict[str, list[int]] = {}
 
