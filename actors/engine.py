@@ -172,26 +172,36 @@ class Engine:
 
         return [fe.submit_threadsafe(pump(i, st)) for i, st in enumerate(states)]
 
+    @staticmethod
+    def _route(item: tuple, batched: bool) -> dict | None:
+        """A pump's (i, chunk, error): the chunk to yield (with "index" in a batch), None when
+        request i has ended; its error is raised."""
+        i, out, err = item
+        if err is not None:
+            raise err
+        if out is not None and batched:
+            out["index"] = i
+        return out
+
+    def _stop_streams(self, pumps: list, states) -> None:
+        """The caller stopped early (break, cancel, error): stop generating."""
+        for p in pumps:
+            p.cancel()
+        self._abort_unfinished(states)
+
     async def _astream(self, states, batched: bool) -> AsyncIterator[dict]:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         pumps = self._pump(states, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        left = len(states)
         try:
+            left = len(states)
             while left:
-                i, out, err = await queue.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    left -= 1
-                    continue
-                if batched:
-                    out["index"] = i
-                yield out
-        finally:  # the caller stopped early (break, cancel, error): stop generating
-            for p in pumps:
-                p.cancel()
-            self._abort_unfinished(states)
+                out = self._route(await queue.get(), batched)
+                left -= out is None
+                if out is not None:
+                    yield out
+        finally:
+            self._stop_streams(pumps, states)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
@@ -217,22 +227,15 @@ class Engine:
     def _stream_sync(self, states, batched: bool) -> Iterator[dict]:
         q: queue.SimpleQueue = queue.SimpleQueue()
         pumps = self._pump(states, q.put)
-        left = len(states)
         try:
+            left = len(states)
             while left:
-                i, out, err = q.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    left -= 1
-                    continue
-                if batched:
-                    out["index"] = i
-                yield out
+                out = self._route(q.get(), batched)
+                left -= out is None
+                if out is not None:
+                    yield out
         finally:
-            for p in pumps:
-                p.cancel()
-            self._abort_unfinished(states)
+            self._stop_streams(pumps, states)
 
     # ---- control ----------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:

@@ -14,6 +14,26 @@ import pytest
 from tests.engine.conftest import SMALL
 
 
+def decoding_in_background(engine):
+    """A long generate() in a thread, returned once it is decoding; box gets its error."""
+    box: dict = {}
+
+    def go():
+        try:
+            engine.generate(
+                input_ids=[[5, 6, 7]] * 2,
+                sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+            )
+        except BaseException as e:
+            box["err"] = e
+
+    t = threading.Thread(target=go)
+    t.start()
+    while engine.get_server_info()["forward_ct_decode"] < 2:
+        time.sleep(0.01)
+    return t, box
+
+
 def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
     from actors.engine import Engine
     from actors.frontend import EngineDead
@@ -26,21 +46,7 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
             return [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}*")]
 
         assert len(left()) >= len(names)
-        box: dict = {}
-
-        def go():
-            try:
-                engine.generate(
-                    input_ids=[[5, 6, 7]] * 4,
-                    sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
-                )
-            except BaseException as e:
-                box["err"] = e
-
-        t = threading.Thread(target=go)
-        t.start()
-        while engine.get_server_info()["forward_ct_decode"] < 2:
-            time.sleep(0.01)
+        t, box = decoding_in_background(engine)
         os.kill(engine.group.pid("runner"), signal.SIGKILL)
         t.join(10)
         assert not t.is_alive(), "a pending request hung after its runner died"
@@ -58,21 +64,7 @@ def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
     from actors.frontend import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
-    box: dict = {}
-
-    def go():
-        try:
-            engine.generate(
-                input_ids=[[5, 6, 7]] * 2,
-                sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
-            )
-        except BaseException as e:
-            box["err"] = e
-
-    t = threading.Thread(target=go)
-    t.start()
-    while engine.get_server_info()["forward_ct_decode"] < 2:
-        time.sleep(0.01)
+    t, box = decoding_in_background(engine)
     engine.shutdown()
     t.join(10)
     assert not t.is_alive() and isinstance(box.get("err"), EngineDead)
