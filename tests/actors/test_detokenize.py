@@ -61,10 +61,10 @@ def test_find_stop_across_boundaries():
     "params, message",
     [
         ({"max_new_tokens": -1}, "max_new_tokens=-1 must be an integer >= 0"),
-        ({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+        ({"temperature": -0.5}, "temperature=-0.5 must be in [0, 1e4]"),
         ({"top_p": 0}, "top_p=0 must be in (0, 1]"),
         ({"top_p": 1.5}, "top_p=1.5 must be in (0, 1]"),
-        ({"top_k": 0}, "top_k=0 must be -1 (off) or >= 1"),
+        ({"top_k": 0}, "top_k=0 must be -1 (off) or in [1, 2**31)"),
         ({"min_p": 2}, "min_p=2 must be in [0, 1]"),
         ({"n": 0}, "n=0 must be an integer in [1, 64]"),
         ({"stop": [""]}, "must be non-empty strings"),
