@@ -15,15 +15,22 @@ from bench.serving import make_workload, run_engine, run_hf
 
 
 @pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from model.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama"))
+
+
+@pytest.fixture(scope="module")
 def workload(request):
     full = request.config.getoption("benchmark_enable", False)
     return make_workload(64 if full else 8, 0, 2000, (16, 256 if full else 48), (16, 128 if full else 24))
 
 
 @pytest.mark.parametrize("side", ["ringserve", "transformers"])
-def test_offline_throughput_tiny(request, tiny_dir, workload, side):
+def test_offline_throughput_tiny(request, tiny_path, workload, side):
     """Times only the generation (engine start-up and HF model load excluded)."""
-    path = str(tiny_dir("llama"))
+    path = tiny_path
     if side == "ringserve":
         server = dict(
             max_running_requests=64, context_length=512, max_total_tokens=64 * 512, max_prefill_tokens=1024
