@@ -1,0 +1,39 @@
+"""ringserve's processes and public surface.
+
+    from actors import Engine            # in-process engine (spawns the actor processes)
+
+Layout (one folder per process or subsystem):
+
+    transport/    shared-memory rings, actor processes, the launcher, every wire message
+    frontend/     Engine, TokenizerManager, input validation, SamplingParams
+    scheduler/    the scheduler actor: batches, KV books, overlap
+    runner/       the runner actor: the model on device, slot mirrors
+    detokenizer/  the detokenizer actor: incremental text, stop strings
+    cli/          the `ringserve` command
+
+Names are imported lazily, so `ringserve cleanup` never pays for JAX or transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actors.frontend.engine import Engine
+    from actors.server_args import ServerArgs
+
+__all__ = ["Engine", "ServerArgs"]
+
+_WHERE = {
+    "Engine": "actors.frontend.engine",
+    "ServerArgs": "actors.server_args",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(where), name)

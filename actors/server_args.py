@@ -127,10 +127,12 @@ class ServerArgs:
         return not self.disable_overlap_schedule
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One flag per field: --model-path, --page-size, --enable-mixed-chunk, ..."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One flag per field (but those in `skip`): --model-path, --page-size, ..."""
         hints = _hints()
         for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
             flag = "--" + f.name.replace("_", "-")
             tp = hints[f.name]
             helptext = f"{f.metadata.get('help', '')} (default: {f.default!r})"

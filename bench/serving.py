@@ -37,7 +37,7 @@ def make_workload(n: int, seed: int, vocab: int, in_range=(16, 512), out_range=(
 
 
 def run_engine(model_dir: str, w: Workload, **server) -> tuple[float, dict, list[list[int]]]:
-    from actors.engine import Engine
+    from actors.frontend.engine import Engine
 
     with Engine(model_dir, **server) as engine:
         engine.generate(
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     a = ap.parse_args(argv)
-    from actors.engine import resolve_model
-    from model.config import ModelConfig
+    from actors.frontend.engine import resolve_model
+    from model.checkpoints.config import ModelConfig
 
     path, _ = resolve_model(a.model)
     vocab = ModelConfig.from_dir(path).vocab_size

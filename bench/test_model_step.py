@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.batch import Segment
 from model.step import ExecutorConfig, ModelExecutor
+from model.step_inputs import Segment
 
 CONTEXT = 128
 PAGE = 16
@@ -25,10 +25,10 @@ def _models():
 @pytest.fixture(scope="module", params=_models())
 def model_dir(request, tmp_path_factory):
     if request.param == "tiny":
-        from model.tiny import make_tiny_model
+        from model.checkpoints.tiny import make_tiny_model
 
         return request.param, make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-    from model.fetch import RegistryUnreachable, fetch_model
+    from model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
     try:
         return request.param, fetch_model("smollm2")

@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from actors import messages as m
-from actors.ring import Ring
+from actors.transport import messages as m
+from actors.transport.ring import Ring
 
 TRANSPORTS = ["ring-spin", "ring-sleep", "pipe", "queue", "zmq"]
 CPUS = sorted(os.sched_getaffinity(0))

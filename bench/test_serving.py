@@ -16,7 +16,7 @@ from bench.serving import make_workload, run_engine, run_hf
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from model.tiny import make_tiny_model
+    from model.checkpoints.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama"))
 

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from model.config import RopeConfig
+from model.checkpoints.config import RopeConfig
 
 
 class Linear(nnx.Module):

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from model.attention import paged_attention, write_kv
-from model.config import ModelConfig
+from model.checkpoints.config import ModelConfig
 from model.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from model.config import ModelConfig
+from model.checkpoints.config import ModelConfig
 
 
 def make_mesh(tp_size: int) -> Mesh:

@@ -26,11 +26,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from model.attention import resolve_backend
-from model.batch import Buckets, HostBatch, Segment, build_batch
+from model.checkpoints.weights import load_checkpoint
 from model.llama import CausalLM, ForwardBatch, hf_to_ours
 from model.mesh import kv_sharding, make_mesh, param_spec, replicated
 from model.sampler import SampleOut, SamplingBatch, sample
-from model.weights import load_checkpoint
+from model.step_inputs import Buckets, HostBatch, Segment, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ class ExecutorConfig:
 def enable_compilation_cache(path: str | Path | None = None) -> Path:
     """Persist XLA executables on disk (process-wide), keyed by XLA on program and backend:
     the second start-up with the same shapes loads its buckets instead of compiling them."""
-    from model.tiny import default_cache_dir
+    from model.checkpoints.paths import cache_dir
 
-    p = Path(path) if path is not None else default_cache_dir().parent / "xla"
+    p = Path(path) if path is not None else cache_dir("xla")
     p.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(p))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(family) -> path of a tiny random checkpoint of that family (seed 0)."""
-    from model.tiny import make_tiny_model
+    from model.checkpoints.tiny import make_tiny_model
 
     made: dict[str, object] = {}
 

@@ -23,14 +23,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from actors import messages as m
-from actors.sampling_params import SamplingParams
+from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.batch import ScheduledBatch, StepResult
 from actors.scheduler.books import KVBooks
 from actors.scheduler.core import ReqOutput, SchedulerCore
 from actors.scheduler.output import step_msg, token_out
 from actors.scheduler.req import Req, ReqStatus
 from actors.server_args import ServerArgs
+from actors.transport import messages as m
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -219,13 +219,13 @@ class SchedulerLoop:
 
 def run(ctx) -> None:
     """Actor entry point (see actors/actor.py): rings `inbox`, `to_runner`, `from_runner`, `to_detok`."""
-    from actors.ring import BroadcastRing, Ring
+    from actors.transport.ring import BroadcastRing, Ring
 
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
-    from transformers import AutoTokenizer
+    from model.checkpoints.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+    tok = load_tokenizer(cfg.tokenizer_dir)
 
     def decode_tail(ids: list[int]) -> str:
         return str(tok.decode(ids, skip_special_tokens=True))

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.messages import DetokOpen, ExtendRow, SlotStart, StepMsg, TokenOut, f32, i32
 from actors.scheduler.batch import Row, ScheduledBatch
 from actors.scheduler.core import ReqOutput
 from actors.scheduler.req import Req
+from actors.transport.messages import DetokOpen, ExtendRow, SlotStart, StepMsg, TokenOut, f32, i32
 
 
 def slot_start(row: Row) -> SlotStart:

@@ -20,8 +20,8 @@ import enum
 
 import numpy as np
 
-from actors.detokenize import find_stop
-from actors.sampling_params import SamplingParams
+from actors.detokenizer.incremental import find_stop
+from actors.frontend.sampling_params import SamplingParams
 
 
 class ReqStatus(enum.IntEnum):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
-from actors.ring import Ring, RingClosed
+from actors.transport.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
+from actors.transport.ring import Ring, RingClosed
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = "tests.actors.test_actor"
@@ -166,7 +166,7 @@ def test_bad_targets_and_names_are_refused():
 _ORPHAN_PARENT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from actors.launcher import ActorGroup
+from actors.transport.launcher import ActorGroup
 g = ActorGroup()
 ring = g.ring("orphan", 1024)
 g.spawn("child", "tests.actors.test_actor:idle")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tests.actors.test_scheduler as scheduler_tests
-from actors.sampling_params import SamplingParams
+from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.books import KVBooks
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req

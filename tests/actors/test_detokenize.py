@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.detokenize import IncrementalDecoder, find_stop
-from actors.sampling_params import SamplingParams
+from actors.detokenizer.incremental import IncrementalDecoder, find_stop
+from actors.frontend.sampling_params import SamplingParams
 
 TEXT = "Héllo wörld — naïve café, 世界 🙂🚀 ok. Ünïcödé ∑∫ done"
 
@@ -86,7 +86,7 @@ def test_aliases_and_normalisation():
 
 
 def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
-    from actors.detok_core import DetokenizerCore
+    from actors.detokenizer.streams import DetokenizerCore
 
     text = "alpha beta STOP gamma"
     ids = tok.encode(text, add_special_tokens=False)
@@ -106,7 +106,7 @@ def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
 
 
 def test_detokenizer_without_stops_streams_everything(tok):
-    from actors.detok_core import DetokenizerCore
+    from actors.detokenizer.streams import DetokenizerCore
 
     ids = tok.encode(TEXT, add_special_tokens=False)
     core = DetokenizerCore(tok)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.inputs import normalize_generate
+from actors.frontend.inputs import normalize_generate
 
 
 def norm(**kw):

@@ -8,8 +8,8 @@ import pickle
 import msgspec
 import pytest
 
-from actors import messages as m
 from actors.server_args import ServerArgs
+from actors.transport import messages as m
 
 _SAMPLING = m.WireSampling(max_new_tokens=16, temperature=0.5, top_k=4, stop=["\n"], stop_token_ids=[2])
 _OUT = m.TokenOut(rid="r1", new_ids=m.i32([5, 6]), prompt_tokens=3, completion_tokens=2, logprobs=m.f32([-0.5, -1.0]),

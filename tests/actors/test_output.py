@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors import messages as m
-from actors.runner_state import SlotMirrors
+from actors.runner.slot_mirrors import SlotMirrors
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.output import step_msg
 from actors.server_args import ServerArgs
+from actors.transport import messages as m
 from tests.actors.fake_runner import FakeRunner
 from tests.actors.simple_books import SimpleBooks
 from tests.actors.test_scheduler import req

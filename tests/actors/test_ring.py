@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from actors.ring import BroadcastRing, Ring, RingClosed, RingTimeout, shm_files
+from actors.transport.ring import BroadcastRing, Ring, RingClosed, RingTimeout, shm_files
 
 N_FRAMES = 1_000_000
 
@@ -92,7 +92,7 @@ def slow_reader(ctx):
 
 # ---- tests ------------------------------------------------------------------------------
 def test_million_frames_keep_order_and_content_across_wraparound():
-    from actors.launcher import ActorGroup
+    from actors.transport.launcher import ActorGroup
 
     seed, max_size = 7, 300
     with ActorGroup() as group:
@@ -114,7 +114,7 @@ def test_million_frames_keep_order_and_content_across_wraparound():
 
 
 def test_broadcast_three_readers_one_slow_all_in_order_and_writer_held_back():
-    from actors.launcher import ActorGroup
+    from actors.transport.launcher import ActorGroup
 
     n, delay, cap = 300, 0.002, 1024
     with ActorGroup() as group:
@@ -139,7 +139,7 @@ def test_broadcast_three_readers_one_slow_all_in_order_and_writer_held_back():
 
 
 def test_split_messages_larger_than_the_ring_round_trip_cross_process():
-    from actors.launcher import ActorGroup
+    from actors.transport.launcher import ActorGroup
 
     rng = np.random.default_rng(3)
     with ActorGroup() as group:
@@ -274,7 +274,7 @@ def test_mark_closed_wakes_blocked_reader_and_writer():
 
 
 def test_reader_killed_mid_stream_is_detected_by_the_writer():
-    from actors.launcher import ActorGroup
+    from actors.transport.launcher import ActorGroup
 
     failures: list[tuple[str, int | None, float]] = []
     group = ActorGroup(on_failure=lambda name, code, tb: failures.append((name, code, time.monotonic())))

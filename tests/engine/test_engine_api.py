@@ -16,7 +16,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    from actors.engine import Engine
+    from actors.frontend.engine import Engine
 
     e = Engine(str(tiny_llama), page_size=16, **SMALL)
     yield e

@@ -35,8 +35,8 @@ def decoding_in_background(engine):
 
 
 def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
-    from actors.engine import Engine
-    from actors.frontend import EngineDead
+    from actors.frontend.engine import Engine
+    from actors.frontend.tokenizer_manager import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
     try:
@@ -60,8 +60,8 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
 
 
 def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
-    from actors.engine import Engine
-    from actors.frontend import EngineDead
+    from actors.frontend.engine import Engine
+    from actors.frontend.tokenizer_manager import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
     t, box = decoding_in_background(engine)
@@ -73,7 +73,7 @@ def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
 
 
 SCRIPT = """
-from actors.engine import Engine
+from actors.frontend.engine import Engine
 e = Engine({path!r}, max_running_requests=4, context_length=128, max_prefill_tokens=64, max_total_tokens=2048)
 print(e.generate(input_ids=[5, 6, 7], sampling_params={{"max_new_tokens": 4, "temperature": 0}})["meta_info"]["completion_tokens"])
 e.shutdown()

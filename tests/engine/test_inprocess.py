@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors import messages as m
-from actors.runner_state import SlotMirrors
-from actors.sampling_params import SamplingParams
+from actors.frontend.sampling_params import SamplingParams
+from actors.runner.slot_mirrors import SlotMirrors
 from actors.scheduler.batch import StepResult
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.output import step_msg
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
+from actors.transport import messages as m
 from model.step import ExecutorConfig, ModelExecutor
 from tests.actors.simple_books import SimpleBooks
 from tests.hf_ref import hf_greedy

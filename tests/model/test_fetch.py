@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from model import fetch
-from model.fetch import RegistryUnreachable, fetch_model, main
+from model.checkpoints import fetch
+from model.checkpoints.fetch import RegistryUnreachable, fetch_model, main
 
 
 @pytest.fixture

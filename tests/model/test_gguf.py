@@ -12,17 +12,17 @@ import gguf
 import numpy as np
 import pytest
 
-from model.batch import Segment
-from model.config import ModelConfig
-from model.gguf import (
+from model.checkpoints.config import ModelConfig
+from model.checkpoints.gguf import (
     gguf_tokenizer_dir,
     load_gguf_tokenizer,
     permute_rope_rows,
     read_gguf_weights,
     unpermute_rope_rows,
 )
+from model.checkpoints.weights import load_checkpoint
 from model.step import ExecutorConfig, ModelExecutor
-from model.weights import load_checkpoint
+from model.step_inputs import Segment
 from tests.model.bpe_ref import TEXTS, RefBPE
 
 CFG = ExecutorConfig(

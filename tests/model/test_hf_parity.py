@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.batch import Segment
 from model.step import ExecutorConfig, ModelExecutor
+from model.step_inputs import Segment
 from tests.hf_ref import hf_greedy, hf_logits
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]

@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from model.config import ModelConfig
+from model.checkpoints.config import ModelConfig
+from model.checkpoints.weights import load_checkpoint
 from model.step import ExecutorConfig, ModelExecutor
-from model.weights import load_checkpoint
 from tests.hf_ref import hf_greedy
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 

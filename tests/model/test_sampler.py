@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from model.batch import SamplingParams, Segment
 from model.sampler import SamplingBatch, keep_mask, sample
 from model.step import ExecutorConfig, ModelExecutor
+from model.step_inputs import SamplingParams, Segment
 
 
 def sb(temperature, top_k=-1, top_p=1.0, min_p=0.0, seed=0, position=0) -> SamplingBatch:

@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from model.batch import Segment
-from model.fetch import RegistryUnreachable, fetch_model
+from model.checkpoints.fetch import RegistryUnreachable, fetch_model
 from model.step import ExecutorConfig, ModelExecutor
+from model.step_inputs import Segment
 from tests.hf_ref import hf_greedy
 from tests.model.bpe_ref import TEXTS, RefBPE
 

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from model.batch import Segment
 from model.step import ExecutorConfig, ModelExecutor
+from model.step_inputs import Segment
 
 PAGE = 16
 
@@ -74,7 +74,7 @@ def test_future_index_reads_previous_sample_on_device(tiny_dir):
 TP_SCRIPT = r"""
 import json, sys
 import numpy as np
-from model.batch import Segment
+from model.step_inputs import Segment
 from model.step import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 path, tp = sys.argv[1], int(sys.argv[2])

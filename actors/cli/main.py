@@ -11,33 +11,33 @@ import sys
 
 
 def _make_tiny_model(argv: list[str]) -> int:
-    from model.tiny import main
+    from model.checkpoints.tiny import main
 
     return main(argv)
 
 
 def _fetch_model(argv: list[str]) -> int:
-    from model.fetch import main
+    from model.checkpoints.fetch import main
 
     return main(argv)
 
 
 def _cleanup(argv: list[str]) -> int:
-    from actors.launcher import cleanup_main
+    from actors.transport.launcher import cleanup_main
 
     return cleanup_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
-    from actors.cli_generate import main
+    from actors.cli.generate import main
 
     return main(argv)
 
 
 def _generate_static(argv: list[str]) -> int:
-    from model.generate import main
+    from actors.cli.generate import main_static
 
-    return main(argv)
+    return main_static(argv)
 
 
 COMMANDS = {

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from actors.ring import RingClosed
+from actors.transport.ring import RingClosed
 
 __all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target"]
 

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from actors import messages as m
-from actors.runner_state import SlotMirrors
+from actors.runner.slot_mirrors import SlotMirrors
+from actors.transport import messages as m
 from model.sampler import SampleOut
 from model.step import ExecutorConfig, ModelExecutor, enable_compilation_cache
 
@@ -105,7 +105,7 @@ def run(ctx) -> None:
 
     from tqdm import tqdm
 
-    from actors.ring import BroadcastRing, Ring
+    from actors.transport.ring import BroadcastRing, Ring
 
     # tqdm's default lock is a multiprocessing semaphore, which an actor's os._exit at the end
     # would leave registered with the resource tracker ("leaked semaphore" at shutdown).

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from actors.actor import ActorSpec, Failed, LogLine, Ready, Stop, actor_main, decode_control, encode
-from actors.ring import BroadcastRing, Ring, _RingBase
+from actors.transport.actor import ActorSpec, Failed, LogLine, Ready, Stop, actor_main, decode_control, encode
+from actors.transport.ring import BroadcastRing, Ring, _RingBase
 
 __all__ = ["ActorFailed", "ActorGroup", "cleanup_main"]
 

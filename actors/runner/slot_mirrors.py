@@ -4,7 +4,7 @@ Per slot the runner keeps what the scheduler stops sending after a request's fir
 its page table (grown by appended pages), its committed length (advanced by each step's
 extend_len) and its sampling parameters. A step message then only names the slot, the new
 tokens (none for decode: the model reads `future[slot]`, the token the slot sampled last) and
-any new page, and the mirror turns it into the `model.batch.Segment`s the executor runs.
+any new page, and the mirror turns it into the `model.step_inputs.Segment`s the executor runs.
 
 Messages are applied in order: released slots first, then rows. A mismatch between the
 scheduler's committed length and the mirror's is a protocol bug and fails loudly.
@@ -16,8 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from actors.messages import StepMsg, as_i32
-from model.batch import SamplingParams, Segment
+from actors.transport.messages import StepMsg, as_i32
+from model.step_inputs import SamplingParams, Segment
 
 
 @dataclasses.dataclass(slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from actors import messages as m
-from actors.detok_core import DetokenizerCore
+from actors.detokenizer.streams import DetokenizerCore
+from actors.transport import messages as m
 
 log = logging.getLogger("ringserve.detokenizer")
 
@@ -54,12 +54,11 @@ class Detokenizer:
 
 def run(ctx) -> None:
     """Actor entry point: rings `inbox` (from the scheduler) and `outbox` (to the frontend)."""
-    from transformers import AutoTokenizer
-
-    from actors.ring import Ring
+    from actors.transport.ring import Ring
+    from model.checkpoints.tokenizer import load_tokenizer
 
     cfg = m.actor_config.decode(ctx.config)
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+    tok = load_tokenizer(cfg.tokenizer_dir)
     inbox = Ring.attach(ctx.rings["inbox"], spin_us=cfg.args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=cfg.args.spin_us)
     ctx.ready()

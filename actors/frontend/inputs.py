@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from actors.sampling_params import SamplingParams
+from actors.frontend.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)

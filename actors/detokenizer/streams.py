@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from actors.detokenize import Decodes, IncrementalDecoder
+from actors.detokenizer.incremental import Decodes, IncrementalDecoder
 
 
 @dataclasses.dataclass(slots=True)

@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from model.checkpoints.paths import cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -45,10 +46,6 @@ DEFAULT_DIMS = dict(
     num_key_value_heads=4,
     max_position_embeddings=8192,
 )
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("RINGSERVE_CACHE", Path.home() / ".cache" / "ringserve")) / "models"
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,6 +75,9 @@ def train_tokenizer(vocab_size: int):
 
 
 def _hf_config(family: str, dims: dict, seed: int) -> dict:
+    from model.checkpoints.tokenizer import quiet_transformers
+
+    quiet_transformers()
     import transformers
 
     cls = {
@@ -194,7 +194,7 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, *
 
 def tiny_model_path(family: str = "llama", seed: int = 0) -> Path:
     """The cached tiny model of `family`, made on first use (the embedded default model)."""
-    path = default_cache_dir() / f"tiny-{family}-s{seed}"
+    path = cache_dir("models", f"tiny-{family}-s{seed}")
     if not (path / "model.safetensors").is_file():
         make_tiny_model(path, family, seed)
     return path

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from model.config import ModelConfig, RopeConfig
-from model.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
+from model.checkpoints.config import ModelConfig, RopeConfig
+from model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
 
 SUPPORTED = (
     "F32",
@@ -314,12 +314,12 @@ def gguf_tokenizer_dir(path: str | Path) -> Path:
     import shutil
     import tempfile
 
-    from model.fetch import cache_root
+    from model.checkpoints.paths import cache_dir
 
     tok_json, tok_cfg = build_tokenizer(read_gguf_vocab(path), str(path))
     cfg_text = json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n"
     key = hashlib.sha256(tok_json.encode() + b"\0" + cfg_text.encode()).hexdigest()[:16]
-    target = cache_root() / "gguf-tokenizers" / key
+    target = cache_dir("gguf-tokenizers", key)
     if (target / "tokenizer_config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

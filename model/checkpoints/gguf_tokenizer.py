@@ -148,6 +148,10 @@ def build_tokenizer(v: GGUFVocab, source: str) -> tuple[str, dict[str, Any]]:
 def hf_tokenizer(tokenizer_json: str, tokenizer_config: dict[str, Any]):
     """A transformers tokenizer built in memory (no files), as `AutoTokenizer` would load it."""
     from tokenizers import Tokenizer
+
+    from model.checkpoints.tokenizer import quiet_transformers
+
+    quiet_transformers()
     from transformers import PreTrainedTokenizerFast
 
     kwargs = {k: v for k, v in tokenizer_config.items() if k != "tokenizer_class" and v is not None}

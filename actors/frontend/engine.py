@@ -20,13 +20,12 @@ import logging
 import queue
 import random
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
-from actors import messages as m
-from actors.frontend import EngineDead, TokenizerManager
-from actors.inputs import normalize_generate
+from actors.frontend.inputs import normalize_generate
+from actors.frontend.tokenizer_manager import EngineDead, TokenizerManager
 from actors.server_args import ServerArgs
+from actors.transport import messages as m
 
 log = logging.getLogger("ringserve.engine")
 
@@ -34,33 +33,19 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-def resolve_model(model_path: str | None) -> tuple[Path, Path]:
-    """(what the runner loads, the HF-format directory holding the tokenizer)."""
-    from model.generate import resolve_model_path
-
-    path = resolve_model_path("smollm2" if model_path is None else model_path)
-    if not path.exists():
-        raise ValueError(f"model_path={str(path)!r}: no such directory or file")
-    if path.is_dir():
-        return path, path
-    from model.gguf import gguf_tokenizer_dir
-
-    return path, gguf_tokenizer_dir(path)
-
-
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from transformers import AutoTokenizer
-
-        from actors.launcher import ActorGroup
-        from model.config import ModelConfig
+        from actors.transport.launcher import ActorGroup
+        from model.checkpoints.config import ModelConfig
+        from model.checkpoints.paths import resolve_model
+        from model.checkpoints.tokenizer import load_tokenizer
 
         self.args = args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         if args.num_pages - 1 < -(-args.context_length // args.page_size) + 1:
             raise ValueError(f"max_total_tokens={args.max_total_tokens}: the KV pool must hold one request of context_length="
                              f"{args.context_length} plus a page ({(-(-args.context_length // args.page_size) + 2) * args.page_size} tokens)")  # fmt: skip
         self.model_dir, tok_dir = resolve_model(args.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        self.tokenizer = load_tokenizer(tok_dir)
         mc = ModelConfig.from_dir(self.model_dir) if self.model_dir.is_dir() else None
         eos = set(mc.eos_token_ids if mc else ())
         if self.tokenizer.eos_token_id is not None:
@@ -88,11 +73,11 @@ class Engine:
             }
             group.spawn("scheduler", "actors.scheduler.loop:run", cfg, sched_rings)
             group.spawn(
-                "runner", "actors.runner:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name}
+                "runner", "actors.runner.runner:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name}
             )
             group.spawn(
                 "detokenizer",
-                "actors.detokenizer:run",
+                "actors.detokenizer.actor:run",
                 cfg,
                 {"inbox": detok_in.name, "outbox": front_in.name},
             )

@@ -16,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from model.config import ModelConfig
+from model.checkpoints.config import ModelConfig
 
 _DTYPES = {
     "F32": np.dtype(np.float32),
@@ -64,7 +64,7 @@ def load_checkpoint(model_path: str | Path) -> tuple[ModelConfig, dict[str, np.n
     """Config and HF-named NumPy tensors from a model directory or a `.gguf` file."""
     path = Path(model_path)
     if path.suffix == ".gguf":  # converted in memory on every load (see model/gguf.py)
-        from model.gguf import read_gguf_weights
+        from model.checkpoints.gguf import read_gguf_weights
 
         config_dict, gguf_tensors = read_gguf_weights(path)
         return ModelConfig.from_dict(config_dict, source=str(path)), gguf_tensors
