@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from model.step import ExecutorConfig, ModelExecutor
-from model.step_inputs import Segment
+from model.step_inputs import DeviceRow
 
 CONTEXT = 128
 PAGE = 16
@@ -53,22 +53,22 @@ def hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(str(model_dir[1]), dtype=torch.float32).eval()
 
 
-def _decode_segments(ex: ModelExecutor, batch: int) -> list[Segment]:
+def _decode_rows(ex: ModelExecutor, batch: int) -> list[DeviceRow]:
     """Prefill `batch` random contexts of CONTEXT tokens; return the next decode step's segments."""
     rng = np.random.default_rng(batch)
     per = CONTEXT // PAGE + 1
     segs = []
     for i in range(batch):
         pages = np.arange(1 + i * per, 1 + (i + 1) * per, dtype=np.int32)
-        ex.run([Segment(rng.integers(3, 1000, CONTEXT).astype(np.int32), 0, pages)])
-        segs.append(Segment(np.array([5], np.int32), CONTEXT, pages))
+        ex.run([DeviceRow(rng.integers(3, 1000, CONTEXT).astype(np.int32), 0, pages)])
+        segs.append(DeviceRow(np.array([5], np.int32), CONTEXT, pages))
     return segs
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_decode_step_ringserve(benchmark, record, executor, batch):
     name, _, ex = executor
-    segs = _decode_segments(ex, batch)
+    segs = _decode_rows(ex, batch)
 
     def step():
         out, _ = ex.run(segs)
@@ -100,7 +100,7 @@ def test_decode_step_transformers(benchmark, record, model_dir, hf, batch):
 def test_extend_512_ringserve(benchmark, record, executor):
     name, _, ex = executor
     seg = [
-        Segment(
+        DeviceRow(
             np.random.default_rng(0).integers(3, 1000, 512).astype(np.int32),
             0,
             np.arange(1, 33, dtype=np.int32),

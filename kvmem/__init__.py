@@ -1,19 +1,24 @@
 """KV memory bookkeeping (host side, NumPy only: never imports JAX or actors).
 
-allocator.py  PageAllocator: whole pages, page 0 the sink, checked free / adopt
-slots.py      SlotPool (req_to_token rows) and ReqKV, one request's record
+allocator.py  PageAllocator: whole pages, page 0 the sink, checked free / adopt; cdiv
+slots.py      SlotPool (req_to_token rows: one request slot per live request)
 radix.py      RadixCache: page-granular prefix tree, lock refs, LRU eviction
-sessions.py   SessionSlots: a streaming session keeps its trimmed slot between turns
-cache.py      KVCache: the four together, with the per-request contract
+req_kv.py     ReqKV: one request's KV record, the owner of its lengths
 integrity.py  check_integrity: every page free, in the tree, or held by one live row
+cache.py      KVCache: the facade the scheduler calls, with the per-request contract
+sessions.py   SessionSlots: a streaming session keeps its trimmed slot between turns (a layer
+              over KVCache)
+
+Imports point down this list; there is no cycle.
 """
 
-from kvmem.allocator import KVUsageError, PageAllocator, token_locations
+from kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
 from kvmem.cache import KVCache
 from kvmem.integrity import IntegrityError, check_integrity
-from kvmem.radix import InsertResult, MatchResult, RadixCache, TreeNode
+from kvmem.radix import InsertResult, MatchResult, RadixCache, TreeNode, common_prefix_len
+from kvmem.req_kv import ReqKV
 from kvmem.sessions import KeptSlot, SessionSlots
-from kvmem.slots import ReqKV, SlotPool
+from kvmem.slots import SlotPool
 
 __all__ = [
     "IntegrityError",
@@ -28,6 +33,8 @@ __all__ = [
     "SessionSlots",
     "SlotPool",
     "TreeNode",
+    "cdiv",
     "check_integrity",
+    "common_prefix_len",
     "token_locations",
 ]

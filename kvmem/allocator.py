@@ -29,6 +29,11 @@ _WHY = {
 _EMPTY = np.zeros(0, np.int32)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers (pages covering a tokens, chunks covering a keys, ...)."""
+    return -(-a // b)
+
+
 class KVUsageError(RuntimeError):
     """Bad use of kvmem (double free, unlocking below zero, freeing tree pages, ...)."""
 

@@ -1,18 +1,26 @@
-"""The KV books of one engine: page allocator + slot pool + radix tree + streaming sessions.
+"""`KVCache`: the one facade the scheduler calls for KV memory (page allocator + slot pool +
+radix tree), with the per-request contract. Lengths are in tokens; see kvmem/slots.py for a
+row's regions and kvmem/req_kv.py for the record.
 
-The per-request contract (lengths in tokens, see kvmem/slots.py for a row's regions):
-- `admit(prefix_ids)`: a slot, plus the longest cached page-aligned prefix of `prefix_ids`
-  (the caller caps it so at least one token is computed); the prefix node is locked and its
-  pages (tree-owned) start the row. cached_len == committed_len == allocated_len == matched.
-- `reserve(kv, extend_len)`: allocated_len >= committed_len + extend_len (lookahead included),
-  evicting unlocked tree leaves if the free list is short. Returns the pages appended to the
-  row, or None with nothing changed when even eviction cannot make room. Idempotent.
-- `commit(kv, n)`: n more positions hold KV (the caller wrote, or scheduled, them).
-- `cache_unfinished(kv, ids)`: ids = the tokens [0, committed_len); caches their whole pages.
-- `release(kv, ids)`: finish (ids = tokens [0, keep_len) worth keeping, inserted page-aligned)
-  or abort / retract (ids None). Every page the row still owns is freed, the lock is dropped,
-  the slot is freed.
-- `trim(kv, keep_len)`: seed 001's page-aligned tail free for a slot that lives on.
+- `match_len(prefix_ids)`: what `admit` would grant now (changes nothing; LPM ordering).
+- `admit(prefix_ids)`: a request slot, plus the longest cached page-aligned prefix of
+  `prefix_ids` (the caller caps it so at least one token is computed); the prefix node is
+  locked and its pages (tree-owned) start the row. cached_len == committed_len ==
+  allocated_len == matched. None (nothing changed) when no slot is free.
+- `reserve(kv, extend_len)`: allocated_len >= committed_len + extend_len, evicting unlocked
+  tree leaves if the free list is short. Returns the pages appended to the row, or None with
+  nothing changed when even eviction cannot make room. Idempotent.
+- `commit(kv, n)`: n more positions hold KV (the caller wrote, or scheduled, them in order).
+- `cache_unfinished(kv, ids)`: ids = the tokens [0, committed_len) (or fewer); their whole
+  pages enter the tree. The row is unchanged (the runner mirrors it).
+- `release(kv, ids)`: finish (ids = tokens [0, keep_len) worth keeping, inserted
+  page-aligned) or abort / retract (ids None). Every page the row still owns is freed (the
+  partial last page included), the lock is dropped, the slot is freed.
+- `trim(kv, keep_len)`: seed 001's page-aligned tail free, for a slot that lives on.
+
+Who owns a row's pages: the request (HELD) or the tree (TREE, kept alive by the request's lock
+on `kv.node`, whose root path holds those pages at the same indices). A live row is
+append-only: where the tree already holds a prefix under other pages, the request keeps its own.
 """
 
 from __future__ import annotations
@@ -21,11 +29,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvmem.allocator import KVUsageError, PageAllocator
+from kvmem.allocator import KVUsageError, PageAllocator, cdiv
 from kvmem.integrity import check_integrity
-from kvmem.radix import RadixCache, TreeNode
-from kvmem.sessions import SessionSlots
-from kvmem.slots import ReqKV, SlotPool
+from kvmem.radix import InsertResult, RadixCache, TreeNode
+from kvmem.req_kv import ReqKV
+from kvmem.slots import SlotPool
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -36,15 +44,17 @@ class KVCache:
         self.allocator = PageAllocator(num_pages, page_size)
         self.slots = SlotPool(max_slots, self.allocator)
         self.tree = RadixCache(page_size, self.allocator, disable=disable_radix_cache)
-        self.sessions = SessionSlots(self)
 
     # ---- sizes ------------------------------------------------------------------------------
     def available_tokens(self) -> int:
         """Tokens allocatable now: free pages plus evictable tree pages."""
         return (self.allocator.num_free + self.tree.evictable_pages) * self.page_size
 
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
     def match_len(self, prefix_ids: np.ndarray, extra_key: str | None = None) -> int:
-        """Tokens `admit(prefix_ids)` would be granted now (changes nothing)."""
         return self.tree.prefix_len(prefix_ids, extra_key)
 
     # ---- per request ------------------------------------------------------------------------
@@ -57,11 +67,15 @@ class KVCache:
         self.slots.append(slot, m.pages, owned=False)
         return ReqKV(slot, m.node, extra_key, m.length, m.length, m.length)
 
+    def pages(self, kv: ReqKV) -> np.ndarray:
+        """The row's page ids (a view: copy it to keep it)."""
+        return self.slots.pages(kv.slot)
+
     def reserve(self, kv: ReqKV, extend_len: int) -> np.ndarray | None:
         target = kv.committed_len + extend_len
         if target <= kv.allocated_len:
             return _EMPTY
-        need = -(-target // self.page_size) - int(self.slots.n_pages[kv.slot])
+        need = cdiv(target, self.page_size) - int(self.slots.n_pages[kv.slot])
         pages = _EMPTY
         if need > 0:
             short = need - self.allocator.num_free
@@ -84,16 +98,37 @@ class KVCache:
         kv.committed_len += n
 
     def cache_unfinished(self, kv: ReqKV, token_ids: np.ndarray) -> None:
+        """Between prefill chunks (or once the prompt is done): cache the written KV.
+
+        The page-aligned part of `token_ids` is inserted. Pages the tree adopts become
+        tree-owned in the row. A prefix has one path in the tree, so the inserted node's path
+        holds every tree-owned page of the row it spans; the lock moves there when that is all
+        of them (a shorter insert adopts nothing and keeps the lock where it is)."""
         assert len(token_ids) <= kv.committed_len, (
             f"slot {kv.slot}: caching {len(token_ids)} tokens, committed_len={kv.committed_len}"
         )
-        self.tree.cache_unfinished_req(self.slots, kv, token_ids)
+        n_pages = len(token_ids) // self.page_size
+        res = self._adopt_row(kv, token_ids)
+        shared = np.flatnonzero(~self.slots.owned_mask(kv.slot))
+        if res.node is not kv.node and (shared.size == 0 or shared[-1] < n_pages):
+            self.tree.inc_lock_ref(res.node)
+            self.tree.dec_lock_ref(kv.node)
+            kv.node = res.node
+        assert shared.size == 0 or shared[-1] < n_pages or res.adopted_from == n_pages, (
+            "a shorter insert adopted pages"
+        )
 
     def release(self, kv: ReqKV, token_ids: np.ndarray | None = None) -> None:
         assert token_ids is None or len(token_ids) <= kv.committed_len, (
             f"slot {kv.slot}: keeping {len(token_ids)} tokens, committed_len={kv.committed_len}"
         )
-        self.tree.cache_finished_req(self.slots, kv, token_ids)
+        if token_ids is not None and len(token_ids) >= self.page_size:
+            self._adopt_row(kv, token_ids)
+        with self.allocator.free_group():
+            self.slots.free_tail(kv.slot, 0)
+        self.tree.dec_lock_ref(kv.node)
+        kv.node = self.tree.root
+        self.slots.free_slot(kv.slot)
 
     def trim(self, kv: ReqKV, keep_len: int) -> int:
         """Cut a live record to `keep_len` tokens: committed_len and allocated_len are capped at
@@ -109,6 +144,18 @@ class KVCache:
         kv.cached_len = min(kv.cached_len, kv.committed_len)
         return freed
 
+    def _adopt_row(self, kv: ReqKV, token_ids: np.ndarray) -> InsertResult:
+        """Insert the row's page-aligned prefix of `token_ids`; the pages the tree takes from
+        the row stop being the request's (the row itself is unchanged)."""
+        n_pages = len(token_ids) // self.page_size
+        res = self.tree.insert(
+            np.asarray(token_ids[: n_pages * self.page_size], np.int32),
+            self.slots.pages(kv.slot)[:n_pages],
+            kv.extra_key,
+        )
+        self.slots.disown(kv.slot, res.adopted_from, n_pages)
+        return res
+
     # ---- whole pool -------------------------------------------------------------------------
     def flush(self) -> None:
         """Empty the tree and reset the pools; refuses (changing nothing) while a slot is live."""
@@ -120,6 +167,6 @@ class KVCache:
         self.slots.reset()
 
     def check_integrity(self, live: Iterable[ReqKV], locks: Iterable[TreeNode] = ()) -> None:
-        """`live`: the records of every running request; sessions' kept slots are added here;
+        """`live`: the record of every slot in use (running requests and sessions' kept slots);
         `locks`: nodes locked by other callers of `tree.inc_lock_ref`, one entry per lock."""
-        check_integrity(self.allocator, self.slots, self.tree, [*live, *self.sessions.records()], locks)
+        check_integrity(self.allocator, self.slots, self.tree, live, locks)

@@ -17,9 +17,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvmem.allocator import FREE, HELD, SINK, STATE_NAMES, TREE, PageAllocator
+from kvmem.allocator import FREE, HELD, SINK, STATE_NAMES, TREE, PageAllocator, cdiv
 from kvmem.radix import RadixCache, TreeNode
-from kvmem.slots import ReqKV, SlotPool
+from kvmem.req_kv import ReqKV
+from kvmem.slots import SlotPool
 
 
 class IntegrityError(AssertionError):
@@ -143,7 +144,7 @@ def _check_rows(
         except AssertionError as e:
             raise IntegrityError(str(e)) from None
         n = int(slots.n_pages[s])
-        if n != -(-kv.allocated_len // page):
+        if n != cdiv(kv.allocated_len, page):
             _fail(f"slot {s}: {n} pages for allocated_len={kv.allocated_len} (page_size {page})")
         if not kv.node.alive:
             _fail(f"slot {s} locks {kv.node}, which was evicted")

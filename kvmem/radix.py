@@ -26,8 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvmem.allocator import KVUsageError, PageAllocator, token_locations
-from kvmem.slots import ReqKV, SlotPool
+from kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
 
 _EMPTY = np.zeros(0, np.int32)
 _ids = itertools.count()
@@ -73,12 +72,11 @@ class InsertResult:
     node: TreeNode  # the node ending exactly at the inserted key (the root for an empty key)
 
 
-def _common_len(a: np.ndarray, b: np.ndarray, page: int) -> int:
-    """Length of the common prefix of two token arrays, rounded down to whole pages."""
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int32 token arrays."""
     n = min(len(a), len(b))
     a, b = a[:n], b[:n]
-    c = n if a.tobytes() == b.tobytes() else int((a != b).argmax())  # bytes compare: the fast path
-    return c - c % page
+    return n if a.tobytes() == b.tobytes() else int((a != b).argmax())  # bytes compare: the fast path
 
 
 class RadixCache:
@@ -128,7 +126,8 @@ class RadixCache:
             child = node.children.get(self._child_key(node, key[pos : pos + page], extra_key))
             if child is None:
                 break
-            m = _common_len(child.key, key[pos:n], page)  # >= page: the first page matched
+            m = common_prefix_len(child.key, key[pos:n])
+            m -= m % page  # >= page: the first page matched
             if m < len(child.key):
                 if not split:
                     return node, parts, pos + m
@@ -228,7 +227,7 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free least recently used unlocked leaves until `num_tokens` are freed (or nothing
         is left to evict). Returns the tokens freed (whole nodes: may exceed the request)."""
-        need = -(-num_tokens // self.page_size)
+        need = cdiv(num_tokens, self.page_size)
         freed = 0
         with self.allocator.free_group():
             while freed < need and self._heap:
@@ -273,48 +272,3 @@ class RadixCache:
         self.root.children = {}
         self.evictable_pages = self.protected_pages = self.num_nodes = 0
         self._heap = []
-
-    # ---- requests ---------------------------------------------------------------------------
-    def cache_unfinished_req(self, slots: SlotPool, kv: ReqKV, token_ids: np.ndarray) -> None:
-        """Between prefill chunks (or once the prompt is done): cache the request's written KV.
-
-        `token_ids` are its tokens [0, committed_len); the page-aligned part is inserted. The
-        row is not changed: pages the tree adopts are marked tree-owned; where the tree already
-        held the prefix under other pages the request keeps its own. A prefix has one path in
-        the tree, so the inserted node's path holds every tree-owned page of the row it spans;
-        the lock moves there when that is all of them (a shorter insert adopts nothing and
-        keeps the lock where it is)."""
-        n_pages = len(token_ids) // self.page_size
-        res = self._adopt_row(slots, kv, token_ids)
-        shared = np.flatnonzero(~slots.owned_mask(kv.slot))
-        if res.node is not kv.node and (shared.size == 0 or shared[-1] < n_pages):
-            self.inc_lock_ref(res.node)
-            self.dec_lock_ref(kv.node)
-            kv.node = res.node
-        assert shared.size == 0 or shared[-1] < n_pages or res.adopted_from == n_pages, (
-            "a shorter insert adopted pages"
-        )
-
-    def _adopt_row(self, slots: SlotPool, kv: ReqKV, token_ids: np.ndarray) -> InsertResult:
-        """Insert the row's page-aligned prefix of `token_ids`; the pages the tree takes from
-        the row stop being the request's (the row itself is unchanged)."""
-        n_pages = len(token_ids) // self.page_size
-        res = self.insert(
-            np.asarray(token_ids[: n_pages * self.page_size], np.int32),
-            slots.pages(kv.slot)[:n_pages],
-            kv.extra_key,
-        )
-        slots.disown(kv.slot, res.adopted_from, n_pages)
-        return res
-
-    def cache_finished_req(self, slots: SlotPool, kv: ReqKV, token_ids: np.ndarray | None) -> None:
-        """Let go of a request: insert `token_ids` ([0, keep_len), the KV worth keeping; None:
-        nothing) page-aligned, free every page of the row it still owns (the partial last page
-        included), unlock, free the slot."""
-        if token_ids is not None and len(token_ids) >= self.page_size:
-            self._adopt_row(slots, kv, token_ids)
-        with self.allocator.free_group():
-            slots.free_tail(kv.slot, 0)
-        self.dec_lock_ref(kv.node)
-        kv.node = self.root
-        slots.free_slot(kv.slot)

@@ -1,8 +1,9 @@
 """Streaming sessions: a finished turn's slot is kept, trimmed, for the session's next turn.
 
-A turn's row when it finishes (O = origin_len, F = finished_len, T = O + F). A round that
-accepts several tokens at once (speculative decoding) can commit past T ("overshoot"), and
-the round planned after it (overlap) can reserve even further:
+A layer over `KVCache` (which knows nothing of sessions). A turn's row when it finishes
+(O = origin_len, F = finished_len, T = O + F). A round that accepts several tokens at once
+(speculative decoding) can commit past T ("overshoot"), and the round planned after it
+(overlap) can reserve even further:
 
     positions: 0 ........ O-1 | O ....... T-1 | T ......... committed_len ... allocated_len
                [--- input ---] [- kept output -] [- overshoot: stale for the next turn -]
@@ -19,14 +20,13 @@ T - 1 (the last output token is never fed back): the next turn recomputes positi
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import numpy as np
 
-from kvmem.slots import ReqKV
-
-if TYPE_CHECKING:
-    from kvmem.cache import KVCache
+from kvmem.cache import KVCache
+from kvmem.radix import TreeNode, common_prefix_len
+from kvmem.req_kv import ReqKV
 
 
 @dataclasses.dataclass(slots=True)
@@ -35,19 +35,18 @@ class KeptSlot:
     token_ids: np.ndarray  # int32 tokens [0, kv.committed_len): what its KV was computed for
 
 
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 class SessionSlots:
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.kept: dict[str, KeptSlot] = {}
 
     def records(self) -> list[ReqKV]:
+        """The kept slots' records (they count as live rows for the integrity check)."""
         return [k.kv for k in self.kept.values()]
+
+    def check_integrity(self, live: Iterable[ReqKV], locks: Iterable[TreeNode] = ()) -> None:
+        """The cache's check, with the kept slots among the live rows."""
+        self.cache.check_integrity([*live, *self.records()], locks)
 
     def start_turn(self, session_id: str, token_ids: np.ndarray) -> ReqKV | None:
         """The record for a turn whose input is `token_ids` (earlier turns included).

@@ -14,38 +14,15 @@ Each page of a row is either OWNED by the request (allocator state HELD; freed w
 request lets go of it) or owned by the radix tree (state TREE; kept alive by the lock the
 request holds on `ReqKV.node`, whose root path holds that very page at the same index).
 A live row only grows at its end or is cut at its end (`free_tail`): pages already in it are
-never replaced or reordered, because the runner mirrors rows incrementally.
+never replaced or reordered, because the runner mirrors rows incrementally. A row is a
+*request slot*; a page id times page_size plus an offset is a *token location*.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from kvmem.allocator import KVUsageError, PageAllocator
-
-if TYPE_CHECKING:
-    from kvmem.radix import TreeNode
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class ReqKV:
-    """kvmem's record of one request's KV (or of a session's kept slot); lengths in tokens."""
-
-    slot: int
-    node: TreeNode  # the tree node this record locks (the root: none)
-    extra_key: str | None = None  # namespace (LoRA / weight version) of its tree entries
-    cached_len: int = 0
-    committed_len: int = 0
-    allocated_len: int = 0
-
-    def check_lengths(self) -> None:
-        assert 0 <= self.cached_len <= self.committed_len <= self.allocated_len, (
-            f"slot {self.slot}: cached_len={self.cached_len} committed_len={self.committed_len} "
-            f"allocated_len={self.allocated_len} out of order"
-        )
+from kvmem.allocator import KVUsageError, PageAllocator, cdiv
 
 
 class SlotPool:
@@ -119,7 +96,7 @@ class SlotPool:
         ceil(keep_len / page_size) leave it (owned ones are freed, tree ones only dropped).
         A partially kept page is never freed. Returns the number of pages freed."""
         self._check_live(slot, "free_tail")
-        keep = -(-max(keep_len, 0) // self.page_size)
+        keep = cdiv(max(keep_len, 0), self.page_size)
         n = int(self.n_pages[slot])
         if keep >= n:
             return 0

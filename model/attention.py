@@ -1,21 +1,21 @@
 """Paged attention over the device KV cache (pure JAX; runs on CPU, GPU and TPU).
 
-KV cache, one (k, v) pair per layer, head-major token slots:
+KV cache, one (k, v) pair per layer, head-major token locations:
 
     k_cache[l] : [num_kv_heads, num_pages * page_size, head_dim]
-                               └─ location = page * page_size + offset; page 0 is the sink:
+                               └─ token location = page * page_size + offset; page 0 is the sink:
                                   padded tokens write there and nothing reads it.
 
 Queries come in blocks: every block holds up to `block` consecutive tokens of ONE request
 (decode: block = 1; extend/mixed: a request's new tokens padded to a multiple of `block`).
 
     q          : [NB, block, H, D]      block_pages : [NB, max_pages]  the request's page table
-    q_pos      : [NB, block]            kv_len      : [NB]  KV tokens valid after this step's write
+    q_pos      : [NB, block]            committed_len : [NB]  KV tokens valid once this step's are written
 
 Key j of a block's request (j = its position) is visible to query i iff
-`j < kv_len` and `j <= q_pos[i]` (and `j > q_pos[i] - window` with a sliding window).
+`j < committed_len` and `j <= q_pos[i]` (and `j > q_pos[i] - window` with a sliding window).
 The keys are read `chunk` tokens at a time in a `fori_loop` whose trip count is
-`ceil(max(kv_len) / chunk)`, a runtime value: one compiled program serves every context length.
+`ceil(max(committed_len) / chunk)`, a runtime value: one compiled program serves every context length.
 Softmax is the online (flash) form, so the loop keeps only [NB, H, block] statistics.
 """
 
@@ -32,7 +32,8 @@ _NEG = -1e30
 
 
 def write_kv(cache: jax.Array, new: jax.Array, out_loc: jax.Array) -> jax.Array:
-    """Scatter new[T, KV, D] into cache[KV, slots, D] at out_loc[T] (in place under donation)."""
+    """Scatter new[T, KV, D] into cache[KV, locations, D] at the token locations out_loc[T]
+    (in place under donation)."""
     return cache.at[:, out_loc].set(jnp.swapaxes(new, 0, 1).astype(cache.dtype))
 
 
@@ -42,7 +43,7 @@ def paged_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     block_pages: jax.Array,
-    kv_len: jax.Array,
+    committed_len: jax.Array,
     *,
     page_size: int,
     chunk_pages: int,
@@ -67,7 +68,7 @@ def paged_attention(
         v = v_pages[:, pages].reshape(kvh, nb, chunk, d).astype(jnp.float32)
         s = jnp.einsum("bqkgd,kbcd->bkgqc", qg, k)  # [NB, KV, G, block, chunk]
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        visible = (key_pos[None, None, :] < kv_len[:, None, None]) & (
+        visible = (key_pos[None, None, :] < committed_len[:, None, None]) & (
             key_pos[None, None, :] <= q_pos[:, :, None]
         )  # [NB, block, chunk]
         if sliding_window is not None:
@@ -81,7 +82,7 @@ def paged_attention(
         acc = acc * alpha[..., None] + jnp.einsum("bkgqc,kbcd->bkgqd", p, v)
         return m_new, denom, acc
 
-    n_chunks = (jnp.max(kv_len) + chunk - 1) // chunk
+    n_chunks = (jnp.max(committed_len) + chunk - 1) // chunk
     init = (
         jnp.full((nb, kvh, g, blk), _NEG, jnp.float32),
         jnp.zeros((nb, kvh, g, blk), jnp.float32),

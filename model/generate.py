@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from model.step import ModelExecutor
-from model.step_inputs import SamplingParams, Segment
+from model.step_inputs import DeviceRow, DeviceSampling
 
 
 def generate(
     ex: ModelExecutor,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingParams,
+    sampling: DeviceSampling,
     eos_ids: set[int],
     on_token=None,
 ) -> list[list[int]]:
@@ -33,14 +33,14 @@ def generate(
             raise ValueError(f"batch needs more than the {cfg.num_pages - 1} KV pages available; pass fewer prompts")
         tables.append(np.arange(next_page, next_page + need, dtype=np.int32))
         next_page += need
-    params = [SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed + i) for i in range(len(prompts))]
+    params = [DeviceSampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed + i) for i in range(len(prompts))]
     out: list[list[int]] = [[] for _ in prompts]
     # Prefill: one request per extend step, chunked to the largest extend bucket.
     chunk = ex.buckets.extend_tokens[-1]
     for i, p in enumerate(prompts):
         for start in range(0, len(p), chunk):
             piece = np.asarray(p[start : start + chunk], np.int32)
-            res, rows = ex.run([Segment(piece, start, tables[i], params[i])])
+            res, rows = ex.run([DeviceRow(piece, start, tables[i], params[i])])
         tok = int(np.asarray(res.tokens)[rows[0]])
         out[i].append(tok)
         if on_token:
@@ -49,8 +49,8 @@ def generate(
     while live:
         for lo in range(0, len(live), cfg.max_batch):
             group = live[lo : lo + cfg.max_batch]
-            segs = [Segment(np.array([out[i][-1]], np.int32), len(prompts[i]) + len(out[i]) - 1, tables[i], params[i]) for i in group]
-            res, rows = ex.run(segs)
+            batch = [DeviceRow(np.array([out[i][-1]], np.int32), len(prompts[i]) + len(out[i]) - 1, tables[i], params[i]) for i in group]
+            res, rows = ex.run(batch)
             toks = np.asarray(res.tokens)
             for i, r in zip(group, rows, strict=True):
                 out[i].append(int(toks[r]))

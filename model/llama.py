@@ -8,7 +8,7 @@ layout); matmuls see only the flat [T, hidden] tokens, attention sees [NB, block
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,20 +18,9 @@ from flax import nnx
 from model.attention import paged_attention, write_kv
 from model.checkpoints.config import ModelConfig
 from model.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+from model.step_inputs import ForwardBatch
 
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
-
-
-class ForwardBatch(NamedTuple):
-    """Device inputs of one step. T = NB * block tokens (padding included)."""
-
-    input_ids: Arr  # [T] int32; a negative id -i reads future slot i-1 (overlap scheduling)
-    positions: Arr  # [T] int32
-    out_loc: Arr  # [T] int32 KV location to write (0 = sink for padding)
-    block_pages: Arr  # [NB, max_pages] int32 page table of each block's request
-    kv_len: Arr  # [NB] int32 KV tokens of the block's request after this step
-    sample_idx: Arr  # [NB] int32 flat index of the token whose logits are sampled per row
-    sample_slot: Arr  # [NB] int32 future slot that receives the sampled token (sink = last)
 
 
 class Attention(nnx.Module):
@@ -59,7 +48,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, batch.positions, inv_freq)
         k_cache = write_kv(kv[0], k, batch.out_loc)
         v_cache = write_kv(kv[1], v, batch.out_loc)
-        nb = batch.kv_len.shape[0]
+        nb = batch.committed_len.shape[0]
         blk = t // nb
         out = paged_attention(
             q.reshape(nb, blk, cfg.num_heads, cfg.head_dim),
@@ -67,7 +56,7 @@ class Attention(nnx.Module):
             k_cache,
             v_cache,
             batch.block_pages,
-            batch.kv_len,
+            batch.committed_len,
             page_size=page_size,
             chunk_pages=chunk_pages,
             scale=cfg.head_dim**-0.5,

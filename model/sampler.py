@@ -21,18 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model.step_inputs import SamplingBatch
+
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
-
-
-class SamplingBatch(NamedTuple):
-    temperature: Arr  # [S] f32, 0 = greedy
-    top_k: Arr  # [S] i32, <= 0 = off
-    top_p: Arr  # [S] f32 in (0, 1], 1 = off
-    min_p: Arr  # [S] f32 in [0, 1], 0 = off
-    seed: Arr  # [S] u32
-    position: Arr  # [S] i32 position of the token being sampled
-    any_random: Arr  # [] bool: some row has temperature > 0
-    any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
 
 
 class SampleOut(NamedTuple):

@@ -27,10 +27,10 @@ from jax.sharding import NamedSharding
 
 from model.attention import resolve_backend
 from model.checkpoints.weights import load_checkpoint
-from model.llama import CausalLM, ForwardBatch, hf_to_ours
+from model.llama import CausalLM, hf_to_ours
 from model.mesh import kv_sharding, make_mesh, param_spec, replicated
-from model.sampler import SampleOut, SamplingBatch, sample
-from model.step_inputs import Buckets, HostBatch, Segment, build_batch
+from model.sampler import SampleOut, sample
+from model.step_inputs import Buckets, DeviceRow, ForwardBatch, HostBatch, SamplingBatch, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ExecutorConfig:
         return max(1, self.attn_chunk_tokens // self.page_size)
 
     @property
-    def num_slots_total(self) -> int:
+    def num_token_locations(self) -> int:
         """KV token locations on device (page 0 included)."""
         return self.num_pages * self.page_size
 
@@ -101,7 +101,7 @@ class ModelExecutor:
         self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink
         self._place_params(hf_to_ours(mc, tensors, DTYPES[cfg.dtype]))
         del tensors
-        kv_shape = (mc.num_kv_heads, cfg.num_slots_total, mc.head_dim)
+        kv_shape = (mc.num_kv_heads, cfg.num_token_locations, mc.head_dim)
         kv_sh = kv_sharding(self.mesh, mc)
         zeros = jax.jit(lambda: jnp.zeros(kv_shape, DTYPES[cfg.dtype]), out_shardings=kv_sh)
         self.kv = [(zeros(), zeros()) for _ in range(mc.num_layers)]
@@ -172,9 +172,9 @@ class ModelExecutor:
         return prog
 
     # ---- serving ------------------------------------------------------------------------------
-    def run(self, segments: list[Segment]) -> tuple[SampleOut, list[int]]:
-        """One step over `segments`; returns the (device) sample output and each segment's row."""
-        hb = build_batch(segments, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+    def run(self, rows: list[DeviceRow]) -> tuple[SampleOut, list[int]]:
+        """One step over `rows`; returns the (device) sample output and each row's sample index."""
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
         return self.run_host_batch(hb), hb.rows
 
     def run_host_batch(self, hb: HostBatch) -> SampleOut:
@@ -187,12 +187,12 @@ class ModelExecutor:
         self.kv, self.future, out = prog(self.params, self.kv, self.future, fwd, smp)
         return out
 
-    def logits(self, segments: list[Segment]) -> tuple[np.ndarray, list[int]]:
+    def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
         """Full-vocabulary f32 logits of each segment's last token (writes KV like `run`).
 
         A diagnostic path for parity tests and tools: it is jitted on demand, never used while
         serving, and does not count in `trace_count`."""
-        hb = build_batch(segments, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
         if self._logits_fn is None:
 
             def fwd(params, kv, batch):

@@ -108,11 +108,11 @@ def main_static(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     _check(args)
 
-    from model.checkpoints.paths import resolve_model
+    from model.checkpoints.resolve import resolve_model
     from model.checkpoints.tokenizer import load_tokenizer
     from model.generate import generate
     from model.step import ExecutorConfig, ModelExecutor
-    from model.step_inputs import SamplingParams
+    from model.step_inputs import DeviceSampling
 
     path, tok_dir = resolve_model(args.model)
     t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def main_static(argv: list[str]) -> int:
     texts = args.prompt or DEFAULT_PROMPTS
     plain = args.no_chat or not tok.chat_template  # a rendered chat template has its own specials
     ids = [tok.encode(p, add_special_tokens=plain) for p in chat_prompts(tok, texts, args.no_chat)]
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, 0.0, args.seed)
+    sampling = DeviceSampling(args.temperature, args.top_k, args.top_p, 0.0, args.seed)
     eos = set(ex.model_config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
 
     def stream(i: int, token: int) -> None:

@@ -20,25 +20,23 @@ class Detokenizer:
         self.core = DetokenizerCore(tokenizer)
 
     def convert(self, batch: m.BatchTokenOut) -> m.BatchStrOut:
-        outs = []
+        outs, texts = [], []
         for t in batch.outs:
             if t.open is not None:
-                o = t.open
-                self.core.open(t.rid, stops=tuple(o.stop), no_stop_trim=o.no_stop_trim,
-                               skip_special_tokens=o.skip_special_tokens,
-                               spaces_between_special_tokens=o.spaces_between_special_tokens)  # fmt: skip
+                sp = t.open
+                self.core.open(t.rid, stops=sp.stop, no_stop_trim=sp.no_stop_trim,
+                               skip_special_tokens=sp.skip_special_tokens,
+                               spaces_between_special_tokens=sp.spaces_between_special_tokens)  # fmt: skip
             if t.rid not in self.core.states:
                 log.error("output for unknown request %s dropped", t.rid)
                 continue
             matched = None
             if t.finished and t.finish_reason and isinstance(t.finish_reason.get("matched"), str):
                 matched = t.finish_reason["matched"]
-            text = self.core.push(t.rid, m.as_i32(t.new_ids).tolist(), t.finished, matched)
-            outs.append(m.StrOut(
-                t.rid, text, t.new_ids, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.finished,
-                t.finish_reason, t.logprobs, t.top_ids, t.top_logprobs, t.top_n,
-            ))  # fmt: skip
-        return m.BatchStrOut(outs)
+            texts.append(self.core.push(t.rid, m.as_i32(t.new_ids).tolist(), t.finished, matched))
+            t.open = None  # the frontend has no use for it
+            outs.append(t)
+        return m.BatchStrOut(outs, texts)
 
     def serve(self, inbox, outbox, stopping) -> None:
         while not stopping():

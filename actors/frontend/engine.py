@@ -37,7 +37,7 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         from actors.transport.launcher import ActorGroup
         from model.checkpoints.config import ModelConfig
-        from model.checkpoints.paths import resolve_model
+        from model.checkpoints.resolve import resolve_model
         from model.checkpoints.tokenizer import load_tokenizer
 
         self.args = args = ServerArgs.from_kwargs(model_path=model_path, **server_args)

@@ -21,11 +21,15 @@ from actors.frontend.sampling_params import SamplingParams
 class RequestSpec:
     rid: str
     input_ids: list[int]
-    sampling: SamplingParams
-    seed: int
+    sampling: SamplingParams  # sampling_seed set: the request's, or one drawn for it
     return_logprob: bool
     top_logprobs_num: int
     index: int  # position in the caller's batch (prompt index * n + sample index)
+
+    @property
+    def seed(self) -> int:
+        assert self.sampling.sampling_seed is not None
+        return self.sampling.sampling_seed
 
 
 def _as_list(x: Any) -> tuple[list, bool]:
@@ -107,7 +111,7 @@ def normalize_generate(
         for k in range(sp.n):
             specs.append(RequestSpec(
                 rid=base_rid if sp.n == 1 else f"{base_rid}-{k}",
-                input_ids=list(ids), sampling=sp, seed=(base_seed + k) % (2**63),
+                input_ids=list(ids), sampling=sp.with_seed((base_seed + k) % (2**63)),
                 return_logprob=bool(lp[i]), top_logprobs_num=int(tl[i]), index=len(specs),
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):

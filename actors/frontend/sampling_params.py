@@ -1,23 +1,34 @@
-"""User-facing sampling parameters (SGLang's names), validated at the front door.
+"""`SamplingParams`: a request's options (SGLang's names), validated once at the front door.
 
-`SamplingParams.from_dict` is the one place a request's options are checked: every error is a
-`ValueError` that names the field, the value and the limit, and is raised before the request
-reaches the scheduler, so a bad request never disturbs the others.
+It is the one sampling-parameter type of the code base: a frozen msgspec Struct that travels
+as it is from the frontend (Engine, IPC socket, HTTP) through the scheduler's ring into the
+scheduler's `Req`. The fields the device needs leave it as `model.step_inputs.DeviceSampling`
+(`device()`), which the runner's slot mirror keeps.
+
+`from_dict` is the one place a request's options are checked: every error is a `ValueError`
+that names the field, the value and the limit, raised before the request reaches the
+scheduler, so a bad request never disturbs the others. On the wire `sampling_seed` is always
+set (the frontend draws one for requests that give none).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import numbers
 from typing import Any
+
+import msgspec
+
+from model.step_inputs import DeviceSampling
 
 # Aliases other frameworks send (verl sends max_tokens; OpenAI clients send seed).
 DEFAULT_MAX_NEW_TOKENS = 128
 ALIASES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+MAX_STOP_STRINGS = 16
+MAX_N = 64
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,8 +61,8 @@ class SamplingParams:
                         f"sampling_params: both {alias!r} and {name!r} given with different values"
                     )
                 d[name] = d.pop(alias)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
+        names = set(cls.__struct_fields__)
+        unknown = sorted(str(k) for k in set(d) - names)
         if unknown:
             raise ValueError(
                 f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES))}"
@@ -61,13 +72,14 @@ class SamplingParams:
             if max_new_tokens_limit is not None:
                 d["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
         if isinstance(d.get("stop"), str):
-            d["stop"] = (d["stop"],)
-        for k in ("stop", "stop_token_ids"):
-            if d.get(k) is None:
-                d.pop(k, None)
-            else:
-                d[k] = tuple(d[k])
-        p = cls(**d)
+            d["stop"] = [d["stop"]]
+        for k in ("stop", "stop_token_ids", "sampling_seed"):
+            if k in d and d[k] is None:
+                del d[k]
+        try:
+            p = msgspec.convert({k: _plain(v) for k, v in d.items()}, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"sampling_params: {_field_error(e)}") from None
         p.validate(vocab_size=vocab_size, max_new_tokens_limit=max_new_tokens_limit)
         return p
 
@@ -76,51 +88,74 @@ class SamplingParams:
             if not cond:
                 raise ValueError(f"sampling_params: {msg}")
 
-        def is_int(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+        def finite(x: float) -> bool:
+            return math.isfinite(x)
 
-        def is_num(x: Any) -> bool:
-            return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-        need(
-            is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
-            f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 0",
-        )
+        need(self.max_new_tokens >= 0, f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 0")
         if max_new_tokens_limit is not None:
             need(
                 self.max_new_tokens <= max_new_tokens_limit,
                 f"max_new_tokens={self.max_new_tokens} exceeds the limit {max_new_tokens_limit} (context length minus prompt)",
             )
         need(
-            is_num(self.temperature) and 0 <= self.temperature <= 1e4,
-            f"temperature={self.temperature!r} must be in [0, 1e4] (0 = greedy)",
+            finite(self.temperature) and 0 <= self.temperature <= 1e4,
+            f"temperature={self.temperature:g} must be in [0, 1e4] (0 = greedy)",
         )
-        need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
+        need(finite(self.top_p) and 0 < self.top_p <= 1, f"top_p={self.top_p:g} must be in (0, 1]")
         need(
-            is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k < 2**31),
+            self.top_k == -1 or 1 <= self.top_k < 2**31,
             f"top_k={self.top_k!r} must be -1 (off) or in [1, 2**31)",
         )
-        need(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]")
-        need(is_int(self.n) and 1 <= self.n <= 64, f"n={self.n!r} must be an integer in [1, 64]")
+        need(finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p:g} must be in [0, 1]")
+        need(1 <= self.n <= MAX_N, f"n={self.n!r} must be an integer in [1, {MAX_N}]")
+        need(all(s for s in self.stop), f"stop={list(self.stop)!r} must be non-empty strings")
         need(
-            all(isinstance(s, str) and s for s in self.stop),
-            f"stop={list(self.stop)!r} must be non-empty strings",
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop has {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}",
         )
-        need(len(self.stop) <= 16, f"stop has {len(self.stop)} strings; the limit is 16")
         need(
-            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids={list(self.stop_token_ids)!r} must be integers >= 0",
         )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             need(not bad, f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
         need(
-            self.sampling_seed is None or (is_int(self.sampling_seed) and 0 <= self.sampling_seed < 2**63),
+            self.sampling_seed is None or 0 <= self.sampling_seed < 2**63,
             f"sampling_seed={self.sampling_seed!r} must be an integer in [0, 2**63)",
         )
-        for k in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-            need(isinstance(getattr(self, k), bool), f"{k}={getattr(self, k)!r} must be true or false")
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return msgspec.structs.replace(self, sampling_seed=seed)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def device(self) -> DeviceSampling:
+        """The fields the device samples with (the seed must be set)."""
+        assert self.sampling_seed is not None, "the frontend sets every request's seed"
+        return DeviceSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed)
+
+
+def _plain(v: Any) -> Any:
+    """NumPy scalars (and other Integral / Real numbers) as Python numbers; lists kept."""
+    if isinstance(v, bool | str | int | float) or v is None:
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if isinstance(v, list | tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _field_error(e: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.top_k`" as "top_k: expected int, got str"."""
+    text = str(e)
+    msg, _, where = text.partition(" - at `$")
+    field = where.rstrip("`").lstrip(".") if where else ""
+    msg = msg.replace("`", "")
+    msg = msg[:1].lower() + msg[1:]
+    return f"{field}: {msg}" if field else msg

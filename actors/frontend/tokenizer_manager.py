@@ -117,12 +117,12 @@ class TokenizerManager:
             self.fail_all(e)
 
     def _outputs(self, msg: m.BatchStrOut) -> None:
-        for o in msg.outs:
+        for o, text in zip(msg.outs, msg.texts, strict=True):
             st = self.states.get(o.rid)
             if st is None:
                 continue
             new = m.as_i32(o.new_ids).tolist()
-            st.text += o.text
+            st.text += text
             st.output_ids += new
             if o.logprobs:
                 st.logprobs += m.as_f32(o.logprobs).tolist()
@@ -165,22 +165,11 @@ class TokenizerManager:
             raise ValueError(f"rid {spec.rid!r} is already in use by a live request")
         st = ReqState(spec, time.perf_counter(), meta={"id": spec.rid, "finish_reason": None})
         self.states[spec.rid] = st
-        sp = spec.sampling
-        wire = m.WireSampling(
-            sp.max_new_tokens, float(sp.temperature), float(sp.top_p), int(sp.top_k), float(sp.min_p), list(sp.stop),
-            list(sp.stop_token_ids), sp.ignore_eos, sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.no_stop_trim,
-        )  # fmt: skip
         try:
-            self.send(
-                m.GenerateReq(
-                    spec.rid,
-                    m.i32(spec.input_ids),
-                    wire,
-                    spec.seed,
-                    spec.return_logprob,
-                    spec.top_logprobs_num,
-                )
-            )
+            self.send(m.GenerateReq(
+                rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
+                return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
+            ))  # fmt: skip
         except BaseException:
             self.states.pop(spec.rid, None)
             raise

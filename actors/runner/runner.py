@@ -59,8 +59,7 @@ class Runner:
 
     def dispatch(self, msg: m.StepMsg) -> Pending:
         t0 = time.perf_counter()
-        segs = self.mirrors.apply(msg)
-        out, rows = self.ex.run(segs)
+        out, rows = self.ex.run(self.mirrors.apply(msg))
         return Pending(msg.step_id, out, rows, t0, self.top_n > 0)
 
     def result(self, p: Pending) -> m.StepResultMsg:

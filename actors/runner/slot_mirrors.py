@@ -4,7 +4,7 @@ Per slot the runner keeps what the scheduler stops sending after a request's fir
 its page table (grown by appended pages), its committed length (advanced by each step's
 extend_len) and its sampling parameters. A step message then only names the slot, the new
 tokens (none for decode: the model reads `future[slot]`, the token the slot sampled last) and
-any new page, and the mirror turns it into the `model.step_inputs.Segment`s the executor runs.
+any new page, and the mirror turns it into the `model.step_inputs.DeviceRow`s the executor runs.
 
 Messages are applied in order: released slots first, then rows. A mismatch between the
 scheduler's committed length and the mirror's is a protocol bug and fails loudly.
@@ -17,14 +17,14 @@ import dataclasses
 import numpy as np
 
 from actors.transport.messages import StepMsg, as_i32
-from model.step_inputs import SamplingParams, Segment
+from model.step_inputs import DeviceRow, DeviceSampling
 
 
 @dataclasses.dataclass(slots=True)
 class _Slot:
     pages: np.ndarray  # int32 page table; append-only while the slot lives
-    committed: int  # KV tokens written (after the steps applied so far)
-    sampling: SamplingParams
+    committed_len: int  # KV tokens written (after the steps applied so far)
+    sampling: DeviceSampling
 
 
 class SlotMirrors:
@@ -36,42 +36,40 @@ class SlotMirrors:
         s = self.slots.get(slot)
         if s is None:
             raise ValueError(f"slot {slot} is not live on this runner (message out of order?)")
-        if s.committed != committed:
+        if s.committed_len != committed:
             raise ValueError(
-                f"slot {slot}: scheduler says committed_len={committed}, runner has {s.committed}"
+                f"slot {slot}: scheduler says committed_len={committed}, runner has {s.committed_len}"
             )
         return s
 
-    def apply(self, msg: StepMsg) -> list[Segment]:
-        """Segments of one step, in result-row order (extend rows, then decode rows)."""
+    def apply(self, msg: StepMsg) -> list[DeviceRow]:
+        """The step's rows as the device runs them, in result-row order (extend, then decode)."""
         for slot in as_i32(msg.released).tolist():
             self.slots.pop(slot, None)
-        segs = []
+        rows = []
         for r in msg.extend:
             if r.start is not None:
                 if not 0 <= r.slot < self.max_slots:
                     raise ValueError(f"slot {r.slot} outside [0, {self.max_slots})")
-                st = r.start
-                self.slots[r.slot] = _Slot(as_i32(st.prefix_pages).copy(), r.committed_len,
-                                           SamplingParams(st.temperature, st.top_k, st.top_p, st.min_p, st.seed))  # fmt: skip
+                self.slots[r.slot] = _Slot(as_i32(r.start.prefix_pages).copy(), r.committed_len, r.start.sampling)
             s = self._get(r.slot, r.committed_len)
             if r.new_pages:
                 s.pages = np.concatenate([s.pages, as_i32(r.new_pages)])
             ids = as_i32(r.token_ids)
-            segs.append(
-                Segment(ids, s.committed, s.pages, s.sampling, future_slot=r.slot if r.sample else -1)
+            rows.append(
+                DeviceRow(ids, s.committed_len, s.pages, s.sampling, future_slot=r.slot if r.sample else -1)
             )
-            s.committed += len(ids)
+            s.committed_len += len(ids)
         if msg.decode_slots:
             for slot, committed, page in zip(as_i32(msg.decode_slots).tolist(), as_i32(msg.decode_committed).tolist(),
                                              as_i32(msg.decode_new_page).tolist(), strict=True):  # fmt: skip
                 s = self._get(slot, committed)
                 if page >= 0:
                     s.pages = np.append(s.pages, np.int32(page))
-                segs.append(
-                    Segment(
-                        np.array([-(slot + 1)], np.int32), s.committed, s.pages, s.sampling, future_slot=slot
+                rows.append(
+                    DeviceRow(
+                        np.array([-(slot + 1)], np.int32), s.committed_len, s.pages, s.sampling, future_slot=slot
                     )
                 )
-                s.committed += 1
-        return segs
+                s.committed_len += 1
+        return rows

@@ -1,7 +1,8 @@
 """What the scheduler hands the runner for one step: rows of (request, work), incrementally.
 
-The runner mirrors every live slot (its page table and committed length). A row therefore
-carries only what the runner cannot know yet:
+A `Row` is one request's work in one step (on the wire it becomes an `ExtendRow` or a decode
+column, on the device a `DeviceRow`). The runner mirrors every live request slot (its page
+table and committed length), so a row carries only what the runner cannot know yet:
 
     new slot   : the slot, the pages of its cached prefix, its sampling params   (once)
     every row  : slot, extend tokens (concrete ids, or none for decode: the runner reads
@@ -19,6 +20,8 @@ import numpy as np
 
 from actors.scheduler.req import Req
 
+_NO_PAGES = np.zeros(0, np.int32)
+
 
 @dataclasses.dataclass(slots=True)
 class Row:
@@ -26,14 +29,28 @@ class Row:
     committed_len: int  # KV tokens written before this step = position of the first new token
     extend_len: int
     token_ids: np.ndarray | None  # int32 [extend_len]; None = decode (runner uses future[slot])
-    new_pages: np.ndarray  # int32 pages appended to the slot's table by this step
-    prefix_pages: np.ndarray | None  # int32 full table at admission (new or resumed slot), else None
     sample: bool  # this step ends the request's extend (or decodes): its sampled token is kept
-    epoch: int = 0  # req.retractions when scheduled: a result for an older epoch is dropped
+    epoch: int  # req.retractions when scheduled: a result for an older epoch is dropped
+    new_pages: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 pages appended this step
+    prefix_pages: np.ndarray | None = None  # int32 whole table at (re)admission, else None
+
+    @classmethod
+    def extend(cls, req: Req, extend_len: int, *, last_chunk: bool) -> Row:
+        """The next `extend_len` tokens of `req` past its committed_len (pages set when reserved)."""
+        start = req.committed_len
+        return cls(req, start, extend_len, req.fill_ids(start, start + extend_len), last_chunk, req.retractions)
+
+    @classmethod
+    def decode(cls, req: Req, new_pages: np.ndarray) -> Row:
+        return cls(req, req.committed_len, 1, None, True, req.retractions, new_pages)
 
     @property
     def slot(self) -> int:
         return self.req.slot
+
+    @property
+    def is_decode(self) -> bool:
+        return self.token_ids is None
 
 
 @dataclasses.dataclass(slots=True)

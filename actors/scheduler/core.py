@@ -1,6 +1,6 @@
 """The scheduler's state machine, without processes or I/O (tested with a fake runner).
 
-    add_request / abort / pause / resume / flush_cache   inputs from the frontend
+    add_request / abort / retract_all / flush_cache       inputs from the frontend
     get_next_batch()                                       seed 004's get_next_batch_to_run
     process_result(batch, result)                          append tokens, finish, stream
 
@@ -11,6 +11,10 @@ scheduled: their first decode step reads the token that chunk samples from the r
 future buffer, so in overlap mode batch N+1 is planned before batch N's tokens are back.
 Every row remembers the request's retraction epoch; a result for a row whose request has
 since finished, been aborted or been retracted is dropped (the overshoot of seed 001).
+
+KV memory is kvmem's `KVCache`; a request's KV record (`req.kv`) is the one owner of its
+lengths. A request lets go of its KV in one place (`_release_kv`), finishes in one place
+(`_finish`) and is retracted in one place (`_retract`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import numpy as np
-
 from actors.scheduler.batch import Row, ScheduledBatch, StepResult
-from actors.scheduler.decode import NewTokenRatio, prepare_decode
-from actors.scheduler.memory import MemoryBooks
+from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
 from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
 from actors.server_args import ServerArgs
+from kvmem import KVCache
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,13 +41,13 @@ class ReqOutput:
 
 
 class SchedulerCore:
-    def __init__(self, args: ServerArgs, books: MemoryBooks, decode_tail: Callable[[list[int]], str]):
+    def __init__(self, args: ServerArgs, kv: KVCache, decode_tail: Callable[[list[int]], str]):
         self.args = args
-        self.books = books
+        self.kv = kv
         self.decode_tail = decode_tail
         self.waiting: list[Req] = []
-        self.running: list[Req] = []  # DECODE status, in admission order
-        self.chunked: Req | None = None
+        self.running: list[Req] = []  # RUNNING status, in admission order
+        self.chunked: Req | None = None  # the one PREFILL request
         self.paused = False
         self.step_id = 0
         self.released_slots: list[int] = []
@@ -77,7 +79,6 @@ class SchedulerCore:
         """pause_generation(mode="retract"): every admitted request gives its KV back."""
         for r in list(self.running) + ([self.chunked] if self.chunked else []):
             self._retract(r)
-        self.chunked = None
 
     def flush_cache(self) -> tuple[bool, str]:
         """Empty the prefix cache and pools. Refused while any request holds KV; requests
@@ -88,7 +89,7 @@ class SchedulerCore:
                 False,
                 f"{len(holding)} requests hold KV ({len(self.running)} running); flush needs them finished or retracted",
             )
-        self.books.flush()
+        self.kv.flush()
         self.ratio.reset()
         return True, "cache flushed"
 
@@ -97,7 +98,8 @@ class SchedulerCore:
         return not self.by_rid
 
     def live(self) -> list[Req]:
-        return [r for r in self.by_rid.values() if r.slot >= 0]
+        """Requests holding KV."""
+        return [r for r in self.by_rid.values() if r.kv is not None]
 
     # ---- scheduling -----------------------------------------------------------------------
     def get_next_batch(self) -> ScheduledBatch | None:
@@ -112,35 +114,33 @@ class SchedulerCore:
             batch.released_slots, self.released_slots = self.released_slots, []
         return batch
 
-    def _reserved_decode(self) -> float:
-        left = sum(max(0, r.max_new_tokens - len(r.output_ids)) for r in self.running)
-        return left * self.ratio.value
+    def _match_len(self, req: Req) -> int:
+        return self.kv.match_len(req.prefix_ids())
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         a = self.args
         chunk = None if a.chunked_prefill_size == -1 else a.chunked_prefill_size
-        adder = PrefillAdder(self.books, reserved_decode=self._reserved_decode(), max_prefill_tokens=a.max_prefill_tokens,
+        reserved = sum(decode_reserve(r, self.ratio.value) for r in self.running)
+        adder = PrefillAdder(self.kv, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens,
                              chunk_size=chunk, new_token_ratio=self.ratio.value)  # fmt: skip
         admitted: list[Req] = []
         if self.chunked is not None:
-            self.books.cache_unfinished(self.chunked)
+            self._cache_prefix(self.chunked)
             if adder.add(self.chunked) is AddResult.CHUNKED:
                 return self._build_prefill(adder, admitted)
         shared = InBatchPrefix(a.schedule_policy == "lpm")
-        for req in order_waiting(a.schedule_policy, self.waiting, self.books):
-            if (
-                len(self.running) + len(adder.planned) >= a.max_running_requests
-                or self.books.free_slots() == 0
-            ):
+        for req in order_waiting(a.schedule_policy, self.waiting, self._match_len):
+            if len(self.running) + len(adder.planned) >= a.max_running_requests or self.kv.num_free_slots == 0:
                 break
-            if shared.defer(req, self.books.match_len(req)):
+            if shared.defer(req, self._match_len(req)):
                 continue
-            if not self.books.admit(req):
+            req.kv = self.kv.admit(req.prefix_ids())
+            if req.kv is None:
                 break
             result = adder.add(req)
-            if result is AddResult.NO_TOKEN:
-                self.books.release(req, None)
-                req.slot, req.cached_len, req.committed_len = -1, 0, 0
+            if result is AddResult.NO_TOKEN:  # undo the admission (the runner never saw the slot)
+                self.kv.release(req.kv, None)
+                req.kv = None
                 break
             admitted.append(req)
             if result is AddResult.CHUNKED:
@@ -152,33 +152,23 @@ class SchedulerCore:
     def _build_prefill(self, adder: PrefillAdder, admitted: list[Req]) -> ScheduledBatch:
         new = {id(r) for r in admitted}
         rows: list[Row] = []
-        for p in adder.planned:
-            req = p.req
-            prefix = self.books.pages(req).copy() if id(req) in new else None
-            if id(req) in new and req.retractions == 0:
-                req.cached_tokens = req.cached_len
-            pages = self.books.alloc(req, p.extend_len)
-            assert pages is not None, (
-                f"prefill budget admitted {req.rid} but the pool refused {p.extend_len} tokens"
-            )
-            start = req.committed_len
-            rows.append(
-                Row(
-                    req,
-                    start,
-                    p.extend_len,
-                    req.fill_ids(start, start + p.extend_len),
-                    pages,
-                    prefix,
-                    p.last_chunk,
-                    req.retractions,
-                )
-            )
-            req.committed_len += p.extend_len
+        for row in adder.planned:
+            req = row.req
+            assert req.kv is not None
             if id(req) in new:
+                row.prefix_pages = self.kv.pages(req.kv).copy()
+                if req.retractions == 0:
+                    req.cached_tokens = req.cached_len
                 self.waiting.remove(req)
-            if p.last_chunk:
-                req.status = ReqStatus.DECODE
+            pages = self.kv.reserve(req.kv, row.extend_len)
+            assert pages is not None, (
+                f"prefill budget admitted {req.rid} but the pool refused {row.extend_len} tokens"
+            )
+            row.new_pages = pages
+            self.kv.commit(req.kv, row.extend_len)
+            rows.append(row)
+            if row.sample:  # the last chunk: the request decodes from its next step on
+                req.status = ReqStatus.RUNNING
                 self.running.append(req)
                 if self.chunked is req:
                     self.chunked = None
@@ -186,7 +176,7 @@ class SchedulerCore:
                 req.status = ReqStatus.PREFILL
                 self.chunked = req
         if self.args.enable_mixed_chunk and self.running:
-            planned = {id(p.req) for p in adder.planned}
+            planned = {id(r.req) for r in adder.planned}
             decoding = [r for r in self.running if id(r) not in planned]
             if decoding:
                 rows += self._decode_rows(decoding)
@@ -202,20 +192,19 @@ class SchedulerCore:
         if self.chunked is None:
             return False
         self._retract(self.chunked)
-        self.chunked = None
         return True
 
     def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None) -> list[Row]:
-        grants, retracted = prepare_decode(self.books, reqs, spare, defer_last=spare is None)
-        for r in retracted:
-            self._requeue_retracted(r)
-        if retracted:
+        retracted_before = self.num_retracted
+        grants = prepare_decode(self.kv, reqs, self._retract, spare, defer_last=spare is None)
+        if self.num_retracted > retracted_before:
             self.ratio.after_retract(self.running)
         rows = []
         for r in reqs:
             if id(r) in grants:
-                rows.append(Row(r, r.committed_len, 1, None, grants[id(r)], None, True, r.retractions))
-                r.committed_len += 1
+                assert r.kv is not None
+                rows.append(Row.decode(r, grants[id(r)]))
+                self.kv.commit(r.kv, 1)
         return rows
 
     # ---- results --------------------------------------------------------------------------
@@ -226,8 +215,8 @@ class SchedulerCore:
             req = row.req
             if req.finished or row.epoch != req.retractions or not row.sample:
                 continue  # overshoot of a finished/retracted request, or a middle chunk
-            if req.status is ReqStatus.DECODE and row.token_ids is not None and not req.output_ids:
-                self.books.cache_unfinished(req)  # prompt done: share it with later requests
+            if req.status is ReqStatus.RUNNING and not row.is_decode and not req.output_ids:
+                self._cache_prefix(req)  # prompt done: share it with later requests
             if req.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
                 outs.append(self._finish(req, FinishReason("length")))
                 continue
@@ -236,20 +225,10 @@ class SchedulerCore:
                 req.output_logprobs.append(float(result.logprobs[i]))
                 if req.top_logprobs_num and result.top_ids is not None and result.top_logprobs is not None:
                     n = req.top_logprobs_num
-                    req.output_top_logprobs.append(
-                        list(
-                            zip(
-                                result.top_logprobs[i, :n].tolist(),
-                                result.top_ids[i, :n].tolist(),
-                                strict=True,
-                            )
-                        )
-                    )
-            req.check_finished(self.decode_tail)
-            if req.finished:
-                outs.append(self._finish(req, req.finish_reason))
-            else:
-                outs.append(self._output(req, False))
+                    top = zip(result.top_logprobs[i, :n].tolist(), result.top_ids[i, :n].tolist(), strict=True)
+                    req.output_top_logprobs.append(list(top))
+            reason = req.stop_reason(self.decode_tail)
+            outs.append(self._finish(req, reason) if reason is not None else self._output(req, False))
         return outs
 
     def _output(self, req: Req, finished: bool) -> ReqOutput:
@@ -257,47 +236,56 @@ class SchedulerCore:
         req.sent_len = len(req.output_ids)
         return ReqOutput(req, new, finished)
 
-    def _finish(self, req: Req, reason: FinishReason | None) -> ReqOutput:
+    # ---- the one release, finish and retract paths ---------------------------------------------
+    def _cache_prefix(self, req: Req) -> None:
+        """Insert the request's written KV into the prefix cache (the row is unchanged)."""
+        assert req.kv is not None
+        self.kv.cache_unfinished(req.kv, req.fill_ids(0, min(req.committed_len, req.fill_len)))
+
+    def _release_kv(self, req: Req, keep_len: int | None) -> None:
+        """The request lets go of its KV: fill_ids[:keep_len] enter the prefix cache (None:
+        nothing), every page it still owns is freed, its slot is released to the runner."""
+        if req.kv is None:
+            return
+        self.released_slots.append(req.kv.slot)
+        self.kv.release(req.kv, None if keep_len is None else req.fill_ids(0, keep_len))
+        req.kv = None
+
+    def _finish(self, req: Req, reason: FinishReason) -> ReqOutput:
         req.finish_reason = reason
-        if req.slot >= 0:
+        if req.kv is not None:
             # KV is valid for every token but the last sampled one (never fed back), and never
             # past what was scheduled (a batch still in flight writes it before any later batch
             # can read it); overshoot beyond that is freed page-aligned. Aborted requests keep
             # their prefix cached too: an RL partial rollout resubmits prompt + produced.
-            keep = min(req.fill_len - 1, req.committed_len)
-            self.released_slots.append(req.slot)
-            self.books.release(req, keep)
-            req.slot = -1
+            self._release_kv(req, min(req.fill_len - 1, req.committed_len))
+        self._unlist(req)
+        req.status = ReqStatus.FINISHED
+        self.by_rid.pop(req.rid, None)
+        return self._output(req, True)
+
+    def _retract(self, req: Req) -> None:
+        """Back to the front of the waiting queue without KV; its output so far is kept and
+        will be prefilled again. Rows of it still in flight are dropped (epoch)."""
+        self._release_kv(req, None)
+        self._unlist(req)
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.num_retracted += 1
+        self.waiting.insert(0, req)
+
+    def _unlist(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if self.chunked is req:
             self.chunked = None
-        req.status = ReqStatus.FINISHED
-        self.by_rid.pop(req.rid, None)
-        return self._output(req, True)
-
-    def _retract(self, req: Req) -> None:
-        self.released_slots.append(req.slot)
-        self.books.release(req, None)
-        if req in self.running:
-            self.running.remove(req)
-        self._requeue_retracted(req, released=True)
-
-    def _requeue_retracted(self, req: Req, released: bool = False) -> None:
-        if not released:
-            self.released_slots.append(req.slot)
-            if req in self.running:
-                self.running.remove(req)
-        req.reset_for_retract()
-        self.num_retracted += 1
-        self.waiting.insert(0, req)
 
     def check_idle(self) -> None:
         """Called whenever nothing runs: integrity of the KV books, ratio reset."""
         self.ratio.reset()
-        self.books.check_integrity(self.live())
+        self.kv.check_integrity([r.kv for r in self.live() if r.kv is not None])
 
     def info(self) -> dict:
         return {
@@ -305,12 +293,8 @@ class SchedulerCore:
             "running": len(self.running),
             "chunked": self.chunked.rid if self.chunked else None,
             "paused": self.paused,
-            "available_tokens": self.books.available_tokens(),
+            "available_tokens": self.kv.available_tokens(),
             "new_token_ratio": round(self.ratio.value, 4),
             "num_retracted": self.num_retracted,
             "step": self.step_id,
         }
-
-
-def token_array(ids: list[int]) -> np.ndarray:
-    return np.asarray(ids, np.int32)

@@ -13,8 +13,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from actors.scheduler.memory import MemoryBooks
 from actors.scheduler.req import Req
+from kvmem import KVCache
+
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's decode reservation (as SGLang)
+
+
+def decode_reserve(req: Req, ratio: float) -> float:
+    """KV tokens kept in reserve for `req`'s remaining decode: its remaining max_new_tokens,
+    clipped, times the current new_token_ratio. The one estimate prefill admission uses."""
+    left = max(0, req.max_new_tokens - len(req.output_ids))
+    return min(left, CLIP_MAX_NEW_TOKENS) * ratio
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,14 +54,15 @@ def retract_order(running: list[Req]) -> list[Req]:
     return sorted(running, key=lambda r: (len(r.output_ids), -r.origin_len, -r.arrival))
 
 
-def prepare_decode(books: MemoryBooks, running: list[Req], spare: Callable[[], bool] | None = None,
-                   defer_last: bool = False) -> tuple[dict[int, np.ndarray], list[Req]]:  # fmt: skip
-    """Allocate one more token for every running request.
+def prepare_decode(kv: KVCache, running: list[Req], retract: Callable[[Req], None],
+                   spare: Callable[[], bool] | None = None,
+                   defer_last: bool = False) -> dict[int, np.ndarray]:  # fmt: skip
+    """Reserve one more token for every running request; returns {id(req): pages appended to
+    its table} for the requests that decode this step.
 
-    Returns ({id(req): pages appended to its table}, retracted). `books.alloc` covers
-    `committed_len + 1` and is idempotent, so survivors that got a page before a retraction
-    keep it (recorded once) and simply get nothing more on the retry. Retracted requests are
-    already released from `books`; the caller requeues them.
+    `kv.reserve` is idempotent, so survivors that got a page before a retraction keep it
+    (recorded once) and simply get nothing more on the retry. `retract(req)` frees a victim's
+    KV and requeues it (the scheduler's one retract path).
 
     When even a single request cannot get its next token, the memory is held by someone who
     is not decoding (the chunked prefill): `spare()` frees it and returns True (then retry);
@@ -62,31 +72,30 @@ def prepare_decode(books: MemoryBooks, running: list[Req], spare: Callable[[], b
     victims = retract_order(running)
     keep = list(running)
     grants: dict[int, np.ndarray] = {}
-    retracted: list[Req] = []
     while True:
         short = None
         for r in keep:
-            pages = books.alloc(r, 1)
+            assert r.kv is not None, f"running request {r.rid} holds no KV"
+            pages = kv.reserve(r.kv, 1)
             if pages is None:
                 short = r
                 break
             if len(pages):
                 grants[id(r)] = pages
         if short is None:
-            return {id(r): grants.get(id(r), _EMPTY) for r in keep}, retracted
+            return {id(r): grants.get(id(r), _EMPTY) for r in keep}
         if len(keep) == 1:
             if spare is not None and spare():
                 continue
             if defer_last:
-                return {}, retracted
+                return {}
             raise RuntimeError(
                 f"KV pool too small to decode even one request ({short.rid}, {short.fill_len} tokens)"
             )
         victim = next(v for v in victims if v in keep)
         keep.remove(victim)
         grants.pop(id(victim), None)
-        books.release(victim, None)
-        retracted.append(victim)
+        retract(victim)
 
 
 _EMPTY = np.zeros(0, np.int32)

@@ -23,14 +23,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.batch import ScheduledBatch, StepResult
-from actors.scheduler.books import KVBooks
 from actors.scheduler.core import ReqOutput, SchedulerCore
 from actors.scheduler.output import step_msg, token_out
 from actors.scheduler.req import Req, ReqStatus
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from kvmem import KVCache
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -38,14 +37,7 @@ IDLE_WAIT_S = 0.5  # longest blocking wait for a request while idle (then `stopp
 
 
 def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
-    w = g.sampling
-    sp = SamplingParams(
-        max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, min_p=w.min_p,
-        stop=tuple(w.stop), stop_token_ids=tuple(w.stop_token_ids), ignore_eos=w.ignore_eos,
-        skip_special_tokens=w.skip_special_tokens, spaces_between_special_tokens=w.spaces_between_special_tokens,
-        no_stop_trim=w.no_stop_trim,
-    )  # fmt: skip
-    return Req(g.rid, m.as_i32(g.input_ids).copy(), sp, g.seed, eos_ids, g.return_logprob, g.top_logprobs_num)
+    return Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num)
 
 
 class SchedulerLoop:
@@ -53,18 +45,13 @@ class SchedulerLoop:
                  inbox, to_runner, from_runner, to_detok):  # fmt: skip
         self.args = args
         self.eos = frozenset(eos_ids)
-        self.books = KVBooks(
-            args.num_pages,
-            args.page_size,
-            args.max_running_requests,
-            disable_radix_cache=args.disable_radix_cache,
-        )
-        self.core = SchedulerCore(args, self.books, decode_tail)
+        self.kv = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache)
+        self.core = SchedulerCore(args, self.kv, decode_tail)
         self.inbox, self.to_runner, self.from_runner, self.to_detok = inbox, to_runner, from_runner, to_detok
         self.in_flight: collections.deque[ScheduledBatch] = collections.deque()
         self.opened: set[str] = set()  # rids whose first TokenOut (with DetokOpen) was sent
         self.checked_idle = False
-        self.initial_tokens = self.books.available_tokens()
+        self.initial_tokens = self.kv.available_tokens()
         self.stats = collections.Counter[str]()
         self.times: dict[str, float] = collections.defaultdict(float)
         self.integrity_errors: list[str] = []
@@ -162,7 +149,7 @@ class SchedulerLoop:
             except ValueError as e:  # e.g. a duplicate rid: answer that request, nothing else
                 self.to_detok.send(m.encode(m.BatchTokenOut([m.TokenOut(
                     msg.rid, b"", len(msg.input_ids) // 4, 0, finished=True,
-                    finish_reason={"type": "abort", "message": str(e)}, open=m.DetokOpen())])))  # fmt: skip
+                    finish_reason={"type": "abort", "message": str(e)}, open=msg.sampling)])))  # fmt: skip
         elif isinstance(msg, m.AbortReq):
             self._emit(self.core.abort(msg.rid))
         elif isinstance(msg, m.PauseReq):
@@ -203,10 +190,10 @@ class SchedulerLoop:
             "retracted_waiting": sum(
                 1 for r in c.waiting if r.status is ReqStatus.WAITING and r.retractions > 0
             ),
-            "available_kv_tokens": self.books.available_tokens(),
+            "available_kv_tokens": self.kv.available_tokens(),
             "initial_kv_tokens": self.initial_tokens,
-            "tree_cache_size": self.books.cache.tree.total_pages * self.args.page_size,
-            "req_to_token_pool_used": self.args.max_running_requests - self.books.free_slots(),
+            "tree_cache_size": self.kv.tree.total_pages * self.args.page_size,
+            "req_to_token_pool_used": self.args.max_running_requests - self.kv.num_free_slots,
             "forward_ct_decode": self.stats["decode_steps"],
             "forward_ct_prefill": self.stats["prefill_steps"],
             "tokens_computed": self.stats["tokens_computed"],

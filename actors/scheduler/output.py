@@ -1,7 +1,7 @@
 """The scheduler's outgoing wire messages: a batch as an incremental StepMsg, outputs as TokenOuts.
 
 What a StepMsg carries per row (everything else the runner already mirrors, see
-actors/runner_state.py):
+actors/runner/slot_mirrors.py):
 
     starting slot (new or resumed request): SlotStart = cached prefix pages + sampling params
     extend row : slot, committed_len, the new token ids, pages appended this step
@@ -18,42 +18,28 @@ import numpy as np
 
 from actors.scheduler.batch import Row, ScheduledBatch
 from actors.scheduler.core import ReqOutput
-from actors.scheduler.req import Req
-from actors.transport.messages import DetokOpen, ExtendRow, SlotStart, StepMsg, TokenOut, f32, i32
+from actors.transport.messages import ExtendRow, SlotStart, StepMsg, TokenOut, f32, i32
 
 
 def slot_start(row: Row) -> SlotStart:
     assert row.prefix_pages is not None
-    req, sp = row.req, row.req.sampling
-    return SlotStart(
-        i32(row.prefix_pages),
-        float(sp.temperature),
-        int(sp.top_k),
-        float(sp.top_p),
-        float(sp.min_p),
-        int(req.seed),
-    )
+    return SlotStart(i32(row.prefix_pages), row.req.sampling.device())
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:
     extend: list[ExtendRow] = []
     dec: list[Row] = []
     for row in batch.rows:
-        if row.token_ids is None:
+        if row.is_decode:
             dec.append(row)
             continue
         assert not dec, "extend rows must precede decode rows (result order)"
         start = slot_start(row) if row.prefix_pages is not None else None
-        extend.append(
-            ExtendRow(
-                row.slot,
-                row.committed_len,
-                i32(row.token_ids),
-                i32(row.new_pages) if len(row.new_pages) else b"",
-                row.sample,
-                start,
-            )
-        )
+        assert row.token_ids is not None
+        extend.append(ExtendRow(
+            slot=row.slot, committed_len=row.committed_len, token_ids=i32(row.token_ids),
+            new_pages=i32(row.new_pages) if len(row.new_pages) else b"", sample=row.sample, start=start,
+        ))  # fmt: skip
     msg = StepMsg(batch.step_id, i32(batch.released_slots) if batch.released_slots else b"", extend)
     if dec:
         new_page = np.full(len(dec), -1, np.int32)
@@ -69,11 +55,6 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
     return msg
 
 
-def detok_open(req: Req) -> DetokOpen:
-    sp = req.sampling
-    return DetokOpen(list(sp.stop), sp.no_stop_trim, sp.skip_special_tokens, sp.spaces_between_special_tokens)
-
-
 def token_out(o: ReqOutput, first: bool) -> TokenOut:
     req = o.req
     n = len(o.new_ids)
@@ -86,7 +67,7 @@ def token_out(o: ReqOutput, first: bool) -> TokenOut:
         cached_tokens=req.cached_tokens,
         finished=o.finished,
         finish_reason=req.finish_reason.to_dict() if o.finished and req.finish_reason else None,
-        open=detok_open(req) if first else None,
+        open=req.sampling if first else None,
     )
     if req.return_logprob and n:
         out.logprobs = f32(req.output_logprobs[done - n : done])

@@ -11,18 +11,20 @@ others match it instead of recomputing it.
 
 from __future__ import annotations
 
-from actors.scheduler.memory import MemoryBooks
+from collections.abc import Callable
+
 from actors.scheduler.req import Req
 
 LPM_FALLBACK_QUEUE = 128
 SHARED_PREFIX_TOKENS = 32  # a prefix at least this long, shared in-batch, defers the followers
 
 
-def order_waiting(policy: str, waiting: list[Req], books: MemoryBooks) -> list[Req]:
+def order_waiting(policy: str, waiting: list[Req], match_len: Callable[[Req], int]) -> list[Req]:
+    """`match_len(req)`: the cached prefix the tree would grant `req` now."""
     if policy == "fcfs" or len(waiting) > LPM_FALLBACK_QUEUE:
         return sorted(waiting, key=lambda r: r.arrival)
     if policy == "lpm":
-        matched = {id(r): books.match_len(r) for r in waiting}
+        matched = {id(r): match_len(r) for r in waiting}
         return sorted(waiting, key=lambda r: (-matched[id(r)], r.arrival))
     raise ValueError(f"schedule_policy={policy!r}: choose one of ['fcfs', 'lpm']")
 

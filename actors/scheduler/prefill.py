@@ -12,13 +12,12 @@ THE chunked request; nothing else is added after it. It resumes first in the nex
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 
-from actors.scheduler.memory import MemoryBooks
+from actors.scheduler.batch import Row
+from actors.scheduler.decode import decode_reserve
 from actors.scheduler.req import Req
-
-CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's decode reservation (as SGLang)
+from kvmem import KVCache, cdiv
 
 
 class AddResult(enum.Enum):
@@ -27,46 +26,35 @@ class AddResult(enum.Enum):
     CHUNKED = 2  # added a chunk; stop adding
 
 
-@dataclasses.dataclass(slots=True)
-class Planned:
-    req: Req
-    extend_len: int
-    last_chunk: bool  # the extend reaches fill_len: the sampled token is kept
-
-
 class PrefillAdder:
     def __init__(
         self,
-        books: MemoryBooks,
+        kv: KVCache,
         *,
         reserved_decode: float,
         max_prefill_tokens: int,
         chunk_size: int | None,
         new_token_ratio: float,
     ):
-        self.books = books
-        self.page = books.page_size
+        self.kv = kv
+        self.page = kv.page_size
         self.reserved_decode = reserved_decode
         self.planned_kv = 0.0  # KV this batch will take: its extends' new pages + decode reserves
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunk_size
         self.ratio = new_token_ratio
-        self.planned: list[Planned] = []
+        self.planned: list[Row] = []  # extend rows, pages not reserved yet
 
     @property
     def rem_total(self) -> float:
         """KV tokens left for this batch. Read live, as admitting a request locks its cached
         prefix, which then stops counting as evictable room (SGLang's `_lock_node`)."""
-        return self.books.available_tokens() - self.reserved_decode - self.planned_kv
+        return self.kv.available_tokens() - self.reserved_decode - self.planned_kv
 
     def _paged(self, req: Req, n: int) -> int:
         """Tokens of the whole pages `n` more tokens past committed_len take from the pool."""
         p, start = self.page, req.committed_len
-        return (-(-(start + n) // p) - -(-start // p)) * p
-
-    def _decode_reserve(self, req: Req) -> float:
-        left = max(0, req.max_new_tokens - len(req.output_ids))
-        return min(left, CLIP_MAX_NEW_TOKENS) * self.ratio
+        return (cdiv(start + n, p) - cdiv(start, p)) * p
 
     def add(self, req: Req) -> AddResult:
         """Plan `req`'s next extend (already admitted: slot and cached prefix set)."""
@@ -75,7 +63,7 @@ class PrefillAdder:
         limit = self.rem_input
         if self.rem_chunk is not None:
             limit = min(limit, self.rem_chunk)
-        if limit <= 0 or self.rem_total - self._decode_reserve(req) < self._paged(req, min(want, limit)):
+        if limit <= 0 or self.rem_total - decode_reserve(req, self.ratio) < self._paged(req, min(want, limit)):
             return AddResult.NO_TOKEN
         if want <= limit:
             self._take(req, want, True)
@@ -87,8 +75,8 @@ class PrefillAdder:
         return AddResult.CHUNKED
 
     def _take(self, req: Req, n: int, last: bool) -> None:
-        self.planned.append(Planned(req, n, last))
+        self.planned.append(Row.extend(req, n, last_chunk=last))
         self.rem_input -= n
         if self.rem_chunk is not None:
             self.rem_chunk -= n
-        self.planned_kv += self._paged(req, n) + (self._decode_reserve(req) if last else 0)
+        self.planned_kv += self._paged(req, n) + (decode_reserve(req, self.ratio) if last else 0)

@@ -1,33 +1,38 @@
-"""A request as the scheduler sees it: status, token lengths, stop conditions.
+"""A request as the scheduler sees it: status, tokens, stop conditions.
 
-Lengths (the project's one vocabulary, same as kvmem/):
+Lengths (the project's one vocabulary, DESIGN.md; the same names in kvmem/ and model/):
 
     fill_ids = origin_ids + output_ids
     [ cached (tree prefix) | computed this turn ........ | next extend ..... ]
-    0                cached_len                   committed_len        len(fill_ids)
+    0                cached_len                   committed_len        fill_len
                            KV written for [0, committed_len); KV reserved for [0, allocated_len)
 
 - origin_len: prompt tokens; finished_len: output tokens kept at finish.
 - extend_len of a step: tokens computed in it (the whole remainder, or one chunk of it).
 - A decode step has extend_len 1: its input is the last sampled token, which the runner reads
   from its future buffer (`-(slot + 1)`), so the scheduler never waits for it.
+
+The KV lengths and the request slot have one owner, kvmem's `ReqKV` in `req.kv` (None while
+the request holds no KV: waiting, retracted or finished); here they are read-only properties.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 
 import numpy as np
 
 from actors.detokenizer.incremental import find_stop
 from actors.frontend.sampling_params import SamplingParams
+from kvmem import ReqKV
 
 
 class ReqStatus(enum.IntEnum):
-    WAITING = 0  # queued (new, or retracted: its KV was freed and it will be prefilled again)
-    PREFILL = 1  # running its extend, possibly over several chunks
-    DECODE = 2  # in the running batch, one token per step
+    WAITING = 0  # queued without KV (new, or retracted: it will be prefilled again)
+    PREFILL = 1  # the chunked request: part of its extend is computed, the rest waits
+    RUNNING = 2  # in the running batch: its whole extend is scheduled, it decodes
     FINISHED = 3
 
 
@@ -50,8 +55,7 @@ class FinishReason:
 class Req:
     rid: str
     origin_ids: np.ndarray  # int32 prompt
-    sampling: SamplingParams
-    seed: int  # sampling seed actually used (request's or the server default)
+    sampling: SamplingParams  # sampling_seed set (the frontend draws one when none is given)
     eos_ids: frozenset[int] = frozenset()
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -61,16 +65,27 @@ class Req:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    cached_len: int = 0  # prefix granted by the radix tree at admission (this turn)
+    kv: ReqKV | None = None  # kvmem's record while the request holds KV
     cached_tokens: int = 0  # cached_len of the first admission (reported to the user)
-    committed_len: int = 0  # KV written
     finish_reason: FinishReason | None = None
     retractions: int = 0
-    # tokens sent to the detokenizer so far (the scheduler streams only new ones)
-    sent_len: int = 0
-    kv: object = None  # kvmem's per-request record (owned by the memory books)
+    sent_len: int = 0  # output tokens sent to the detokenizer so far (only new ones are sent)
 
+    # ---- KV (read from kvmem's record) --------------------------------------------------------
+    @property
+    def slot(self) -> int:
+        """The request slot, -1 while the request holds no KV."""
+        return self.kv.slot if self.kv is not None else -1
+
+    @property
+    def cached_len(self) -> int:
+        return self.kv.cached_len if self.kv is not None else 0
+
+    @property
+    def committed_len(self) -> int:
+        return self.kv.committed_len if self.kv is not None else 0
+
+    # ---- tokens -----------------------------------------------------------------------------
     @property
     def origin_len(self) -> int:
         return len(self.origin_ids)
@@ -86,11 +101,17 @@ class Req:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.status is ReqStatus.FINISHED
 
     @property
     def max_new_tokens(self) -> int:
         return self.sampling.max_new_tokens
+
+    @property
+    def seed(self) -> int:
+        seed = self.sampling.sampling_seed
+        assert seed is not None, f"request {self.rid} reached the scheduler without a seed"
+        return seed
 
     def fill_ids(self, start: int, stop: int) -> np.ndarray:
         """Token ids [start, stop) of origin + output, as int32."""
@@ -102,34 +123,27 @@ class Req:
             return out[start - o : stop - o]
         return np.concatenate([self.origin_ids[start:], out[: stop - o]])
 
-    def check_finished(self, decode_tail) -> None:
-        """Set finish_reason after a new token was appended (EOS, stop ids, length, stop strings).
+    def prefix_ids(self) -> np.ndarray:
+        """What the prefix cache may grant: every token but the last (one is always computed)."""
+        return self.fill_ids(0, self.fill_len - 1)
 
-        `decode_tail(ids) -> str` decodes token ids; called only when stop strings are set."""
-        if self.finished:
-            return
+    def stop_reason(self, decode_tail: Callable[[list[int]], str]) -> FinishReason | None:
+        """Why the request finishes after its newest token (EOS, stop ids, stop strings,
+        length), or None. `decode_tail(ids) -> str` is called only when stop strings are set."""
         last = self.output_ids[-1]
         sp = self.sampling
         if not sp.ignore_eos and last in self.eos_ids:
-            self.finish_reason = FinishReason("stop", matched=last)
-        elif last in sp.stop_token_ids:
-            self.finish_reason = FinishReason("stop", matched=last)
-        elif sp.stop:
+            return FinishReason("stop", matched=last)
+        if last in sp.stop_token_ids:
+            return FinishReason("stop", matched=last)
+        if sp.stop:
             # Every token is checked as it arrives, so a stop string can only newly end inside
             # the last token: decoding a tail that can hold the longest stop string suffices
             # (a character is at most 4 byte-level tokens).
             tail = decode_tail(self.output_ids[-(4 * max(len(x) for x in sp.stop) + 4) :])
             hit = find_stop(tail, sp.stop)
             if hit is not None:
-                self.finish_reason = FinishReason("stop", matched=hit[1])
-        if not self.finished and len(self.output_ids) >= sp.max_new_tokens:
-            self.finish_reason = FinishReason("length")
-
-    def reset_for_retract(self) -> None:
-        """Back to WAITING: KV is gone; the output so far is kept and will be re-prefilled."""
-        self.status = ReqStatus.WAITING
-        self.slot = -1
-        self.cached_len = 0
-        self.committed_len = 0
-        self.kv = None
-        self.retractions += 1
+                return FinishReason("stop", matched=hit[1])
+        if len(self.output_ids) >= sp.max_new_tokens:
+            return FinishReason("length")
+        return None

@@ -21,7 +21,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from actors.frontend.sampling_params import SamplingParams
 from actors.server_args import ServerArgs
+from model.step_inputs import DeviceSampling
 
 _S = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -53,25 +55,10 @@ class ActorConfig(msgspec.Struct, **_S):
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------
-class WireSampling(msgspec.Struct, **_S):
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-
 class GenerateReq(msgspec.Struct, tag="gen", **_S):
     rid: str
     input_ids: bytes  # int32 prompt
-    sampling: WireSampling
-    seed: int
+    sampling: SamplingParams  # validated by the frontend; sampling_seed always set
     return_logprob: bool = False
     top_logprobs_num: int = 0
 
@@ -101,14 +88,10 @@ ToScheduler = GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | 
 
 # ---- scheduler -> runners (broadcast) --------------------------------------------------------
 class SlotStart(msgspec.Struct, **_S):
-    """Sent once when a slot (re)starts: its cached prefix pages and device sampling params."""
+    """Sent once when a request slot (re)starts: its cached prefix pages and how it samples."""
 
     prefix_pages: bytes  # int32
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
+    sampling: DeviceSampling
 
 
 class ExtendRow(msgspec.Struct, **_S):
@@ -153,13 +136,6 @@ ToSchedulerFromRunner = StepResultMsg
 
 
 # ---- scheduler -> detokenizer -> frontend ----------------------------------------------------
-class DetokOpen(msgspec.Struct, **_S):
-    stop: list[str] = []
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-
-
 class TokenOut(msgspec.Struct, **_S):
     rid: str
     new_ids: bytes  # int32 output ids since the last TokenOut of this request
@@ -172,7 +148,7 @@ class TokenOut(msgspec.Struct, **_S):
     top_ids: bytes = b""  # int32 [new, top_n]
     top_logprobs: bytes = b""  # f32 [new, top_n]
     top_n: int = 0
-    open: DetokOpen | None = None  # on the request's first output
+    open: SamplingParams | None = None  # on the request's first output: how to detokenize it
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):
@@ -192,23 +168,11 @@ class ControlReply(msgspec.Struct, tag="reply", **_S):
 ToDetokenizer = BatchTokenOut | ControlReply
 
 
-class StrOut(msgspec.Struct, **_S):
-    rid: str
-    text: str  # new text since the previous StrOut of this request
-    new_ids: bytes
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    finished: bool = False
-    finish_reason: dict[str, Any] | None = None
-    logprobs: bytes = b""
-    top_ids: bytes = b""
-    top_logprobs: bytes = b""
-    top_n: int = 0
-
-
 class BatchStrOut(msgspec.Struct, tag="strs", **_S):
-    outs: list[StrOut]
+    """The scheduler's TokenOuts as they came, each with its new text (same order)."""
+
+    outs: list[TokenOut]
+    texts: list[str]  # new text of outs[i] since its previous output
 
 
 ToFrontend = BatchStrOut | ControlReply

@@ -1,4 +1,4 @@
-"""Where ringserve keeps what it makes or fetches, and what a model name means.
+"""Where ringserve keeps what it makes or fetches (see resolve.py for what a model name means).
 
     $RINGSERVE_CACHE (default ~/.cache/ringserve)/
         models/tiny-<family>-s<seed>/   the generated tiny checkpoints (`tiny`)
@@ -17,25 +17,3 @@ def cache_dir(*parts: str) -> Path:
     """The cache root, or a path inside it (nothing is created)."""
     root = Path(os.environ.get("RINGSERVE_CACHE") or Path.home() / ".cache" / "ringserve")
     return root.joinpath(*parts)
-
-
-def resolve_model(name: str | None) -> tuple[Path, Path]:
-    """(what the runner loads, the HF-format directory holding the tokenizer) for a model name:
-    None or 'smollm2' (fetched once), 'tiny' (generated once), a model directory or a .gguf."""
-    if name == "tiny":
-        from model.checkpoints.tiny import tiny_model_path
-
-        path = tiny_model_path("llama")
-    elif name in (None, "smollm2"):
-        from model.checkpoints.fetch import fetch_model
-
-        path = fetch_model("smollm2")
-    else:
-        path = Path(name)
-    if not path.exists():
-        raise ValueError(f"model_path={str(path)!r}: no such directory or file")
-    if path.is_dir():
-        return path, path
-    from model.checkpoints.gguf import gguf_tokenizer_dir
-
-    return path, gguf_tokenizer_dir(path)

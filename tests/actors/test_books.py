@@ -1,4 +1,4 @@
-"""The scheduler over KVBooks (the radix prefix cache), with the fake runner that reads every
+"""The scheduler over kvmem's KVCache with the radix prefix cache, with the fake runner that reads every
 context back through its mirrored page tables: shared prefixes, chunked prefill with the
 cache, retract, abort, flush. After every step the books pass their integrity check and every
 live row equals the runner's mirror (rows are append-only); at the end available_tokens is
@@ -11,10 +11,10 @@ import pytest
 
 import tests.actors.test_scheduler as scheduler_tests
 from actors.frontend.sampling_params import SamplingParams
-from actors.scheduler.books import KVBooks
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
+from kvmem import KVCache
 from tests.actors.fake_runner import FakeRunner, reference
 from tests.actors.test_scheduler import letters
 
@@ -25,24 +25,24 @@ def make(num_pages=256, page=16, max_running=8, **kw):
     args = ServerArgs(
         page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw
     )
-    books = KVBooks(num_pages, page, max_running, disable_radix_cache=args.disable_radix_cache)
+    books = KVCache(num_pages, page, max_running, disable_radix_cache=args.disable_radix_cache)
     return SchedulerCore(args, books, letters), FakeRunner(page, VOCAB), books
 
 
 def req(rid: str, prompt, max_new: int) -> Req:
     return Req(
-        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0), seed=0
+        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0)
     )
 
 
-def check(core: SchedulerCore, runner: FakeRunner, books: KVBooks) -> None:
+def check(core: SchedulerCore, runner: FakeRunner, books: KVCache) -> None:
     """Integrity of the books, and every live row exactly as the runner mirrors it."""
     live = core.live()
-    books.check_integrity(live)
+    books.check_integrity([r.kv for r in live])
     for r in live:  # every live request was in the batch that admitted it
         m = runner.slots[r.slot]
-        assert m.pages == books.pages(r).tolist(), (
-            f"{r.rid}: row {books.pages(r).tolist()} != mirror {m.pages}"
+        assert m.pages == books.pages(r.kv).tolist(), (
+            f"{r.rid}: row {books.pages(r.kv).tolist()} != mirror {m.pages}"
         )
 
 
@@ -90,18 +90,18 @@ def test_second_request_shares_a_200_token_prefix(overlap):
     core.add_request(req("a", a, 4))
     out = drive(core, runner, books, overlap)
     # a keeps 208 tokens at its finish (209 filled, the last one never fed back): 13 pages
-    assert books.cache.tree.total_pages == 13 and books.available_tokens() == initial
-    tree_prefix = books.cache.tree.match_prefix(np.asarray(PREFIX, np.int32)).pages.tolist()
+    assert books.tree.total_pages == 13 and books.available_tokens() == initial
+    tree_prefix = books.tree.match_prefix(np.asarray(PREFIX, np.int32)).pages.tolist()
     rb = req("b", b, 4)
     core.add_request(rb)
     n_steps = len(runner.log)
     out |= drive(core, runner, books, overlap)
-    assert rb.cached_len == 192 and runner.log[n_steps] == [(0, 11)]  # 203 - 192 computed
+    assert rb.cached_tokens == 192 and runner.log[n_steps] == [(0, 11)]  # 203 - 192 computed
     assert out == {"a": reference(a, 4, VOCAB), "b": reference(b, 4, VOCAB)}
     cold, cold_runner, cold_books = make()
     cold.add_request(req("b", b, 4))
     assert drive(cold, cold_runner, cold_books, overlap) == {"b": out["b"]}
-    assert books.cache.tree.match_prefix(np.asarray(PREFIX, np.int32)).pages.tolist() == tree_prefix
+    assert books.tree.match_prefix(np.asarray(PREFIX, np.int32)).pages.tolist() == tree_prefix
     core.check_idle()
     assert books.available_tokens() == initial
 
@@ -112,11 +112,11 @@ def test_prefix_is_shared_while_the_first_request_still_decodes():
     core.add_request(req("a", a, 20))
     out: dict[str, list[int]] = {}
     assert step(core, runner, books, out)  # a's prefill; its prompt is cached once its first token is back
-    assert books.cache.tree.total_pages == 12 and books.cache.tree.protected_pages == 12
+    assert books.tree.total_pages == 12 and books.tree.protected_pages == 12
     rb = req("b", b, 5)
     core.add_request(rb)
     drive(core, runner, books, outputs=out)
-    assert rb.cached_len == 192
+    assert rb.cached_tokens == 192
     assert out == {"a": reference(a, 20, VOCAB), "b": reference(b, 5, VOCAB)}
     assert books.available_tokens() == 255 * 16
 
@@ -133,15 +133,15 @@ def test_same_prompt_in_one_batch_keeps_each_row_its_own_pages():
     assert runner.log == [[(0, 30), (1, 30)]]
     a, b = core.by_rid["a"], core.by_rid["b"]
     own_a, own_b = (
-        books.cache.slots.owned_mask(a.slot).tolist(),
-        books.cache.slots.owned_mask(b.slot).tolist(),
+        books.slots.owned_mask(a.slot).tolist(),
+        books.slots.owned_mask(b.slot).tolist(),
     )
     assert own_a == [False] * 7 + [True] and own_b == [True] * 8  # a's 7 pages are the tree's
-    assert books.cache.tree.total_pages == 7 and books.cache.allocator.num_free == 255 - 16
+    assert books.tree.total_pages == 7 and books.allocator.num_free == 255 - 16
     drive(core, runner, books, outputs=out)
     assert out == {"a": reference(p, 6, VOCAB), "b": reference(p, 6, VOCAB)}
     # a then b finished with 35 tokens worth keeping: the tree holds 8 pages (32 tokens), once
-    assert books.cache.tree.total_pages == 8 and books.cache.allocator.num_free == 255 - 8
+    assert books.tree.total_pages == 8 and books.allocator.num_free == 255 - 8
     assert books.available_tokens() == 255 * 4
 
 
@@ -156,7 +156,7 @@ def test_chunked_prefill_caches_between_chunks(overlap):
     # a: chunks of 64, 64, 64, then 15; before its last chunk the tree holds its first 192
     # tokens, so c (admitted next to that chunk) computes only 202 - 192 = 10
     assert runner.log[:4] == [[(0, 64)], [(0, 64)], [(0, 64)], [(0, 15), (1, 10)]]
-    assert rc.cached_len == 192
+    assert rc.cached_tokens == 192
     assert out == {"a": reference(a, 3, VOCAB), "c": reference(c, 3, VOCAB)}
     assert books.available_tokens() == 255 * 16
 
@@ -190,7 +190,7 @@ def test_abort_mid_decode_frees_everything():
     assert out["r0"] == reference(PREFIX[:30] + [0], 50, VOCAB)
     assert out["r1"] == reference(PREFIX[:30] + [1], 50, VOCAB)[:5]
     core.abort(None)
-    assert books.available_tokens() == 255 * 4 and books.free_slots() == 8
+    assert books.available_tokens() == 255 * 4 and books.num_free_slots == 8
 
 
 def test_flush_empties_the_tree_and_runs_stay_identical():
@@ -198,20 +198,20 @@ def test_flush_empties_the_tree_and_runs_stay_identical():
     p = PREFIX[:50]
     core.add_request(req("a", p, 10))
     first = drive(core, runner, books)
-    assert books.cache.tree.total_pages == 14  # 59 tokens worth keeping: 14 pages of 4
-    assert books.cache.allocator.num_free == 255 - 14
+    assert books.tree.total_pages == 14  # 59 tokens worth keeping: 14 pages of 4
+    assert books.allocator.num_free == 255 - 14
     assert core.flush_cache() == (True, "cache flushed")
-    assert books.cache.tree.total_pages == 0 and books.cache.allocator.num_free == 255
+    assert books.tree.total_pages == 0 and books.allocator.num_free == 255
     assert books.available_tokens() == 255 * 4
     r = req("a", p, 10)
     core.add_request(r)
-    assert drive(core, runner, books) == first and r.cached_len == 0
+    assert drive(core, runner, books) == first and r.cached_tokens == 0
     core.add_request(req("busy", p, 10))
     assert core.flush_cache() == (True, "cache flushed")  # waiting without KV does not block it
     step(core, runner, books, {})
     ok, why = core.flush_cache()
     assert not ok and why.startswith("1 requests hold KV")
-    assert books.cache.tree.protected_pages == 12  # 48 of busy's 50 prompt tokens, locked by it
+    assert books.tree.protected_pages == 12  # 48 of busy's 50 prompt tokens, locked by it
 
 
 def test_locked_prefixes_do_not_count_as_room_for_the_prefill_budget():
@@ -222,7 +222,7 @@ def test_locked_prefixes_do_not_count_as_room_for_the_prefill_budget():
     core.add_request(req("w1", p1, 1))
     core.add_request(req("w2", p2, 1))
     drive(core, runner, books)
-    assert books.cache.tree.total_pages == 92 and books.cache.allocator.num_free == 8
+    assert books.tree.total_pages == 92 and books.allocator.num_free == 8
     x, y = p1 + list(range(600, 620)), p2 + list(range(700, 720))
     core.add_request(req("x", x, 1))
     core.add_request(req("y", y, 1))
@@ -254,8 +254,8 @@ def test_disabled_radix_cache_caches_nothing(disable):
     r = req("b", PREFIX[:40], 3)
     core.add_request(r)
     assert drive(core, runner, books) == {"b": reference(PREFIX[:40], 3, VOCAB)}
-    assert r.cached_len == (0 if disable else 36)
-    assert books.cache.tree.total_pages == (0 if disable else 10)
+    assert r.cached_tokens == (0 if disable else 36)
+    assert books.tree.total_pages == (0 if disable else 10)
 
 
 SCENARIOS = [
@@ -275,7 +275,7 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize(("name", "kwargs"), SCENARIOS, ids=[f"{n}{kw}" for n, kw in SCENARIOS])
-def test_scheduler_scenarios_over_kvbooks(name, kwargs, monkeypatch):
-    """tests/actors/test_scheduler.py's scenarios, unchanged, with KVBooks for SimpleBooks."""
-    monkeypatch.setattr(scheduler_tests, "SimpleBooks", KVBooks)
+def test_scheduler_scenarios_with_the_prefix_cache(name, kwargs, monkeypatch):
+    """tests/actors/test_scheduler.py's scenarios, unchanged, with the radix tree on."""
+    monkeypatch.setattr(scheduler_tests, "PREFIX_CACHE", True)
     getattr(scheduler_tests, name)(**kwargs)

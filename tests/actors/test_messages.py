@@ -8,23 +8,25 @@ import pickle
 import msgspec
 import pytest
 
+from actors.frontend.sampling_params import SamplingParams
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from model.step_inputs import DeviceSampling
 
-_SAMPLING = m.WireSampling(max_new_tokens=16, temperature=0.5, top_k=4, stop=["\n"], stop_token_ids=[2])
+_SAMPLING = SamplingParams(max_new_tokens=16, temperature=0.5, top_k=4, stop=("\n",), stop_token_ids=(2,), sampling_seed=7)
 _OUT = m.TokenOut(rid="r1", new_ids=m.i32([5, 6]), prompt_tokens=3, completion_tokens=2, logprobs=m.f32([-0.5, -1.0]),
-                  finish_reason={"type": "length", "length": 2}, finished=True, open=m.DetokOpen(stop=["x"]))  # fmt: skip
+                  finish_reason={"type": "length", "length": 2}, finished=True, open=SamplingParams(stop=("x",)))  # fmt: skip
 
 SAMPLES: dict[str, tuple[msgspec.msgpack.Decoder, list[msgspec.Struct]]] = {
     "to_scheduler": (m.to_scheduler, [
-        m.GenerateReq(rid="a", input_ids=m.i32([1, 2, 3]), sampling=_SAMPLING, seed=7, return_logprob=True, top_logprobs_num=2),
+        m.GenerateReq(rid="a", input_ids=m.i32([1, 2, 3]), sampling=_SAMPLING, return_logprob=True, top_logprobs_num=2),
         m.AbortReq(), m.AbortReq(rid="a"), m.PauseReq(mode="retract"), m.ContinueReq(), m.FlushCacheReq(), m.InfoReq(),
     ]),
     "to_runner": (m.to_runner, [
         m.StepMsg(step_id=3, released=m.i32([4]), decode_slots=m.i32([0, 1]), decode_committed=m.i32([9, 12]),
                   decode_new_page=m.i32([-1, 7]), extend=[
                       m.ExtendRow(slot=2, committed_len=0, token_ids=m.i32([1, 2]), new_pages=m.i32([3]),
-                                  start=m.SlotStart(prefix_pages=m.i32([1]), temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=1)),
+                                  start=m.SlotStart(prefix_pages=m.i32([1]), sampling=DeviceSampling(0.0, -1, 1.0, 0.0, 1))),
                       m.ExtendRow(slot=5, committed_len=16, token_ids=m.i32([8]), sample=False)]),
         m.StepMsg(step_id=4), m.RunnerShutdown(),
     ]),
@@ -37,7 +39,7 @@ SAMPLES: dict[str, tuple[msgspec.msgpack.Decoder, list[msgspec.Struct]]] = {
         m.ControlReply(kind="flush", ok=False, message="requests are waiting"),
     ]),
     "to_frontend": (m.to_frontend, [
-        m.BatchStrOut(outs=[m.StrOut(rid="r1", text="hé", new_ids=m.i32([5]), prompt_tokens=3, completion_tokens=1)]),
+        m.BatchStrOut(outs=[m.TokenOut(rid="r1", new_ids=m.i32([5]), prompt_tokens=3, completion_tokens=1)], texts=["hé"]),
         m.ControlReply(kind="info", payload=b'{"a": 1}'),
     ]),
     "actor_config": (m.actor_config, [

@@ -11,8 +11,8 @@ from actors.scheduler.core import SchedulerCore
 from actors.scheduler.output import step_msg
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from kvmem import KVCache
 from tests.actors.fake_runner import FakeRunner
-from tests.actors.simple_books import SimpleBooks
 from tests.actors.test_scheduler import req
 
 
@@ -35,7 +35,7 @@ def first_decode(context: int, batch: int, page: int = 16):
     n_pages = (context + 64) * batch // page + 8
     args = ServerArgs(page_size=page, max_total_tokens=n_pages * page, max_running_requests=batch, context_length=8192,
                       chunked_prefill_size=-1, max_prefill_tokens=context * batch + 16)  # fmt: skip
-    core = SchedulerCore(args, SimpleBooks(n_pages, page, batch), lambda ids: "")
+    core = SchedulerCore(args, KVCache(n_pages, page, batch, disable_radix_cache=True), lambda ids: "")
     runner, mirrors = FakeRunner(page), SlotMirrors(batch)
     rng = np.random.default_rng(context)
     for i in range(batch):
@@ -43,10 +43,10 @@ def first_decode(context: int, batch: int, page: int = 16):
     while True:
         b = core.get_next_batch()
         wire = m.encode(step_msg(b))
-        segs = mirrors.apply(m.to_runner.decode(wire))
+        rows = mirrors.apply(m.to_runner.decode(wire))
         # the mirror alone reproduces what the scheduler planned: positions and page tables
-        assert [s.committed_len for s in segs] == [r.committed_len for r in b.rows]
-        assert all(np.array_equal(s.pages, core.books.pages(r.req)) for s, r in zip(segs, b.rows, strict=True))
+        assert [d.committed_len for d in rows] == [r.committed_len for r in b.rows]
+        assert all(np.array_equal(d.pages, core.kv.pages(r.req.kv)) for d, r in zip(rows, b.rows, strict=True))
         if b.is_decode:
             return b, wire
         core.process_result(b, runner.run(b))

@@ -10,10 +10,11 @@ from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
+from kvmem import KVCache
 from tests.actors.fake_runner import FakeRunner, reference
-from tests.actors.simple_books import SimpleBooks
 
 VOCAB = 1000
+PREFIX_CACHE = False  # exact page counts without the tree; test_books reruns these with it
 
 
 def letters(ids: list[int]) -> str:
@@ -25,13 +26,13 @@ def make(num_pages=256, page=1, max_running=8, **kw):
     args = ServerArgs(
         page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw
     )
-    books = SimpleBooks(num_pages, page, max_running)
+    books = KVCache(num_pages, page, max_running, disable_radix_cache=not PREFIX_CACHE)
     return SchedulerCore(args, books, letters), FakeRunner(page, VOCAB), books
 
 
 def req(rid: str, prompt: list[int], max_new: int, **sp) -> Req:
     return Req(
-        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, **sp), seed=0
+        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0, **sp)
     )
 
 

@@ -14,8 +14,8 @@ from actors.scheduler.output import step_msg
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from kvmem import KVCache
 from model.step import ExecutorConfig, ModelExecutor
-from tests.actors.simple_books import SimpleBooks
 from tests.hf_ref import hf_greedy
 
 
@@ -24,16 +24,11 @@ def run_engine(path, prompts, max_new, *, page, chunk, num_pages, overlap, max_r
                       chunked_prefill_size=chunk, max_prefill_tokens=256, disable_overlap_schedule=not overlap)  # fmt: skip
     ex = ModelExecutor(path, ExecutorConfig(page_size=page, num_pages=num_pages, max_context_len=256, max_batch=max_running,
                                             max_extend_tokens=args.max_prefill_tokens + 16 * max_running, precompile=False))  # fmt: skip
-    core = SchedulerCore(args, SimpleBooks(num_pages, page, max_running), lambda ids: "")
+    core = SchedulerCore(args, KVCache(num_pages, page, max_running, disable_radix_cache=True), lambda ids: "")
     mirrors = SlotMirrors(max_running)
     for i, p in enumerate(prompts):
         core.add_request(
-            Req(
-                f"r{i}",
-                np.asarray(p, np.int32),
-                SamplingParams(max_new_tokens=max_new, temperature=0),
-                seed=0,
-            )
+            Req(f"r{i}", np.asarray(p, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0))
         )
     pending = None
     out: dict[str, list[int]] = {}

@@ -25,7 +25,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvmem import KVCache, KVUsageError, ReqKV, TreeNode, token_locations
+from kvmem import KVCache, KVUsageError, ReqKV, SessionSlots, TreeNode, token_locations
 
 STEPS = int(os.environ.get("RINGSERVE_KVMEM_STEPS", "2000"))
 STEPS_PER_EXAMPLE = 60
@@ -63,6 +63,7 @@ class KVMachine(RuleBasedStateMachine):
     )
     def setup(self, page, num_pages, max_slots, disable):
         self.c = KVCache(num_pages, page, max_slots, disable_radix_cache=disable)
+        self.s = SessionSlots(self.c)
         self.page = page
         self.store = np.full(num_pages * page, -1, np.int64)
         self.reqs: list[Live] = []
@@ -90,8 +91,8 @@ class KVMachine(RuleBasedStateMachine):
     def admit(self, tokens: list[int], ns: str | None, session: str | None) -> Live | None:
         ids = np.asarray(tokens, np.int32)
         if session is not None:
-            kept = self.c.sessions.kept.get(session)
-            kv = self.c.sessions.start_turn(session, ids)
+            kept = self.s.kept.get(session)
+            kv = self.s.start_turn(session, ids)
             if kept is not None:  # never more than the kept KV, itself at most origin + finished_len
                 target = len(self.turns.pop(session)[0])
                 assert kv is kept.kv and kv.cached_len <= len(kept.token_ids) <= target
@@ -196,7 +197,7 @@ class KVMachine(RuleBasedStateMachine):
         output = r.tokens[r.origin_len :]
         finished = max(0, len(output) - overshoot)
         target = r.origin_len + finished
-        self.c.sessions.finish_turn(
+        self.s.finish_turn(
             r.session, kv, np.asarray(r.tokens[: r.origin_len], np.int32), output, finished
         )
         assert (
@@ -240,8 +241,8 @@ class KVMachine(RuleBasedStateMachine):
 
     @rule(sid=st.sampled_from(SESSIONS))
     def close_session(self, sid):
-        if sid in self.c.sessions.kept:
-            self.c.sessions.close(sid)
+        if sid in self.s.kept:
+            self.s.close(sid)
             del self.turns[sid]
 
     # ---- the tree directly ------------------------------------------------------------------
@@ -278,7 +279,7 @@ class KVMachine(RuleBasedStateMachine):
     def flush(self, coin):
         if coin:
             return
-        if self.reqs or self.c.sessions.kept:
+        if self.reqs or self.s.kept:
             try:
                 self.c.flush()
             except KVUsageError as e:
@@ -304,12 +305,12 @@ class KVMachine(RuleBasedStateMachine):
         self.steps += 1
         counted[0] += self.steps > 0
         c = self.c
-        c.check_integrity([r.kv for r in self.reqs], self.locks)
+        self.s.check_integrity([r.kv for r in self.reqs], self.locks)
         assert c.available_tokens() == (c.allocator.num_free + c.tree.evictable_pages) * self.page
         for r in self.reqs:
             assert c.slots.pages(r.kv.slot).tolist() == r.row, "a live row was rewritten"
             assert self.read(r.kv.slot, r.kv.committed_len) == r.tokens[: r.kv.committed_len]
-        for kept in c.sessions.kept.values():
+        for kept in self.s.kept.values():
             assert self.read(kept.kv.slot, kept.kv.committed_len) == kept.token_ids.tolist()
         for node in c.tree.nodes():
             assert (

@@ -22,7 +22,7 @@ from model.checkpoints.gguf import (
 )
 from model.checkpoints.weights import load_checkpoint
 from model.step import ExecutorConfig, ModelExecutor
-from model.step_inputs import Segment
+from model.step_inputs import DeviceRow
 from tests.model.bpe_ref import TEXTS, RefBPE
 
 CFG = ExecutorConfig(
@@ -135,7 +135,7 @@ def write_gguf(
 
 def first_logits(path, prompt: list[int]) -> np.ndarray:
     ex = ModelExecutor(path, CFG)
-    logits, _ = ex.logits([Segment(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
+    logits, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
     return logits[0]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from model.step import ExecutorConfig, ModelExecutor
-from model.step_inputs import Segment
+from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_greedy, hf_logits
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -46,18 +46,18 @@ def greedy_with_cached_prefix(ex: ModelExecutor, prompts: list[list[int]], n_pre
     reusing the prefix pages, then decode all prompts together for n_new - 1 steps."""
     book = PageBook()
     prefix_pages = book.take(n_prefix // PAGE)
-    ex.run([Segment(np.array(prompts[0][:n_prefix], np.int32), 0, np.array(prefix_pages, np.int32))])
+    ex.run([DeviceRow(np.array(prompts[0][:n_prefix], np.int32), 0, np.array(prefix_pages, np.int32))])
     tables = []
     for p in prompts:
         need = -(-(len(p) + n_new) // PAGE)
         tables.append(np.array(prefix_pages + book.take(need - len(prefix_pages)), np.int32))
-    segs = [Segment(np.array(p[n_prefix:], np.int32), n_prefix, t) for p, t in zip(prompts, tables, strict=True)]
+    segs = [DeviceRow(np.array(p[n_prefix:], np.int32), n_prefix, t) for p, t in zip(prompts, tables, strict=True)]
     out, rows = ex.run(segs)
     toks = np.asarray(out.tokens)
     gen = [[int(toks[r])] for r in rows]
     for _ in range(n_new - 1):
         segs = [
-            Segment(np.array([g[-1]], np.int32), len(p) + len(g) - 1, t)
+            DeviceRow(np.array([g[-1]], np.int32), len(p) + len(g) - 1, t)
             for p, g, t in zip(prompts, gen, tables, strict=True)
         ]
         out, rows = ex.run(segs)
@@ -72,7 +72,7 @@ def test_prefill_logits_match_hf(tiny_dir, family):
     path = tiny_dir(family)
     ex = ModelExecutor(path, CFG)
     prompt = np.random.default_rng(7).integers(3, 2000, 45).tolist()
-    ours, _ = ex.logits([Segment(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
+    ours, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
     ref = hf_logits(path, prompt)[-1]
     scale = np.abs(ref).max()
     assert np.abs(ours[0] - ref).max() <= 1e-5 * scale, (np.abs(ours[0] - ref).max(), scale)

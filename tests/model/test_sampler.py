@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from model.sampler import SamplingBatch, keep_mask, sample
+from model.sampler import keep_mask, sample
 from model.step import ExecutorConfig, ModelExecutor
-from model.step_inputs import SamplingParams, Segment
+from model.step_inputs import DeviceRow, DeviceSampling, SamplingBatch
 
 
 def sb(temperature, top_k=-1, top_p=1.0, min_p=0.0, seed=0, position=0) -> SamplingBatch:
@@ -80,15 +80,15 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_8(tiny_dir):
     cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=256, max_batch=8, max_extend_tokens=256, precompile=False)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 2000, n).astype(np.int32) for n in (9, 30, 4, 17, 25, 8, 12, 40)]
-    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i) for i in range(8)]
+    params = [DeviceSampling(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i) for i in range(8)]
 
     def run(indices: list[int]) -> dict[int, list[int]]:
         ex = ModelExecutor(tiny_dir("llama"), cfg)
         pages = {i: np.arange(1 + 8 * i, 9 + 8 * i, dtype=np.int32) for i in indices}
-        out, rows = ex.run([Segment(prompts[i], 0, pages[i], params[i]) for i in indices])
+        out, rows = ex.run([DeviceRow(prompts[i], 0, pages[i], params[i]) for i in indices])
         gen = {i: [int(out.tokens[r])] for i, r in zip(indices, rows, strict=True)}
         for _ in range(12):
-            segs = [Segment(np.array([gen[i][-1]], np.int32), len(prompts[i]) + len(gen[i]) - 1, pages[i], params[i]) for i in indices]
+            segs = [DeviceRow(np.array([gen[i][-1]], np.int32), len(prompts[i]) + len(gen[i]) - 1, pages[i], params[i]) for i in indices]
             out, rows = ex.run(segs)
             for i, r in zip(indices, rows, strict=True):
                 gen[i].append(int(out.tokens[r]))
@@ -99,5 +99,5 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_8(tiny_dir):
     assert alone[3] == together[3]
     assert len({tuple(v) for v in together.values()}) == 8
     # a different seed really changes the stream (the draw is random, not greedy)
-    params[3] = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=7)
+    params[3] = DeviceSampling(temperature=0.8, top_p=0.95, top_k=50, seed=7)
     assert run([3])[3] != alone[3]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from model.step import ExecutorConfig, ModelExecutor
-from model.step_inputs import Segment
+from model.step_inputs import DeviceRow
 
 PAGE = 16
 
@@ -28,15 +28,15 @@ def test_all_buckets_compiled_once_and_never_again(tiny_dir):
     pages = [np.arange(1 + 8 * i, 9 + 8 * i, dtype=np.int32) for i in range(4)]
     for n_req in (1, 2, 3, 4):
         for n_tok in (1, 5, 16, 17):
-            segs = [Segment(rng.integers(3, 2000, n_tok).astype(np.int32), 0, pages[i]) for i in range(n_req)]
+            segs = [DeviceRow(rng.integers(3, 2000, n_tok).astype(np.int32), 0, pages[i]) for i in range(n_req)]
             if n_req * -(-n_tok // 16) * 16 > 64:
                 continue
             ex.run(segs)
     assert ex.trace_count == traced and ex.num_programs == 5
     with pytest.raises(ValueError, match="largest bucket"):
-        ex.run([Segment(np.zeros(1, np.int32), 0, pages[0]) for _ in range(5)])
+        ex.run([DeviceRow(np.zeros(1, np.int32), 0, pages[0]) for _ in range(5)])
     with pytest.raises(ValueError, match="largest bucket 64"):
-        ex.run([Segment(np.zeros(65, np.int32), 0, pages[0])])
+        ex.run([DeviceRow(np.zeros(65, np.int32), 0, pages[0])])
 
 
 def test_no_program_copies_the_kv_cache(tiny_dir):
@@ -60,11 +60,11 @@ def test_future_index_reads_previous_sample_on_device(tiny_dir):
 
     def generate(use_future: bool) -> list[int]:
         ex = ModelExecutor(tiny_dir("llama"), cfg)
-        out, rows = ex.run([Segment(prompt, 0, pages, future_slot=2)])
+        out, rows = ex.run([DeviceRow(prompt, 0, pages, future_slot=2)])
         toks = [int(out.tokens[rows[0]])]
         for i in range(8):
             inp = -3 if use_future else toks[-1]
-            out, rows = ex.run([Segment(np.array([inp], np.int32), len(prompt) + i, pages, future_slot=2)])
+            out, rows = ex.run([DeviceRow(np.array([inp], np.int32), len(prompt) + i, pages, future_slot=2)])
             toks.append(int(out.tokens[rows[0]]))
         return toks
 
@@ -74,7 +74,7 @@ def test_future_index_reads_previous_sample_on_device(tiny_dir):
 TP_SCRIPT = r"""
 import json, sys
 import numpy as np
-from model.step_inputs import Segment
+from model.step_inputs import DeviceRow
 from model.step import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 path, tp = sys.argv[1], int(sys.argv[2])
