@@ -25,6 +25,7 @@ class ServerArgs:
     model_path: str | None = _opt(
         None, "'tiny' (generated), 'smollm2' (fetched), a model directory or a .gguf file; None = smollm2"
     )
+    served_model_name: str | None = _opt(None, "the model's name in the OpenAI API (default: its directory name)")
     dtype: Literal["float32", "bfloat16", "float16"] = _opt(
         "float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)"
     )

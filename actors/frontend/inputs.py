@@ -25,6 +25,7 @@ class RequestSpec:
     return_logprob: bool
     top_logprobs_num: int
     index: int  # position in the caller's batch (prompt index * n + sample index)
+    stream: bool = False  # the caller streams: outputs every stream_interval tokens
 
     @property
     def seed(self) -> int:

@@ -1,9 +1,12 @@
-"""The frontend (SGLang's TokenizerManager), in the Engine's process: tokenizes, sends requests
-to the scheduler, gathers the detokenizer's outputs into SGLang-shaped results and streams.
+"""The frontend (SGLang's TokenizerManager): tokenizes and validates, sends requests to the
+scheduler, gathers the detokenizer's outputs into SGLang-shaped results and streams. Every
+surface calls the async verbs below on the frontend loop: the in-process Engine (through
+actors/frontend/bridge.py), the IPC socket server and the HTTP server. So they share one
+request table, one abort path, one set of metrics.
 
-Threads: one asyncio loop (owned here, in a daemon thread) holds every request's state; a
-reader thread blocks on the detokenizer's ring and hands each message to that loop. Sends to
-the scheduler's ring (single producer) go through one lock, so any thread may submit.
+Threads: one asyncio loop (a LoopThread) holds every request's state; a reader thread blocks
+on the detokenizer's ring and hands each message to that loop. Sends to the scheduler's ring
+(single producer) go through one lock, so any thread may send.
 
 Output of one request (SGLang's format; streamed chunks carry the text and ids so far):
 
@@ -19,19 +22,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import logging
+import random
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
-from actors.frontend.inputs import RequestSpec
+from actors.frontend.bridge import LoopThread
+from actors.frontend.inputs import RequestSpec, normalize_generate
+from actors.frontend.metrics import FrontendMetrics
+from actors.server_args import ServerArgs
 from actors.transport import messages as m
 
 log = logging.getLogger("ringserve.frontend")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+T = TypeVar("T")
 
 
 class EngineDead(RuntimeError):
@@ -50,11 +59,14 @@ class ReqState:
     finished: bool = False
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     error: BaseException | None = None
+    last_output: float = 0.0  # when the latest tokens arrived (inter-token latency)
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer, to_scheduler, from_detok):
+    def __init__(self, tokenizer, to_scheduler, from_detok, *, args: ServerArgs, vocab_size: int):
         self.tok = tokenizer
+        self.args = args
+        self.vocab_size = vocab_size
         self.to_scheduler = to_scheduler
         self.from_detok = from_detok
         self.send_lock = threading.Lock()
@@ -62,11 +74,10 @@ class TokenizerManager:
         self.replies: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self.dead: BaseException | None = None
         self.closing = False
-        self.loop = asyncio.new_event_loop()
-        self.loop_thread = threading.Thread(
-            target=self.loop.run_forever, name="ringserve-frontend-loop", daemon=True
-        )
-        self.loop_thread.start()
+        self.metrics = FrontendMetrics()
+        self._seeds = random.Random(args.seed)  # seeds of requests that give none
+        self.lt = LoopThread("ringserve-frontend-loop")
+        self.loop = self.lt.loop
         self.reader = threading.Thread(target=self._read, name="ringserve-frontend-reader", daemon=True)
         self.reader.start()
 
@@ -77,16 +88,23 @@ class TokenizerManager:
         with self.send_lock:
             self.to_scheduler.send(m.encode(msg))
 
-    def submit_threadsafe(self, coro) -> concurrent.futures.Future:
+    def check_up(self) -> None:
+        if self.closing or self.dead is not None:
+            raise EngineDead(f"the engine is down: {self.dead or 'shut down'}")
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the frontend loop from a plain thread and wait for it."""
+        if self.closing or self.dead is not None:
+            coro.close()
+            self.check_up()
+        return self.lt.run(coro)
+
+    def submit_threadsafe(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule a coroutine on the frontend loop from any thread."""
         if self.closing or self.dead is not None:
             coro.close()
-            raise EngineDead(f"the engine is down: {self.dead or 'shut down'}")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run_sync(self, coro) -> Any:
-        """Run a coroutine on the frontend loop from a plain thread and wait for it."""
-        return self.submit_threadsafe(coro).result()
+            self.check_up()
+        return self.lt.submit(coro)
 
     def _read(self) -> None:
         while not self.closing:
@@ -117,12 +135,20 @@ class TokenizerManager:
             self.fail_all(e)
 
     def _outputs(self, msg: m.BatchStrOut) -> None:
+        now = time.perf_counter()
         for o, text in zip(msg.outs, msg.texts, strict=True):
             st = self.states.get(o.rid)
             if st is None:
                 continue
             new = m.as_i32(o.new_ids).tolist()
             st.text += text
+            if new:
+                if not st.output_ids:
+                    first_at = o.first_token_at or now
+                    self.metrics.first_token(first_at - st.created)
+                elif st.spec.stream:
+                    self.metrics.inter_token((now - st.last_output) / len(new), len(new))
+                st.last_output = now
             st.output_ids += new
             if o.logprobs:
                 st.logprobs += m.as_f32(o.logprobs).tolist()
@@ -140,7 +166,8 @@ class TokenizerManager:
             if o.finished:
                 st.finished = True
                 st.meta["finish_reason"] = o.finish_reason
-                st.meta["e2e_latency"] = time.perf_counter() - st.created
+                st.meta["e2e_latency"] = now - st.created
+                self.metrics.finished(st.meta, now - st.created)
                 self.states.pop(o.rid, None)
             st.changed.set()
 
@@ -156,11 +183,25 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_exception(EngineDead(f"the engine is down: {err}"))
 
-    async def _fail_all_async(self, err: BaseException) -> None:
-        self.fail_all(err)
+    # ---- generation -------------------------------------------------------------------------
+    def specs(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
+              return_logprob: Any = False, top_logprobs_num: Any = 0, rid: Any = None,
+              stream: bool = False) -> tuple[list[RequestSpec], bool]:  # fmt: skip
+        """Validate and normalise `generate` arguments (any thread): ValueError naming the field
+        and the limit, before anything is sent. Returns (specs, batched)."""
+        a = self.args
+        specs, batched = normalize_generate(
+            prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+            encode=self.tok.encode, vocab_size=self.vocab_size, context_length=a.context_length,
+            max_top_logprobs_num=a.max_top_logprobs_num, next_seed=lambda: self._seeds.getrandbits(63),
+        )  # fmt: skip
+        for s in specs:
+            s.stream = stream
+        return specs, batched
 
-    # ---- requests ---------------------------------------------------------------------------
     async def submit(self, spec: RequestSpec) -> ReqState:
+        self.check_up()
         if spec.rid in self.states:
             raise ValueError(f"rid {spec.rid!r} is already in use by a live request")
         st = ReqState(spec, time.perf_counter(), meta={"id": spec.rid, "finish_reason": None})
@@ -168,12 +209,76 @@ class TokenizerManager:
         try:
             self.send(m.GenerateReq(
                 rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
-                return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
+                return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
             ))  # fmt: skip
         except BaseException:
             self.states.pop(spec.rid, None)
             raise
+        self.metrics.submitted(len(spec.input_ids))
         return st
+
+    async def submit_all(self, specs: list[RequestSpec]) -> list[ReqState]:
+        """Submit every request or none (a failure aborts those already sent)."""
+        states: list[ReqState] = []
+        try:
+            for s in specs:
+                states.append(await self.submit(s))
+        except BaseException:
+            self.abort_unfinished(states)
+            raise
+        return states
+
+    def abort_unfinished(self, states: list[ReqState]) -> None:
+        for st in states:
+            if not st.finished and st.error is None and self.dead is None and not self.closing:
+                try:
+                    self.send(m.AbortReq(st.spec.rid))
+                except Exception:  # the engine went down meanwhile: nothing left to abort
+                    pass
+
+    async def generate(self, specs: list[RequestSpec], batched: bool) -> Any:
+        """Every request's finished result (a list when batched). Cancelling aborts them."""
+        states = await self.submit_all(specs)
+        try:
+            outs = [await self.wait(st) for st in states]
+        except BaseException:  # cancelled (caller gone, KeyboardInterrupt) or the engine died
+            self.abort_unfinished(states)
+            raise
+        return outs if batched else outs[0]
+
+    async def generate_stream(self, specs: list[RequestSpec], batched: bool) -> AsyncIterator[dict]:
+        """Chunks with the text and ids so far, as they come (each with "index" when batched);
+        each request's last chunk is finished. Leaving early aborts what still runs."""
+        states = await self.submit_all(specs)
+        queue: asyncio.Queue[tuple[int, dict | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, st: ReqState) -> None:
+            try:
+                async for out in self.stream(st):
+                    queue.put_nowait((i, out, None))
+                queue.put_nowait((i, None, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                queue.put_nowait((i, None, e))
+
+        pumps = [asyncio.create_task(pump(i, st)) for i, st in enumerate(states)]
+        try:
+            left = len(states)
+            while left:
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    left -= 1
+                    continue
+                if batched:
+                    out["index"] = i
+                yield out
+        finally:
+            for p in pumps:
+                p.cancel()
+            self.abort_unfinished(states)
 
     async def stream(self, st: ReqState) -> AsyncIterator[dict]:
         """Yields the result so far each time new output arrives; the last one is finished."""
@@ -198,20 +303,36 @@ class TokenizerManager:
     def result(self, st: ReqState) -> dict:
         meta = dict(st.meta)
         if st.spec.return_logprob:
-            texts = self._token_texts(st.output_ids)
+            texts = self.token_texts(st.output_ids)
             meta["output_token_logprobs"] = [
                 (lp, t, texts[t]) for lp, t in zip(st.logprobs, st.output_ids, strict=False)
             ]
             if st.spec.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [(lp, t, self._token_texts([t])[t]) for lp, t in row] for row in st.top
-                ]
+                tops = self.token_texts([t for row in st.top for _, t in row])
+                meta["output_top_logprobs"] = [[(lp, t, tops[t]) for lp, t in row] for row in st.top]
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
-    def _token_texts(self, ids: list[int]) -> dict[int, str]:
+    def token_texts(self, ids: list[int]) -> dict[int, str]:
         return {t: self.tok.decode([t]) for t in set(ids)}
 
+    # ---- control ----------------------------------------------------------------------------
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (its partial output returns with finish_reason abort), the n
+        samples `rid-0 ... rid-(n-1)` of a request made with n > 1, or every request."""
+        self.check_up()
+        if abort_all:
+            self.send(m.AbortReq(None))
+            return
+        if not (isinstance(rid, str) and rid):
+            raise ValueError(f"abort_request: rid={rid!r} must be a non-empty string (or pass abort_all=True)")
+        samples = [
+            r for r, st in list(self.states.items()) if r.startswith(rid + "-") and st.spec.sampling.n > 1
+        ]
+        for r in [rid] + samples:
+            self.send(m.AbortReq(r))
+
     async def control(self, msg: Any, kind: str) -> m.ControlReply:
+        self.check_up()
         fut = self.loop.create_future()
         self.replies.append((kind, fut))
         try:
@@ -221,22 +342,59 @@ class TokenizerManager:
             raise
         return await fut
 
-    async def server_info(self) -> dict:
+    async def _ok(self, msg: Any, kind: str) -> dict:
+        r = await self.control(msg, kind)
+        return {"success": r.ok, "message": r.message}
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        """Returns when the scheduler is quiet: abort (every request finishes with 'abort'),
+        retract (KV freed, requests wait) or in_place (everything kept)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: choose one of {list(PAUSE_MODES)}")
+        return await self._ok(m.PauseReq(mode), "pause")
+
+    async def continue_generation(self) -> dict:
+        return await self._ok(m.ContinueReq(), "continue")
+
+    async def flush_cache(self) -> dict:
+        """Empty the prefix cache and KV pools; refused (success False, with the reason) while a
+        request holds KV."""
+        return await self._ok(m.FlushCacheReq(), "flush")
+
+    async def get_server_info(self) -> dict:
         reply = await self.control(m.InfoReq(), "info")
+        info = json.loads(reply.payload)
+        info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
+        info["frontend_requests"] = len(self.states)
+        return info
+
+    async def get_load(self) -> dict:
+        """{num_running_reqs, num_waiting_reqs, kv tokens used / total, token_usage}."""
+        reply = await self.control(m.LoadReq(), "load")
         return json.loads(reply.payload)
 
-    def abort(self, rid: str | None) -> None:
-        self.send(m.AbortReq(rid))
+    async def health(self) -> bool:
+        """True while every actor is up and the scheduler answers."""
+        if self.dead is not None or self.closing:
+            return False
+        try:
+            await asyncio.wait_for(self.get_load(), timeout=20.0)
+        except (EngineDead, TimeoutError):
+            return False
+        return True
 
+    # ---- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
         """Fail whatever is still pending (callers get EngineDead, nobody hangs), stop threads."""
-        if self.loop.is_running() and not self.closing:
-            fut = asyncio.run_coroutine_threadsafe(
-                self._fail_all_async(EngineDead("the engine was shut down")), self.loop
-            )
-            with contextlib.suppress(Exception):
-                fut.result(timeout=2)
+        if not self.closing and self.loop.is_running():
+
+            async def fail() -> None:
+                self.fail_all(EngineDead("the engine was shut down"))
+
+            try:
+                self.lt.run(fail())
+            except Exception:
+                pass
         self.closing = True
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.lt.stop()
         self.reader.join(timeout=2)
-        self.loop_thread.join(timeout=2)

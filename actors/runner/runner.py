@@ -12,6 +12,7 @@ device never waits for the host between two steps.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -42,6 +43,26 @@ def executor_config(args) -> ExecutorConfig:
         attention_backend=args.attention_backend,
         precompile=args.precompile,
     )
+
+
+def ready_info(ex: ModelExecutor, load_s: float) -> dict:
+    """What the runner tells the launcher once it serves (printed by `ringserve serve`)."""
+    import jax
+
+    devices = list(ex.mesh.devices.flat)
+    mc = ex.model_config
+    return {
+        "platform": devices[0].platform,
+        "devices": [str(d) for d in devices],
+        "family": mc.family,
+        "num_layers": mc.num_layers,
+        "dtype": ex.cfg.dtype,
+        "attention_backend": ex.backend,
+        "num_programs": ex.num_programs,
+        "load_and_compile_s": round(load_s, 2),
+        "kv_pool_tokens": (ex.cfg.num_pages - 1) * ex.cfg.page_size,
+        "jax_version": jax.__version__,
+    }
 
 
 class Pending:
@@ -115,14 +136,10 @@ def run(ctx) -> None:
         enable_compilation_cache()
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
-    ctx.log.info(
-        "model loaded and %d step programs compiled in %.1fs (attention: %s)",
-        ex.num_programs,
-        time.perf_counter() - t0,
-        ex.backend,
-    )
+    load_s = time.perf_counter() - t0
+    ctx.log.info("model loaded and %d step programs compiled in %.1fs (attention: %s)", ex.num_programs, load_s, ex.backend)
     runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num)
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
-    ctx.ready()
+    ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
     runner.serve(inbox, outbox, ctx.stopping)

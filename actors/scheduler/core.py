@@ -4,6 +4,10 @@
     get_next_batch()                                       seed 004's get_next_batch_to_run
     process_result(batch, result)                          append tokens, finish, stream
 
+Outputs: a streamed request gets its new tokens every `stream_interval` tokens; any request
+gets them all when it finishes (so a non-streamed request costs the detokenizer and the
+frontend one message).
+
 `get_next_batch` tries a prefill batch (the chunked request first, then the waiting queue in
 policy order, through a PrefillAdder); if none can run it decodes the running batch, retracting
 under KV pressure. Requests enter the running batch as soon as their last prefill chunk is
@@ -20,6 +24,7 @@ lengths. A request lets go of its KV in one place (`_release_kv`), finishes in o
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 from actors.scheduler.batch import Row, ScheduledBatch, StepResult
@@ -220,6 +225,8 @@ class SchedulerCore:
             if req.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
                 outs.append(self._finish(req, FinishReason("length")))
                 continue
+            if not req.output_ids:
+                req.first_token_at = time.perf_counter()
             req.output_ids.append(int(result.tokens[i]))
             if req.return_logprob and result.logprobs is not None:
                 req.output_logprobs.append(float(result.logprobs[i]))
@@ -228,7 +235,10 @@ class SchedulerCore:
                     top = zip(result.top_logprobs[i, :n].tolist(), result.top_ids[i, :n].tolist(), strict=True)
                     req.output_top_logprobs.append(list(top))
             reason = req.stop_reason(self.decode_tail)
-            outs.append(self._finish(req, reason) if reason is not None else self._output(req, False))
+            if reason is not None:
+                outs.append(self._finish(req, reason))
+            elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
+                outs.append(self._output(req, False))
         return outs
 
     def _output(self, req: Req, finished: bool) -> ReqOutput:

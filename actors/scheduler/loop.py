@@ -37,7 +37,8 @@ IDLE_WAIT_S = 0.5  # longest blocking wait for a request while idle (then `stopp
 
 
 def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
-    return Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num)
+    return Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
+               stream=g.stream)  # fmt: skip
 
 
 class SchedulerLoop:
@@ -172,9 +173,23 @@ class SchedulerLoop:
             self._reply("flush", ok, why)
         elif isinstance(msg, m.InfoReq):
             self._reply("info", True, "", json.dumps(self.info()).encode())
+        elif isinstance(msg, m.LoadReq):
+            self._reply("load", True, "", json.dumps(self.load()).encode())
 
     def _reply(self, kind: str, ok: bool, message: str, payload: bytes = b"") -> None:
         self.to_detok.send(m.encode(m.ControlReply(kind, ok, message, payload)))
+
+    def load(self) -> dict:
+        """What a router or a monitor polls (SGLang's /get_load and /v1/loads core fields)."""
+        total = (self.args.num_pages - 1) * self.args.page_size
+        used = total - self.kv.available_tokens()  # evictable prefix-cache pages count as free
+        return {
+            "num_running_reqs": len(self.core.running) + (self.core.chunked is not None),
+            "num_waiting_reqs": len(self.core.waiting),
+            "num_used_tokens": used,
+            "max_total_num_tokens": total,
+            "token_usage": round(used / total, 6),
+        }
 
     def info(self) -> dict:
         c = self.core

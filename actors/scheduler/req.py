@@ -59,6 +59,7 @@ class Req:
     eos_ids: frozenset[int] = frozenset()
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    stream: bool = False  # the caller streams: an output every stream_interval tokens
     arrival: int = 0  # admission order (fcfs tiebreak)
 
     status: ReqStatus = ReqStatus.WAITING
@@ -70,6 +71,7 @@ class Req:
     finish_reason: FinishReason | None = None
     retractions: int = 0
     sent_len: int = 0  # output tokens sent to the detokenizer so far (only new ones are sent)
+    first_token_at: float = 0.0  # time.perf_counter() when its first token was processed
 
     # ---- KV (read from kvmem's record) --------------------------------------------------------
     @property

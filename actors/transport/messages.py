@@ -61,6 +61,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     sampling: SamplingParams  # validated by the frontend; sampling_seed always set
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    stream: bool = False  # outputs every stream_interval tokens; else only the finished one
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):
@@ -83,7 +84,11 @@ class InfoReq(msgspec.Struct, tag="info", **_S):
     pass
 
 
-ToScheduler = GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq
+class LoadReq(msgspec.Struct, tag="load", **_S):
+    pass
+
+
+ToScheduler = GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq | LoadReq
 
 
 # ---- scheduler -> runners (broadcast) --------------------------------------------------------
@@ -149,6 +154,8 @@ class TokenOut(msgspec.Struct, **_S):
     top_logprobs: bytes = b""  # f32 [new, top_n]
     top_n: int = 0
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
+    first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
+    # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):
@@ -162,7 +169,7 @@ class ControlReply(msgspec.Struct, tag="reply", **_S):
     kind: str
     ok: bool = True
     message: str = ""
-    payload: bytes = b""  # JSON (server info)
+    payload: bytes = b""  # JSON (server info, load)
 
 
 ToDetokenizer = BatchTokenOut | ControlReply

@@ -31,7 +31,8 @@ def make(num_pages=256, page=16, max_running=8, **kw):
 
 def req(rid: str, prompt, max_new: int) -> Req:
     return Req(
-        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0)
+        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0),
+        stream=True,  # an output per token, so the tests see each one
     )
 
 

@@ -32,7 +32,8 @@ def make(num_pages=256, page=1, max_running=8, **kw):
 
 def req(rid: str, prompt: list[int], max_new: int, **sp) -> Req:
     return Req(
-        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0, **sp)
+        rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0, **sp),
+        stream=True,  # an output per token, so the tests see each one
     )
 
 
@@ -212,3 +213,20 @@ def test_max_new_tokens_zero_returns_no_token():
     r = req("a", [5, 6, 7], 0)
     core.add_request(r)
     assert drive(core, runner) == {"a": []} and r.finish_reason.to_dict() == {"type": "length"}
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_outputs_every_stream_interval_tokens_and_once_when_not_streamed(interval):
+    core, runner, _ = make(stream_interval=interval)
+    p = [11, 12, 13]
+    core.add_request(req("s", p, 7))
+    quiet = Req("q", np.asarray(p, np.int32), SamplingParams(max_new_tokens=7, temperature=0, sampling_seed=0))
+    core.add_request(quiet)
+    sizes: dict[str, list[int]] = {"s": [], "q": []}
+    while not core.idle:
+        b = core.get_next_batch()
+        for o in core.process_result(b, runner.run(b)):
+            sizes[o.req.rid].append(len(o.new_ids))
+    assert sizes["q"] == [7]  # not streamed: one output, at the finish
+    assert sizes["s"] == ([1] * 7 if interval == 1 else [3, 3, 1])
+    assert quiet.output_ids == reference(p, 7, VOCAB)

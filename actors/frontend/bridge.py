@@ -1,0 +1,115 @@
+"""An asyncio loop in a daemon thread, and the bridges from it to plain threads and to other
+loops. The frontend (TokenizerManager, IPC and HTTP servers) runs on one such loop; the sync
+Engine and the sync Client call into theirs from any thread.
+
+Streams cross with their cancellation: when the consumer stops early (break, close, an error,
+a cancelled task), the producing async iterator is closed on its own loop, so its `finally`
+runs there (e.g. aborting the requests it was streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_END = object()
+
+
+class LoopClosed(RuntimeError):
+    pass
+
+
+class LoopThread:
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+        self.closed = False
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule a coroutine on the loop from any thread."""
+        if self.closed:
+            coro.close()
+            raise LoopClosed("the event loop is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the loop and wait for it (from a thread that is not the loop's)."""
+        fut = self.submit(coro)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()  # KeyboardInterrupt while waiting: stop the coroutine too
+            raise
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)
+
+
+def iterate_in_thread(lt: LoopThread, make: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+    """A plain iterator over the async iterator `make()` running on `lt`'s loop."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    task = lt.submit(_pump(make, q.put))
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                raise item.error
+            yield item
+    finally:
+        task.cancel()
+
+
+async def iterate_across(lt: LoopThread, make: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
+    """An async iterator on the caller's loop over `make()` running on `lt`'s loop."""
+    q: asyncio.Queue = asyncio.Queue()
+    here = asyncio.get_running_loop()
+
+    def put(item: Any) -> None:
+        here.call_soon_threadsafe(q.put_nowait, item)
+
+    task = lt.submit(_pump(make, put))
+    try:
+        while True:
+            item = await q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                raise item.error
+            yield item
+    finally:
+        task.cancel()
+
+
+class _Raised:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+async def _pump(make: Callable[[], AsyncIterator[T]], put: Callable[[Any], None]) -> None:
+    agen = make()
+    try:
+        async for item in agen:
+            put(item)
+        put(_END)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        put(_Raised(e))
+    finally:
+        aclose = getattr(agen, "aclose", None)
+        if aclose is not None:
+            await aclose()
