@@ -1,6 +1,7 @@
 """ringserve's processes and public surface.
 
     from actors import Engine            # in-process engine (spawns the actor processes)
+    from actors import Client, AsyncClient   # clients of `ringserve serve`'s IPC socket
 
 Layout (one folder per process or subsystem):
 
@@ -19,13 +20,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from actors.frontend.client import AsyncClient, Client
     from actors.frontend.engine import Engine
+    from actors.frontend.errors import EngineDead
+    from actors.frontend.server import Servers
     from actors.server_args import ServerArgs
 
-__all__ = ["Engine", "ServerArgs"]
+__all__ = ["AsyncClient", "Client", "Engine", "EngineDead", "ServerArgs", "Servers"]
 
 _WHERE = {
+    "AsyncClient": "actors.frontend.client",
+    "Client": "actors.frontend.client",
     "Engine": "actors.frontend.engine",
+    "EngineDead": "actors.frontend.errors",
+    "Servers": "actors.frontend.server",
     "ServerArgs": "actors.server_args",
 }
 

@@ -63,7 +63,7 @@ class ServerArgs:
     stream_interval: int = _opt(1, "tokens between streamed chunks")
     # processes and I/O
     host: str = _opt("127.0.0.1", "HTTP bind address (localhost by default)")
-    port: int = _opt(30000, "HTTP port")
+    port: int = _opt(30000, "HTTP port (0: any free port)")
     ring_bytes: int = _opt(1 << 22, "data bytes of each shared-memory ring (a power of two)")
     spin_us: int = _opt(50, "microseconds a ring reader spins before sleeping")
     log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "log level of every actor")
@@ -116,7 +116,7 @@ class ServerArgs:
             0 <= self.max_top_logprobs_num <= 64,
             f"max_top_logprobs_num={self.max_top_logprobs_num}: must be in [0, 64]",
         )
-        need(1 <= self.port <= 65535, f"port={self.port}: must be in [1, 65535]")
+        need(0 <= self.port <= 65535, f"port={self.port}: must be in [0, 65535] (0: any free port)")
 
     @property
     def num_pages(self) -> int:

@@ -1,13 +1,68 @@
 #!/usr/bin/env bash
-# Launch ringserve on a single TPU host (all local chips through the `tp` mesh axis).
-#   tools/launch_tpu.sh [MODEL] [extra ringserve flags...]
-# Installs jax[tpu] into .venv on first use, then serves MODEL with bf16 weights/KV and one
-# tensor-parallel shard per local chip.
+# Serve a model on one TPU host: `ringserve serve` over every local chip (the `tp` mesh axis).
+#
+#   tools/launch_tpu.sh [--dry-run] [--model M] [any `ringserve serve` flag ...]
+#
+# Installs nothing: install ringserve first (README command 1, with `jax[tpu]` on the host).
+# It finds the chips through JAX and runs `ringserve serve` with --tp-size = chips, bf16, and
+# the page size, buckets and attention backend suited to TPU; flags given here come last, so
+# they win. --dry-run prints the exact command and environment and runs nothing (it works on
+# a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
+# RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-MODEL="${1:-smollm2}"; shift || true
-if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-.venv/bin/pip install -q -e . 'jax[tpu]'
-CHIPS=$(.venv/bin/python -c 'import jax; print(jax.local_device_count())')
-echo "TPU host: ${CHIPS} chips"
-exec .venv/bin/ringserve generate --model "$MODEL" --dtype bfloat16 --tp-size "$CHIPS" "$@"
+
+dry_run=0
+extra=()
+for a in "$@"; do
+  case "$a" in
+    --dry-run) dry_run=1 ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) extra+=("$a") ;;
+  esac
+done
+
+bin="${RINGSERVE_BIN:-$(command -v ringserve || true)}"
+if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+  echo "launch_tpu.sh: no ringserve executable (install it first: README command 1, or set RINGSERVE_BIN)" >&2
+  exit 2
+fi
+py="$(dirname "$bin")/python"
+[ -x "$py" ] || py=python3
+
+# The chips, as JAX sees them on this host (JAX_PLATFORMS is left to the environment).
+read -r platform chips < <("$py" -c 'import jax; d = jax.local_devices(); print(d[0].platform, len(d))' 2>/dev/null || echo "none 0")
+
+env_vars=(
+  "JAX_PLATFORMS=tpu"                 # fail fast rather than fall back to CPU
+  "XLA_PYTHON_CLIENT_PREALLOCATE=false"
+  "TPU_MIN_LOG_LEVEL=1"
+)
+cmd=("$bin" serve
+  --tp-size "$chips"
+  --dtype bfloat16
+  --attention-backend pallas          # jax's ragged paged attention kernel
+  --page-size 64                      # the kernel reads whole pages per block: bigger pages, fewer DMAs
+  --max-running-requests 256
+  --max-total-tokens 1048576
+  --max-prefill-tokens 8192
+  --chunked-prefill-size 4096
+  --extend-block 64
+  "${extra[@]}")
+
+if [ "$platform" != "tpu" ]; then
+  msg="launch_tpu.sh: JAX sees no TPU on this host (it sees ${chips} ${platform} device(s))"
+  if [ "$dry_run" -eq 0 ]; then
+    echo "$msg; run this on a TPU host (or pass --dry-run to see the command)" >&2
+    exit 2
+  fi
+  echo "# $msg: the command below would fail here" >&2
+fi
+
+if [ "$dry_run" -eq 1 ]; then
+  printf 'env'
+  printf ' %q' "${env_vars[@]}"
+  printf ' %q' "${cmd[@]}"
+  printf '\n'
+  exit 0
+fi
+exec env "${env_vars[@]}" "${cmd[@]}"

@@ -40,7 +40,14 @@ def _generate_static(argv: list[str]) -> int:
     return main_static(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from actors.cli.serve import main
+
+    return main(argv)
+
+
 COMMANDS = {
+    "serve": (_serve, "serve a model over the IPC socket and HTTP (OpenAI + SGLang APIs) until SIGINT/SIGTERM"),
     "generate": (_generate, "generate text through the engine (every actor) and report throughput"),
     "generate-static": (_generate_static, "generate in-process with the model runtime alone (static batch, no actors)"),
     "make-tiny-model": (_make_tiny_model, "write a tiny random-weight HF-format model directory"),

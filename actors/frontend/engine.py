@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from actors.frontend.bridge import iterate_across, iterate_in_thread
-from actors.frontend.tokenizer_manager import EngineDead, TokenizerManager
+from actors.frontend.errors import EngineDead
+from actors.frontend.tokenizer_manager import TokenizerManager
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 
@@ -78,6 +79,8 @@ class Engine:
             self.frontend = TokenizerManager(self.tokenizer, sched_in, front_in, args=args, vocab_size=self.vocab_size)
             ready = group.wait_ready(READY_TIMEOUT_S)
             self.runner_info = json.loads(ready.get("runner") or b"{}")
+            self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
+                                         "runner": self.runner_info}  # fmt: skip
         except BaseException:
             self.shutdown()
             raise
@@ -151,10 +154,7 @@ class Engine:
         return self.frontend.run_sync(self.frontend.flush_cache())
 
     def get_server_info(self) -> dict:
-        info = self.frontend.run_sync(self.frontend.get_server_info())
-        info["model_path"] = str(self.model_dir)
-        info["runner"] = self.runner_info
-        return info
+        return self.frontend.run_sync(self.frontend.get_server_info())
 
     def get_load(self) -> dict:
         """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}."""

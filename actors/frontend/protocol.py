@@ -2,10 +2,11 @@
 
     frame := u32 little-endian N | N bytes of msgpack (N <= the server's frame limit)
 
-A client sends `Call`s, each with an id unique on its connection; the server answers each
-with `Chunk`s (streamed generate output, each with the index of the request in the call) and
-then exactly one `Done` (the call's result) or `Failed` (its error: the same exception type
-and text the in-process Engine raises). `Cancel` stops a call (a stream the caller left): the
+A client sends calls, each with an id unique on its connection; the server answers each with
+exactly one `Done` (the call's result) or `Failed` (its error: the same exception type and text
+the in-process Engine raises). A streamed generate is answered `Started` once its requests are
+validated and submitted, then `Chunk`s (each with "index" when the call had several requests),
+then `Done`. `Cancel` stops a call (a stream the caller left): the
 server aborts what it still runs. Closing the connection cancels every call on it.
 
 The server checks a frame's length before reading its body, and decodes every frame with the
@@ -34,7 +35,7 @@ class FrameTooLarge(ValueError):
 class Generate(msgspec.Struct, tag="generate", **_S):
     id: int
     prompt: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Any] | None = None  # one prompt or many (checked by the frontend)
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] = False
     top_logprobs_num: int | list[int] = 0
@@ -67,6 +68,10 @@ ClientMsg = Generate | Abort | Control | Cancel
 
 
 # ---- server -> client ------------------------------------------------------------------------
+class Started(msgspec.Struct, tag="started", **_S):
+    id: int  # a stream call was validated and submitted; its Chunks follow
+
+
 class Chunk(msgspec.Struct, tag="chunk", **_S):
     id: int
     value: dict[str, Any]  # one streamed output (with "index" when the call had several)
@@ -83,7 +88,7 @@ class Failed(msgspec.Struct, tag="failed", **_S):
     message: str
 
 
-ServerMsg = Chunk | Done | Failed
+ServerMsg = Started | Chunk | Done | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(ClientMsg)

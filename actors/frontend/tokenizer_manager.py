@@ -28,10 +28,11 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
+from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import RequestSpec, normalize_generate
 from actors.frontend.metrics import FrontendMetrics
 from actors.server_args import ServerArgs
@@ -41,10 +42,6 @@ log = logging.getLogger("ringserve.frontend")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 T = TypeVar("T")
-
-
-class EngineDead(RuntimeError):
-    pass
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -75,6 +72,8 @@ class TokenizerManager:
         self.dead: BaseException | None = None
         self.closing = False
         self.metrics = FrontendMetrics()
+        self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
+        self.refusing: str | None = None  # set while shutting down: new requests are refused
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
@@ -186,9 +185,11 @@ class TokenizerManager:
     # ---- generation -------------------------------------------------------------------------
     def specs(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
               return_logprob: Any = False, top_logprobs_num: Any = 0, rid: Any = None,
-              stream: bool = False) -> tuple[list[RequestSpec], bool]:  # fmt: skip
+              stream: bool = False, session_params: Any = None) -> tuple[list[RequestSpec], bool]:  # fmt: skip
         """Validate and normalise `generate` arguments (any thread): ValueError naming the field
         and the limit, before anything is sent. Returns (specs, batched)."""
+        if session_params is not None:
+            raise ValueError("session_params: streaming sessions are not available in this build")
         a = self.args
         specs, batched = normalize_generate(
             prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
@@ -200,8 +201,14 @@ class TokenizerManager:
             s.stream = stream
         return specs, batched
 
+    def refuse_new(self, reason: str) -> None:
+        """From now on every new request fails with EngineDead(reason) (graceful shutdown)."""
+        self.refusing = reason
+
     async def submit(self, spec: RequestSpec) -> ReqState:
         self.check_up()
+        if self.refusing is not None:
+            raise EngineDead(self.refusing)
         if spec.rid in self.states:
             raise ValueError(f"rid {spec.rid!r} is already in use by a live request")
         st = ReqState(spec, time.perf_counter(), meta={"id": spec.rid, "finish_reason": None})
@@ -246,10 +253,15 @@ class TokenizerManager:
             raise
         return outs if batched else outs[0]
 
-    async def generate_stream(self, specs: list[RequestSpec], batched: bool) -> AsyncIterator[dict]:
+    async def generate_stream(self, specs: list[RequestSpec], batched: bool) -> AsyncGenerator[dict, None]:
         """Chunks with the text and ids so far, as they come (each with "index" when batched);
         each request's last chunk is finished. Leaving early aborts what still runs."""
         states = await self.submit_all(specs)
+        async for chunk in self.stream_states(states, batched):
+            yield chunk
+
+    async def stream_states(self, states: list[ReqState], batched: bool) -> AsyncGenerator[dict, None]:
+        """`generate_stream` of requests already submitted (aborted if the caller leaves)."""
         queue: asyncio.Queue[tuple[int, dict | None, BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, st: ReqState) -> None:
@@ -366,7 +378,7 @@ class TokenizerManager:
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
         info["frontend_requests"] = len(self.states)
-        return info
+        return {**self.static_info, **info}
 
     async def get_load(self) -> dict:
         """{num_running_reqs, num_waiting_reqs, kv tokens used / total, token_usage}."""

@@ -36,7 +36,7 @@ def decoding_in_background(engine):
 
 def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
     from actors.frontend.engine import Engine
-    from actors.frontend.tokenizer_manager import EngineDead
+    from actors.frontend.errors import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
     try:
@@ -61,7 +61,7 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
 
 def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
     from actors.frontend.engine import Engine
-    from actors.frontend.tokenizer_manager import EngineDead
+    from actors.frontend.errors import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
     t, box = decoding_in_background(engine)

@@ -1,0 +1,89 @@
+"""`ringserve serve`: start the engine once and serve its IPC socket and HTTP until SIGINT/SIGTERM.
+
+    ringserve serve --model smollm2 [--socket PATH] [--host H --port P] [--api-key K] [server flags]
+
+On a signal it stops accepting, aborts what runs (callers get finish reason abort), and leaves
+no shared memory or socket file behind. Exit status: 0 after a signal, 1 if an actor died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+
+def parser() -> argparse.ArgumentParser:
+    from actors.server_args import ServerArgs
+
+    ap = argparse.ArgumentParser(prog="ringserve serve", description="serve a model over the IPC socket and HTTP")
+    ap.add_argument("--model", "--model-path", dest="model_path", default=None,
+                    help="'tiny', 'smollm2' (default), a model directory or a .gguf file")  # fmt: skip
+    ap.add_argument("--socket", default=None, help="IPC socket path (default: a private 0700 directory)")
+    ap.add_argument("--no-socket", action="store_true", help="serve HTTP only")
+    ap.add_argument("--no-http", action="store_true", help="serve the IPC socket only")
+    ap.add_argument("--api-key", default=None, help="HTTP clients must send 'Authorization: Bearer <key>'")
+    ServerArgs.add_cli_args(ap, skip=("model_path",))
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    from actors.server_args import ServerArgs
+
+    args = parser().parse_args(argv)
+    server_args = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__}
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        print(f"\nringserve serve: {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    from actors.frontend.engine import Engine
+    from actors.frontend.server import Servers
+
+    t0 = time.perf_counter()
+    print("ringserve serve: loading the model and compiling its step programs ...", file=sys.stderr, flush=True)
+    engine = Engine(**server_args)
+    servers = None
+    died = False
+    try:
+        if stop.is_set():
+            return 0
+        servers = Servers(engine, socket=args.socket, ipc=not args.no_socket, http=not args.no_http,
+                          api_key=args.api_key).start()  # fmt: skip
+        _banner(engine, servers, time.perf_counter() - t0)
+        while not stop.wait(0.5):
+            if engine.frontend.dead is not None:
+                print(f"ringserve serve: the engine died: {engine.frontend.dead}", file=sys.stderr, flush=True)
+                died = True
+                break
+    finally:
+        if servers is not None:
+            servers.stop()
+        engine.shutdown()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        print("ringserve serve: stopped", file=sys.stderr, flush=True)
+    return 1 if died else 0
+
+
+def _banner(engine, servers, seconds: float) -> None:
+    r = engine.runner_info
+    a = engine.args
+    lines = [
+        f"ringserve serve: ready in {seconds:.1f} s",
+        f"  model      {engine.served_model_name} ({engine.model_dir}; {r.get('family')}, {r.get('num_layers')} layers, {a.dtype})",
+        f"  devices    {len(r.get('devices', []))} x {r.get('platform')} {r.get('devices')} (tp_size {a.tp_size}, attention {r.get('attention_backend')})",
+        f"  compiled   {r.get('num_programs')} step programs (load + compile {r.get('load_and_compile_s')} s)",
+        f"  KV pool    {r.get('kv_pool_tokens', 0):,} tokens in pages of {a.page_size}; {a.max_running_requests} running requests max",
+    ]
+    if servers.socket_path:
+        lines.append(f"  socket     {servers.socket_path}   (from actors import Client; Client(path))")
+    if servers.url:
+        key = " (API key required)" if servers.api_key else ""
+        lines.append(f"  HTTP       {servers.url}{key}   (OpenAI: /v1, SGLang: /generate, Prometheus: /metrics)")
+    lines.append("  Ctrl-C or SIGTERM stops it.")
+    print("\n".join(lines), flush=True)

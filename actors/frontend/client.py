@@ -1,0 +1,267 @@
+"""Python clients of `ringserve serve`'s IPC socket, with the Engine's verbs and signatures.
+
+    from actors import Client
+    with Client("/run/user/1000/ringserve-abc/engine.sock") as c:
+        out = c.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        for chunk in c.generate(["a", "b"], stream=True): print(chunk["index"], chunk["text"])
+
+`AsyncClient` multiplexes every call over one connection (calls are told apart by id);
+`Client` runs an AsyncClient on a private loop thread for plain code. Errors arrive as the
+Engine raises them: `ValueError` with the Engine's text for bad input, `EngineDead` when the
+server is down or the connection is lost. Leaving a stream early cancels it on the server
+(its requests are aborted); closing the client, or its process dying, cancels every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from actors.frontend import protocol as p
+from actors.frontend.bridge import LoopThread, iterate_in_thread
+from actors.frontend.errors import EngineDead
+
+CLIENT_MAX_FRAME = 1 << 30  # replies can be large (a batch with top logprobs)
+_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "EngineDead": EngineDead}
+
+
+def _error(f: p.Failed) -> Exception:
+    return _ERRORS.get(f.kind, RuntimeError)(f.message)
+
+
+class AsyncClient:
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task | None = None
+        self._calls: dict[int, asyncio.Queue] = {}
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._lost: Exception | None = None
+
+    # ---- connection -------------------------------------------------------------------------
+    async def connect(self) -> None:
+        async with self._lock:
+            if self._writer is not None:
+                return
+            if self._lost is not None:
+                raise self._lost
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 16)
+            except OSError as e:
+                raise EngineDead(f"cannot connect to {self.socket_path}: {e}") from None
+            self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                n = p.body_length(await self._reader.readexactly(p.HEADER.size), CLIENT_MAX_FRAME)
+                msg = p.server_decoder.decode(await self._reader.readexactly(n))
+                if msg.id == 0 and isinstance(msg, p.Failed):
+                    raise _error(msg)  # the server could not read our frame and hangs up
+                q = self._calls.get(msg.id)
+                if q is not None:
+                    q.put_nowait(msg)
+        except Exception as e:
+            lost = e if isinstance(e, ValueError) else EngineDead(f"connection to {self.socket_path} lost ({e!r})")
+            self._lost = lost
+            for q in self._calls.values():
+                q.put_nowait(lost)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        self._lost = self._lost or EngineDead("the client is closed")
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ---- calls ------------------------------------------------------------------------------
+    async def _open(self, make) -> tuple[int, asyncio.Queue]:
+        await self.connect()
+        if self._lost is not None:
+            raise self._lost
+        cid = next(self._ids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._calls[cid] = q
+        try:
+            await self._send(make(cid))
+        except BaseException:
+            self._calls.pop(cid, None)
+            raise
+        return cid, q
+
+    async def _send(self, msg: Any) -> None:
+        assert self._writer is not None
+        try:
+            self._writer.write(p.frame(msg))
+            await self._writer.drain()
+        except OSError as e:
+            raise EngineDead(f"connection to {self.socket_path} lost ({e!r})") from None
+
+    async def _next(self, q: asyncio.Queue) -> p.Started | p.Chunk | p.Done:
+        msg = await q.get()
+        if isinstance(msg, Exception):
+            raise msg
+        if isinstance(msg, p.Failed):
+            raise _error(msg)
+        return msg
+
+    async def _call(self, make) -> Any:
+        cid, q = await self._open(make)
+        try:
+            while True:
+                msg = await self._next(q)
+                if isinstance(msg, p.Done):
+                    return msg.value
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self._send(p.Cancel(cid))
+            raise
+        finally:
+            self._calls.pop(cid, None)
+
+    async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                       input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                       top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
+                       stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
+        """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
+        chunks (returned once the server accepted the requests)."""
+
+        def make(cid: int) -> p.Generate:
+            return p.Generate(cid, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream,
+                              session_params)  # fmt: skip
+
+        if not stream:
+            return await self._call(make)
+        cid, q = await self._open(make)
+        try:
+            await self._next(q)  # Started (or the call's error, raised here)
+        except BaseException:
+            self._calls.pop(cid, None)
+            raise
+        return self._chunks(cid, q)
+
+    async def _chunks(self, cid: int, q: asyncio.Queue) -> AsyncIterator[dict]:
+        done = False
+        try:
+            while True:
+                msg = await self._next(q)
+                if isinstance(msg, p.Done):
+                    done = True
+                    return
+                assert isinstance(msg, p.Chunk)
+                yield msg.value
+        finally:
+            self._calls.pop(cid, None)
+            if not done and self._lost is None:
+                with contextlib.suppress(Exception):
+                    await self._send(p.Cancel(cid))
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._call(lambda cid: p.Abort(cid, rid, abort_all))
+
+    async def control(self, verb: str, **kwargs: Any) -> Any:
+        """Any verb the server knows, by name (the methods below are its common ones)."""
+        return await self._call(lambda cid: p.Control(cid, verb, kwargs))
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self.control("pause_generation", mode=mode)
+
+    async def continue_generation(self) -> dict:
+        return await self.control("continue_generation")
+
+    async def flush_cache(self) -> dict:
+        return await self.control("flush_cache")
+
+    async def get_server_info(self) -> dict:
+        return await self.control("get_server_info")
+
+    async def get_load(self) -> dict:
+        return await self.control("get_load")
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self.control("health"))
+        except EngineDead:
+            return False
+
+
+class Client:
+    """The same verbs for plain (non-async) code; safe to share between threads."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+        self._lt = LoopThread("ringserve-client")
+        self._ac = AsyncClient(socket_path)
+        try:
+            self._lt.run(self._ac.connect())
+        except BaseException:
+            self._lt.stop()
+            raise
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                 top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
+                 stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
+        out = self._lt.run(self._ac.generate(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
+                                             rid, stream, session_params))  # fmt: skip
+        return self._iterate(out) if stream else out
+
+    def _iterate(self, chunks: AsyncIterator[dict]) -> Iterator[dict]:
+        return iterate_in_thread(self._lt, lambda: chunks)
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._lt.run(self._ac.abort_request(rid, abort_all))
+
+    def control(self, verb: str, **kwargs: Any) -> Any:
+        return self._lt.run(self._ac.control(verb, **kwargs))
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._lt.run(self._ac.pause_generation(mode))
+
+    def continue_generation(self) -> dict:
+        return self._lt.run(self._ac.continue_generation())
+
+    def flush_cache(self) -> dict:
+        return self._lt.run(self._ac.flush_cache())
+
+    def get_server_info(self) -> dict:
+        return self._lt.run(self._ac.get_server_info())
+
+    def get_load(self) -> dict:
+        return self._lt.run(self._ac.get_load())
+
+    def health(self) -> bool:
+        return self._lt.run(self._ac.health())
+
+    def close(self) -> None:
+        if not self._lt.closed:
+            with contextlib.suppress(Exception):
+                self._lt.run(self._ac.close())
+            self._lt.stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,340 @@
+"""The HTTP server: SGLang's native API and the OpenAI API (openai_api.py), on the frontend loop.
+
+Native: POST /generate (SGLang's JSON in and out, SSE streaming with cumulative chunks),
+/abort_request, /pause_generation, /continue_generation, /flush_cache (400 with the reason when
+refused), GET /get_server_info, /get_model_info, /get_load, /v1/loads, /health,
+/health_generate, /metrics (Prometheus). OpenAI: /v1/models, /v1/completions,
+/v1/chat/completions.
+
+Bodies are decoded with msgspec into typed structs: malformed JSON, a wrong type or an unknown
+field is a 400 naming the field; a body past `max_request_bytes` is a 413; bad generate
+arguments are the Engine's ValueError text as a 400. Errors are `{"error": {"message"}}` on
+native routes and OpenAI's `{"object": "error", "message", "type", "param", "code"}` on /v1.
+With an API key every route but /health needs `Authorization: Bearer <key>` (401 otherwise).
+A client that disconnects mid-stream has its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.frontend import openai_api as oai
+from actors.frontend.errors import EngineDead
+from actors.frontend.tokenizer_manager import TokenizerManager
+from actors.frontend.verbs import Verb, call_verb
+
+log = logging.getLogger("ringserve.http")
+
+MAX_REQUEST_BYTES = 64 << 20
+_NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
+    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
+    "custom_logit_processor": None, "return_hidden_states": False, "token_ids_logprob": None,
+    "return_routed_experts": False,
+}  # fmt: skip
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """SGLang's GenerateReqInput, the fields ringserve serves (and those it refuses unless unset)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # one prompt or many (checked by the frontend)
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    log_metrics: bool = True
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: bool = False
+    token_ids_logprob: Any = None
+    return_routed_experts: bool = False
+
+
+class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseBody(msgspec.Struct, forbid_unknown_fields=True):
+    mode: str = "abort"
+
+
+class EmptyBody(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+T = Any
+
+
+async def read_body(request: Request, typ: type[T], limit: int) -> T:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+    if not body.strip():
+        body = bytearray(b"{}")
+    try:
+        return msgspec.json.decode(bytes(body), type=typ)
+    except msgspec.ValidationError as e:
+        raise HTTPError(400, f"invalid request: {_readable(e)}") from None
+    except msgspec.DecodeError as e:
+        raise HTTPError(400, f"malformed JSON: {e}") from None
+
+
+def _readable(e: msgspec.ValidationError) -> str:
+    text = str(e)
+    msg, _, where = text.partition(" - at `$")
+    field = where.rstrip("`").lstrip(".")
+    return f"{field}: {msg}" if field else msg
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _sse(events: AsyncIterator[Any]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for ev in events:
+                yield b"data: " + msgspec.json.encode(ev) + b"\n\n"
+        except (ValueError, EngineDead) as e:  # failed mid-stream: one error event, then [DONE]
+            yield b"data: " + msgspec.json.encode({"error": {"message": str(e)}}) + b"\n\n"
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES, verbs: dict[str, Verb] | None = None) -> FastAPI:  # fmt: skip
+    """The FastAPI app over one frontend. `verbs`: extra routes `/<name>` (GET with query
+    arguments or POST with a JSON object of keyword arguments) calling the named verb."""
+    app = FastAPI(title="ringserve", docs_url=None, redoc_url=None)
+    ctx = tm.args.context_length
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return _error(request.url.path, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+        try:
+            return await call_next(request)
+        except HTTPError as e:
+            return _error(request.url.path, e.status, str(e))
+        except ValueError as e:
+            return _error(request.url.path, 400, str(e))
+        except EngineDead as e:
+            return _error(request.url.path, 503, str(e))
+
+    async def body(request: Request, typ: Any) -> Any:
+        return await read_body(request, typ, max_request_bytes)
+
+    # ---- native -------------------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        b: GenerateBody = await body(request, GenerateBody)
+        for name, default in _NOT_SUPPORTED.items():
+            if getattr(b, name) != default:
+                raise ValueError(f"{name} is not supported by ringserve")
+        if any(x not in (-1, None) for x in (b.logprob_start_len if isinstance(b.logprob_start_len, list) else [b.logprob_start_len])):
+            raise ValueError("logprob_start_len: only -1 (output logprobs) is supported")  # fmt: skip
+        kwargs: dict[str, Any] = dict(prompt=b.text, input_ids=b.input_ids, sampling_params=b.sampling_params, rid=b.rid,
+                      return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num, stream=b.stream)  # fmt: skip
+        if b.text is not None and b.input_ids is not None:
+            kwargs["prompt"] = None  # as SGLang: input_ids win
+        if b.session_params is not None:
+            kwargs["session_params"] = b.session_params
+        specs, batched = await asyncio.get_running_loop().run_in_executor(None, lambda: tm.specs(**kwargs))
+        shape = _native(b.return_text_in_logprobs)
+        if b.stream:
+            states = await tm.submit_all(specs)
+            return _sse(_mapped(tm.stream_states(states, batched), shape))
+        out = await tm.generate(specs, batched)
+        return _json([shape(o) for o in out] if batched else shape(out))
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        b: AbortBody = await body(request, AbortBody)
+        if b.abort_all:
+            tm.abort_request(abort_all=True)
+        elif b.rid and (b.rid in tm.states or any(r.startswith(b.rid + "-") for r in tm.states)):
+            tm.abort_request(b.rid)  # as SGLang: an unknown rid is ignored
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        b: PauseBody = await body(request, PauseBody)
+        r = await tm.pause_generation(b.mode)
+        return _json({"message": "Generation paused successfully.", "status": "ok", "detail": r["message"]})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        await body(request, EmptyBody)
+        await tm.continue_generation()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        r = await tm.flush_cache()
+        text = "Cache flushed.\n" if r["success"] else f"Cache not flushed.\nReason: {r['message']}\n"
+        return Response(text, status_code=200 if r["success"] else 400, media_type="text/plain")
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info() -> Response:
+        return _json(await tm.get_server_info())
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info() -> Response:
+        return _json({"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+                      "served_model_name": model_name})  # fmt: skip
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return _json(await tm.get_load())
+
+    @app.get("/v1/loads")
+    async def v1_loads() -> Response:
+        load = await tm.get_load()
+        return _json({"dp_rank_count": 1, "loads": [{"dp_rank": 0, **load}],
+                      "aggregate": {"total_running_reqs": load["num_running_reqs"],
+                                    "total_waiting_reqs": load["num_waiting_reqs"],
+                                    "avg_token_usage": load["token_usage"]}})  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await tm.health() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        try:
+            specs, _ = tm.specs(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+            out = await asyncio.wait_for(tm.generate(specs, False), 20.0)
+        except (EngineDead, TimeoutError):
+            return Response(status_code=503)
+        return Response(status_code=200 if out["meta_info"]["finish_reason"]["type"] != "abort" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(tm.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
+
+    for name in verbs or {}:
+        app.add_api_route(f"/{name}", _verb_route(verbs or {}, name, body), methods=["GET", "POST"])
+
+    # ---- OpenAI -------------------------------------------------------------------------------
+    def render_chat(messages: list[dict[str, Any]]) -> list[int]:
+        if not tm.tok.chat_template:
+            raise ValueError("messages: this model has no chat template (use /v1/completions)")
+        text = tm.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tm.tok.encode(text, add_special_tokens=False)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(oai.models_response(model_name, ctx))
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> Response:
+        if model != model_name:
+            raise HTTPError(404, f"The model '{model}' does not exist")
+        return _json(oai.models_response(model_name, ctx)["data"][0])
+
+    async def openai(request: Request, typ: Any, chat: bool) -> Response:
+        r = await body(request, typ)
+        if r.model is not None and r.model != model_name:
+            raise HTTPError(404, f"The model '{r.model}' does not exist (serving '{model_name}')")
+        args = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: oai.chat_args(r, render_chat) if chat else oai.completion_args(r)
+        )
+        specs, _ = tm.specs(**args, stream=r.stream)
+        n = r.n
+        if r.stream:
+            states = await tm.submit_all(specs)
+            usage = r.stream_options is not None and r.stream_options.include_usage
+            return _sse(oai.stream_chunks(tm.stream_states(states, True), chat=chat, model=model_name, n=n,
+                                          include_usage=usage))  # fmt: skip
+        results = await tm.generate(specs, True)
+        build = oai.chat_response if chat else oai.completion_response
+        return _json(build(results, n, model_name))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai(request, oai.CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai(request, oai.ChatRequest, chat=True)
+
+    return app
+
+
+def _error(path: str, status: int, message: str) -> JSONResponse:
+    if path.startswith("/v1/"):
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+                503: "ServiceUnavailableError"}.get(status, "InternalServerError")  # fmt: skip
+        body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+        return JSONResponse({"error": body, **body}, status_code=status)
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _native(with_text: bool) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """SGLang's /generate output: logprob triples carry the token text only when asked."""
+
+    def shape(out: dict[str, Any]) -> dict[str, Any]:
+        meta = out["meta_info"]
+        if not with_text and "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t, _ in meta["output_token_logprobs"]]
+            if "output_top_logprobs" in meta:
+                meta["output_top_logprobs"] = [[(lp, t, None) for lp, t, _ in row] for row in meta["output_top_logprobs"]]
+        return out
+
+    return shape
+
+
+async def _mapped(chunks: AsyncIterator[dict[str, Any]], f: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for c in chunks:
+            yield f(c)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _verb_route(verbs: dict[str, Verb], name: str,
+                body: Callable[..., Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:  # fmt: skip
+    async def route(request: Request) -> Response:
+        kwargs = await body(request, dict[str, Any]) if request.method == "POST" else dict(request.query_params)
+        return _json(await call_verb(verbs, name, kwargs))
+
+    return route

@@ -1,0 +1,203 @@
+"""The IPC socket server: a Unix domain socket on the frontend loop, speaking protocol.py.
+
+Where: `--socket PATH`, or `engine.sock` in a private directory made for it (mode 0700) under
+$XDG_RUNTIME_DIR or the temp dir. The socket is bound inside a directory only its owner can
+enter and then set to 0600, so no other user can ever connect. Closing removes the socket file
+(and the directory it made).
+
+One task per connection reads frames; every call runs as its own task, so a slow stream never
+holds up another call. A frame whose announced length passes the limit, or whose body is not
+one of the client union's structs, is answered with a `Failed` (id 0) and the connection is
+closed (the stream cannot be resynchronised). A connection that closes, cleanly or not,
+cancels its calls: their requests are aborted and their KV freed, like a caller that leaves an
+Engine stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+import msgspec
+
+from actors.frontend import protocol as p
+from actors.frontend.errors import EngineDead
+from actors.frontend.tokenizer_manager import TokenizerManager
+from actors.frontend.verbs import Verb, call_verb
+
+log = logging.getLogger("ringserve.ipc")
+
+
+def private_socket_path() -> tuple[str, str]:
+    """(socket path, the 0700 directory made for it)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.path.isdir(base) or not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    d = tempfile.mkdtemp(prefix="ringserve-", dir=base)  # mkdtemp makes it 0700
+    return os.path.join(d, "engine.sock"), d
+
+
+class IPCServer:
+    def __init__(self, tm: TokenizerManager, verbs: dict[str, Verb], path: str | None = None,
+                 max_frame: int = p.DEFAULT_MAX_FRAME):  # fmt: skip
+        self.tm = tm
+        self.verbs = verbs
+        self.max_frame = max_frame
+        self._made_dir: str | None = None
+        if path is None:
+            path, self._made_dir = private_socket_path()
+        self.path = path
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[_Connection] = set()
+
+    async def start(self) -> str:
+        if os.path.exists(self.path):
+            if _listening(self.path):
+                raise ValueError(f"socket={self.path!r}: another server is listening there")
+            os.unlink(self.path)  # a stale socket file left by a killed server
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 16)
+        os.chmod(self.path, 0o600)
+        return self.path
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(self, reader, writer)
+        self._conns.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self._conns.discard(conn)
+
+    async def close(self) -> None:
+        """Stop accepting, drop every connection (their calls are cancelled), remove the file."""
+        if self._server is not None:
+            self._server.close()
+        for c in list(self._conns):
+            c.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        if self._made_dir is not None:
+            shutil.rmtree(self._made_dir, ignore_errors=True)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+
+def _listening(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class _Connection:
+    def __init__(self, server: IPCServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.server = server
+        self.tm = server.tm
+        self.reader, self.writer = reader, writer
+        self.calls: dict[int, asyncio.Task] = {}
+        self.write_lock = asyncio.Lock()
+        self.closed = False
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    n = p.body_length(await self.reader.readexactly(p.HEADER.size), self.server.max_frame)
+                    msg = p.client_decoder.decode(await self.reader.readexactly(n))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # closed, cleanly or mid-frame
+                except (p.FrameTooLarge, msgspec.DecodeError) as e:
+                    text = str(e) if isinstance(e, p.FrameTooLarge) else f"malformed frame: {e}"
+                    await self.send(p.Failed(0, "ValueError", text))
+                    return
+                self._dispatch(msg)
+        finally:
+            self.close()
+
+    def _dispatch(self, msg: p.ClientMsg) -> None:
+        if isinstance(msg, p.Cancel):
+            task = self.calls.get(msg.id)
+            if task is not None:
+                task.cancel()
+            return
+        if msg.id in self.calls:
+            self.calls[msg.id].cancel()  # a reused id: the client gave up on the old call
+        self.calls[msg.id] = asyncio.create_task(self._call(msg))
+
+    async def _call(self, msg: p.Generate | p.Abort | p.Control) -> None:
+        try:
+            if isinstance(msg, p.Generate):
+                await self._generate(msg)
+            elif isinstance(msg, p.Abort):
+                self.tm.abort_request(msg.rid, msg.abort_all)
+                await self.send(p.Done(msg.id))
+            else:
+                await self.send(p.Done(msg.id, await self._control(msg)))
+        except asyncio.CancelledError:
+            raise
+        except ConnectionError:
+            pass  # the client is gone; run() cancels the rest
+        except Exception as e:
+            kind = "ValueError" if isinstance(e, ValueError) else "EngineDead" if isinstance(e, EngineDead) else "RuntimeError"
+            if kind == "RuntimeError":
+                log.exception("IPC call %s failed", type(msg).__name__)
+            with contextlib.suppress(ConnectionError):
+                await self.send(p.Failed(msg.id, kind, str(e)))
+        finally:
+            if self.calls.get(msg.id) is asyncio.current_task():
+                del self.calls[msg.id]
+
+    async def _generate(self, c: p.Generate) -> None:
+        kwargs: dict[str, Any] = dict(prompt=c.prompt, input_ids=c.input_ids, sampling_params=c.sampling_params,
+                      return_logprob=c.return_logprob, top_logprobs_num=c.top_logprobs_num, rid=c.rid, stream=c.stream)  # fmt: skip
+        if c.session_params is not None:
+            kwargs["session_params"] = c.session_params
+        # tokenizing a long prompt is CPU work: off the loop, so other connections keep going
+        specs, batched = await asyncio.get_running_loop().run_in_executor(None, lambda: self.tm.specs(**kwargs))
+        if not c.stream:
+            await self.send(p.Done(c.id, await self.tm.generate(specs, batched)))
+            return
+        states = await self.tm.submit_all(specs)
+        stream = self.tm.stream_states(states, batched)
+        try:
+            await self.send(p.Started(c.id))
+            async for chunk in stream:
+                await self.send(p.Chunk(c.id, chunk))
+            await self.send(p.Done(c.id))
+        finally:
+            await stream.aclose()
+            self.tm.abort_unfinished(states)  # left before the stream started: abort them too
+
+    async def _control(self, c: p.Control) -> Any:
+        return await call_verb(self.server.verbs, c.verb, c.kwargs)
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        if self.closed:
+            raise ConnectionResetError("connection closed")
+        data = p.frame(msg)
+        async with self.write_lock:
+            self.writer.write(data)
+            await self.writer.drain()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for task in list(self.calls.values()):
+            task.cancel()  # a stream's finally aborts its requests
+        self.writer.close()

@@ -1,0 +1,260 @@
+"""OpenAI-compatible completions and chat completions over the frontend's generate.
+
+Requests are decoded with msgspec into the structs below (unknown fields are refused, naming
+the field; OpenAI options ringserve does not implement are refused unless left at their
+default), turned into `generate` arguments, and answered in OpenAI's shapes: `text_completion`
+/ `chat.completion` objects, or SSE chunks (`text_completion` / `chat.completion.chunk`; for
+chat a role chunk, content deltas, then a finish chunk per choice), an optional usage chunk,
+and `data: [DONE]`. As in SGLang, ids are the request ids, each choice carries `matched_stop`,
+and `usage` counts each distinct prompt once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+_S = {"forbid_unknown_fields": True, "omit_defaults": True}
+
+
+class StreamOptions(msgspec.Struct, **_S):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, **_S):
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # not implemented: accepted only at their defaults
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # SGLang's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_Common, **_S):
+    prompt: str | list[Any] = ""  # text, texts, token ids, or lists of token ids
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct, **_S):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Common, **_S):
+    messages: list[ChatMessage] = []
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
+    checks = {
+        "presence_penalty": (r.presence_penalty, 0.0),
+        "frequency_penalty": (r.frequency_penalty, 0.0),
+        "logit_bias": (r.logit_bias, None),
+        **extra,
+    }
+    for name, (value, default) in checks.items():
+        if value != default and not (name == "logit_bias" and value == {}):
+            raise ValueError(f"{name}={value!r} is not supported by ringserve (leave it at {default!r})")
+
+
+def _sampling(r: _Common, max_new_tokens: int | None) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": r.n}
+    for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                 "no_stop_trim", "stop"):  # fmt: skip
+        value = getattr(r, name)
+        if value is not None:
+            sp[name] = value
+    if r.seed is not None:
+        sp["sampling_seed"] = r.seed
+    return sp
+
+
+def completion_args(r: CompletionRequest) -> dict[str, Any]:
+    """`generate` keyword arguments of a /v1/completions request."""
+    _refuse_unsupported(r, {"echo": (r.echo, False), "suffix": (r.suffix, None)})
+    if r.best_of is not None and r.best_of != r.n:
+        raise ValueError(f"best_of={r.best_of} is not supported (only best_of == n)")
+    if r.max_tokens is not None and r.max_tokens < 1:
+        raise ValueError(f"max_tokens={r.max_tokens} must be >= 1")
+    if r.logprobs is not None and r.logprobs < 0:
+        raise ValueError(f"logprobs={r.logprobs} must be >= 0")
+    prompt = r.prompt
+    args: dict[str, Any] = {"sampling_params": _sampling(r, r.max_tokens)}
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+        if prompt == "" or prompt == []:
+            raise ValueError("prompt: cannot be empty")
+        args["prompt"] = prompt
+    else:
+        if not prompt:
+            raise ValueError("prompt: cannot be empty")
+        args["input_ids"] = prompt
+    if r.logprobs is not None:
+        args["return_logprob"] = True
+        args["top_logprobs_num"] = r.logprobs
+    if r.rid is not None:
+        args["rid"] = r.rid
+    return args
+
+
+def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> dict[str, Any]:
+    """`generate` keyword arguments of a /v1/chat/completions request; `render(messages)` is
+    the model's chat template, tokenized."""
+    _refuse_unsupported(r, {"tools": (r.tools, None), "response_format": (r.response_format, None)})
+    if not r.messages:
+        raise ValueError("messages: cannot be empty")
+    messages = []
+    for i, msg in enumerate(r.messages):
+        content = msg.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({"role": msg.role, "content": content or ""})
+    max_new = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    if max_new is not None and max_new < 1:
+        raise ValueError(f"max_completion_tokens={max_new} must be >= 1")
+    if r.top_logprobs is not None and not r.logprobs:
+        raise ValueError("top_logprobs needs logprobs=true")
+    args: dict[str, Any] = {"input_ids": render(messages), "sampling_params": _sampling(r, max_new)}
+    if r.logprobs:
+        args["return_logprob"] = True
+        args["top_logprobs_num"] = r.top_logprobs or 0
+    if r.rid is not None:
+        args["rid"] = r.rid
+    return args
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def _finish(meta: dict[str, Any]) -> tuple[str | None, Any]:
+    fr = meta.get("finish_reason")
+    return (fr["type"], fr.get("matched")) if fr else (None, None)
+
+
+def _usage(results: list[dict[str, Any]], n: int) -> dict[str, int]:
+    prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | None:
+    if "output_token_logprobs" not in meta:
+        return None
+    toks = meta["output_token_logprobs"][start:]
+    tops = meta.get("output_top_logprobs", [[]] * (len(toks) + start))[start:]
+    return {
+        "tokens": [t[2] for t in toks],
+        "token_logprobs": [t[0] for t in toks],
+        "top_logprobs": [{e[2]: e[0] for e in row} for row in tops],
+        "text_offset": [-1] * len(toks),
+    }
+
+
+def _chat_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | None:
+    if "output_token_logprobs" not in meta:
+        return None
+
+    def entry(e: Any) -> dict[str, Any]:
+        return {"token": e[2], "logprob": e[0], "bytes": list(e[2].encode())}
+
+    toks = meta["output_token_logprobs"][start:]
+    tops = meta.get("output_top_logprobs", [[]] * (len(toks) + start))[start:]
+    return {"content": [{**entry(t), "top_logprobs": [entry(e) for e in row]} for t, row in zip(toks, tops, strict=True)]}
+
+
+def completion_response(results: list[dict[str, Any]], n: int, model: str) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        reason, matched = _finish(r["meta_info"])
+        choices.append({"index": i, "text": r["text"], "logprobs": _completion_logprobs(r["meta_info"]),
+                        "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+    return {"id": results[0]["meta_info"]["id"], "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(results, n)}  # fmt: skip
+
+
+def chat_response(results: list[dict[str, Any]], n: int, model: str) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        reason, matched = _finish(r["meta_info"])
+        choices.append({"index": i, "message": {"role": "assistant", "content": r["text"] or None},
+                        "logprobs": _chat_logprobs(r["meta_info"]), "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+    return {"id": results[0]["meta_info"]["id"], "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(results, n)}  # fmt: skip
+
+
+async def stream_chunks(chunks: AsyncIterator[dict[str, Any]], *, chat: bool, model: str, n: int,
+                        include_usage: bool) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+    """OpenAI chunk objects from the frontend's cumulative chunks (each with "index")."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    finals: dict[int, dict[str, Any]] = {}
+    cid = None
+
+    def wrap(choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+    async for c in chunks:
+        i = c.get("index", 0)
+        meta = c["meta_info"]
+        cid = cid or meta["id"]
+        if chat and i not in sent_text:
+            yield wrap({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None, "matched_stop": None})  # fmt: skip
+        text = c["text"][sent_text.get(i, 0) :]
+        start = sent_tokens.get(i, 0)
+        sent_text[i], sent_tokens[i] = len(c["text"]), len(c["output_ids"])
+        reason, matched = _finish(meta)
+        logprobs = (_chat_logprobs if chat else _completion_logprobs)(meta, start)
+        if text or (logprobs and len(c["output_ids"]) > start) or (reason and not chat):
+            if chat:
+                yield wrap({"index": i, "delta": {"content": text}, "logprobs": logprobs,
+                            "finish_reason": None, "matched_stop": None})  # fmt: skip
+            else:
+                yield wrap({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                            "matched_stop": matched})  # fmt: skip
+        if reason:
+            finals[i] = c
+            if chat:
+                yield wrap({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason, "matched_stop": matched})
+    if include_usage and finals:
+        results = [finals[i] for i in sorted(finals)]
+        yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(results, n)}
+
+
+def models_response(name: str, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "ringserve", "root": name, "max_model_len": max_model_len}]}  # fmt: skip

@@ -1,0 +1,105 @@
+"""The front doors of one Engine: its IPC socket and HTTP server, on the frontend loop.
+
+    with Engine("tiny") as engine, Servers(engine, host="127.0.0.1", port=0) as s:
+        Client(s.socket_path).generate("hi")   # or http://127.0.0.1:<s.port>/v1/...
+
+`stop()` is the graceful end `ringserve serve` runs on SIGINT / SIGTERM: stop accepting, refuse
+new calls on open connections, abort what runs (callers get their partial output with finish
+reason abort), give the answers a moment to leave, then close every connection and remove the
+socket file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from actors.frontend.engine import Engine
+from actors.frontend.http_server import build_app
+from actors.frontend.ipc_server import IPCServer
+from actors.frontend.verbs import verb_table
+
+log = logging.getLogger("ringserve.server")
+
+
+class Servers:
+    def __init__(self, engine: Engine, *, socket: str | None = None, ipc: bool = True, http: bool = True,
+                 host: str | None = None, port: int | None = None, api_key: str | None = None):  # fmt: skip
+        self.engine = engine
+        self.tm = tm = engine.frontend
+        self.verbs = verb_table(tm)
+        self.ipc = IPCServer(tm, self.verbs, socket) if ipc else None
+        self.host = host if host is not None else engine.args.host
+        self.port = port if port is not None else engine.args.port
+        self._http: Any = None
+        self._http_task: asyncio.Task | None = None
+        self.api_key = api_key
+        self.http_enabled = http
+        self.stopped = False
+
+    @property
+    def socket_path(self) -> str | None:
+        return self.ipc.path if self.ipc else None
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{self.host}:{self.port}" if self._http is not None else None
+
+    def start(self) -> Servers:
+        self.tm.run_sync(self._start())
+        return self
+
+    async def _start(self) -> None:
+        if self.ipc is not None:
+            await self.ipc.start()
+        if self.http_enabled:
+            import uvicorn
+
+            app = build_app(self.tm, model_name=self.engine.served_model_name, model_path=str(self.engine.model_dir),
+                            api_key=self.api_key)  # fmt: skip
+            config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
+                                    lifespan="off", timeout_graceful_shutdown=3)  # fmt: skip
+            server = uvicorn.Server(config)
+            self._http = server
+            self._http_task = asyncio.create_task(server.serve())
+            while not server.started:
+                if self._http_task.done():  # e.g. the port is taken: uvicorn logged it and returned
+                    exc = self._http_task.exception()
+                    raise OSError(f"HTTP server on {self.host}:{self.port} did not start" + (f": {exc}" if exc else ""))
+                await asyncio.sleep(0.02)
+            self.port = server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self, drain_s: float = 3.0) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.tm.run_sync(self._stop(drain_s))
+        except Exception:
+            log.exception("stopping the servers")
+
+    async def _stop(self, drain_s: float) -> None:
+        if self._http is not None:
+            self._http.should_exit = True  # stops accepting; in-flight requests finish below
+        self.tm.refuse_new("the server is shutting down")
+        if self.tm.states:
+            with contextlib.suppress(Exception):
+                self.tm.abort_request(abort_all=True)
+        deadline = time.monotonic() + drain_s
+        while self.tm.states and time.monotonic() < deadline:  # aborted outputs on their way out
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # let the last answers reach their sockets
+        if self.ipc is not None:
+            await self.ipc.close()
+        if self._http_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._http_task, 5.0)
+
+    def __enter__(self) -> Servers:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,38 @@
+"""The verbs the IPC socket and HTTP expose by name, and calling one with checked arguments.
+
+One explicit table (no dispatch by attribute name): a name maps to a coroutine function of the
+frontend. Arguments are bound against its signature first, so a wrong or missing argument is a
+ValueError naming the verb and the argument, never a TypeError from inside.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from actors.frontend.tokenizer_manager import TokenizerManager
+
+Verb = Callable[..., Awaitable[Any]]
+
+
+def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
+    return {
+        "pause_generation": tm.pause_generation,
+        "continue_generation": tm.continue_generation,
+        "flush_cache": tm.flush_cache,
+        "get_server_info": tm.get_server_info,
+        "get_load": tm.get_load,
+        "health": tm.health,
+    }
+
+
+async def call_verb(table: dict[str, Verb], name: str, kwargs: dict[str, Any]) -> Any:
+    verb = table.get(name)
+    if verb is None:
+        raise ValueError(f"unknown verb {name!r}; known: {sorted(table)}")
+    try:
+        inspect.signature(verb).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return await verb(**kwargs)

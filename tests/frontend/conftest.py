@@ -1,0 +1,57 @@
+"""One engine with its IPC socket and HTTP server for the front-door tests (tiny model), and a
+leak check after each test: KV books intact, every page and slot back, nothing running."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import SMALL, assert_no_leak
+
+API_KEY = "test-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """(engine, servers): the tiny model, the socket in a private dir, HTTP on an ephemeral port."""
+    from actors import Engine, Servers
+    from model.checkpoints.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-front"), "llama", seed=0)
+    engine = Engine(str(model), page_size=16, **SMALL)
+    servers = Servers(engine, port=0).start()
+    yield engine, servers
+    servers.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served_with_key(served):
+    """A second HTTP server with an API key, over the same engine."""
+    from actors import Servers
+
+    engine, _ = served
+    servers = Servers(engine, ipc=False, port=0, api_key=API_KEY).start()
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def engine(served):
+    e, _ = served
+    yield e
+    e.continue_generation()
+    assert_no_leak(e)
+
+
+@pytest.fixture
+def servers(served, engine):
+    return served[1]
+
+
+@pytest.fixture
+def client(servers):
+    from actors import Client
+
+    c = Client(servers.socket_path)
+    yield c
+    c.close()

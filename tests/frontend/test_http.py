@@ -1,0 +1,162 @@
+"""HTTP: SGLang's native /generate and control routes, the OpenAI API through the real `openai`
+package, Prometheus /metrics; outputs equal the Engine's."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def sse(r: httpx.Response) -> list:
+    events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_native_generate_json_is_sglangs(engine, servers):
+    sp = {**GREEDY, "max_new_tokens": 6}
+    want = engine.generate(input_ids=[11, 12, 13], sampling_params=sp, return_logprob=True, top_logprobs_num=2)
+    r = httpx.post(servers.url + "/generate", json={"input_ids": [11, 12, 13], "sampling_params": sp,
+                                                    "return_logprob": True, "top_logprobs_num": 2, "rid": "native-1"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    out = r.json()
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert out["output_ids"] == want["output_ids"] and out["text"] == want["text"]
+    meta = out["meta_info"]
+    assert meta["id"] == "native-1" and meta["finish_reason"]["type"] == "length"
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 6, 0)
+    assert meta["e2e_latency"] > 0
+    lps = meta["output_token_logprobs"]  # [logprob, token_id, text-or-null] as SGLang's
+    assert [e[1] for e in lps] == out["output_ids"] and all(e[2] is None for e in lps)
+    assert lps[0][0] == pytest.approx(want["meta_info"]["output_token_logprobs"][0][0], abs=1e-5)
+    assert len(meta["output_top_logprobs"]) == 6 and len(meta["output_top_logprobs"][0]) == 2
+    # a batch is a list; the text is kept in the triples on request
+    r = httpx.post(servers.url + "/generate", json={"text": ["a b c", "d e"], "sampling_params": sp,
+                                                    "return_logprob": True, "return_text_in_logprobs": True})  # fmt: skip
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 2 and all(isinstance(e[2], str) for e in outs[0]["meta_info"]["output_token_logprobs"])
+
+
+def test_native_streaming_chunks_are_cumulative(engine, servers):
+    sp = {**GREEDY, "max_new_tokens": 5}
+    want = engine.generate(input_ids=[21, 22], sampling_params=sp)
+    with httpx.stream("POST", servers.url + "/generate", json={"input_ids": [21, 22], "sampling_params": sp, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse(r)
+    assert len(chunks) == 5
+    for k, c in enumerate(chunks):
+        assert c["output_ids"] == want["output_ids"][: k + 1]
+        assert c["meta_info"]["finish_reason"] is (None if k < 4 else c["meta_info"]["finish_reason"])
+    assert chunks[-1]["text"] == want["text"] and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+    with httpx.stream("POST", servers.url + "/generate", json={"input_ids": [[1, 2], [3, 4]], "sampling_params": sp, "stream": True}) as r:
+        chunks = sse(r)
+    assert sorted({c["index"] for c in chunks}) == [0, 1]
+
+
+def test_control_routes(engine, servers):
+    url = servers.url
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/health_generate").status_code == 200
+    load = httpx.get(url + "/get_load").json()
+    assert load["num_running_reqs"] == 0 and load["max_total_num_tokens"] > 0
+    assert httpx.get(url + "/v1/loads").json()["loads"][0]["num_waiting_reqs"] == 0
+    info = httpx.get(url + "/get_server_info").json()
+    assert info["server_args"]["page_size"] == 16 and info["integrity_errors"] == []
+    assert httpx.get(url + "/get_model_info").json()["is_generation"] is True
+    r = httpx.post(url + "/pause_generation", json={"mode": "in_place"})
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert httpx.post(url + "/continue_generation", json={}).json()["status"] == "ok"
+    r = httpx.post(url + "/flush_cache")
+    assert r.status_code == 200 and r.text.startswith("Cache flushed")
+    # a flush refused while a request holds KV is a 400 with the reason
+    with httpx.stream("POST", url + "/generate", json={"input_ids": [5, 6], "stream": True,
+                                                       "sampling_params": {**GREEDY, "max_new_tokens": 200}}) as s:  # fmt: skip
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        r = httpx.get(url + "/flush_cache")
+        assert r.status_code == 400 and "hold KV" in r.text
+        rid = engine.get_server_info()["running_rids"][0]
+        assert httpx.post(url + "/abort_request", json={"rid": rid}).status_code == 200
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert httpx.post(url + "/abort_request", json={"rid": "no-such-request"}).status_code == 200  # ignored
+
+
+def test_metrics(engine, servers):
+    engine.generate(input_ids=[3, 4, 5], sampling_params={**GREEDY, "max_new_tokens": 3})
+    text = httpx.get(servers.url + "/metrics").text
+    for name in ("ringserve:num_running_reqs", "ringserve:num_queue_reqs", "ringserve:token_usage",
+                 "ringserve:prompt_tokens_total", "ringserve:generation_tokens_total",
+                 "ringserve:time_to_first_token_seconds_bucket", "ringserve:inter_token_latency_seconds_bucket",
+                 "ringserve:e2e_request_latency_seconds_count"):  # fmt: skip
+        assert name in text, name
+    gen = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ringserve:generation_tokens_total"))
+    assert gen >= 3
+
+
+def test_openai_sdk_completions(engine, servers):
+    import openai
+
+    c = openai.OpenAI(base_url=servers.url + "/v1", api_key="unused")
+    model = c.models.list().data[0].id
+    assert model == engine.served_model_name
+    want = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8})
+    r = c.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text == want["text"] and r.object == "text_completion"
+    assert r.usage.completion_tokens == want["meta_info"]["completion_tokens"]
+    assert r.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+    text = "".join(ch.choices[0].text for ch in c.completions.create(model=model, prompt="The capital of France is",
+                                                                   max_tokens=8, temperature=0, stream=True))  # fmt: skip
+    assert text == want["text"]
+    r = c.completions.create(model=model, prompt="Once upon", max_tokens=6, temperature=0.8, n=2, seed=5, logprobs=2)
+    assert len(r.choices) == 2 and {ch.index for ch in r.choices} == {0, 1}
+    assert len(r.choices[0].logprobs.tokens) == 6 and len(r.choices[0].logprobs.top_logprobs[0]) == 2
+    again = c.completions.create(model=model, prompt="Once upon", max_tokens=6, temperature=0.8, n=2, seed=5)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in r.choices]  # seeded: reproducible
+    stop = want["text"][3:6]
+    r = c.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert r.choices[0].text == want["text"][: want["text"].find(stop)]
+
+
+def test_openai_sdk_chat_completions(engine, servers):
+    import openai
+
+    c = openai.OpenAI(base_url=servers.url + "/v1", api_key="unused")
+    model = engine.served_model_name
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    want = engine.generate(input_ids=engine.tokenizer.encode(prompt, add_special_tokens=False),
+                           sampling_params={"temperature": 0, "max_new_tokens": 10})  # fmt: skip
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want["text"]
+    assert len(r.choices[0].logprobs.content) == 10 and len(r.choices[0].logprobs.content[0].top_logprobs) == 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stream = c.chat.completions.create(model=model, messages=msgs, max_completion_tokens=10, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    parts, finish, usage = [], None, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for choice in ch.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == want["text"] and finish == "length" and usage.completion_tokens == 10
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=1.0, n=2, seed=3)
+    assert len(r.choices) == 2
+
+
+def test_openai_errors_are_openai_shaped(servers):
+    import openai
+
+    c = openai.OpenAI(base_url=servers.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=servers.engine.served_model_name, prompt="hi", max_tokens=4, temperature=-1)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-17", prompt="hi", max_tokens=4)
