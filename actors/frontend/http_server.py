@@ -142,21 +142,10 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     arguments or POST with a JSON object of keyword arguments) calling the named verb."""
     app = FastAPI(title="ringserve", docs_url=None, redoc_url=None)
     ctx = tm.args.context_length
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return _error(request.url.path, 401, "missing or wrong API key (Authorization: Bearer <key>)")
-        try:
-            return await call_next(request)
-        except HTTPError as e:
-            return _error(request.url.path, e.status, str(e))
-        except ValueError as e:
-            return _error(request.url.path, 400, str(e))
-        except EngineDead as e:
-            return _error(request.url.path, 503, str(e))
+    if api_key is not None:
+        app.add_middleware(_APIKey, key=api_key)
+    for exc, status in ((HTTPError, None), (ValueError, 400), (EngineDead, 503)):
+        app.add_exception_handler(exc, _handler(status))
 
     async def body(request: Request, typ: Any) -> Any:
         return await read_body(request, typ, max_request_bytes)
@@ -176,7 +165,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
             kwargs["prompt"] = None  # as SGLang: input_ids win
         if b.session_params is not None:
             kwargs["session_params"] = b.session_params
-        specs, batched = await asyncio.get_running_loop().run_in_executor(None, lambda: tm.specs(**kwargs))
+        specs, batched = await _specs(tm, kwargs)
         shape = _native(b.return_text_in_logprobs)
         if b.stream:
             states = await tm.submit_all(specs)
@@ -278,7 +267,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         args = await asyncio.get_running_loop().run_in_executor(
             None, lambda: oai.chat_args(r, render_chat) if chat else oai.completion_args(r)
         )
-        specs, _ = tm.specs(**args, stream=r.stream)
+        specs, _ = await _specs(tm, {**args, "stream": r.stream})
         n = r.n
         if r.stream:
             states = await tm.submit_all(specs)
@@ -300,6 +289,30 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     return app
 
 
+class _APIKey:
+    """Pure ASGI middleware: every route but /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: Any, key: str):
+        self.app = app
+        self.want = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.want):
+                resp = _error(scope["path"], 401, "missing or wrong API key (Authorization: Bearer <key>)")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _handler(status: int | None) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(request: Request, e: Exception) -> Response:
+        return _error(request.url.path, e.status if isinstance(e, HTTPError) else status or 500, str(e))
+
+    return handle
+
+
 def _error(path: str, status: int, message: str) -> JSONResponse:
     if path.startswith("/v1/"):
         kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
@@ -307,6 +320,13 @@ def _error(path: str, status: int, message: str) -> JSONResponse:
         body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
         return JSONResponse({"error": body, **body}, status_code=status)
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def _specs(tm: TokenizerManager, kwargs: dict[str, Any]) -> tuple[list, bool]:
+    """tm.specs; tokenizing text is CPU work, done off the loop so other requests go on."""
+    if kwargs.get("prompt") is None:
+        return tm.specs(**kwargs)
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: tm.specs(**kwargs))
 
 
 def _native(with_text: bool) -> Callable[[dict[str, Any]], dict[str, Any]]:

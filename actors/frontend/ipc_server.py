@@ -167,8 +167,10 @@ class _Connection:
                       return_logprob=c.return_logprob, top_logprobs_num=c.top_logprobs_num, rid=c.rid, stream=c.stream)  # fmt: skip
         if c.session_params is not None:
             kwargs["session_params"] = c.session_params
-        # tokenizing a long prompt is CPU work: off the loop, so other connections keep going
-        specs, batched = await asyncio.get_running_loop().run_in_executor(None, lambda: self.tm.specs(**kwargs))
+        if c.prompt is None:
+            specs, batched = self.tm.specs(**kwargs)
+        else:  # tokenizing text is CPU work: off the loop, so other connections keep going
+            specs, batched = await asyncio.get_running_loop().run_in_executor(None, lambda: self.tm.specs(**kwargs))
         if not c.stream:
             await self.send(p.Done(c.id, await self.tm.generate(specs, batched)))
             return

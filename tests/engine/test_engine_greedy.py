@@ -103,3 +103,15 @@ def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == want
         assert "Paris" in outs[0]["text"]
+        # the same question through `ringserve serve`'s HTTP and the real openai package
+        import openai
+
+        from actors import Servers
+
+        with Servers(engine, ipc=False, port=0) as servers:
+            client = openai.OpenAI(base_url=servers.url + "/v1", api_key="unused", max_retries=0)
+            r = client.chat.completions.create(
+                model=engine.served_model_name, temperature=0, max_tokens=32,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+            )  # fmt: skip
+            assert "Paris" in r.choices[0].message.content
