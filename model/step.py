@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,13 +100,12 @@ class ModelExecutor:
             )
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink
-        self._place_params(hf_to_ours(mc, tensors, DTYPES[cfg.dtype]))
-        del tensors
-        kv_shape = (mc.num_kv_heads, cfg.num_token_locations, mc.head_dim)
-        kv_sh = kv_sharding(self.mesh, mc)
-        zeros = jax.jit(lambda: jnp.zeros(kv_shape, DTYPES[cfg.dtype]), out_shardings=kv_sh)
-        self.kv = [(zeros(), zeros()) for _ in range(mc.num_layers)]
-        self.future = jax.device_put(jnp.zeros(self.max_slots + 1, jnp.int32), replicated(self.mesh))
+        self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
+        self.graphdef, self.params = self._build(tensors)
+        self.new_kv()
+        self.params_avals = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params
+        )  # what every compiled program takes (weight updates must match it)
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(1, 2))
         self._programs: dict[tuple[int, int], object] = {}
@@ -114,10 +114,12 @@ class ModelExecutor:
             self.compile_all()
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _place_params(self, w: dict[str, np.ndarray]) -> None:
-        """Build the module tree from host arrays, then put each leaf on its `tp` sharding."""
+    def _build(self, tensors: dict[str, np.ndarray]):
+        """(graphdef, params): the module tree from HF-named host arrays, each leaf placed on its
+        `tp` sharding. Raises ValueError naming a missing or misshapen tensor."""
         from tqdm import tqdm
 
+        w = hf_to_ours(self.model_config, tensors, DTYPES[self.cfg.dtype])
         graphdef, host_state = nnx.split(CausalLM(self.model_config, w))
         flat, treedef = jax.tree_util.tree_flatten_with_path(host_state)
         placed = []
@@ -125,8 +127,41 @@ class ModelExecutor:
             names = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
             spec = param_spec(names, np.shape(leaf), self.model_config, self.cfg.tp_size)
             placed.append(jax.device_put(leaf, NamedSharding(self.mesh, spec)))
-        self.graphdef = graphdef
-        self.params = jax.tree_util.tree_unflatten(treedef, placed)
+        return graphdef, jax.tree_util.tree_unflatten(treedef, placed)
+
+    def build_params(self, tensors: dict[str, np.ndarray]):
+        """A new parameter tree beside the served one (same structure, avals and shardings)."""
+        _, params = self._build(tensors)
+        want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), self.params_avals)
+        got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), params)
+        same_tree = str(jax.tree_util.tree_structure(params)) == str(jax.tree_util.tree_structure(self.params_avals))
+        if not same_tree or want != got:
+            raise ValueError("the new weights do not fit the compiled programs (structure, shapes or shardings)")
+        return params
+
+    def swap_params(self, params, tensors: dict[str, np.ndarray]) -> None:
+        old, self.params, self.host_tensors = self.params, params, tensors
+        if old is not None:
+            for leaf in jax.tree_util.tree_leaves(old):
+                leaf.delete()
+
+    def drop_params(self) -> None:
+        """Free the weights on the device (release_memory_occupation); the host copy stays."""
+        self.swap_params(None, self.host_tensors)
+
+    def new_kv(self) -> None:
+        """A zeroed KV cache and future buffer (start-up, resume_memory_occupation)."""
+        mc, cfg = self.model_config, self.cfg
+        kv_shape = (mc.num_kv_heads, cfg.num_token_locations, mc.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(kv_shape, DTYPES[cfg.dtype]), out_shardings=kv_sharding(self.mesh, mc))
+        self.kv: list[tuple[Any, Any]] | None = [(zeros(), zeros()) for _ in range(mc.num_layers)]
+        self.future: Any = jax.device_put(jnp.zeros(self.max_slots + 1, jnp.int32), replicated(self.mesh))
+
+    def drop_kv(self) -> None:
+        """Free the KV cache and future buffer on the device (release_memory_occupation)."""
+        for leaf in jax.tree_util.tree_leaves((self.kv, self.future)):
+            leaf.delete()
+        self.kv, self.future = None, None
 
     def _step(self, params, kv, future, batch: ForwardBatch, sp: SamplingBatch):
         self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -167,7 +202,7 @@ class ModelExecutor:
                 spec((nb,), jnp.float32), spec((nb,), jnp.uint32), spec((nb,), jnp.int32),
                 spec((), jnp.bool_), spec((), jnp.bool_),
             )  # fmt: skip
-            prog = self._jitted.lower(self.params, self.kv, self.future, fwd, smp).compile()
+            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp).compile()
             self._programs[key] = prog
         return prog
 

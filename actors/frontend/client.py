@@ -201,6 +201,18 @@ class AsyncClient:
         except EngineDead:
             return False
 
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kw: Any) -> dict:
+        return await self.control("update_weights_from_disk", model_path=model_path, weight_version=weight_version, **kw)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return await self.control("get_weights_by_name", name=name, truncate_size=truncate_size)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self.control("release_memory_occupation", tags=tags)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self.control("resume_memory_occupation", tags=tags)
+
 
 class Client:
     """The same verbs for plain (non-async) code; safe to share between threads."""
@@ -249,6 +261,18 @@ class Client:
 
     def health(self) -> bool:
         return self._lt.run(self._ac.health())
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kw: Any) -> dict:
+        return self._lt.run(self._ac.update_weights_from_disk(model_path, weight_version, **kw))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._lt.run(self._ac.get_weights_by_name(name, truncate_size))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._lt.run(self._ac.release_memory_occupation(tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._lt.run(self._ac.resume_memory_occupation(tags))
 
     def close(self) -> None:
         if not self._lt.closed:

@@ -156,6 +156,31 @@ class Engine:
     def get_server_info(self) -> dict:
         return self.frontend.run_sync(self.frontend.get_server_info())
 
+    # ---- the RL loop ------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kw: Any) -> dict:
+        """Load a checkpoint of the same architecture into the runner(s) without a restart or a
+        recompilation; refused (success False, with the reason, old weights serving) while
+        requests run unless paused, or for a missing / misshapen tensor or another
+        architecture. Returns {"success", "message", "weight_version"}."""
+        return self.frontend.run_sync(self.frontend.weights.update_weights_from_disk(model_path, weight_version, **kw))
+
+    def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None, **kw: Any) -> dict:
+        """HF-named NumPy or JAX arrays (a dict, or (name, array) pairs; a subset is fine),
+        through shared memory in bounded chunks; all or nothing."""
+        return self.frontend.run_sync(self.frontend.weights.update_weights_from_tensor(named_tensors, weight_version, **kw))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of a weight (HF name and layout) as served."""
+        return self.frontend.run_sync(self.frontend.weights.get_weights_by_name(name, truncate_size))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Free the KV cache and / or the weights on the device (tags "kv_cache", "weights";
+        None: both); generation waits until resume. Nothing is recompiled."""
+        return self.frontend.run_sync(self.frontend.weights.release_memory_occupation(tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.frontend.run_sync(self.frontend.weights.resume_memory_occupation(tags))
+
     def get_load(self) -> dict:
         """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}."""
         return self.frontend.run_sync(self.frontend.get_load())

@@ -355,6 +355,8 @@ def _verb_route(verbs: dict[str, Verb], name: str,
                 body: Callable[..., Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:  # fmt: skip
     async def route(request: Request) -> Response:
         kwargs = await body(request, dict[str, Any]) if request.method == "POST" else dict(request.query_params)
-        return _json(await call_verb(verbs, name, kwargs))
+        out = await call_verb(verbs, name, kwargs)
+        failed = isinstance(out, dict) and out.get("success") is False  # a refusal: 400, with the reason
+        return _json(out, 400 if failed else 200)
 
     return route

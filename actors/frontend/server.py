@@ -20,7 +20,7 @@ from typing import Any
 from actors.frontend.engine import Engine
 from actors.frontend.http_server import build_app
 from actors.frontend.ipc_server import IPCServer
-from actors.frontend.verbs import verb_table
+from actors.frontend.verbs import HTTP_VERBS, verb_table
 
 log = logging.getLogger("ringserve.server")
 
@@ -59,7 +59,7 @@ class Servers:
             import uvicorn
 
             app = build_app(self.tm, model_name=self.engine.served_model_name, model_path=str(self.engine.model_dir),
-                            api_key=self.api_key)  # fmt: skip
+                            api_key=self.api_key, verbs={k: self.verbs[k] for k in HTTP_VERBS})  # fmt: skip
             config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                                     lifespan="off", timeout_graceful_shutdown=3)  # fmt: skip
             server = uvicorn.Server(config)

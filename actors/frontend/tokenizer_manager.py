@@ -35,6 +35,7 @@ from actors.frontend.bridge import LoopThread
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import RequestSpec, normalize_generate
 from actors.frontend.metrics import FrontendMetrics
+from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 
@@ -74,6 +75,7 @@ class TokenizerManager:
         self.metrics = FrontendMetrics()
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
         self.refusing: str | None = None  # set while shutting down: new requests are refused
+        self.weights = WeightsAPI(self)
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
@@ -162,6 +164,13 @@ class TokenizerManager:
                 completion_tokens=o.completion_tokens,
                 cached_tokens=o.cached_tokens,
             )
+            if o.weight_version:
+                st.meta["weight_version"] = o.weight_version
+            if o.weight_versions:  # the tokens came from several weights: which produced which
+                ends = [start for _, start in o.weight_versions[1:]] + [o.completion_tokens]
+                st.meta["weight_versions"] = [
+                    {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)
+                ]
             if o.finished:
                 st.finished = True
                 st.meta["finish_reason"] = o.finish_reason
@@ -378,6 +387,7 @@ class TokenizerManager:
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
         info["frontend_requests"] = len(self.states)
+        self.weights.version = info["weight_version"]
         return {**self.static_info, **info}
 
     async def get_load(self) -> dict:

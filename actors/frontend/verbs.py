@@ -17,6 +17,8 @@ Verb = Callable[..., Awaitable[Any]]
 
 
 def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
+    """Every verb the IPC socket serves by name (generate and abort have their own calls)."""
+    w = tm.weights
     return {
         "pause_generation": tm.pause_generation,
         "continue_generation": tm.continue_generation,
@@ -24,7 +26,17 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "get_server_info": tm.get_server_info,
         "get_load": tm.get_load,
         "health": tm.health,
+        "update_weights_from_disk": w.update_weights_from_disk,
+        "get_weights_by_name": w.get_weights_by_name,
+        "get_weight_version": w.get_weight_version,
+        "release_memory_occupation": w.release_memory_occupation,
+        "resume_memory_occupation": w.resume_memory_occupation,
     }
+
+
+# The verbs HTTP serves as `/<name>` routes (the others have routes of their own).
+HTTP_VERBS = ("update_weights_from_disk", "get_weights_by_name", "get_weight_version",
+              "release_memory_occupation", "resume_memory_occupation")  # fmt: skip
 
 
 async def call_verb(table: dict[str, Verb], name: str, kwargs: dict[str, Any]) -> Any:

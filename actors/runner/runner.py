@@ -22,6 +22,7 @@ from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from model.sampler import SampleOut
 from model.step import ExecutorConfig, ModelExecutor, enable_compilation_cache
+from model.weight_sync import WeightSync, tensors_from_segments
 
 log = logging.getLogger("ringserve.runner")
 
@@ -77,6 +78,30 @@ class Runner:
         self.ex = executor
         self.mirrors = SlotMirrors(max_slots)
         self.top_n = top_n
+        self.weights = WeightSync(executor)
+
+    def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory) -> m.RunnerReply:
+        """A weights or memory message (every earlier step has been answered): its reply. A
+        refusal (WeightError, bad tags) leaves everything as it was."""
+        try:
+            if isinstance(msg, m.RunnerWeights):
+                u = msg.update
+                if u.source == "disk":
+                    text = self.weights.load_disk(u.model_path)
+                else:
+                    tensors = tensors_from_segments(u.tensors)
+                    text = self.weights.stage(tensors, first=u.part == 0, last=u.part == u.parts - 1)
+                return m.RunnerReply(True, text)
+            if isinstance(msg, m.RunnerGetWeights):
+                a = self.weights.get(msg.request.name, msg.request.truncate_size)
+                return m.RunnerReply(True, "", m.f32(a.ravel()), list(a.shape))
+            r = msg.request
+            text = self.weights.release(r.tags) if r.action == "release" else self.weights.resume(r.tags)
+            return m.RunnerReply(True, text)
+        except ValueError as e:
+            if isinstance(msg, m.RunnerWeights):
+                self.weights.abandon()
+            return m.RunnerReply(False, str(e))
 
     def dispatch(self, msg: m.StepMsg) -> Pending:
         t0 = time.perf_counter()
@@ -92,6 +117,7 @@ class Runner:
             res.top_ids = m.i32(np.asarray(p.out.top_ids)[rows])
             res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[rows])
         res.forward_s = time.perf_counter() - p.t0
+        res.trace_count = self.ex.trace_count
         return res
 
     def serve(self, inbox, outbox, stopping, send_results: bool = True) -> None:
@@ -106,6 +132,14 @@ class Runner:
             msg = m.to_runner.decode(raw)
             if isinstance(msg, m.RunnerShutdown):
                 break
+            if not isinstance(msg, m.StepMsg):  # a control message: after the step in flight
+                if pending is not None:
+                    self._send(outbox, pending, send_results)
+                    pending = None
+                reply = self.control(msg)
+                if send_results:
+                    outbox.send(m.encode(reply))
+                continue
             nxt = self.dispatch(msg)
             if pending is not None:
                 self._send(outbox, pending, send_results)

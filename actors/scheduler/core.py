@@ -61,6 +61,8 @@ class SchedulerCore:
         self.num_retracted = 0
         self.by_rid: dict[str, Req] = {}
         self._arrivals = 0
+        self.weight_version = "0"  # stamps outputs; namespaces the prefix cache (extra_key)
+        self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -85,6 +87,20 @@ class SchedulerCore:
         for r in list(self.running) + ([self.chunked] if self.chunked else []):
             self._retract(r)
 
+    def new_weights(self, version: str) -> None:
+        """The runner serves other weights now: outputs carry `version`; cached prefixes of
+        the old weights never match again (another extra_key) and leave the tree now where
+        no request holds them."""
+        self.weight_version = version
+        self.kv.tree.evict(self.kv.tree.evictable_pages * self.kv.page_size)
+
+    def busy(self) -> str | None:
+        """Why weights or memory cannot change now (requests run and the engine is not paused)."""
+        if self.paused or self.idle:
+            return None
+        return (f"{len(self.running) + (self.chunked is not None)} requests are running and {len(self.waiting)} waiting; "
+                "call pause_generation first (or wait until idle)")  # fmt: skip
+
     def flush_cache(self) -> tuple[bool, str]:
         """Empty the prefix cache and pools. Refused while any request holds KV; requests
         that wait without KV (e.g. retracted by a pause) do not block it."""
@@ -108,7 +124,7 @@ class SchedulerCore:
 
     # ---- scheduling -----------------------------------------------------------------------
     def get_next_batch(self) -> ScheduledBatch | None:
-        if self.paused:
+        if self.paused or self.memory_released:
             return None
         batch = self._prefill_batch()
         if batch is None and self.running:
@@ -120,7 +136,7 @@ class SchedulerCore:
         return batch
 
     def _match_len(self, req: Req) -> int:
-        return self.kv.match_len(req.prefix_ids())
+        return self.kv.match_len(req.prefix_ids(), self.weight_version)
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         a = self.args
@@ -139,7 +155,7 @@ class SchedulerCore:
                 break
             if shared.defer(req, self._match_len(req)):
                 continue
-            req.kv = self.kv.admit(req.prefix_ids())
+            req.kv = self.kv.admit(req.prefix_ids(), self.weight_version)
             if req.kv is None:
                 break
             result = adder.add(req)
@@ -227,6 +243,8 @@ class SchedulerCore:
                 continue
             if not req.output_ids:
                 req.first_token_at = time.perf_counter()
+            if req.weight_version != self.weight_version:
+                req.weight_spans.append((self.weight_version, len(req.output_ids)))
             req.output_ids.append(int(result.tokens[i]))
             if req.return_logprob and result.logprobs is not None:
                 req.output_logprobs.append(float(result.logprobs[i]))

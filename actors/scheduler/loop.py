@@ -56,6 +56,8 @@ class SchedulerLoop:
         self.stats = collections.Counter[str]()
         self.times: dict[str, float] = collections.defaultdict(float)
         self.integrity_errors: list[str] = []
+        self.runner_trace_count = 0
+        self.weight_updates = 0
 
     # ---- main loop --------------------------------------------------------------------------
     def serve(self, stopping: Callable[[], bool]) -> None:
@@ -97,9 +99,12 @@ class SchedulerLoop:
         raw = self.from_runner.recv(timeout=None)
         t1 = time.perf_counter()
         res = m.from_runner.decode(raw)
-        assert res.step_id == batch.step_id, f"runner answered step {res.step_id}, expected {batch.step_id}"
+        assert isinstance(res, m.StepResultMsg) and res.step_id == batch.step_id, (
+            f"runner answered {res!r:.80}, expected step {batch.step_id}"
+        )
         self.times["wait_runner_s"] += t1 - t0
         self.times["runner_forward_s"] += res.forward_s
+        self.runner_trace_count = res.trace_count
         n = len(batch.rows)
         top_ids = top_lp = None
         if res.top_n:
@@ -118,6 +123,14 @@ class SchedulerLoop:
     def _drain(self) -> None:
         while self.in_flight:
             self._finish_oldest()
+
+    def _runner_call(self, msg: m.ToRunner) -> m.RunnerReply:
+        """A control message to the runner(s), after every batch in flight; its reply."""
+        self._drain()
+        self.to_runner.send(m.encode(msg))
+        reply = m.from_runner.decode(self.from_runner.recv(timeout=None))
+        assert isinstance(reply, m.RunnerReply), f"runner answered {reply!r:.80} to a control message"
+        return reply
 
     def _emit(self, outs: list[ReqOutput]) -> None:
         if not outs:
@@ -175,9 +188,51 @@ class SchedulerLoop:
             self._reply("info", True, "", json.dumps(self.info()).encode())
         elif isinstance(msg, m.LoadReq):
             self._reply("load", True, "", json.dumps(self.load()).encode())
+        elif isinstance(msg, m.UpdateWeightsReq):
+            self._update_weights(msg)
+        elif isinstance(msg, m.GetWeightsReq):
+            r = self._runner_call(m.RunnerGetWeights(msg))
+            self._reply("get_weights", r.ok, r.message, r.payload, r.shape)
+        elif isinstance(msg, m.MemoryReq):
+            self._memory(msg)
 
-    def _reply(self, kind: str, ok: bool, message: str, payload: bytes = b"") -> None:
-        self.to_detok.send(m.encode(m.ControlReply(kind, ok, message, payload)))
+    def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
+        busy = self.core.busy()
+        if busy is not None:
+            self._reply("update_weights", False, f"update_weights refused: {busy}")
+            return
+        if msg.part == msg.parts - 1:  # the final part swaps: version it (default: a counter)
+            msg.weight_version = msg.weight_version or str(self.weight_updates + 1)
+        r = self._runner_call(m.RunnerWeights(msg))
+        if r.ok and msg.part == msg.parts - 1:
+            self.weight_updates += 1
+            self.core.new_weights(msg.weight_version or "")
+            self.checked_idle = False
+        version = self.core.weight_version
+        self._reply("update_weights", r.ok, r.message, json.dumps({"weight_version": version}).encode())
+
+    def _memory(self, msg: m.MemoryReq) -> None:
+        core = self.core
+        if msg.action == "release":
+            busy = core.busy()
+            if busy is None and "kv_cache" in msg.tags and core.live():
+                busy = f"{len(core.live())} requests hold KV; pause_generation('retract') or ('abort') first"
+            if busy is not None:
+                self._reply("memory", False, f"release_memory_occupation refused: {busy}")
+                return
+            if "kv_cache" in msg.tags:
+                self._drain()
+                core.flush_cache()  # the cached KV is about to be gone
+        r = self._runner_call(m.RunnerMemory(msg))
+        if r.ok:
+            if msg.action == "release":
+                core.memory_released |= set(msg.tags)
+            else:
+                core.memory_released -= set(msg.tags)
+        self._reply("memory", r.ok, r.message)
+
+    def _reply(self, kind: str, ok: bool, message: str, payload: bytes = b"", shape: list[int] | None = None) -> None:
+        self.to_detok.send(m.encode(m.ControlReply(kind, ok, message, payload, shape or [])))
 
     def load(self) -> dict:
         """What a router or a monitor polls (SGLang's /get_load and /v1/loads core fields)."""
@@ -214,6 +269,12 @@ class SchedulerLoop:
             "tokens_computed": self.stats["tokens_computed"],
             "in_flight": len(self.in_flight),
             "integrity_errors": list(self.integrity_errors),
+            "weight_version": c.weight_version,
+            "memory_released": sorted(c.memory_released),
+            "runner_trace_count": self.runner_trace_count,
+            "cur_batch": self.in_flight[-1].step_id if self.in_flight else None,
+            "last_batch": self.in_flight[0].step_id if self.in_flight else None,
+            "chunked_req": c.chunked.rid if c.chunked else None,
             "host_s_per_step": host / steps if steps else 0.0,
             "forward_s_per_step": t["runner_forward_s"] / steps if steps else 0.0,
         }

@@ -69,6 +69,8 @@ def token_out(o: ReqOutput, first: bool) -> TokenOut:
         finish_reason=req.finish_reason.to_dict() if o.finished and req.finish_reason else None,
         open=req.sampling if first else None,
         first_token_at=req.first_token_at if n and done == n else 0.0,
+        weight_version=req.weight_version,
+        weight_versions=list(req.weight_spans) if o.finished and len(req.weight_spans) > 1 else [],
     )
     if req.return_logprob and n:
         out.logprobs = f32(req.output_logprobs[done - n : done])

@@ -72,6 +72,7 @@ class Req:
     retractions: int = 0
     sent_len: int = 0  # output tokens sent to the detokenizer so far (only new ones are sent)
     first_token_at: float = 0.0  # time.perf_counter() when its first token was processed
+    weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
 
     # ---- KV (read from kvmem's record) --------------------------------------------------------
     @property
@@ -124,6 +125,11 @@ class Req:
         if start >= o:
             return out[start - o : stop - o]
         return np.concatenate([self.origin_ids[start:], out[: stop - o]])
+
+    @property
+    def weight_version(self) -> str:
+        """The weights that produced the newest output token ("" before the first)."""
+        return self.weight_spans[-1][0] if self.weight_spans else ""
 
     def prefix_ids(self) -> np.ndarray:
         """What the prefix cache may grant: every token but the last (one is always computed)."""

@@ -88,7 +88,46 @@ class LoadReq(msgspec.Struct, tag="load", **_S):
     pass
 
 
-ToScheduler = GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq | LoadReq
+class TensorRef(msgspec.Struct, **_S):
+    """One HF-named tensor in a shared-memory segment the runner maps (never in the ring)."""
+
+    name: str
+    dtype: str  # numpy dtype name: float32, float16, bfloat16
+    shape: list[int]
+    segment: str  # posix shared-memory name, mode 0600, unlinked by its creator afterwards
+    offset: int
+    nbytes: int
+
+
+class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
+    """Load new weights into the runner(s): from a checkpoint on disk, or HF-named tensors in
+    shared memory sent in `parts` bounded chunks (the runner swaps after the last; all or
+    nothing). Allowed while paused or idle."""
+
+    source: str  # "disk" | "tensor"
+    model_path: str = ""
+    weight_version: str | None = None
+    part: int = 0
+    parts: int = 1
+    tensors: list[TensorRef] = []
+
+
+class GetWeightsReq(msgspec.Struct, tag="get_weights", **_S):
+    name: str
+    truncate_size: int = 100
+
+
+class MemoryReq(msgspec.Struct, tag="memory", **_S):
+    """release_memory_occupation / resume_memory_occupation of the device's KV cache, weights."""
+
+    action: str  # "release" | "resume"
+    tags: list[str] = []  # "kv_cache", "weights"
+
+
+ToScheduler = (
+    GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq | LoadReq | UpdateWeightsReq
+    | GetWeightsReq | MemoryReq
+)  # fmt: skip
 
 
 # ---- scheduler -> runners (broadcast) --------------------------------------------------------
@@ -123,7 +162,21 @@ class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
     pass
 
 
-ToRunner = StepMsg | RunnerShutdown
+class RunnerWeights(msgspec.Struct, tag="weights", **_S):
+    """Forwarded UpdateWeightsReq (after every earlier step; the runner answers RunnerReply)."""
+
+    update: UpdateWeightsReq
+
+
+class RunnerGetWeights(msgspec.Struct, tag="get_weights", **_S):
+    request: GetWeightsReq
+
+
+class RunnerMemory(msgspec.Struct, tag="memory", **_S):
+    request: MemoryReq
+
+
+ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerMemory
 
 
 # ---- runner -> scheduler ---------------------------------------------------------------------
@@ -135,9 +188,19 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     top_logprobs: bytes = b""  # f32 [rows, top_n]
     top_n: int = 0
     forward_s: float = 0.0  # device time of this step as the runner saw it
+    trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
 
 
-ToSchedulerFromRunner = StepResultMsg
+class RunnerReply(msgspec.Struct, tag="reply", **_S):
+    """The runner's answer to a control message (weights, memory)."""
+
+    ok: bool
+    message: str = ""
+    payload: bytes = b""  # JSON, or raw little-endian f32 values (get_weights)
+    shape: list[int] = []
+
+
+ToSchedulerFromRunner = StepResultMsg | RunnerReply
 
 
 # ---- scheduler -> detokenizer -> frontend ----------------------------------------------------
@@ -156,6 +219,8 @@ class TokenOut(msgspec.Struct, **_S):
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
+    weight_version: str = ""  # the weights that produced these tokens
+    weight_versions: list[tuple[str, int]] = []  # on the finish, if several: (version, first output index)
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):
@@ -169,7 +234,8 @@ class ControlReply(msgspec.Struct, tag="reply", **_S):
     kind: str
     ok: bool = True
     message: str = ""
-    payload: bytes = b""  # JSON (server info, load)
+    payload: bytes = b""  # JSON (server info, load), or raw f32 values (get_weights)
+    shape: list[int] = []
 
 
 ToDetokenizer = BatchTokenOut | ControlReply
