@@ -32,3 +32,17 @@ def xla_cache(tmp_path_factory):
     return enable_compilation_cache(
         os.environ.get("RINGSERVE_TEST_XLA_CACHE") or tmp_path_factory.mktemp("xla")
     )
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tmp_path_factory):
+    """One tiny-model engine (page 16, small shapes) for the API, seed-000 and front-door tests;
+    a test that changes its weights or state restores them (the `engine` fixtures check)."""
+    from actors import Engine
+    from model.checkpoints.tiny import make_tiny_model
+    from tests.engine.conftest import SMALL
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-shared"), "llama", seed=0)
+    e = Engine(str(model), page_size=16, **SMALL)
+    yield e
+    e.shutdown()

@@ -63,7 +63,8 @@ class SchedulerLoop:
     def serve(self, stopping: Callable[[], bool]) -> None:
         overlap = self.args.enable_overlap
         while not stopping():
-            self._recv_requests(block=not self.in_flight and (self.core.idle or self.core.paused))
+            stalled = self.core.idle or self.core.paused or bool(self.core.memory_released)
+            self._recv_requests(block=not self.in_flight and stalled)
             t0 = time.perf_counter()
             batch = self.core.get_next_batch()
             if batch is not None:

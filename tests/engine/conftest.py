@@ -41,3 +41,38 @@ def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 60, vocab: int = 20
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_dir):
     return tiny_dir("llama")
+
+
+@pytest.fixture
+def engine(shared_engine):
+    """The shared engine, checked after the test: not paused, no leak."""
+    yield shared_engine
+    shared_engine.continue_generation()
+    assert_no_leak(shared_engine)
+
+
+def in_background(engine, prompts, max_new, min_decodes: int = 3, **sp):
+    """Start a greedy generate of `prompts` in a thread; return once it decoded `min_decodes`
+    steps. (thread, box): box["out"] is the result list, box["err"] an exception."""
+    import threading
+    import time
+
+    box: dict = {}
+
+    def go():
+        try:
+            box["out"] = engine.generate(
+                input_ids=prompts, sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new, **sp}
+            )
+        except BaseException as e:  # surfaced by the test
+            box["err"] = e
+
+    base = engine.get_server_info()["forward_ct_decode"]
+    t = threading.Thread(target=go)
+    t.start()
+    deadline = time.monotonic() + 60
+    while engine.get_server_info()["forward_ct_decode"] < base + min_decodes:
+        assert "err" not in box, box["err"]
+        assert time.monotonic() < deadline, "generation never started decoding"
+        time.sleep(0.01)
+    return t, box

@@ -9,25 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.engine.conftest import SMALL, assert_no_leak, random_prompts
+from tests.engine.conftest import random_prompts
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    from actors.frontend.engine import Engine
-
-    e = Engine(str(tiny_llama), page_size=16, **SMALL)
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def no_leak_after(engine):
-    yield
-    engine.continue_generation()
-    assert_no_leak(engine)
 
 
 def test_prefix_cache_hit_gives_identical_output(engine):
@@ -147,70 +131,6 @@ def _in_background(engine, prompts, max_new):
         assert time.monotonic() < deadline, "generation never started decoding"
         time.sleep(0.01)
     return t, box
-
-
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_pause_continue_gives_the_uninterrupted_tokens(engine, mode):
-    prompts = random_prompts(4, seed=9, lo=5, hi=40)
-    want = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 120})
-    t, box = _in_background(engine, prompts, 120)
-    before = engine.get_server_info()
-    assert engine.pause_generation(mode)["success"]
-    info = engine.get_server_info()
-    if mode == "retract":
-        assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 4
-        assert info["available_kv_tokens"] == info["initial_kv_tokens"]
-    else:
-        assert (
-            info["running_batch_size"] + info["waiting_queue_size"]
-            == before["running_batch_size"] + before["waiting_queue_size"]
-        )
-        assert info["available_kv_tokens"] < info["initial_kv_tokens"]
-        time.sleep(0.2)
-        assert engine.get_server_info()["forward_ct_decode"] == info["forward_ct_decode"], (
-            "paused engine kept decoding"
-        )
-    assert engine.continue_generation()["success"]
-    t.join(60)
-    assert "err" not in box and [o["output_ids"] for o in box["out"]] == [o["output_ids"] for o in want]
-
-
-def test_pause_abort_returns_partial_outputs_and_resubmit_matches(engine):
-    prompts = random_prompts(3, seed=4, lo=5, hi=30)
-    want = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 150})
-    t, box = _in_background(engine, prompts, 150)
-    assert engine.pause_generation("abort")["success"]
-    t.join(30)
-    outs = box["out"]
-    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
-    info = engine.get_server_info()
-    assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 0
-    engine.continue_generation()
-    # partial rollout: resubmit prompt + produced with the remaining budget (sglang-jax #580)
-    for o, p, w in zip(outs, prompts, want, strict=True):
-        got = o["output_ids"]
-        assert got == w["output_ids"][: len(got)]
-        rest = engine.generate(
-            input_ids=p + got, sampling_params={**GREEDY, "max_new_tokens": 150 - len(got)}
-        )
-        assert got + rest["output_ids"] == w["output_ids"]
-
-
-def test_flush_refused_while_running_then_allowed_after_retract(engine):
-    t, box = _in_background(engine, random_prompts(2, seed=2), 200)
-    r = engine.flush_cache()
-    assert not r["success"] and "hold KV" in r["message"]
-    engine.pause_generation("retract")
-    assert engine.flush_cache()["success"]
-    info = engine.get_server_info()
-    assert (
-        info["tree_cache_size"] == 0
-        and info["req_to_token_pool_used"] == 0
-        and info["forward_ct_decode"] == 0
-    )
-    engine.continue_generation()
-    t.join(60)
-    assert "err" not in box
 
 
 def test_abort_one_request(engine):

@@ -1,27 +1,24 @@
-"""One engine with its IPC socket and HTTP server for the front-door tests (tiny model), and a
+"""The shared engine with its IPC socket and HTTP server for the front-door tests, and a
 leak check after each test: KV books intact, every page and slot back, nothing running."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.engine.conftest import SMALL, assert_no_leak
+from tests.engine.conftest import assert_no_leak
 
 API_KEY = "test-key-0123456789"
 
 
 @pytest.fixture(scope="session")
-def served(tmp_path_factory):
-    """(engine, servers): the tiny model, the socket in a private dir, HTTP on an ephemeral port."""
-    from actors import Engine, Servers
-    from model.checkpoints.tiny import make_tiny_model
+def served(shared_engine):
+    """(engine, servers): the shared tiny engine, its socket in a private dir, HTTP on an
+    ephemeral port."""
+    from actors import Servers
 
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny-front"), "llama", seed=0)
-    engine = Engine(str(model), page_size=16, **SMALL)
-    servers = Servers(engine, port=0).start()
-    yield engine, servers
+    servers = Servers(shared_engine, port=0).start()
+    yield shared_engine, servers
     servers.stop()
-    engine.shutdown()
 
 
 @pytest.fixture(scope="session")
