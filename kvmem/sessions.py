@@ -48,17 +48,20 @@ class SessionSlots:
         """The cache's check, with the kept slots among the live rows."""
         self.cache.check_integrity([*live, *self.records()], locks)
 
-    def start_turn(self, session_id: str, token_ids: np.ndarray) -> ReqKV | None:
+    def start_turn(self, session_id: str, token_ids: np.ndarray, extra_key: str | None = None) -> ReqKV | None:
         """The record for a turn whose input is `token_ids` (earlier turns included).
 
-        With a kept slot: it is reused, granting the longest prefix that `token_ids` repeats,
-        capped at the kept committed_len and at len(token_ids) - 1 (one token is computed);
-        the rest of the row is cut page-aligned. Without: a fresh `admit` (tree prefix). None
-        when no slot is free."""
+        With a kept slot (of the same `extra_key`): it is reused, granting the longest prefix
+        that `token_ids` repeats, capped at the kept committed_len and at len(token_ids) - 1
+        (one token is computed); the rest of the row is cut page-aligned. Without: a fresh
+        `admit` (tree prefix). None when no slot is free."""
         token_ids = np.asarray(token_ids, np.int32)
         kept = self.kept.pop(session_id, None)
+        if kept is not None and kept.kv.extra_key != extra_key:  # KV of other weights: useless now
+            self.cache.release(kept.kv, None)
+            kept = None
         if kept is None:
-            return self.cache.admit(token_ids[: len(token_ids) - 1])
+            return self.cache.admit(token_ids[: len(token_ids) - 1], extra_key)
         kv = kept.kv
         granted = min(kv.committed_len, common_prefix_len(kept.token_ids, token_ids), len(token_ids) - 1)
         self.cache.trim(kv, granted)
@@ -80,7 +83,27 @@ class SessionSlots:
         self.kept[session_id] = KeptSlot(kv, ids[: kv.committed_len])
         return freed
 
-    def close(self, session_id: str) -> None:
-        """End a session: its kept KV is cached in the tree (whole pages), the slot freed."""
-        kept = self.kept.pop(session_id)
+    def close(self, session_id: str) -> int | None:
+        """End a session: its kept KV is cached in the tree (whole pages), the slot freed.
+        Returns that slot (None: the session kept none)."""
+        kept = self.kept.pop(session_id, None)
+        if kept is None:
+            return None
         self.cache.release(kept.kv, kept.token_ids)
+        return kept.kv.slot
+
+    def evict_oldest(self) -> int | None:
+        """Give the least recently kept slot back (its KV cached in the tree, as `close`) when
+        memory or slots run short; returns the slot, None when none is kept."""
+        if not self.kept:
+            return None
+        return self.close(next(iter(self.kept)))
+
+    def drop_all(self) -> list[int]:
+        """Free every kept slot without caching it (flush_cache, new weights); the slots."""
+        slots = []
+        for kept in self.kept.values():
+            self.cache.release(kept.kv, None)
+            slots.append(kept.kv.slot)
+        self.kept.clear()
+        return slots

@@ -201,6 +201,12 @@ class AsyncClient:
         except EngineDead:
             return False
 
+    async def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:
+        return await self.control("open_session", capacity_of_str_len=capacity_of_str_len, session_id=session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        await self.control("close_session", session_id=session_id)
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kw: Any) -> dict:
         return await self.control("update_weights_from_disk", model_path=model_path, weight_version=weight_version, **kw)
 
@@ -261,6 +267,12 @@ class Client:
 
     def health(self) -> bool:
         return self._lt.run(self._ac.health())
+
+    def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:
+        return self._lt.run(self._ac.open_session(capacity_of_str_len, session_id))
+
+    def close_session(self, session_id: str) -> None:
+        self._lt.run(self._ac.close_session(session_id))
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kw: Any) -> dict:
         return self._lt.run(self._ac.update_weights_from_disk(model_path, weight_version, **kw))

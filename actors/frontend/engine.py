@@ -96,7 +96,7 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
-                 stream: bool = False) -> Any:  # fmt: skip
+                 stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
@@ -104,7 +104,7 @@ class Engine:
         fe = self.frontend
         specs, batched = fe.specs(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
                                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, rid=rid,
-                                  stream=stream)  # fmt: skip
+                                  stream=stream, session_params=session_params)  # fmt: skip
         if stream:
             return self._stream_sync(specs, batched)
         return fe.run_sync(fe.generate(specs, batched))
@@ -117,13 +117,13 @@ class Engine:
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                              top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
-                             stream: bool = False) -> Any:  # fmt: skip
+                             stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         fe = self.frontend
         specs, batched = fe.specs(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
                                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, rid=rid,
-                                  stream=stream)  # fmt: skip
+                                  stream=stream, session_params=session_params)  # fmt: skip
         if stream:
             fe.check_up()
             return self._astream(specs, batched)
@@ -155,6 +155,15 @@ class Engine:
 
     def get_server_info(self) -> dict:
         return self.frontend.run_sync(self.frontend.get_server_info())
+
+    # ---- streaming sessions -----------------------------------------------------------------
+    def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:
+        """A streaming session; its turns are `generate(..., session_params={"id": session_id,
+        "rid": the previous turn's id, ...})` and extend that turn's KV without recomputing it."""
+        return self.frontend.run_sync(self.frontend.open_session(capacity_of_str_len, session_id))
+
+    def close_session(self, session_id: str) -> None:
+        self.frontend.run_sync(self.frontend.close_session(session_id))
 
     # ---- the RL loop ------------------------------------------------------------------------
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kw: Any) -> dict:

@@ -26,6 +26,7 @@ class RequestSpec:
     top_logprobs_num: int
     index: int  # position in the caller's batch (prompt index * n + sample index)
     stream: bool = False  # the caller streams: outputs every stream_interval tokens
+    session: Any = None  # a streaming session's turn (actors.frontend.sessions.Plan)
 
     @property
     def seed(self) -> int:

@@ -35,6 +35,7 @@ from actors.frontend.bridge import LoopThread
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import RequestSpec, normalize_generate
 from actors.frontend.metrics import FrontendMetrics
+from actors.frontend.sessions import Sessions
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -76,6 +77,7 @@ class TokenizerManager:
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
+        self.sessions = Sessions()
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
@@ -172,6 +174,8 @@ class TokenizerManager:
                     {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)
                 ]
             if o.finished:
+                if st.spec.session is not None:
+                    self.sessions.finished(st.spec.session.session.id, o.rid, st.output_ids)
                 st.finished = True
                 st.meta["finish_reason"] = o.finish_reason
                 st.meta["e2e_latency"] = now - st.created
@@ -197,8 +201,9 @@ class TokenizerManager:
               stream: bool = False, session_params: Any = None) -> tuple[list[RequestSpec], bool]:  # fmt: skip
         """Validate and normalise `generate` arguments (any thread): ValueError naming the field
         and the limit, before anything is sent. Returns (specs, batched)."""
-        if session_params is not None:
-            raise ValueError("session_params: streaming sessions are not available in this build")
+        plans = None
+        if session_params is not None:  # a session turn's input holds its earlier turns
+            prompt, input_ids, plans = self._session_inputs(prompt, input_ids, session_params)
         a = self.args
         specs, batched = normalize_generate(
             prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
@@ -208,7 +213,32 @@ class TokenizerManager:
         )  # fmt: skip
         for s in specs:
             s.stream = stream
+        if plans is not None:
+            if len(specs) != len(plans):
+                raise ValueError("session_params: n > 1 samples cannot share one session turn")
+            for s, plan in zip(specs, plans, strict=True):
+                s.session = plan
         return specs, batched
+
+    def _session_inputs(self, prompt: Any, input_ids: Any, session_params: Any) -> tuple[None, Any, list]:
+        """(prompt, input_ids, plans): each prompt's tokens behind its session's earlier turns."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("generate: give exactly one of 'prompt' or 'input_ids'")
+        batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], list)
+        if prompt is not None:
+            texts = prompt if batched else [prompt]
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt: expected a string or a list of strings")
+            new = [self.tok.encode(t) for t in texts]
+        else:
+            new = input_ids if batched else [input_ids]
+        params = session_params if isinstance(session_params, list) else [session_params] * len(new)
+        if len(params) != len(new):
+            raise ValueError(f"session_params: {len(params)} given for {len(new)} prompts")
+        bos = self.tok.bos_token_id
+        plans = [self.sessions.plan(p, list(ids), bos) for p, ids in zip(params, new, strict=True)]
+        ids = [p.input_ids for p in plans]
+        return None, ids if batched else ids[0], plans
 
     def refuse_new(self, reason: str) -> None:
         """From now on every new request fails with EngineDead(reason) (graceful shutdown)."""
@@ -222,14 +252,21 @@ class TokenizerManager:
             raise ValueError(f"rid {spec.rid!r} is already in use by a live request")
         st = ReqState(spec, time.perf_counter(), meta={"id": spec.rid, "finish_reason": None})
         self.states[spec.rid] = st
+        plan = spec.session
         try:
+            if plan is not None:
+                self.sessions.begin(plan, spec.rid, spec.input_ids)
             self.send(m.GenerateReq(
                 rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
                 return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
+                session_id=plan.session.id if plan is not None else None,
             ))  # fmt: skip
         except BaseException:
             self.states.pop(spec.rid, None)
             raise
+        if plan is not None:
+            for rid in plan.abort:  # `replace` dropped these unfinished turns
+                self.send(m.AbortReq(rid))
         self.metrics.submitted(len(spec.input_ids))
         return st
 
@@ -381,6 +418,19 @@ class TokenizerManager:
         """Empty the prefix cache and KV pools; refused (success False, with the reason) while a
         request holds KV."""
         return await self._ok(m.FlushCacheReq(), "flush")
+
+    # ---- sessions -----------------------------------------------------------------------------
+    async def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:
+        """A streaming session: its turns (generate with session_params={"id": ...}) extend
+        the KV of the turn they follow instead of recomputing it. Returns its id."""
+        return self.sessions.open_session(capacity_of_str_len, session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        """Forget the session: unfinished turns are aborted, its kept KV is freed."""
+        self.check_up()
+        for rid in self.sessions.close_session(session_id):
+            self.send(m.AbortReq(rid))
+        self.send(m.CloseSessionReq(session_id))
 
     async def get_server_info(self) -> dict:
         reply = await self.control(m.InfoReq(), "info")

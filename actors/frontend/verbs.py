@@ -26,6 +26,8 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "get_server_info": tm.get_server_info,
         "get_load": tm.get_load,
         "health": tm.health,
+        "open_session": tm.open_session,
+        "close_session": tm.close_session,
         "update_weights_from_disk": w.update_weights_from_disk,
         "get_weights_by_name": w.get_weights_by_name,
         "get_weight_version": w.get_weight_version,
@@ -36,7 +38,7 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
 
 # The verbs HTTP serves as `/<name>` routes (the others have routes of their own).
 HTTP_VERBS = ("update_weights_from_disk", "get_weights_by_name", "get_weight_version",
-              "release_memory_occupation", "resume_memory_occupation")  # fmt: skip
+              "release_memory_occupation", "resume_memory_occupation", "open_session", "close_session")  # fmt: skip
 
 
 async def call_verb(table: dict[str, Verb], name: str, kwargs: dict[str, Any]) -> Any:

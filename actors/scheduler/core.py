@@ -33,7 +33,7 @@ from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
 from actors.server_args import ServerArgs
-from kvmem import KVCache
+from kvmem import KVCache, ReqKV, SessionSlots
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +62,7 @@ class SchedulerCore:
         self.by_rid: dict[str, Req] = {}
         self._arrivals = 0
         self.weight_version = "0"  # stamps outputs; namespaces the prefix cache (extra_key)
+        self.sessions = SessionSlots(kv)  # slots finished session turns keep for their next turn
         self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -90,9 +91,14 @@ class SchedulerCore:
     def new_weights(self, version: str) -> None:
         """The runner serves other weights now: outputs carry `version`; cached prefixes of
         the old weights never match again (another extra_key) and leave the tree now where
-        no request holds them."""
+        no request holds them, as does the KV sessions kept."""
         self.weight_version = version
+        self.sessions.drop_all()
         self.kv.tree.evict(self.kv.tree.evictable_pages * self.kv.page_size)
+
+    def close_session(self, session_id: str) -> None:
+        """The session's kept KV goes to the prefix cache and its slot is freed."""
+        self.sessions.close(session_id)
 
     def busy(self) -> str | None:
         """Why weights or memory cannot change now (requests run and the engine is not paused)."""
@@ -110,6 +116,7 @@ class SchedulerCore:
                 False,
                 f"{len(holding)} requests hold KV ({len(self.running)} running); flush needs them finished or retracted",
             )
+        self.sessions.drop_all()  # sessions stay open; their next turn starts cold
         self.kv.flush()
         self.ratio.reset()
         return True, "cache flushed"
@@ -138,6 +145,12 @@ class SchedulerCore:
     def _match_len(self, req: Req) -> int:
         return self.kv.match_len(req.prefix_ids(), self.weight_version)
 
+    def _admit(self, req: Req) -> ReqKV | None:
+        """A slot and a cached prefix: a session's turn reuses the slot its previous turn kept."""
+        if req.session_id is not None:
+            return self.sessions.start_turn(req.session_id, req.fill_ids(0, req.fill_len), self.weight_version)
+        return self.kv.admit(req.prefix_ids(), self.weight_version)
+
     def _prefill_batch(self) -> ScheduledBatch | None:
         a = self.args
         chunk = None if a.chunked_prefill_size == -1 else a.chunked_prefill_size
@@ -151,14 +164,18 @@ class SchedulerCore:
                 return self._build_prefill(adder, admitted)
         shared = InBatchPrefix(a.schedule_policy == "lpm")
         for req in order_waiting(a.schedule_policy, self.waiting, self._match_len):
-            if len(self.running) + len(adder.planned) >= a.max_running_requests or self.kv.num_free_slots == 0:
+            if len(self.running) + len(adder.planned) >= a.max_running_requests:
                 break
+            if self.kv.num_free_slots == 0 and self.sessions.evict_oldest() is None:
+                break  # (a session's kept slot is given back first)
             if shared.defer(req, self._match_len(req)):
                 continue
-            req.kv = self.kv.admit(req.prefix_ids(), self.weight_version)
+            req.kv = self._admit(req)
             if req.kv is None:
                 break
             result = adder.add(req)
+            while result is AddResult.NO_TOKEN and self.sessions.evict_oldest() is not None:
+                result = adder.add(req)  # kept session KV is the first to make room
             if result is AddResult.NO_TOKEN:  # undo the admission (the runner never saw the slot)
                 self.kv.release(req.kv, None)
                 req.kv = None
@@ -217,7 +234,8 @@ class SchedulerCore:
 
     def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None) -> list[Row]:
         retracted_before = self.num_retracted
-        grants = prepare_decode(self.kv, reqs, self._retract, spare, defer_last=spare is None)
+        grants = prepare_decode(self.kv, reqs, self._retract, spare, defer_last=spare is None,
+                                reclaim=lambda: self.sessions.evict_oldest() is not None)  # fmt: skip
         if self.num_retracted > retracted_before:
             self.ratio.after_retract(self.running)
         rows = []
@@ -281,6 +299,12 @@ class SchedulerCore:
 
     def _finish(self, req: Req, reason: FinishReason) -> ReqOutput:
         req.finish_reason = reason
+        if req.kv is not None and req.session_id is not None and req.session_id not in self.sessions.kept:
+            # a session turn: kvmem keeps its slot, trimmed to origin_len + finished_len (seed
+            # 001), for the next turn; the runner forgets the row (the next turn restarts it)
+            self.released_slots.append(req.kv.slot)
+            self.sessions.finish_turn(req.session_id, req.kv, req.origin_ids, req.output_ids, len(req.output_ids))
+            req.kv = None
         if req.kv is not None:
             # KV is valid for every token but the last sampled one (never fed back), and never
             # past what was scheduled (a batch still in flight writes it before any later batch
@@ -313,7 +337,7 @@ class SchedulerCore:
     def check_idle(self) -> None:
         """Called whenever nothing runs: integrity of the KV books, ratio reset."""
         self.ratio.reset()
-        self.kv.check_integrity([r.kv for r in self.live() if r.kv is not None])
+        self.sessions.check_integrity([r.kv for r in self.live() if r.kv is not None])
 
     def info(self) -> dict:
         return {
@@ -324,5 +348,6 @@ class SchedulerCore:
             "available_tokens": self.kv.available_tokens(),
             "new_token_ratio": round(self.ratio.value, 4),
             "num_retracted": self.num_retracted,
+            "sessions_keeping_kv": len(self.sessions.kept),
             "step": self.step_id,
         }

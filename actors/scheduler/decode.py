@@ -55,14 +55,15 @@ def retract_order(running: list[Req]) -> list[Req]:
 
 
 def prepare_decode(kv: KVCache, running: list[Req], retract: Callable[[Req], None],
-                   spare: Callable[[], bool] | None = None,
-                   defer_last: bool = False) -> dict[int, np.ndarray]:  # fmt: skip
+                   spare: Callable[[], bool] | None = None, defer_last: bool = False,
+                   reclaim: Callable[[], bool] | None = None) -> dict[int, np.ndarray]:  # fmt: skip
     """Reserve one more token for every running request; returns {id(req): pages appended to
     its table} for the requests that decode this step.
 
     `kv.reserve` is idempotent, so survivors that got a page before a retraction keep it
     (recorded once) and simply get nothing more on the retry. `retract(req)` frees a victim's
-    KV and requeues it (the scheduler's one retract path).
+    KV and requeues it (the scheduler's one retract path). Before any request is retracted,
+    `reclaim()` may give back memory nobody runs on (a session's kept slot): True, retry.
 
     When even a single request cannot get its next token, the memory is held by someone who
     is not decoding (the chunked prefill): `spare()` frees it and returns True (then retry);
@@ -84,6 +85,8 @@ def prepare_decode(kv: KVCache, running: list[Req], retract: Callable[[Req], Non
                 grants[id(r)] = pages
         if short is None:
             return {id(r): grants.get(id(r), _EMPTY) for r in keep}
+        if reclaim is not None and reclaim():
+            continue
         if len(keep) == 1:
             if spare is not None and spare():
                 continue

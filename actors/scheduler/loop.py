@@ -38,7 +38,7 @@ IDLE_WAIT_S = 0.5  # longest blocking wait for a request while idle (then `stopp
 
 def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
     return Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
-               stream=g.stream)  # fmt: skip
+               stream=g.stream, session_id=g.session_id)  # fmt: skip
 
 
 class SchedulerLoop:
@@ -196,6 +196,9 @@ class SchedulerLoop:
             self._reply("get_weights", r.ok, r.message, r.payload, r.shape)
         elif isinstance(msg, m.MemoryReq):
             self._memory(msg)
+        elif isinstance(msg, m.CloseSessionReq):
+            self.core.close_session(msg.session_id)
+            self.checked_idle = False
 
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
         busy = self.core.busy()

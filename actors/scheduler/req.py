@@ -60,6 +60,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False  # the caller streams: an output every stream_interval tokens
+    session_id: str | None = None  # a streaming session's turn: its slot is kept for the next turn
     arrival: int = 0  # admission order (fcfs tiebreak)
 
     status: ReqStatus = ReqStatus.WAITING

@@ -62,6 +62,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False  # outputs every stream_interval tokens; else only the finished one
+    session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):
@@ -86,6 +87,10 @@ class InfoReq(msgspec.Struct, tag="info", **_S):
 
 class LoadReq(msgspec.Struct, tag="load", **_S):
     pass
+
+
+class CloseSessionReq(msgspec.Struct, tag="close_session", **_S):
+    session_id: str
 
 
 class TensorRef(msgspec.Struct, **_S):
@@ -126,7 +131,7 @@ class MemoryReq(msgspec.Struct, tag="memory", **_S):
 
 ToScheduler = (
     GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq | LoadReq | UpdateWeightsReq
-    | GetWeightsReq | MemoryReq
+    | GetWeightsReq | MemoryReq | CloseSessionReq
 )  # fmt: skip
 
 
