@@ -47,6 +47,11 @@ class ServerArgs:
     )
     disable_radix_cache: bool = _opt(False, "cache no prefixes (RL rollouts often run this way)")
     disable_overlap_schedule: bool = _opt(False, "schedule batch N+1 only after batch N's tokens are back")
+    speculative_algorithm: Literal["none", "ngram"] = _opt(
+        "none", "speculative decoding: 'ngram' drafts from each request's own context (prompt lookup)"
+    )
+    speculative_num_draft_tokens: int = _opt(4, "draft tokens per verify round (ngram)")
+    speculative_ngram_max_match: int = _opt(4, "longest suffix n-gram looked up in the context (ngram)")
     new_token_ratio_init: float = _opt(0.7, "initial share of max_new_tokens reserved per running request")
     new_token_ratio_min: float = _opt(0.1, "floor of that share")
     new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay from init to min")
@@ -116,12 +121,28 @@ class ServerArgs:
             0 <= self.max_top_logprobs_num <= 64,
             f"max_top_logprobs_num={self.max_top_logprobs_num}: must be in [0, 64]",
         )
+        need(
+            1 <= self.speculative_num_draft_tokens <= 16,
+            f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}: must be in [1, 16]",
+        )
+        need(
+            1 <= self.speculative_ngram_max_match <= 16,
+            f"speculative_ngram_max_match={self.speculative_ngram_max_match}: must be in [1, 16]",
+        )
+        need(
+            not (self.speculative and self.enable_mixed_chunk),
+            "speculative decoding and enable_mixed_chunk cannot be combined (a verify round is a step of its own)",
+        )
         need(0 <= self.port <= 65535, f"port={self.port}: must be in [0, 65535] (0: any free port)")
 
     @property
     def num_pages(self) -> int:
         """Pages in the KV pool, the reserved sink page 0 included."""
         return self.max_total_tokens // self.page_size
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm != "none"
 
     @property
     def enable_overlap(self) -> bool:

@@ -10,7 +10,8 @@ row's regions and kvmem/req_kv.py for the record.
 - `reserve(kv, extend_len)`: allocated_len >= committed_len + extend_len, evicting unlocked
   tree leaves if the free list is short. Returns the pages appended to the row, or None with
   nothing changed when even eviction cannot make room. Idempotent.
-- `commit(kv, n)`: n more positions hold KV (the caller wrote, or scheduled, them in order).
+- `commit(kv, n)`: n more positions hold KV (the caller wrote, or scheduled, them in order);
+  `uncommit(kv, n)` takes back the last n of them (a speculative round's rejected drafts).
 - `cache_unfinished(kv, ids)`: ids = the tokens [0, committed_len) (or fewer); their whole
   pages enter the tree. The row is unchanged (the runner mirrors it).
 - `release(kv, ids)`: finish (ids = tokens [0, keep_len) worth keeping, inserted
@@ -96,6 +97,13 @@ class KVCache:
                 f"slot {kv.slot}: commit of {n} tokens past allocated_len={kv.allocated_len} (committed_len={kv.committed_len})"
             )
         kv.committed_len += n
+
+    def uncommit(self, kv: ReqKV, n: int) -> None:
+        """n positions committed as an upper bound (a speculative round's rejected drafts) hold
+        no valid KV after all; their pages stay allocated for the request's next positions."""
+        if not 0 <= n <= kv.committed_len - kv.cached_len:
+            raise KVUsageError(f"slot {kv.slot}: uncommit of {n} tokens (committed_len={kv.committed_len}, cached_len={kv.cached_len})")
+        kv.committed_len -= n
 
     def cache_unfinished(self, kv: ReqKV, token_ids: np.ndarray) -> None:
         """Between prefill chunks (or once the prompt is done): cache the written KV.

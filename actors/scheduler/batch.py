@@ -33,6 +33,7 @@ class Row:
     epoch: int  # req.retractions when scheduled: a result for an older epoch is dropped
     new_pages: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 pages appended this step
     prefix_pages: np.ndarray | None = None  # int32 whole table at (re)admission, else None
+    drafts: np.ndarray | None = None  # a verify round: int32 [k] drafts (NO_DRAFT pads), else None
 
     @classmethod
     def extend(cls, req: Req, extend_len: int, *, last_chunk: bool) -> Row:
@@ -44,6 +45,12 @@ class Row:
     def decode(cls, req: Req, new_pages: np.ndarray) -> Row:
         return cls(req, req.committed_len, 1, None, True, req.retractions, new_pages)
 
+    @classmethod
+    def verify(cls, req: Req, drafts: np.ndarray, new_pages: np.ndarray) -> Row:
+        """A speculative round: the last token (future buffer) and k drafts, k + 1 positions from
+        wherever the device's FutureMap says the request is (committed_len is a bound here)."""
+        return cls(req, req.committed_len, len(drafts) + 1, None, True, req.retractions, new_pages, drafts=drafts)
+
     @property
     def slot(self) -> int:
         return self.req.slot
@@ -51,6 +58,10 @@ class Row:
     @property
     def is_decode(self) -> bool:
         return self.token_ids is None
+
+    @property
+    def is_verify(self) -> bool:
+        return self.drafts is not None
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,7 +85,8 @@ class StepResult:
     """The runner's answer for one batch, rows in the batch's order."""
 
     step_id: int
-    tokens: np.ndarray  # int32 [rows]
-    logprobs: np.ndarray | None = None  # f32 [rows]
-    top_ids: np.ndarray | None = None  # int32 [rows, N]
-    top_logprobs: np.ndarray | None = None  # f32 [rows, N]
+    tokens: np.ndarray  # int32 [rows]; a verify batch: its targets [rounds * (k + 1)]
+    logprobs: np.ndarray | None = None  # f32, one per token
+    top_ids: np.ndarray | None = None  # int32 [tokens, N]
+    top_logprobs: np.ndarray | None = None  # f32 [tokens, N]
+    accepted: np.ndarray | None = None  # a verify batch: int32 [rounds], drafts accepted per round

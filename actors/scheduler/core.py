@@ -32,6 +32,7 @@ from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decod
 from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
+from actors.scheduler.spec import padded, propose
 from actors.server_args import ServerArgs
 from kvmem import KVCache, ReqKV, SessionSlots
 
@@ -63,6 +64,7 @@ class SchedulerCore:
         self._arrivals = 0
         self.weight_version = "0"  # stamps outputs; namespaces the prefix cache (extra_key)
         self.sessions = SessionSlots(kv)  # slots finished session turns keep for their next turn
+        self.spec_hist = [0] * (args.speculative_num_draft_tokens + 1)  # verify rounds by drafts accepted
         self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -206,6 +208,8 @@ class SchedulerCore:
             self.kv.commit(req.kv, row.extend_len)
             rows.append(row)
             if row.sample:  # the last chunk: the request decodes from its next step on
+                if self.args.speculative:
+                    req.spec_pending.append(1)  # its first token, not known when the first round is drafted
                 req.status = ReqStatus.RUNNING
                 self.running.append(req)
                 if self.chunked is req:
@@ -233,25 +237,40 @@ class SchedulerCore:
         return True
 
     def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None) -> list[Row]:
+        """One decode row per request, or with speculation one verify round (k + 1 positions,
+        booked as an upper bound; the rejected ones are given back with the result)."""
+        a = self.args
+        k = a.speculative_num_draft_tokens if a.speculative else 0
         retracted_before = self.num_retracted
         grants = prepare_decode(self.kv, reqs, self._retract, spare, defer_last=spare is None,
-                                reclaim=lambda: self.sessions.evict_oldest() is not None)  # fmt: skip
+                                reclaim=lambda: self.sessions.evict_oldest() is not None, need=k + 1)  # fmt: skip
         if self.num_retracted > retracted_before:
             self.ratio.after_retract(self.running)
         rows = []
         for r in reqs:
             if id(r) in grants:
                 assert r.kv is not None
-                rows.append(Row.decode(r, grants[id(r)]))
-                self.kv.commit(r.kv, 1)
+                if k:
+                    drafts = propose(r.fill_ids(0, r.fill_len), k, sum(r.spec_pending), a.speculative_ngram_max_match)
+                    r.spec_pending.append(len(drafts) + 1)  # what the round yields if all are accepted
+                    rows.append(Row.verify(r, padded(drafts, k), grants[id(r)]))
+                else:
+                    rows.append(Row.decode(r, grants[id(r)]))
+                self.kv.commit(r.kv, k + 1)
         return rows
 
     # ---- results --------------------------------------------------------------------------
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> list[ReqOutput]:
         assert result.step_id == batch.step_id, f"result of step {result.step_id} for batch {batch.step_id}"
         outs: list[ReqOutput] = []
+        k = self.args.speculative_num_draft_tokens
         for i, row in enumerate(batch.rows):
             req = row.req
+            if row.sample and row.epoch == req.retractions and req.spec_pending:
+                expected = req.spec_pending.pop(0)  # this step is no longer in flight
+                got = int(result.accepted[i]) + 1 if row.is_verify and result.accepted is not None else 1
+                if got != expected and req.spec_pending:
+                    req.spec_pending[0] = 1  # the next round was drafted on a wrong guess: expect its bonus only
             if req.finished or row.epoch != req.retractions or not row.sample:
                 continue  # overshoot of a finished/retracted request, or a middle chunk
             if req.status is ReqStatus.RUNNING and not row.is_decode and not req.output_ids:
@@ -259,23 +278,42 @@ class SchedulerCore:
             if req.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
                 outs.append(self._finish(req, FinishReason("length")))
                 continue
-            if not req.output_ids:
-                req.first_token_at = time.perf_counter()
-            if req.weight_version != self.weight_version:
-                req.weight_spans.append((self.weight_version, len(req.output_ids)))
-            req.output_ids.append(int(result.tokens[i]))
-            if req.return_logprob and result.logprobs is not None:
-                req.output_logprobs.append(float(result.logprobs[i]))
-                if req.top_logprobs_num and result.top_ids is not None and result.top_logprobs is not None:
-                    n = req.top_logprobs_num
-                    top = zip(result.top_logprobs[i, :n].tolist(), result.top_ids[i, :n].tolist(), strict=True)
-                    req.output_top_logprobs.append(list(top))
-            reason = req.stop_reason(self.decode_tail)
+            if row.is_verify:
+                assert result.accepted is not None and row.drafts is not None and req.kv is not None
+                accepted = int(result.accepted[i])
+                self.kv.uncommit(req.kv, k - accepted)  # the rejected drafts' positions
+                req.spec_verify_ct += 1
+                req.spec_accepted += accepted
+                self.spec_hist[accepted] += 1
+                first = i * (k + 1)
+                toks = [(first + j, int(result.tokens[first + j])) for j in range(accepted + 1)]
+            else:
+                toks = [(i, int(result.tokens[i]))]
+            reason = None
+            for j, tok in toks:  # a finish inside an accepted run drops the tokens after it
+                reason = self._append(req, tok, j, result)
+                if reason is not None:
+                    break
             if reason is not None:
                 outs.append(self._finish(req, reason))
             elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
                 outs.append(self._output(req, False))
         return outs
+
+    def _append(self, req: Req, token: int, j: int, result: StepResult) -> FinishReason | None:
+        """One output token (result index j for its logprobs); why the request finishes now."""
+        if not req.output_ids:
+            req.first_token_at = time.perf_counter()
+        if req.weight_version != self.weight_version:
+            req.weight_spans.append((self.weight_version, len(req.output_ids)))
+        req.output_ids.append(token)
+        if req.return_logprob and result.logprobs is not None:
+            req.output_logprobs.append(float(result.logprobs[j]))
+            if req.top_logprobs_num and result.top_ids is not None and result.top_logprobs is not None:
+                n = req.top_logprobs_num
+                top = zip(result.top_logprobs[j, :n].tolist(), result.top_ids[j, :n].tolist(), strict=True)
+                req.output_top_logprobs.append(list(top))
+        return req.stop_reason(self.decode_tail)
 
     def _output(self, req: Req, finished: bool) -> ReqOutput:
         new = req.output_ids[req.sent_len :]
@@ -321,6 +359,7 @@ class SchedulerCore:
         will be prefilled again. Rows of it still in flight are dropped (epoch)."""
         self._release_kv(req, None)
         self._unlist(req)
+        req.spec_pending.clear()
         req.status = ReqStatus.WAITING
         req.retractions += 1
         self.num_retracted += 1

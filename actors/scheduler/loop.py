@@ -106,18 +106,13 @@ class SchedulerLoop:
         self.times["wait_runner_s"] += t1 - t0
         self.times["runner_forward_s"] += res.forward_s
         self.runner_trace_count = res.trace_count
-        n = len(batch.rows)
+        tokens = m.as_i32(res.tokens)
         top_ids = top_lp = None
         if res.top_n:
-            top_ids = m.as_i32(res.top_ids).reshape(n, res.top_n)
-            top_lp = m.as_f32(res.top_logprobs).reshape(n, res.top_n)
-        result = StepResult(
-            res.step_id,
-            m.as_i32(res.tokens),
-            m.as_f32(res.logprobs) if res.logprobs else None,
-            top_ids,
-            top_lp,
-        )
+            top_ids = m.as_i32(res.top_ids).reshape(len(tokens), res.top_n)
+            top_lp = m.as_f32(res.top_logprobs).reshape(len(tokens), res.top_n)
+        result = StepResult(res.step_id, tokens, m.as_f32(res.logprobs) if res.logprobs else None, top_ids, top_lp,
+                            m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
         self._emit(self.core.process_result(batch, result))
         self.times["process_s"] += time.perf_counter() - t1
 

@@ -6,6 +6,7 @@ actors/runner/slot_mirrors.py):
     starting slot (new or resumed request): SlotStart = cached prefix pages + sampling params
     extend row : slot, committed_len, the new token ids, pages appended this step
     decode row : slot, committed_len, the page appended this step or -1     (12 bytes, columnar)
+    verify round (speculative): slot, k drafts, pages appended this step   (columnar)
     every step : slots released since the previous step
 
 Rows keep the batch's order; the scheduler core puts every extend row before the decode rows
@@ -41,6 +42,13 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
             new_pages=i32(row.new_pages) if len(row.new_pages) else b"", sample=row.sample, start=start,
         ))  # fmt: skip
     msg = StepMsg(batch.step_id, i32(batch.released_slots) if batch.released_slots else b"", extend)
+    if dec and dec[0].is_verify:
+        assert all(r.is_verify and r.drafts is not None for r in dec), "a verify step has only verify rounds"
+        msg.spec_slots = i32([r.slot for r in dec])
+        msg.spec_drafts = i32(np.concatenate([r.drafts for r in dec if r.drafts is not None]))
+        msg.spec_page_counts = i32([len(r.new_pages) for r in dec])
+        msg.spec_pages = i32(np.concatenate([r.new_pages for r in dec]))
+        return msg
     if dec:
         new_page = np.full(len(dec), -1, np.int32)
         for i, r in enumerate(dec):

@@ -74,6 +74,9 @@ class Req:
     sent_len: int = 0  # output tokens sent to the detokenizer so far (only new ones are sent)
     first_token_at: float = 0.0  # time.perf_counter() when its first token was processed
     weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
+    spec_pending: list[int] = dataclasses.field(default_factory=list)  # tokens each sampling step in flight is expected to yield
+    spec_verify_ct: int = 0  # verify rounds processed
+    spec_accepted: int = 0  # drafts accepted in them
 
     # ---- KV (read from kvmem's record) --------------------------------------------------------
     @property

@@ -161,6 +161,12 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     decode_slots: bytes = b""  # int32 [B]; the input token is future[slot] on device
     decode_committed: bytes = b""  # int32 [B]
     decode_new_page: bytes = b""  # int32 [B], -1 = no new page
+    # a verify step (speculative decoding) instead of decode rows: G rounds of k + 1 positions
+    # from each slot's FutureMap position; new pages: spec_page_counts[g] of spec_pages per round
+    spec_slots: bytes = b""  # int32 [G]
+    spec_drafts: bytes = b""  # int32 [G, k], -1 = no draft
+    spec_page_counts: bytes = b""  # int32 [G]
+    spec_pages: bytes = b""  # int32 [sum of counts]
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
@@ -192,6 +198,7 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     top_ids: bytes = b""  # int32 [rows, top_n]
     top_logprobs: bytes = b""  # f32 [rows, top_n]
     top_n: int = 0
+    accepted: bytes = b""  # a verify step: int32 [G] drafts accepted per round (tokens: [G * (k + 1)] targets)
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
 

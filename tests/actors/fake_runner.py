@@ -25,11 +25,24 @@ def next_token(context: list[int], vocab: int) -> int:
     return 4 + h % (vocab - 4)
 
 
-def reference(prompt: list[int], n: int, vocab: int, eos: int | None = None) -> list[int]:
+def copying(period: int, vocab: int, every: int = 0):
+    """A fake model that repeats the token `period` back (so n-gram drafts are right), and
+    every `every`-th position (0: never) says something else (so some drafts are rejected)."""
+
+    def model(context: list[int], _vocab: int = vocab) -> int:
+        if every and len(context) % every == 0:
+            return next_token(context, vocab)
+        return context[-period] if len(context) >= period else next_token(context, vocab)
+
+    return model
+
+
+def reference(prompt: list[int], n: int, vocab: int, eos: int | None = None, model=None) -> list[int]:
+    model = model or next_token
     ctx = list(prompt)
     out: list[int] = []
     for _ in range(n):
-        t = next_token(ctx, vocab)
+        t = model(ctx, vocab)
         out.append(t)
         ctx.append(t)
         if t == eos:
@@ -44,12 +57,18 @@ class SlotMirror:
 
 
 class FakeRunner:
-    def __init__(self, page_size: int, vocab: int = 1000):
+    """Also plays a verify round (speculative decoding) as the device does: k + 1 positions from
+    the slot's FutureMap position, a target per position, the leading drafts equal to their
+    targets accepted, the FutureMap moved past them (see DESIGN.md)."""
+
+    def __init__(self, page_size: int, vocab: int = 1000, model=None):
         self.page = page_size
         self.vocab = vocab
+        self.model = model or next_token
         self.kv: dict[int, int] = {}
         self.slots: dict[int, SlotMirror] = {}
         self.future: dict[int, int] = {}
+        self.future_pos: dict[int, int] = {}  # positions with valid KV per slot (device-resolved)
         self.log: list[list[tuple[int, int]]] = []  # per step: (slot, extend_len) rows
 
     def loc(self, m: SlotMirror, pos: int) -> int:
@@ -60,8 +79,10 @@ class FakeRunner:
     def run(self, batch: ScheduledBatch) -> StepResult:
         for s in batch.released_slots:
             self.slots.pop(s, None)
-        toks = np.zeros(len(batch.rows), np.int32)
         self.log.append([(r.slot, r.extend_len) for r in batch.rows])
+        if batch.rows and batch.rows[0].is_verify:
+            return self._verify(batch)
+        toks = np.zeros(len(batch.rows), np.int32)
         for i, row in enumerate(batch.rows):
             if row.prefix_pages is not None:
                 assert row.slot not in self.slots, f"slot {row.slot} reused before its release was sent"
@@ -76,6 +97,30 @@ class FakeRunner:
             m.committed += row.extend_len
             if row.sample:
                 ctx = [self.kv[self.loc(m, p)] for p in range(m.committed)]
-                toks[i] = next_token(ctx, self.vocab)
+                toks[i] = self.model(ctx, self.vocab)
                 self.future[row.slot] = int(toks[i])
+                self.future_pos[row.slot] = m.committed
         return StepResult(batch.step_id, toks, logprobs=-np.arange(len(toks), dtype=np.float32))
+
+    def _verify(self, batch: ScheduledBatch) -> StepResult:
+        k = len(batch.rows[0].drafts)
+        targets = np.zeros((len(batch.rows), k + 1), np.int32)
+        accepted = np.zeros(len(batch.rows), np.int32)
+        for g, row in enumerate(batch.rows):
+            m = self.slots[row.slot]
+            m.pages += [int(p) for p in row.new_pages]
+            base = self.future_pos[row.slot]
+            inputs = [self.future[row.slot]] + [int(d) for d in row.drafts]
+            for j, t in enumerate(inputs):
+                self.kv[self.loc(m, base + j)] = t
+                ctx = [self.kv[self.loc(m, p)] for p in range(base + j + 1)]
+                targets[g, j] = self.model(ctx, self.vocab)
+            a = 0
+            while a < k and row.drafts[a] == targets[g, a]:
+                a += 1
+            accepted[g] = a
+            self.future[row.slot] = int(targets[g, a])
+            self.future_pos[row.slot] = base + a + 1
+            m.committed = -1  # known on the device only from now on
+        flat = targets.ravel()
+        return StepResult(batch.step_id, flat, logprobs=-np.arange(len(flat), dtype=np.float32), accepted=accepted)
