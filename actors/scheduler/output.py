@@ -19,7 +19,7 @@ import numpy as np
 
 from actors.scheduler.batch import Row, ScheduledBatch
 from actors.scheduler.core import ReqOutput
-from actors.transport.messages import ExtendRow, SlotStart, StepMsg, TokenOut, f32, i32
+from actors.transport.messages import ExtendRow, SlotStart, StepMsg, TokenOut, VerifyRounds, f32, i32
 
 
 def slot_start(row: Row) -> SlotStart:
@@ -44,10 +44,12 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
     msg = StepMsg(batch.step_id, i32(batch.released_slots) if batch.released_slots else b"", extend)
     if dec and dec[0].is_verify:
         assert all(r.is_verify and r.drafts is not None for r in dec), "a verify step has only verify rounds"
-        msg.spec_slots = i32([r.slot for r in dec])
-        msg.spec_drafts = i32(np.concatenate([r.drafts for r in dec if r.drafts is not None]))
-        msg.spec_page_counts = i32([len(r.new_pages) for r in dec])
-        msg.spec_pages = i32(np.concatenate([r.new_pages for r in dec]))
+        msg.verify = VerifyRounds(
+            slots=i32([r.slot for r in dec]),
+            drafts=i32(np.concatenate([r.drafts for r in dec if r.drafts is not None])),
+            page_counts=i32([len(r.new_pages) for r in dec]),
+            pages=i32(np.concatenate([r.new_pages for r in dec])),
+        )
         return msg
     if dec:
         new_page = np.full(len(dec), -1, np.int32)

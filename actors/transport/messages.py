@@ -152,6 +152,16 @@ class ExtendRow(msgspec.Struct, **_S):
     start: SlotStart | None = None
 
 
+class VerifyRounds(msgspec.Struct, **_S):
+    """A verify step (speculative decoding), in place of decode rows: G rounds of k + 1
+    positions from each slot's FutureMap position; round g appends page_counts[g] of `pages`."""
+
+    slots: bytes  # int32 [G]
+    drafts: bytes  # int32 [G, k], -1 = no draft
+    page_counts: bytes  # int32 [G]
+    pages: bytes = b""  # int32 [sum of page_counts]
+
+
 class StepMsg(msgspec.Struct, tag="step", **_S):
     """One batch. Result rows come back in order: extend rows, then decode rows."""
 
@@ -161,12 +171,7 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     decode_slots: bytes = b""  # int32 [B]; the input token is future[slot] on device
     decode_committed: bytes = b""  # int32 [B]
     decode_new_page: bytes = b""  # int32 [B], -1 = no new page
-    # a verify step (speculative decoding) instead of decode rows: G rounds of k + 1 positions
-    # from each slot's FutureMap position; new pages: spec_page_counts[g] of spec_pages per round
-    spec_slots: bytes = b""  # int32 [G]
-    spec_drafts: bytes = b""  # int32 [G, k], -1 = no draft
-    spec_page_counts: bytes = b""  # int32 [G]
-    spec_pages: bytes = b""  # int32 [sum of counts]
+    verify: VerifyRounds | None = None  # a speculative step: rounds instead of decode rows
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):

@@ -26,9 +26,9 @@ def mp_bin(n: int) -> int:
 
 
 def decode_step_bytes(batch: int, step_id: int) -> int:
-    """[tag "step", step_id, released=b"", extend=[], slots, committed, new_page]: three int32
-    columns of `batch` rows; nothing depends on the context length."""
-    return 1 + (1 + 4) + mp_uint(step_id) + mp_bin(0) + 1 + 3 * mp_bin(4 * batch)
+    """[tag "step", step_id, released=b"", extend=[], slots, committed, new_page, verify=nil]:
+    three int32 columns of `batch` rows; nothing depends on the context length."""
+    return 1 + (1 + 4) + mp_uint(step_id) + mp_bin(0) + 1 + 3 * mp_bin(4 * batch) + 1
 
 
 def first_decode(context: int, batch: int, page: int = 16):
