@@ -173,6 +173,11 @@ class TokenizerManager:
                 st.meta["weight_versions"] = [
                     {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)
                 ]
+            if o.spec_verify_ct:  # SGLang's names (slime reads them)
+                k = self.args.speculative_num_draft_tokens
+                st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,
+                               spec_draft_token_num=o.spec_verify_ct * k,
+                               spec_accept_length=round(o.completion_tokens / o.spec_verify_ct, 4))  # fmt: skip
             if o.finished:
                 if st.spec.session is not None:
                     self.sessions.finished(st.spec.session.session.id, o.rid, st.output_ids)

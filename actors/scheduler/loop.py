@@ -274,6 +274,8 @@ class SchedulerLoop:
             "cur_batch": self.in_flight[-1].step_id if self.in_flight else None,
             "last_batch": self.in_flight[0].step_id if self.in_flight else None,
             "chunked_req": c.chunked.rid if c.chunked else None,
+            "spec_accept_histogram": list(c.spec_hist),  # verify rounds by drafts accepted (0..k)
+            "avg_spec_accept_length": round(sum((a + 1) * n for a, n in enumerate(c.spec_hist)) / max(1, sum(c.spec_hist)), 4),
             "host_s_per_step": host / steps if steps else 0.0,
             "forward_s_per_step": t["runner_forward_s"] / steps if steps else 0.0,
         }

@@ -81,6 +81,8 @@ def token_out(o: ReqOutput, first: bool) -> TokenOut:
         first_token_at=req.first_token_at if n and done == n else 0.0,
         weight_version=req.weight_version,
         weight_versions=list(req.weight_spans) if o.finished and len(req.weight_spans) > 1 else [],
+        spec_verify_ct=req.spec_verify_ct if o.finished else 0,
+        spec_accepted=req.spec_accepted if o.finished else 0,
     )
     if req.return_logprob and n:
         out.logprobs = f32(req.output_logprobs[done - n : done])

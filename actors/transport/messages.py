@@ -238,6 +238,8 @@ class TokenOut(msgspec.Struct, **_S):
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
     weight_version: str = ""  # the weights that produced these tokens
     weight_versions: list[tuple[str, int]] = []  # on the finish, if several: (version, first output index)
+    spec_verify_ct: int = 0  # on the finish, with speculative decoding: verify rounds
+    spec_accepted: int = 0  # and the drafts they accepted
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):
