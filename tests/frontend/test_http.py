@@ -160,3 +160,22 @@ def test_openai_errors_are_openai_shaped(servers):
     assert "temperature" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="gpt-17", prompt="hi", max_tokens=4)
+
+
+def test_sessions_over_http_and_the_client(engine, servers, client):
+    sp = {**GREEDY, "max_new_tokens": 6}
+    sid = httpx.post(servers.url + "/open_session", json={"capacity_of_str_len": 1000}).json()
+    assert isinstance(sid, str) and sid
+    r1 = httpx.post(servers.url + "/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": sp,
+                                                     "session_params": {"id": sid}}).json()  # fmt: skip
+    r2 = httpx.post(servers.url + "/generate", json={"input_ids": [9, 10], "sampling_params": sp,
+                                                     "session_params": {"id": sid, "rid": r1["meta_info"]["id"]}}).json()  # fmt: skip
+    want = engine.generate(input_ids=[5, 6, 7, 8] + r1["output_ids"] + [9, 10], sampling_params=sp)
+    assert r2["output_ids"] == want["output_ids"] and r2["meta_info"]["cached_tokens"] >= 8
+    bad = httpx.post(servers.url + "/generate", json={"input_ids": [1], "session_params": {"id": "nope"}})
+    assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+    assert httpx.post(servers.url + "/close_session", json={"session_id": sid}).status_code == 200
+    sid2 = client.open_session(session_id="from-the-client")
+    out = client.generate(input_ids=[5, 6], sampling_params=sp, session_params={"id": sid2})
+    assert out["output_ids"] == engine.generate(input_ids=[5, 6], sampling_params=sp)["output_ids"]
+    client.close_session(sid2)
