@@ -52,7 +52,8 @@ class ExecutorConfig:
     top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
     attention_backend: str = "auto"
     attention_interpret: bool = False  # run Pallas kernels in their interpreter (tests on CPU)
-    context_buckets: tuple[int, ...] = ()  # static-loop backends: context lengths compiled (() = powers of 2)
+    attn_chunk_tokens: int = 64  # native attention: keys per work item
+    context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
     layer_unroll: int = 1  # decoder layers per scan iteration
     precompile: bool = True  # compile every bucket at start-up
 

@@ -53,13 +53,13 @@ def make_backend(name: str, geo: AttnGeometry, cfg: Any) -> AttentionBackend:
     if name == "native":
         from model.attention.native import NativeAttention
 
-        return NativeAttention(geo)
+        return NativeAttention(geo, cfg.attn_chunk_tokens)
     if name == "none":
         return NoAttention(geo)
     if name == "bucketed":
         from model.attention.bucketed import BucketedAttention
 
-        return BucketedAttention(geo, cfg.context_buckets)
+        return BucketedAttention(geo, cfg.context_bucket_min)
     if name == "pallas":
         from model.attention.pallas_tpu import PallasTPUAttention
 
@@ -67,5 +67,5 @@ def make_backend(name: str, geo: AttnGeometry, cfg: Any) -> AttentionBackend:
     if name == "pallas_gpu":
         from model.attention.pallas_gpu import PallasGPUAttention
 
-        return PallasGPUAttention(geo, cfg.context_buckets, interpret=cfg.attention_interpret)
+        return PallasGPUAttention(geo, cfg.context_bucket_min, interpret=cfg.attention_interpret)
     raise ValueError(f"attention backend {name!r} is not known")
