@@ -102,7 +102,7 @@ class ModelExecutor:
             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             max_pages=cfg.max_pages, dtype=DTYPES[cfg.dtype], sliding_window=mc.sliding_window,
         )  # fmt: skip
-        self.attn: AttentionBackend = make_backend(self.backend, geo, cfg)
+        self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
         self.model = CausalLM(mc, self.attn, cfg.layer_unroll)
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink

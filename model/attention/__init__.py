@@ -48,8 +48,9 @@ def resolve_backend(requested: str, platform: str, interpret: bool = False) -> s
     return name
 
 
-def make_backend(name: str, geo: AttnGeometry, cfg: Any) -> AttentionBackend:
-    """The backend object for a resolved name (cfg: the executor's config, for tunables)."""
+def make_backend(name: str, geo: AttnGeometry, cfg: Any, mesh: Any = None) -> AttentionBackend:
+    """The backend object for a resolved name (cfg: the executor's config, for tunables; mesh:
+    the `tp` mesh, for kernels that run per device under shard_map)."""
     if name == "native":
         from model.attention.native import NativeAttention
 
@@ -63,9 +64,11 @@ def make_backend(name: str, geo: AttnGeometry, cfg: Any) -> AttentionBackend:
     if name == "pallas":
         from model.attention.pallas_tpu import PallasTPUAttention
 
-        return PallasTPUAttention(geo, interpret=cfg.attention_interpret)
+        return PallasTPUAttention(geo, interpret=cfg.attention_interpret, tp=cfg.tp_size, mesh=mesh)
     if name == "pallas_gpu":
         from model.attention.pallas_gpu import PallasGPUAttention
 
-        return PallasGPUAttention(geo, cfg.context_bucket_min, interpret=cfg.attention_interpret)
+        return PallasGPUAttention(
+            geo, cfg.context_bucket_min, interpret=cfg.attention_interpret, tp=cfg.tp_size, mesh=mesh
+        )
     raise ValueError(f"attention backend {name!r} is not known")
