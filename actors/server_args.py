@@ -30,7 +30,9 @@ class ServerArgs:
         "float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)"
     )
     tp_size: int = _opt(1, "tensor-parallel devices on this host (the `tp` mesh axis)")
-    attention_backend: Literal["auto", "native", "pallas"] = _opt("auto", "paged attention implementation")
+    attention_backend: Literal["auto", "native", "bucketed", "pallas", "pallas_gpu", "none"] = _opt(
+        "auto", "attention: auto (CPU native, GPU bucketed, TPU pallas) or one by name ('none': benchmarks only)"
+    )
     # memory
     page_size: int = _opt(16, "tokens per KV page")
     max_total_tokens: int = _opt(65536, "KV pool size in tokens (rounded down to pages; page 0 is reserved)")
@@ -55,9 +57,14 @@ class ServerArgs:
     new_token_ratio_init: float = _opt(0.7, "initial share of max_new_tokens reserved per running request")
     new_token_ratio_min: float = _opt(0.1, "floor of that share")
     new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay from init to min")
-    # compiled shapes
-    extend_block: int = _opt(16, "query block of prefill steps (a request's tokens pad to a multiple)")
-    attn_chunk_tokens: int = _opt(256, "keys read per attention loop iteration")
+    # compiled shapes / attention
+    extend_block: int = _opt(16, "query tile of prefill steps (attention works on tiles of this many tokens)")
+    attn_chunk_tokens: int = _opt(64, "keys per work item of the native (CPU) attention")
+    context_bucket_min: int = _opt(
+        512, "smallest context length compiled by static-loop attention (bucketed, pallas_gpu); then x2"
+    )
+    layer_unroll: int = _opt(1, "decoder layers per iteration of the layer scan")
+    attention_interpret: bool = _opt(False, "run Pallas attention kernels in their interpreter (CPU tests)")
     precompile: bool = _opt(True, "compile every shape bucket at start-up")
     xla_cache: bool = _opt(
         True, "keep compiled step programs in $RINGSERVE_CACHE/xla (later start-ups take seconds)"

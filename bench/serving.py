@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     a = ap.parse_args(argv)
-    from actors.frontend.engine import resolve_model
     from model.checkpoints.config import ModelConfig
+    from model.checkpoints.resolve import resolve_model
 
     path, _ = resolve_model(a.model)
     vocab = ModelConfig.from_dir(path).vocab_size

@@ -1,8 +1,6 @@
-"""Building blocks shared by the model families: linear, RMSNorm, gated MLP, rotary embedding.
-
-Modules are Flax NNX modules built from already-loaded arrays (no random init: weights always
-come from a checkpoint). Linear weights are stored `[in, out]` (the transpose of HF's `[out, in]`)
-so every projection is `x @ w`.
+"""Building blocks shared by the model families, as pure functions of arrays: RMSNorm, the
+gated MLP, rotary embedding. Weights come from the parameter tree (model/params.py); linear
+weights are `[in, out]`, so every projection is `x @ w`.
 """
 
 from __future__ import annotations
@@ -12,44 +10,20 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.typing import ArrayLike
 
 from model.checkpoints.config import RopeConfig
 
 
-class Linear(nnx.Module):
-    def __init__(self, w: ArrayLike, b: ArrayLike | None = None):
-        self.w = nnx.Param(w)
-        self.b = nnx.Param(b) if b is not None else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.w[...]
-        if self.b is not None:
-            y = y + self.b[...]
-        return y
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; statistics in f32 whatever the compute dtype, as HF does."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
 
 
-class RMSNorm(nnx.Module):
-    def __init__(self, w: ArrayLike, eps: float):
-        self.w = nnx.Param(w)
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # Statistics in f32 whatever the compute dtype, as HF does.
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.w[...] * xf.astype(x.dtype)
-
-
-class GatedMLP(nnx.Module):
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x)), the Llama/Qwen/Mistral MLP."""
-
-    def __init__(self, gate: Linear, up: Linear, down: Linear):
-        self.gate, self.up, self.down = gate, up, down
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -74,11 +48,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention: pairs are (i, i + d/2)). x: [T, heads, D], positions: [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [T, 1, D/2] for the step's positions; computed once per step, used by every layer."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention: pairs are (i, i + d/2)). x: [T, heads, D]."""
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

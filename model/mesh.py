@@ -1,13 +1,15 @@
-"""Device mesh and the tensor-parallel sharding of parameters and KV cache.
+"""Device mesh and the tensor-parallel sharding of parameters (the KV cache's is its backend's).
 
 One mesh axis, `tp`, with Auto axis type (a default `jax.make_mesh` has Explicit axes, under
-which a plain jit of sharded matmuls fails to type-check). Megatron-style layout:
+which a plain jit of sharded matmuls fails to type-check). Megatron-style layout over the
+stacked parameter tree (model/params.py; the leading L axis is never split):
 
-    q/k/v, gate/up   [in, out]  column-parallel  P(None, "tp")   (by heads for q/k/v)
-    o, down          [in, out]  row-parallel     P("tp", None)
-    lm_head          [H, V]     vocab-parallel   P(None, "tp")
-    embed, norms                replicated
-    KV cache         [KV, slots, D]              P("tp", None, None)
+    wq/wk/wv, w_gate/w_up  [L, in, out]  column-parallel  P(None, None, "tp")  (q/k/v by heads)
+    bq/bk/bv               [L, out]                       P(None, "tp")
+    wo, w_down             [L, in, out]  row-parallel     P(None, "tp", None)
+    lm_head                [H, V]        vocab-parallel   P(None, "tp")
+    embed, norms                         replicated
+    KV cache               split by KV head (model/attention/base.py)
 
 A dimension that `tp` does not divide (e.g. 2 KV heads on 4 devices) stays replicated: the
 program is still correct, XLA just does that part redundantly.
@@ -32,32 +34,25 @@ def make_mesh(tp_size: int) -> Mesh:
     return Mesh(np.array(devices[:tp_size]), ("tp",), axis_types=(AxisType.Auto,))
 
 
-def param_spec(path: tuple, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> PartitionSpec:
-    """PartitionSpec of one parameter, from its path in the CausalLM module tree."""
-    names = [str(p) for p in path if str(p) != "value"]  # nnx.Param leaves end in ".value"
-    leaf_owner = names[-2] if len(names) >= 2 else ""
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> PartitionSpec:
+    """PartitionSpec of one leaf of the parameter tree, from its path (e.g. ("layers", "wq"))."""
+    name = path[-1]
 
     def split(dim: int) -> PartitionSpec:
         if tp == 1 or shape[dim] % tp:
             return PartitionSpec()
         return PartitionSpec(*[("tp" if i == dim else None) for i in range(len(shape))])
 
-    heads_ok = {"q": cfg.num_heads % tp == 0, "k": cfg.num_kv_heads % tp == 0, "v": cfg.num_kv_heads % tp == 0}
-    if leaf_owner in heads_ok:
-        return split(len(shape) - 1) if heads_ok[leaf_owner] else PartitionSpec()
-    if leaf_owner in ("gate", "up"):
+    heads_ok = cfg.num_heads % tp == 0 if name in ("wq", "bq") else cfg.num_kv_heads % tp == 0
+    if name in ("wq", "wk", "wv", "bq", "bk", "bv"):
+        return split(len(shape) - 1) if heads_ok else PartitionSpec()
+    if name in ("w_gate", "w_up"):
         return split(len(shape) - 1)
-    if leaf_owner in ("o", "down") and names[-1] == "w":
-        return split(0)
-    if names[-1] == "lm_head" or leaf_owner == "lm_head":
+    if name in ("wo", "w_down"):
+        return split(1)
+    if name == "lm_head":
         return split(1)
     return PartitionSpec()
-
-
-def kv_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
-    tp = mesh.shape["tp"]
-    spec = PartitionSpec("tp", None, None) if cfg.num_kv_heads % tp == 0 else PartitionSpec()
-    return NamedSharding(mesh, spec)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -16,6 +16,7 @@ filtering), like SGLang's default `output_token_logprobs`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -79,3 +80,36 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
     else:
         top_lp, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
     return SampleOut(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp)
+
+
+def sample_rows(
+    logits_fn: Callable[[jax.Array], jax.Array],
+    hs: jax.Array,
+    sp: SamplingBatch,
+    top_n: int,
+    n_rows: jax.Array,
+    group: int | None,
+) -> SampleOut:
+    """Sample rows of hidden states hs [R, H] (logits_fn: [S, H] -> f32 [S, V]).
+
+    group None: every row at once. Otherwise only the first `n_rows` (a traced count), `group`
+    rows per iteration of a runtime-trip-count loop, so the LM head and the sampler cost what
+    the real rows need (an extend program has R = max_batch rows, often a handful real);
+    rows past the last group read as token 0."""
+    r = hs.shape[0]
+    if group is None or r <= group or r % group:
+        return sample(logits_fn(hs), sp, top_n)
+
+    def cut(x, lo):
+        return x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, lo, group)
+
+    def body(i, outs):
+        lo = i * group
+        o = sample(logits_fn(cut(hs, lo)), SamplingBatch(*(cut(x, lo) for x in sp)), top_n)
+        return SampleOut(*(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True)))
+
+    init = SampleOut(
+        jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.float32),
+        jnp.zeros((r, top_n), jnp.int32), jnp.zeros((r, top_n), jnp.float32),
+    )  # fmt: skip
+    return jax.lax.fori_loop(0, (n_rows + group - 1) // group, body, init)

@@ -1,9 +1,10 @@
-"""The jitted step: forward + sample over the paged KV cache, one program per shape bucket.
+"""The jitted step: forward + sample over the paged KV cache, one program per step shape.
 
-`ModelExecutor` owns the parameters (sharded over the `tp` mesh), the KV cache and the future
-buffer on device. Every (block, NB) bucket is compiled ahead of time at start-up (with a
-progress bar); `run` only ever calls those compiled executables, so nothing can recompile
-while serving (`trace_count` counts traces and tests pin it).
+`ModelExecutor` owns the parameters (one stacked tree, sharded over the `tp` mesh), the KV
+cache (its attention backend's arrays) and the future buffer on device. Every step shape
+(model/step_inputs.py buckets, times the backend's context buckets) is compiled ahead of time
+at start-up (with a progress bar); `run` only ever calls those compiled executables, so
+nothing can recompile while serving (`trace_count` counts traces and tests pin it).
 
 The KV cache and the future buffer are donated to every step and replaced by its outputs, so
 the update is in place. Future buffer: `future[slot]` holds the last token sampled for the
@@ -23,14 +24,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from model.attention import resolve_backend
+from model.attention import AttentionBackend, AttnGeometry, StepShape, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint
-from model.llama import CausalLM, hf_to_ours
-from model.mesh import kv_sharding, make_mesh, param_spec, replicated
-from model.sampler import SampleOut, sample
+from model.llama import CausalLM
+from model.mesh import make_mesh, param_spec, replicated
+from model.params import build_host_tree
+from model.sampler import SampleOut, sample_rows
 from model.step_inputs import Buckets, DeviceRow, ForwardBatch, HostBatch, SamplingBatch, build_batch
 
 log = logging.getLogger(__name__)
@@ -44,29 +45,26 @@ class ExecutorConfig:
     num_pages: int = 2048  # including the sink page 0
     max_context_len: int = 4096
     max_batch: int = 64  # largest decode bucket (= max running requests)
-    max_extend_tokens: int = 1024  # largest extend bucket, in padded tokens
-    extend_block: int = 16  # query block of extend steps
-    attn_chunk_tokens: int = 256  # keys read per attention loop iteration
+    max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
+    extend_block: int = 16  # query tile of extend steps
     dtype: str = "float32"
     tp_size: int = 1
     top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
     attention_backend: str = "auto"
+    attention_interpret: bool = False  # run Pallas kernels in their interpreter (tests on CPU)
+    attn_chunk_tokens: int = 64  # native attention: keys per work item
+    context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
+    layer_unroll: int = 1  # decoder layers per scan iteration
     precompile: bool = True  # compile every bucket at start-up
 
     @property
     def max_pages(self) -> int:
-        """Page-table width: pages of the longest context, rounded up to whole attention chunks."""
-        chunk_pages = self.chunk_pages
-        pages = -(-self.max_context_len // self.page_size)
-        return -(-pages // chunk_pages) * chunk_pages
-
-    @property
-    def chunk_pages(self) -> int:
-        return max(1, self.attn_chunk_tokens // self.page_size)
+        """Page-table width: pages of the longest context."""
+        return -(-self.max_context_len // self.page_size)
 
     @property
     def num_token_locations(self) -> int:
-        """KV token locations on device (page 0 included)."""
+        """KV token locations per layer on device (page 0 included)."""
         return self.num_pages * self.page_size
 
 
@@ -89,7 +87,8 @@ class ModelExecutor:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
         self.cfg = cfg
         self.mesh = make_mesh(cfg.tp_size)
-        self.backend = resolve_backend(cfg.attention_backend, jax.devices()[0].platform)
+        self.platform = jax.devices()[0].platform
+        self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret)
         self.model_config, tensors = load_checkpoint(model_path)
         mc = self.model_config
         if cfg.max_context_len > mc.max_position_embeddings:
@@ -98,36 +97,42 @@ class ModelExecutor:
                 cfg.max_context_len,
                 mc.max_position_embeddings,
             )
+        geo = AttnGeometry(
+            num_layers=mc.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
+            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            max_pages=cfg.max_pages, dtype=DTYPES[cfg.dtype], sliding_window=mc.sliding_window,
+        )  # fmt: skip
+        self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
+        self.model = CausalLM(mc, self.attn, cfg.layer_unroll)
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink
+        # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
+        self.sample_group = 16 if self.platform == "cpu" else None
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
         self.graphdef, self.params = self._build(tensors)
-        self.new_kv()
         self.params_avals = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params
         )  # what every compiled program takes (weight updates must match it)
+        self.new_kv()
         self.trace_count = 0
-        self._jitted = jax.jit(self._step, donate_argnums=(1, 2))
-        self._programs: dict[tuple[int, int], object] = {}
+        self._jitted = jax.jit(self._step, donate_argnums=(1, 2), static_argnums=(5,))
+        self._programs: dict[tuple[StepShape, int], Any] = {}
         self._logits_fn: Callable | None = None
         if cfg.precompile:
             self.compile_all()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _build(self, tensors: dict[str, np.ndarray]):
-        """(graphdef, params): the module tree from HF-named host arrays, each leaf placed on its
-        `tp` sharding. Raises ValueError naming a missing or misshapen tensor."""
-        from tqdm import tqdm
-
-        w = hf_to_ours(self.model_config, tensors, DTYPES[self.cfg.dtype])
-        graphdef, host_state = nnx.split(CausalLM(self.model_config, w))
-        flat, treedef = jax.tree_util.tree_flatten_with_path(host_state)
+        """(treedef, params): the stacked tree from HF-named host arrays (model/params.py), each
+        leaf placed on its `tp` sharding. Raises ValueError naming a missing or misshapen tensor."""
+        host = build_host_tree(self.model_config, tensors, DTYPES[self.cfg.dtype])
+        flat, treedef = jax.tree_util.tree_flatten_with_path(host)
         placed = []
-        for path, leaf in tqdm(flat, desc="placing weights", unit="tensor", disable=len(flat) < 64):
-            names = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+        for path, leaf in flat:
+            names = tuple(str(getattr(k, "key", k)) for k in path)
             spec = param_spec(names, np.shape(leaf), self.model_config, self.cfg.tp_size)
             placed.append(jax.device_put(leaf, NamedSharding(self.mesh, spec)))
-        return graphdef, jax.tree_util.tree_unflatten(treedef, placed)
+        return treedef, jax.tree_util.tree_unflatten(treedef, placed)
 
     def build_params(self, tensors: dict[str, np.ndarray]):
         """A new parameter tree beside the served one (same structure, avals and shardings)."""
@@ -146,99 +151,116 @@ class ModelExecutor:
                 leaf.delete()
 
     def drop_params(self) -> None:
-        """Free the weights on the device (release_memory_occupation); the host copy stays."""
+        """Free the weights on the device; the host copy stays."""
         self.swap_params(None, self.host_tensors)
 
     def new_kv(self) -> None:
-        """A zeroed KV cache and future buffer (start-up, resume_memory_occupation)."""
-        mc, cfg = self.model_config, self.cfg
-        kv_shape = (mc.num_kv_heads, cfg.num_token_locations, mc.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(kv_shape, DTYPES[cfg.dtype]), out_shardings=kv_sharding(self.mesh, mc))
-        self.kv: list[tuple[Any, Any]] | None = [(zeros(), zeros()) for _ in range(mc.num_layers)]
+        """A zeroed KV cache (the backend's arrays) and future buffer."""
+        avals = self.attn.kv_avals()
+        specs = self.attn.kv_specs(self.cfg.tp_size)
+        self.kv: Any = tuple(
+            jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=NamedSharding(self.mesh, s))()
+            for a, s in zip(avals, specs, strict=True)
+        )
         self.future: Any = jax.device_put(jnp.zeros(self.max_slots + 1, jnp.int32), replicated(self.mesh))
 
     def drop_kv(self) -> None:
-        """Free the KV cache and future buffer on the device (release_memory_occupation)."""
+        """Free the KV cache and future buffer on the device."""
         for leaf in jax.tree_util.tree_leaves((self.kv, self.future)):
             leaf.delete()
         self.kv, self.future = None, None
 
-    def _step(self, params, kv, future, batch: ForwardBatch, sp: SamplingBatch):
+    def _step(self, params, kv, future, fb: ForwardBatch, sp: SamplingBatch, top_n: int):
         self.trace_count += 1  # Python side effect: runs once per trace, never per call
-        model = nnx.merge(self.graphdef, params)
-        ids = jnp.where(batch.input_ids < 0, future[jnp.maximum(-batch.input_ids - 1, 0)], batch.input_ids)
-        h, kv = model(ids, batch, kv, self.cfg.page_size, self.cfg.chunk_pages)
-        logits = model.logits(h[batch.sample_idx])
-        out = sample(logits, sp, self.cfg.top_logprobs_num)
-        future = future.at[batch.sample_slot].set(out.tokens)
+        ids = jnp.where(fb.input_ids < 0, future[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
+        h, kv = self.model.forward(params, ids, fb, kv)
+        group = self.sample_group if fb.input_ids.shape[0] != fb.kv_len.shape[0] else None  # not decode
+        out = sample_rows(lambda x: self.model.logits(params, x), h[fb.sample_idx], sp, top_n,
+                          fb.num_rows[0], group)  # fmt: skip
+        future = future.at[fb.sample_slot].set(out.tokens)
         return kv, future, out
 
+    def program_keys(self) -> list[tuple[StepShape, int]]:
+        """Every (shape, top_n) compiled at start-up."""
+        ctx = self.attn.context_buckets()
+        shapes = [s._replace(context=c) for s in self.buckets.shapes() for c in ctx]
+        return [(s, self.cfg.top_logprobs_num) for s in shapes]
+
     def compile_all(self) -> float:
-        """AOT-compile every bucket (progress bar); returns seconds spent."""
+        """AOT-compile every program (progress bar); returns seconds spent."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        for key in tqdm(self.buckets.keys(), desc="compiling buckets", unit="bucket"):
+        for key in tqdm(self.program_keys(), desc="compiling buckets", unit="bucket"):
             self._program(key)
         return time.perf_counter() - t0
 
-    def _program(self, key: tuple[int, int]):
+    def _avals(self, shape: StepShape) -> tuple[ForwardBatch, SamplingBatch]:
+        rep = replicated(self.mesh)
+
+        def spec(shp, dtype):
+            return jax.ShapeDtypeStruct(shp, dtype, sharding=rep)
+
+        t, r = shape.tokens, shape.rows
+        i32, f32 = jnp.int32, jnp.float32
+        attn = {k: spec(a.shape, a.dtype) for k, a in self.attn.plan_avals(shape).items()}
+        fwd = ForwardBatch(
+            spec((t,), i32), spec((t,), i32), spec((t,), i32), spec((r + 1,), i32), spec((r,), i32),
+            spec((r, self.cfg.max_pages), i32), spec((1,), i32), spec((r,), i32), spec((r,), i32), attn,
+        )  # fmt: skip
+        smp = SamplingBatch(
+            spec((r,), f32), spec((r,), i32), spec((r,), f32), spec((r,), f32), spec((r,), jnp.uint32),
+            spec((r,), i32), spec((), jnp.bool_), spec((), jnp.bool_),
+        )  # fmt: skip
+        return fwd, smp
+
+    def _program(self, key: tuple[StepShape, int]):
         prog = self._programs.get(key)
         if prog is None:
-            blk, nb = key
-            t = blk * nb
-            rep = replicated(self.mesh)
-
-            def spec(shape, dtype):
-                return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-
-            fwd = ForwardBatch(
-                spec((t,), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32),
-                spec((nb, self.cfg.max_pages), jnp.int32), spec((nb,), jnp.int32),
-                spec((nb,), jnp.int32), spec((nb,), jnp.int32),
-            )  # fmt: skip
-            smp = SamplingBatch(
-                spec((nb,), jnp.float32), spec((nb,), jnp.int32), spec((nb,), jnp.float32),
-                spec((nb,), jnp.float32), spec((nb,), jnp.uint32), spec((nb,), jnp.int32),
-                spec((), jnp.bool_), spec((), jnp.bool_),
-            )  # fmt: skip
-            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp).compile()
+            shape, top_n = key
+            fwd, smp = self._avals(shape)
+            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp, top_n).compile()
             self._programs[key] = prog
         return prog
 
     # ---- serving ------------------------------------------------------------------------------
+    def prepare(self, rows: list[DeviceRow]) -> HostBatch:
+        """The host side of a step: padded inputs, the program's shape, the backend's plan."""
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        ctx = self.attn.context_for(hb.max_kv_len)
+        hb.shape = hb.shape._replace(context=ctx)
+        hb.forward = hb.forward._replace(attn=self.attn.plan(hb.forward, hb.shape))
+        return hb
+
     def run(self, rows: list[DeviceRow]) -> tuple[SampleOut, list[int]]:
         """One step over `rows`; returns the (device) sample output and each row's sample index."""
-        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        hb = self.prepare(rows)
         return self.run_host_batch(hb), hb.rows
 
     def run_host_batch(self, hb: HostBatch) -> SampleOut:
-        if hb.key not in self._programs and self.cfg.precompile:
-            raise RuntimeError(f"bucket {hb.key} was not compiled at start-up")
-        prog = self._program(hb.key)
+        key = (hb.shape, self.cfg.top_logprobs_num)
+        if key not in self._programs and self.cfg.precompile:
+            raise RuntimeError(f"program {key} was not compiled at start-up")
+        prog = self._program(key)
         rep = replicated(self.mesh)
-        fwd = jax.device_put(hb.forward, rep)
-        smp = jax.device_put(hb.sampling, rep)
+        fwd, smp = jax.device_put((hb.forward, hb.sampling), rep)
         self.kv, self.future, out = prog(self.params, self.kv, self.future, fwd, smp)
         return out
 
     def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
-        """Full-vocabulary f32 logits of each segment's last token (writes KV like `run`).
+        """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).
 
         A diagnostic path for parity tests and tools: it is jitted on demand, never used while
         serving, and does not count in `trace_count`."""
-        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        hb = self.prepare(rows)
         if self._logits_fn is None:
 
             def fwd(params, kv, batch):
-                model = nnx.merge(self.graphdef, params)
-                h, kv = model(batch.input_ids, batch, kv, self.cfg.page_size, self.cfg.chunk_pages)
-                return kv, model.logits(h[batch.sample_idx])
+                h, kv = self.model.forward(params, batch.input_ids, batch, kv)
+                return kv, self.model.logits(params, h[batch.sample_idx])
 
             self._logits_fn = jax.jit(fwd, donate_argnums=(1,))
-        self.kv, logits = self._logits_fn(
-            self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh))
-        )
+        self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
         return np.asarray(logits)[hb.rows], hb.rows
 
     @property

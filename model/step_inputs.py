@@ -5,15 +5,16 @@ A `DeviceRow` is one request's work in one step, as the device sees it: its new 
 (`committed_len`: tokens whose KV is already written), its page table covering
 `committed_len + extend_len` tokens, and its `DeviceSampling`.
 
-Flat token layout of an extend step (block = 4 here, two rows of 6 and 1 tokens):
+Flat token layout: the rows' new tokens packed densely in row order, then padding up to the
+program's T (two rows of 6 and 1 tokens, T = 8):
 
-    block:    0            1            2            3 (padding to the bucket)
-    token:  a0 a1 a2 a3 | a4 a5 -- -- | b0 -- -- -- | -- -- -- --
-    sample:            (a5, row 1)    (b0, row 2)
+    token:     a0 a1 a2 a3 a4 a5 b0 --
+    row_start: 0                 6  7   (7 repeated for the padding rows up to R)
+    sample:                   a5 b0     sample_idx = [5, 6, 0, ...], one per row
 
-Every row starts a fresh block, so a block never mixes requests. Decode steps use
-block = 1 (T = NB = padded batch). Padding tokens write KV to token location 0 (the sink page)
-and their rows are ignored.
+Padding tokens write KV to token location 0 (the sink page) and padding rows are ignored.
+Decode programs have one token per row (T = R, query block 1); extend programs take up to
+max_batch rows over T packed tokens (query block = extend_block, the attention tile).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+
+from model.attention.base import StepShape
 
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
 
@@ -52,46 +55,51 @@ class DeviceRow:
 
 
 class ForwardBatch(NamedTuple):
-    """Device inputs of one step. T = NB * block tokens (padding included)."""
+    """Device inputs of one step: T packed tokens (padding included), R rows."""
 
     input_ids: Arr  # [T] int32; a negative id -i reads future slot i-1 (overlap scheduling)
     positions: Arr  # [T] int32
     out_loc: Arr  # [T] int32 token location to write (0 = sink for padding)
-    block_pages: Arr  # [NB, max_pages] int32 page table of each block's request
-    committed_len: Arr  # [NB] int32 KV tokens of the block's request once this step's are written
-    sample_idx: Arr  # [NB] int32 flat index of the token whose logits are sampled per row
-    sample_slot: Arr  # [NB] int32 future slot that receives the sampled token (sink = last)
+    row_start: Arr  # [R + 1] int32 row r owns tokens row_start[r]:row_start[r+1] (cu_q_lens)
+    kv_len: Arr  # [R] int32 committed_len + extend_len (KV valid after this step); 0 = padding
+    pages: Arr  # [R, max_pages] int32 page table of each row
+    num_rows: Arr  # [1] int32 real rows
+    sample_idx: Arr  # [R] int32 flat index of each row's last token
+    sample_slot: Arr  # [R] int32 future slot that receives the row's sampled token (sink = last)
+    attn: dict[str, Arr]  # the attention backend's own per-step inputs (its `plan`)
 
 
 class SamplingBatch(NamedTuple):
-    temperature: Arr  # [S] f32, 0 = greedy
-    top_k: Arr  # [S] i32, <= 0 = off
-    top_p: Arr  # [S] f32 in (0, 1], 1 = off
-    min_p: Arr  # [S] f32 in [0, 1], 0 = off
-    seed: Arr  # [S] u32
-    position: Arr  # [S] i32 position of the token being sampled
+    temperature: Arr  # [R] f32, 0 = greedy
+    top_k: Arr  # [R] i32, <= 0 = off
+    top_p: Arr  # [R] f32 in (0, 1], 1 = off
+    min_p: Arr  # [R] f32 in [0, 1], 0 = off
+    seed: Arr  # [R] u32
+    position: Arr  # [R] i32 position of the token being sampled
     any_random: Arr  # [] bool: some row has temperature > 0
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
 
 
+def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
+    out, x = [], lo
+    while x < hi:
+        out.append(x)
+        x *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Buckets:
-    """The padded shapes compiled up front: (block, NB) program keys."""
+    """The padded shapes compiled up front (context buckets are the attention backend's)."""
 
-    decode_batches: tuple[int, ...]  # NB values for block = 1
-    extend_tokens: tuple[int, ...]  # T values for block = extend_block (NB = T / block)
+    decode_batches: tuple[int, ...]  # T = R for block 1
+    extend_tokens: tuple[int, ...]  # T values for block = extend_block, R = max_rows
     extend_block: int
+    max_rows: int  # rows of an extend program (= the largest decode batch)
 
     @staticmethod
     def make(max_batch: int, max_extend_tokens: int, extend_block: int) -> Buckets:
-        def pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
-            out, x = [], lo
-            while x < hi:
-                out.append(x)
-                x *= 2
-            out.append(hi)
-            return tuple(sorted(set(out)))
-
         if max_extend_tokens % extend_block:
             raise ValueError(
                 f"max_extend_tokens={max_extend_tokens} must be a multiple of extend_block={extend_block}"
@@ -99,40 +107,47 @@ class Buckets:
         # No 1-token program: with T == 1, XLA CPU rewrites the KV scatter into a form that
         # copies every layer's whole cache each step (measured: 89 ms vs 2.6 ms at T == 2).
         return Buckets(
-            pow2_up_to(min(2, max_batch), max_batch),
-            pow2_up_to(extend_block, max_extend_tokens),
+            _pow2_up_to(min(2, max_batch), max_batch),
+            _pow2_up_to(extend_block, max_extend_tokens),
             extend_block,
+            max_batch,
         )
 
-    def keys(self) -> list[tuple[int, int]]:
-        dec = [(1, nb) for nb in self.decode_batches]
-        ext = [(self.extend_block, t // self.extend_block) for t in self.extend_tokens]
-        return dec + [k for k in ext if k not in dec]
+    def shapes(self) -> list[StepShape]:
+        dec = [StepShape(1, nb, nb) for nb in self.decode_batches]
+        ext = [StepShape(self.extend_block, t, self.max_rows) for t in self.extend_tokens]
+        return dec + ext
 
-    def pick(self, is_decode: bool, n: int) -> tuple[int, int]:
-        """Smallest key holding n decode rows or n extend blocks; ValueError past the largest."""
+    def pick(self, is_decode: bool, n_rows: int, n_tokens: int) -> StepShape:
+        """Smallest shape holding the step; ValueError past the largest."""
         if is_decode:
             for nb in self.decode_batches:
-                if nb >= n:
-                    return (1, nb)
+                if nb >= n_rows:
+                    return StepShape(1, nb, nb)
             raise ValueError(
-                f"decode batch of {n} requests exceeds the largest bucket {self.decode_batches[-1]}"
+                f"decode batch of {n_rows} requests exceeds the largest bucket {self.decode_batches[-1]}"
             )
+        if n_rows > self.max_rows:
+            raise ValueError(f"extend step of {n_rows} rows exceeds max_batch={self.max_rows}")
         for t in self.extend_tokens:
-            if t >= n * self.extend_block:
-                return (self.extend_block, t // self.extend_block)
+            if t >= n_tokens:
+                return StepShape(self.extend_block, t, self.max_rows)
         raise ValueError(
-            f"extend step needs {n * self.extend_block} padded tokens, more than the largest bucket "
-            f"{self.extend_tokens[-1]} (chunk the prefill)"
+            f"extend step of {n_tokens} tokens exceeds the largest bucket {self.extend_tokens[-1]} "
+            "(chunk the prefill)"
         )
 
 
 @dataclasses.dataclass(slots=True)
 class HostBatch:
-    key: tuple[int, int]
-    forward: ForwardBatch  # NumPy arrays
+    shape: StepShape
+    forward: ForwardBatch  # NumPy arrays (attn filled in by the executor's backend)
     sampling: SamplingBatch  # NumPy arrays
-    rows: list[int]  # sample row of each DeviceRow, in order
+    rows: list[int]  # sample row of each DeviceRow, in order (row i samples at index i)
+
+    @property
+    def max_kv_len(self) -> int:
+        return int(self.forward.kv_len.max())
 
 
 def build_batch(
@@ -140,59 +155,55 @@ def build_batch(
 ) -> HostBatch:
     if not rows:
         raise ValueError("empty batch")
-    is_decode = all(r.extend_len == 1 for r in rows)
-    blk = 1 if is_decode else buckets.extend_block
-    n_blocks = sum(-(-r.extend_len // blk) for r in rows)
-    key = buckets.pick(is_decode, n_blocks)
-    nb = key[1]
-    t = nb * blk
+    ext = np.fromiter((r.extend_len for r in rows), np.int64, len(rows))
+    if (ext < 1).any():
+        raise ValueError("every row needs at least one new token")
+    is_decode = bool((ext == 1).all())
+    shape = buckets.pick(is_decode, len(rows), int(ext.sum()))
+    t, nr = shape.tokens, shape.rows
+    n = len(rows)
+    committed = np.fromiter((r.committed_len for r in rows), np.int64, n)
+    kv_len = committed + ext
+    need_pages = -(-kv_len // page_size)
+    if (need_pages > max_pages).any():
+        i = int(np.argmax(need_pages > max_pages))
+        raise ValueError(f"row of {kv_len[i]} tokens exceeds the context limit of {max_pages * page_size}")
+    start = np.zeros(nr + 1, np.int32)
+    start[1 : n + 1] = np.cumsum(ext)
+    start[n + 1 :] = start[n]
+    total = int(start[n])
+    pages = np.zeros((nr, max_pages), np.int32)
     ids = np.zeros(t, np.int32)
+    for i, r in enumerate(rows):
+        if len(r.pages) < need_pages[i]:
+            raise ValueError(f"row needs {need_pages[i]} pages for {kv_len[i]} tokens, got {len(r.pages)}")
+        pages[i, : need_pages[i]] = r.pages[: need_pages[i]]
+        ids[start[i] : start[i + 1]] = r.token_ids
+    tok_row = np.repeat(np.arange(n), ext)
     pos = np.zeros(t, np.int32)
+    pos[:total] = committed[tok_row] + (np.arange(total) - start[tok_row])
     loc = np.zeros(t, np.int32)
-    pages = np.zeros((nb, max_pages), np.int32)
-    committed = np.zeros(nb, np.int32)
-    sample_idx = np.zeros(nb, np.int32)
-    sample_slot = np.full(nb, sink_slot, np.int32)
-    temp = np.zeros(nb, np.float32)
-    top_k = np.full(nb, -1, np.int32)
-    top_p = np.ones(nb, np.float32)
-    min_p = np.zeros(nb, np.float32)
-    seed = np.zeros(nb, np.uint32)
-    spos = np.zeros(nb, np.int32)
-    sample_rows = []
-    b = 0
-    for r in rows:
-        n, c = r.extend_len, r.committed_len
-        need_pages = -(-(c + n) // page_size)
-        if len(r.pages) < need_pages:
-            raise ValueError(f"row needs {need_pages} pages for {c + n} tokens, got {len(r.pages)}")
-        if need_pages > max_pages:
-            raise ValueError(
-                f"row of {c + n} tokens exceeds the context limit of {max_pages * page_size}"
-            )
-        p = np.arange(c, c + n, dtype=np.int64)
-        tok_loc = r.pages[p // page_size].astype(np.int64) * page_size + p % page_size
-        nblk = -(-n // blk)
-        start = b * blk
-        ids[start : start + n] = r.token_ids
-        pos[start : start + n] = p
-        loc[start : start + n] = tok_loc
-        for j in range(nblk):
-            pages[b + j, :need_pages] = r.pages[:need_pages]
-            committed[b + j] = c + n
-            sample_idx[b + j] = start + min((j + 1) * blk, n) - 1
-        last = b + nblk - 1
-        sample_slot[last] = r.future_slot if r.future_slot >= 0 else sink_slot
+    p = pos[:total].astype(np.int64)
+    loc[:total] = pages[tok_row, p // page_size].astype(np.int64) * page_size + p % page_size
+    kv = np.zeros(nr, np.int32)
+    kv[:n] = kv_len
+    sample_idx = np.zeros(nr, np.int32)
+    sample_idx[:n] = start[1 : n + 1] - 1
+    sample_slot = np.full(nr, sink_slot, np.int32)
+    sample_slot[:n] = [r.future_slot if r.future_slot >= 0 else sink_slot for r in rows]
+    temp = np.zeros(nr, np.float32)
+    top_k = np.full(nr, -1, np.int32)
+    top_p = np.ones(nr, np.float32)
+    min_p = np.zeros(nr, np.float32)
+    seed = np.zeros(nr, np.uint32)
+    for i, r in enumerate(rows):
         sp = r.sampling
-        temp[last], top_k[last], top_p[last], min_p[last] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-        seed[last], spos[last] = (
-            np.uint32((sp.seed ^ (sp.seed >> 32)) & 0xFFFFFFFF),
-            c + n,
-        )  # 63-bit seed folded to 32
-        sample_rows.append(last)
-        b += nblk
+        temp[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        seed[i] = (sp.seed ^ (sp.seed >> 32)) & 0xFFFFFFFF  # 63-bit seed folded to 32
+    spos = np.zeros(nr, np.int32)
+    spos[:n] = kv_len
     random = temp > 0
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
-    fwd = ForwardBatch(ids, pos, loc, pages, committed, sample_idx, sample_slot)
+    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx, sample_slot, {})
     smp = SamplingBatch(temp, top_k, top_p, min_p, seed, spos, np.bool_(random.any()), np.bool_(filt.any()))
-    return HostBatch(key, fwd, smp, sample_rows)
+    return HostBatch(shape, fwd, smp, list(range(n)))

@@ -1,0 +1,137 @@
+"""Query tiles, the unit the pure-JAX backends (native, bucketed) attend with.
+
+A tile is up to `block` consecutive new tokens of ONE row (decode programs: block 1, a tile
+per row). Tiles never mix rows, so a tile has one page table and its keys are the row's
+positions 0 .. its last query's position (causal):
+
+    row a: 6 new tokens at positions 10..15, block 4     row b: 1 token at position 40
+    tile 0: a10 a11 a12 a13   tile 1: a14 a15 -- --     tile 2: b40 -- -- --
+    tile_tok  [NT, block]  flat token index of each query (T: the zero sink query)
+    tile_pos  [NT, block]  its position (-1: a padding query, sees nothing)
+    tile_row  [NT]         the row whose page table the tile reads
+    tok_slot  [T]          where each token's output lands in the tiles' output, flattened
+
+NT is static per program: T / block + R (each row adds at most one partial tile). The online
+(flash) softmax state of a tile is [Hkv, G, block] (max, denominator) and [Hkv, G, block, D].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.attention.base import NEG_INF, AttnGeometry, StepShape
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def num_tiles(shape: StepShape) -> int:
+    return shape.rows if shape.block == 1 else shape.tokens // shape.block + shape.rows
+
+
+def tile_avals(shape: StepShape) -> dict[str, jax.ShapeDtypeStruct]:
+    nt, b = num_tiles(shape), shape.block
+    return {
+        "tile_tok": jax.ShapeDtypeStruct((nt, b), jnp.int32),
+        "tile_pos": jax.ShapeDtypeStruct((nt, b), jnp.int32),
+        "tile_row": jax.ShapeDtypeStruct((nt,), jnp.int32),
+        "tok_slot": jax.ShapeDtypeStruct((shape.tokens,), jnp.int32),
+    }
+
+
+def make_tiles(fb, shape: StepShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Host: the tile arrays of a step, and each real tile's key count (last position + 1)."""
+    nt_max, b, t = num_tiles(shape), shape.block, shape.tokens
+    n_rows = int(fb.num_rows[0])
+    start, kv_len = fb.row_start[: n_rows + 1], fb.kv_len[:n_rows]
+    ext = np.diff(start)
+    per_row = cdiv(ext, b)
+    tile_row = np.repeat(np.arange(n_rows, dtype=np.int32), per_row)
+    nt = len(tile_row)
+    assert nt <= nt_max, (nt, nt_max)
+    j = np.arange(nt) - (np.cumsum(per_row) - per_row)[tile_row]  # tile index within its row
+    q0 = start[tile_row] + j * b  # flat index of the tile's first query
+    qn = np.minimum(b, start[tile_row + 1] - q0)  # queries in the tile
+    off = np.arange(b)
+    tok = q0[:, None] + off[None, :]
+    valid = off[None, :] < qn[:, None]
+    pos0 = kv_len[tile_row] - ext[tile_row] + j * b  # position of the tile's first query
+    tile_tok = np.full((nt_max, b), t, np.int32)
+    tile_tok[:nt] = np.where(valid, tok, t)
+    tile_pos = np.full((nt_max, b), -1, np.int32)
+    tile_pos[:nt] = np.where(valid, pos0[:, None] + off[None, :], -1)
+    rows = np.full(nt_max, n_rows if n_rows < len(fb.kv_len) else 0, np.int32)  # spare tiles: a padding row
+    rows[:nt] = tile_row
+    tok_slot = np.full(t, nt_max * b, np.int32)  # padding tokens read the sink tile
+    tok_slot[tok[valid]] = (np.arange(nt)[:, None] * b + off[None, :])[valid]
+    plan = {"tile_tok": tile_tok, "tile_pos": tile_pos, "tile_row": rows, "tok_slot": tok_slot}
+    return plan, (pos0 + qn).astype(np.int64)
+
+
+def query_tiles(q: jax.Array, plan: dict, geo: AttnGeometry) -> jax.Array:
+    """Scaled f32 queries by tile plus a zero sink tile: [NT + 1, block, Hkv, G, D]."""
+    nt, b = plan["tile_tok"].shape
+    qpad = jnp.concatenate([q, jnp.zeros((1, *q.shape[1:]), q.dtype)])
+    qt = (qpad[plan["tile_tok"]].astype(jnp.float32) * geo.scale).reshape(nt, b, geo.num_kv_heads, geo.group, geo.head_dim)
+    return jnp.concatenate([qt, jnp.zeros((1, *qt.shape[1:]), jnp.float32)])
+
+
+def init_state(n: int, geo: AttnGeometry, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    kvh, g, d = geo.num_kv_heads, geo.group, geo.head_dim
+    return (
+        jnp.full((n, kvh, g, block), NEG_INF, jnp.float32),
+        jnp.zeros((n, kvh, g, block), jnp.float32),
+        jnp.zeros((n, kvh, g, block, d), jnp.float32),
+    )
+
+
+def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None):
+    """One key chunk into n tiles' softmax states.
+
+    q [n, block, Hkv, G, D] (scaled f32), k/v [Hkv, n, chunk, D] (f32), key_pos [n, chunk],
+    q_pos [n, block]; reset [n] bool starts a tile afresh (its first chunk)."""
+    m, den, acc = state
+    if q.shape[1] == 1:  # decode: no block axis in the contractions (measured faster on CPU)
+        sc = jnp.einsum("nkgd,kncd->nkgc", q[:, 0], k)[:, :, :, None, :]
+    else:
+        sc = jnp.einsum("nbkgd,kncd->nkgbc", q, k)  # [n, Hkv, G, block, chunk]
+    vis = key_pos[:, None, :] <= q_pos[:, :, None]  # [n, block, chunk]; padding queries (-1) see none
+    if geo.sliding_window is not None:
+        vis &= key_pos[:, None, :] > q_pos[:, :, None] - geo.sliding_window
+    vis = vis[:, None, None]
+    sc = jnp.where(vis, sc, NEG_INF)
+    if reset is not None:
+        r = reset[:, None, None, None]
+        m, den, acc = jnp.where(r, NEG_INF, m), jnp.where(r, 0.0, den), jnp.where(r[..., None], 0.0, acc)
+    m1 = jnp.maximum(m, sc.max(-1))
+    p = jnp.where(vis, jnp.exp(sc - m1[..., None]), 0.0)
+    alpha = jnp.exp(m - m1)
+    den = den * alpha + p.sum(-1)
+    if q.shape[1] == 1:
+        pv = jnp.einsum("nkgc,kncd->nkgd", p[:, :, :, 0], v)[:, :, :, None, :]
+    else:
+        pv = jnp.einsum("nkgbc,kncd->nkgbd", p, v)
+    acc = acc * alpha[..., None] + pv
+    return m1, den, acc
+
+
+def normalize(den: jax.Array, acc: jax.Array) -> jax.Array:
+    """acc / den; a tile row that saw no key (padding) gives 0, not NaN."""
+    return acc / jnp.maximum(den, 1e-30)[..., None]
+
+
+def untile(out: jax.Array, plan: dict, geo: AttnGeometry, dtype) -> jax.Array:
+    """Tiles' outputs [NT + 1, Hkv, G, block, D] -> the step's tokens [T, H, D]."""
+    n, b = out.shape[0], out.shape[3]
+    flat = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(n * b, geo.num_heads, geo.head_dim)
+    return flat[plan["tok_slot"]].astype(dtype)
+
+
+def gather_pages(cache: jax.Array, pages: jax.Array) -> jax.Array:
+    """K or V of pages [n, cp] from the paged cache [Hkv, L*P, page, D] -> f32 [Hkv, n, cp*page, D]."""
+    kvh, _, ps, d = cache.shape
+    n, cp = pages.shape
+    return cache.at[:, pages].get(mode="promise_in_bounds").reshape(kvh, n, cp * ps, d).astype(jnp.float32)
