@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     a = ap.parse_args(argv)
-    from actors.frontend.engine import resolve_model
+    from model.checkpoints.resolve import resolve_model
     from model.checkpoints.config import ModelConfig
 
     path, _ = resolve_model(a.model)
