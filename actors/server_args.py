@@ -70,6 +70,9 @@ class ServerArgs:
     step_trace: int = _opt(
         0, "keep timings of the last N steps for get_server_info()['step_trace'] (0: off; `ringserve bench --profile`)"
     )
+    jax_profile_dir: str | None = _opt(
+        None, "write a jax.profiler trace of the runner (ready to shutdown) into this directory (Perfetto, TensorBoard)"
+    )
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

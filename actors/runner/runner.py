@@ -186,4 +186,12 @@ def run(ctx) -> None:
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
-    runner.serve(inbox, outbox, ctx.stopping)
+    if args.jax_profile_dir:  # optional: the device's own view (bench/profile.py has the steps')
+        import jax
+
+        jax.profiler.start_trace(args.jax_profile_dir, create_perfetto_trace=True)
+    try:
+        runner.serve(inbox, outbox, ctx.stopping)
+    finally:
+        if args.jax_profile_dir:
+            jax.profiler.stop_trace()
