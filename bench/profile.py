@@ -120,7 +120,8 @@ def chrome_trace(cols: dict[str, list]) -> dict[str, Any]:
     if not cols["step_id"]:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
     r = records(cols)
-    t0 = float(np.nanmin(r["t_loop"][r["t_loop"] > 0])) if (r["t_loop"] > 0).any() else float(r["t_sched"][0])
+    stamps = np.concatenate([r[f] for f in FIELDS if f.startswith(("t_", "r_"))])
+    t0 = float(stamps[stamps > 0].min())  # 0.0: a stamp never taken
 
     def us(t: float) -> float:
         return round((t - t0) * 1e6, 3)
