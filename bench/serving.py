@@ -206,6 +206,12 @@ def ratio_table(ours: list[dict], peers: list[dict], title: str, peer_name: str)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bench.serving") -> int:
+    runs = bench(argv, prog)
+    return 0 if all(r.get("failed", 0) == 0 for r in runs) else 1
+
+
+def bench(argv: list[str] | None = None, prog: str = "python -m bench.serving") -> list[dict]:
+    """Run the benchmark `argv` describes; print its tables; every run's metrics."""
     a = parser(prog).parse_args(argv)
     from actors.server_args import ServerArgs
     from model.checkpoints.config import ModelConfig
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.serving") -
     if a.output_json:
         Path(a.output_json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1, default=_json))
         print(f"\nwrote {a.output_json}")
-    return 0 if all(r.get("failed", 0) == 0 for r in runs) else 1
+    return runs
 
 
 def _json(x: Any) -> Any:
