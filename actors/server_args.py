@@ -79,6 +79,12 @@ class ServerArgs:
     ring_bytes: int = _opt(1 << 22, "data bytes of each shared-memory ring (a power of two)")
     spin_us: int = _opt(50, "microseconds a ring reader spins before sleeping")
     log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "log level of every actor")
+    step_trace: int = _opt(
+        0, "keep timings of the last N steps for get_server_info()['step_trace'] (0: off; `ringserve bench --profile`)"
+    )
+    jax_profile_dir: str | None = _opt(
+        None, "write a jax.profiler trace of the runner (ready to shutdown) into this directory (Perfetto, TensorBoard)"
+    )
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -140,6 +146,7 @@ class ServerArgs:
             not (self.speculative and self.enable_mixed_chunk),
             "speculative decoding and enable_mixed_chunk cannot be combined (a verify round is a step of its own)",
         )
+        need(self.step_trace >= 0, f"step_trace={self.step_trace}: must be >= 0 (0: off)")
         need(0 <= self.port <= 65535, f"port={self.port}: must be in [0, 65535] (0: any free port)")
 
     @property

@@ -20,6 +20,7 @@ import numpy as np
 
 from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
+from actors.transport.trace import RunnerStamps
 from model.sampler import SampleOut
 from model.step import ExecutorConfig, ModelExecutor, enable_compilation_cache
 from model.weight_sync import WeightSync, tensors_from_segments
@@ -77,11 +78,12 @@ class Pending:
 
 
 class Runner:
-    def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int):
+    def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int, trace: bool = False):
         self.ex = executor
         self.mirrors = SlotMirrors(max_slots)
         self.top_n = top_n
         self.weights = WeightSync(executor)
+        self.stamps = RunnerStamps() if trace else None  # ServerArgs.step_trace (actors/transport/trace.py)
 
     def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory) -> m.RunnerReply:
         """A weights or memory message (every earlier step has been answered): its reply. A
@@ -108,10 +110,16 @@ class Runner:
 
     def dispatch(self, msg: m.StepMsg) -> Pending:
         t0 = time.perf_counter()
-        out, rows = self.ex.run(self.mirrors.apply(msg))
+        dev_rows = self.mirrors.apply(msg)
+        t_applied = time.perf_counter()
+        out, rows = self.ex.run(dev_rows)
+        if self.stamps is not None:
+            self.stamps.dispatched(msg.step_id, t0, t_applied, out.tokens)
         return Pending(msg.step_id, out, rows, t0, self.top_n > 0)
 
     def result(self, p: Pending) -> m.StepResultMsg:
+        if self.stamps is not None:
+            self.stamps.fetching(p.step_id)
         rows = np.asarray(p.rows)
         tokens = np.asarray(p.out.tokens)[rows]  # blocks until the step is done
         res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(p.out.logprobs)[rows]))
@@ -121,6 +129,8 @@ class Runner:
             res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[rows])
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
+        if self.stamps is not None:
+            res.times = self.stamps.fetched(p.step_id)
         return res
 
     def serve(self, inbox, outbox, stopping, send_results: bool = True) -> None:
@@ -175,8 +185,16 @@ def run(ctx) -> None:
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
     load_s = time.perf_counter() - t0
     ctx.log.info("model loaded and %d step programs compiled in %.1fs (attention: %s)", ex.num_programs, load_s, ex.backend)
-    runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num)
+    runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
-    runner.serve(inbox, outbox, ctx.stopping)
+    if args.jax_profile_dir:  # optional: the device's own view (bench/profile.py has the steps')
+        import jax
+
+        jax.profiler.start_trace(args.jax_profile_dir, create_perfetto_trace=True)
+    try:
+        runner.serve(inbox, outbox, ctx.stopping)
+    finally:
+        if args.jax_profile_dir:
+            jax.profiler.stop_trace()

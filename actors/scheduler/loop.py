@@ -29,6 +29,7 @@ from actors.scheduler.output import step_msg, token_out
 from actors.scheduler.req import Req, ReqStatus
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from actors.transport.trace import StepTrace
 from kvmem import KVCache
 
 log = logging.getLogger("ringserve.scheduler")
@@ -58,17 +59,21 @@ class SchedulerLoop:
         self.integrity_errors: list[str] = []
         self.runner_trace_count = 0
         self.weight_updates = 0
+        self.trace = StepTrace(args.step_trace) if args.step_trace else None  # off by default
 
     # ---- main loop --------------------------------------------------------------------------
     def serve(self, stopping: Callable[[], bool]) -> None:
         overlap = self.args.enable_overlap
         while not stopping():
             stalled = self.core.idle or self.core.paused or bool(self.core.memory_released)
+            t_loop = time.perf_counter()
             self._recv_requests(block=not self.in_flight and stalled)
             t0 = time.perf_counter()
             batch = self.core.get_next_batch()
             if batch is not None:
                 self._send(batch)
+                if self.trace is not None:
+                    self.trace.scheduled(batch.step_id, t_loop, t0)
             self.times["schedule_s"] += time.perf_counter() - t0
             if self.in_flight and (not overlap or batch is None or len(self.in_flight) > 1):
                 self._finish_oldest()
@@ -90,8 +95,11 @@ class SchedulerLoop:
         self.checked_idle = False
         self.stats["decode_steps" if batch.is_decode else "prefill_steps"] += 1
         self.stats["tokens_computed"] += batch.num_tokens
-        msg = step_msg(batch)
-        self.to_runner.send(m.encode(msg))
+        t_send = time.perf_counter()
+        raw = m.encode(step_msg(batch))
+        self.to_runner.send(raw)
+        if self.trace is not None:
+            self.trace.sent(batch, t_send, time.perf_counter(), len(raw))
         self.in_flight.append(batch)
 
     def _finish_oldest(self) -> None:
@@ -115,6 +123,8 @@ class SchedulerLoop:
                             m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
         self._emit(self.core.process_result(batch, result))
         self.times["process_s"] += time.perf_counter() - t1
+        if self.trace is not None:
+            self.trace.finished(batch.step_id, res.times, t0, t1, len(raw))
 
     def _drain(self) -> None:
         while self.in_flight:
@@ -278,6 +288,7 @@ class SchedulerLoop:
             "avg_spec_accept_length": round(sum((a + 1) * n for a, n in enumerate(c.spec_hist)) / max(1, sum(c.spec_hist)), 4),
             "host_s_per_step": host / steps if steps else 0.0,
             "forward_s_per_step": t["runner_forward_s"] / steps if steps else 0.0,
+            **({"step_trace": self.trace.drain()} if self.trace is not None else {}),
         }
 
 

@@ -206,6 +206,7 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     accepted: bytes = b""  # a verify step: int32 [G] drafts accepted per round (tokens: [G * (k + 1)] targets)
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
+    times: bytes = b""  # f64 runner stamps when ServerArgs.step_trace is on (actors/transport/trace.py)
 
 
 class RunnerReply(msgspec.Struct, tag="reply", **_S):
