@@ -56,6 +56,7 @@ class ExecutorConfig:
     context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
     layer_unroll: int = 1  # decoder layers per scan iteration
     precompile: bool = True  # compile every bucket at start-up
+    verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
 
     @property
     def max_pages(self) -> int:
@@ -115,7 +116,7 @@ class ModelExecutor:
         )  # what every compiled program takes (weight updates must match it)
         self.new_kv()
         self.trace_count = 0
-        self._jitted = jax.jit(self._step, donate_argnums=(1, 2), static_argnums=(5,))
+        self._jitted = jax.jit(self._step, donate_argnums=(1, 2), static_argnums=(5, 6))
         self._programs: dict[tuple[StepShape, int], Any] = {}
         self._logits_fn: Callable | None = None
         if cfg.precompile:
@@ -162,7 +163,10 @@ class ModelExecutor:
             jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=NamedSharding(self.mesh, s))()
             for a, s in zip(avals, specs, strict=True)
         )
-        self.future: Any = jax.device_put(jnp.zeros(self.max_slots + 1, jnp.int32), replicated(self.mesh))
+        # The FutureMap: per request slot (+ a sink) the token it sampled last and that token's
+        # position (= KV tokens valid before it); a verify step moves both past what it accepted.
+        n = self.max_slots + 1
+        self.future: Any = jax.device_put((np.zeros(n, np.int32), np.zeros(n, np.int32)), replicated(self.mesh))
 
     def drop_kv(self) -> None:
         """Free the KV cache and future buffer on the device."""
@@ -170,20 +174,67 @@ class ModelExecutor:
             leaf.delete()
         self.kv, self.future = None, None
 
-    def _step(self, params, kv, future, fb: ForwardBatch, sp: SamplingBatch, top_n: int):
+    def _step(self, params, kv, future, fb: ForwardBatch, sp: SamplingBatch, top_n: int, verify: int):
+        """One step: kv and the FutureMap (token, position per slot) in, updated, out, with the
+        samples and, for a verify step, the drafts each round accepted ([R] int32)."""
         self.trace_count += 1  # Python side effect: runs once per trace, never per call
-        ids = jnp.where(fb.input_ids < 0, future[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
+        tok, pos = future
+        ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
+        if verify:
+            return self._verify(params, kv, (tok, pos), fb, sp, top_n, verify, ids)
         h, kv = self.model.forward(params, ids, fb, kv)
         group = self.sample_group if fb.input_ids.shape[0] != fb.kv_len.shape[0] else None  # not decode
         out = sample_rows(lambda x: self.model.logits(params, x), h[fb.sample_idx], sp, top_n,
                           fb.num_rows[0], group)  # fmt: skip
-        future = future.at[fb.sample_slot].set(out.tokens)
-        return kv, future, out
+        tok = tok.at[fb.sample_slot].set(out.tokens)
+        pos = pos.at[fb.sample_slot].set(fb.kv_len)
+        return kv, (tok, pos), out, jnp.zeros(fb.kv_len.shape, jnp.int32)
+
+    def _verify(self, params, kv, future, fb: ForwardBatch, sp: SamplingBatch, top_n: int, k1: int, ids):
+        """A verify step: rounds of k1 = k + 1 tokens (the slot's future token, k drafts).
+
+        The host planned each round at a bound on the slot's length (its rounds in flight taken
+        as all accepted); the true length is the FutureMap's position. Positions, token
+        locations, kv_len and the attention plan move down by the difference, every token is
+        sampled (per-request seeds at the token's own position: the same draws as plain
+        decoding), and a round accepts its leading drafts equal to their targets; the target
+        after them is the bonus token. The FutureMap moves past what was accepted."""
+        tok, fpos = future
+        t, r, ps = fb.input_ids.shape[0], fb.kv_len.shape[0], self.cfg.page_size
+        n = fb.num_rows[0]
+        real_row = jnp.arange(r) < n
+        base = fpos[fb.sample_slot]  # [R] true length before each round
+        bound = fb.kv_len - (fb.row_start[1:] - fb.row_start[:-1])
+        shift = jnp.where(real_row, bound - base, 0)
+        flat = jnp.arange(t)
+        tok_row = jnp.clip(jnp.searchsorted(fb.row_start, flat, side="right") - 1, 0, r - 1)
+        real_tok = flat < fb.row_start[n]
+        positions = fb.positions - jnp.where(real_tok, shift[tok_row], 0)
+        loc = fb.pages[tok_row, positions // ps] * ps + positions % ps
+        fb = fb._replace(
+            positions=positions, out_loc=jnp.where(real_tok, loc, fb.out_loc), kv_len=fb.kv_len - shift,
+            attn=self.attn.shift_plan(fb.attn, shift),
+        )  # fmt: skip
+        h, kv = self.model.forward(params, ids, fb, kv)
+        per_tok = SamplingBatch(
+            sp.temperature[tok_row], sp.top_k[tok_row], sp.top_p[tok_row], sp.min_p[tok_row], sp.seed[tok_row],
+            positions + 1, sp.any_random, sp.any_filter,
+        )  # fmt: skip
+        out = sample_rows(lambda x: self.model.logits(params, x), h, per_tok, top_n, fb.row_start[n], self.sample_group)
+        idx = jnp.minimum(fb.row_start[:r, None] + jnp.arange(k1)[None, :], t - 1)  # [R, k1]
+        targets = out.tokens[idx]
+        drafts = fb.input_ids[idx[:, 1:]]  # raw: NO_DRAFT (-1) pads never match
+        match = (drafts >= 0) & (drafts == targets[:, :-1])
+        accepted = jnp.where(real_row, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
+        bonus = jnp.take_along_axis(targets, accepted[:, None], axis=1)[:, 0]
+        tok = tok.at[fb.sample_slot].set(bonus)
+        fpos = fpos.at[fb.sample_slot].set(base + accepted + 1)
+        return kv, (tok, fpos), out, accepted
 
     def program_keys(self) -> list[tuple[StepShape, int]]:
         """Every (shape, top_n) compiled at start-up."""
         ctx = self.attn.context_buckets()
-        shapes = [s._replace(context=c) for s in self.buckets.shapes() for c in ctx]
+        shapes = [s._replace(context=c) for s in self.buckets.shapes(self.cfg.verify_tokens) for c in ctx]
         return [(s, self.cfg.top_logprobs_num) for s in shapes]
 
     def compile_all(self) -> float:
@@ -219,14 +270,14 @@ class ModelExecutor:
         if prog is None:
             shape, top_n = key
             fwd, smp = self._avals(shape)
-            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp, top_n).compile()
+            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp, top_n, shape.verify).compile()
             self._programs[key] = prog
         return prog
 
     # ---- serving ------------------------------------------------------------------------------
-    def prepare(self, rows: list[DeviceRow]) -> HostBatch:
+    def prepare(self, rows: list[DeviceRow], verify: int = 0) -> HostBatch:
         """The host side of a step: padded inputs, the program's shape, the backend's plan."""
-        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots)
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify)
         ctx = self.attn.context_for(hb.max_kv_len)
         hb.shape = hb.shape._replace(context=ctx)
         hb.forward = hb.forward._replace(attn=self.attn.plan(hb.forward, hb.shape))
@@ -235,17 +286,24 @@ class ModelExecutor:
     def run(self, rows: list[DeviceRow]) -> tuple[SampleOut, list[int]]:
         """One step over `rows`; returns the (device) sample output and each row's sample index."""
         hb = self.prepare(rows)
-        return self.run_host_batch(hb), hb.rows
+        return self.run_host_batch(hb)[0], hb.rows
 
-    def run_host_batch(self, hb: HostBatch) -> SampleOut:
+    def run_verify(self, rows: list[DeviceRow], k1: int) -> tuple[SampleOut, list[int], jax.Array]:
+        """A verify step (rows: rounds of k1 tokens at the scheduler's bounds): the samples of
+        every token, their indices (round after round), and the drafts each round accepted."""
+        hb = self.prepare(rows, k1)
+        out, accepted = self.run_host_batch(hb)
+        return out, hb.rows, accepted
+
+    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array]:
         key = (hb.shape, self.cfg.top_logprobs_num)
         if key not in self._programs and self.cfg.precompile:
             raise RuntimeError(f"program {key} was not compiled at start-up")
         prog = self._program(key)
         rep = replicated(self.mesh)
         fwd, smp = jax.device_put((hb.forward, hb.sampling), rep)
-        self.kv, self.future, out = prog(self.params, self.kv, self.future, fwd, smp)
-        return out
+        self.kv, self.future, out, accepted = prog(self.params, self.kv, self.future, fwd, smp)
+        return out, accepted
 
     def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
         """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).

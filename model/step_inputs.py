@@ -15,6 +15,11 @@ program's T (two rows of 6 and 1 tokens, T = 8):
 Padding tokens write KV to token location 0 (the sink page) and padding rows are ignored.
 Decode programs have one token per row (T = R, query block 1); extend programs take up to
 max_batch rows over T packed tokens (query block = extend_block, the attention tile).
+
+Verify programs (speculative decoding) are extend programs whose rows are rounds of k + 1
+tokens (the slot's future token, then k drafts) and which sample EVERY token: a row's
+`committed_len` is the scheduler's bound, and the device moves positions, token locations and
+kv_len down to the FutureMap's true position before the layers run (model/step.py).
 """
 
 from __future__ import annotations
@@ -113,13 +118,23 @@ class Buckets:
             max_batch,
         )
 
-    def shapes(self) -> list[StepShape]:
+    def shapes(self, verify: int = 0) -> list[StepShape]:
+        """Every program shape; with `verify` (k + 1 > 0) also the verify programs, up to
+        max_rows rounds."""
         dec = [StepShape(1, nb, nb) for nb in self.decode_batches]
         ext = [StepShape(self.extend_block, t, self.max_rows) for t in self.extend_tokens]
-        return dec + ext
+        ver = []
+        if verify:
+            for t in self.extend_tokens:
+                ver.append(StepShape(self.extend_block, t, self.max_rows, verify=verify))
+                if t >= self.max_rows * verify:
+                    break
+        return dec + ext + ver
 
-    def pick(self, is_decode: bool, n_rows: int, n_tokens: int) -> StepShape:
+    def pick(self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0) -> StepShape:
         """Smallest shape holding the step; ValueError past the largest."""
+        if verify:
+            return self.pick(False, n_rows, n_tokens)._replace(verify=verify)
         if is_decode:
             for nb in self.decode_batches:
                 if nb >= n_rows:
@@ -143,7 +158,8 @@ class HostBatch:
     shape: StepShape
     forward: ForwardBatch  # NumPy arrays (attn filled in by the executor's backend)
     sampling: SamplingBatch  # NumPy arrays
-    rows: list[int]  # sample row of each DeviceRow, in order (row i samples at index i)
+    rows: list[int]  # where each result sits in the step's samples: row i at index i (a verify
+    # step: its flat token indices, round after round)
 
     @property
     def max_kv_len(self) -> int:
@@ -151,15 +167,18 @@ class HostBatch:
 
 
 def build_batch(
-    rows: list[DeviceRow], buckets: Buckets, page_size: int, max_pages: int, sink_slot: int
+    rows: list[DeviceRow], buckets: Buckets, page_size: int, max_pages: int, sink_slot: int, verify: int = 0
 ) -> HostBatch:
+    """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each)."""
     if not rows:
         raise ValueError("empty batch")
     ext = np.fromiter((r.extend_len for r in rows), np.int64, len(rows))
     if (ext < 1).any():
         raise ValueError("every row needs at least one new token")
-    is_decode = bool((ext == 1).all())
-    shape = buckets.pick(is_decode, len(rows), int(ext.sum()))
+    if verify and (ext != verify).any():
+        raise ValueError(f"a verify step's rows are rounds of {verify} tokens, got {sorted(set(ext.tolist()))}")
+    is_decode = bool((ext == 1).all()) and not verify
+    shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify)
     t, nr = shape.tokens, shape.rows
     n = len(rows)
     committed = np.fromiter((r.committed_len for r in rows), np.int64, n)
@@ -206,4 +225,5 @@ def build_batch(
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
     fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx, sample_slot, {})
     smp = SamplingBatch(temp, top_k, top_p, min_p, seed, spos, np.bool_(random.any()), np.bool_(filt.any()))
-    return HostBatch(shape, fwd, smp, list(range(n)))
+    sample_rows = (start[:n, None] + np.arange(verify)[None, :]).ravel().tolist() if verify else list(range(n))
+    return HostBatch(shape, fwd, smp, sample_rows)

@@ -30,13 +30,17 @@ log = logging.getLogger("ringserve.runner")
 
 def executor_config(args) -> ExecutorConfig:
     """The executor's shapes from the server options (the scheduler plans within the same)."""
+    verify = args.speculative_num_draft_tokens + 1 if args.speculative else 0
     return ExecutorConfig(
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_context_len=args.context_length,
         max_batch=args.max_running_requests,
         # a prefill batch computes <= max_prefill_tokens new tokens; each row pads to a block
-        max_extend_tokens=args.max_prefill_tokens + args.extend_block * args.max_running_requests,
+        max_extend_tokens=max(
+            args.max_prefill_tokens + args.extend_block * args.max_running_requests,
+            verify * args.max_running_requests + args.extend_block,  # a verify step: a round per request
+        ) // args.extend_block * args.extend_block,
         extend_block=args.extend_block,
         attn_chunk_tokens=args.attn_chunk_tokens,
         context_bucket_min=args.context_bucket_min,
@@ -47,6 +51,7 @@ def executor_config(args) -> ExecutorConfig:
         top_logprobs_num=args.max_top_logprobs_num,
         attention_backend=args.attention_backend,
         precompile=args.precompile,
+        verify_tokens=verify,
     )
 
 
@@ -71,10 +76,11 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
 
 
 class Pending:
-    __slots__ = ("step_id", "out", "rows", "t0", "want_top")
+    __slots__ = ("step_id", "out", "rows", "t0", "want_top", "accepted")
 
-    def __init__(self, step_id: int, out: SampleOut, rows: list[int], t0: float, want_top: bool):
+    def __init__(self, step_id: int, out: SampleOut, rows: list[int], t0: float, want_top: bool, accepted=None):
         self.step_id, self.out, self.rows, self.t0, self.want_top = step_id, out, rows, t0, want_top
+        self.accepted = accepted  # a verify step: the device's [R] accepted counts, the first G real
 
 
 class Runner:
@@ -112,10 +118,15 @@ class Runner:
         t0 = time.perf_counter()
         dev_rows = self.mirrors.apply(msg)
         t_applied = time.perf_counter()
-        out, rows = self.ex.run(dev_rows)
+        accepted = None
+        if msg.verify is not None:
+            out, rows, acc = self.ex.run_verify(dev_rows, self.ex.cfg.verify_tokens)
+            accepted = (acc, len(msg.verify.slots))
+        else:
+            out, rows = self.ex.run(dev_rows)
         if self.stamps is not None:
             self.stamps.dispatched(msg.step_id, t0, t_applied, out.tokens)
-        return Pending(msg.step_id, out, rows, t0, self.top_n > 0)
+        return Pending(msg.step_id, out, rows, t0, self.top_n > 0, accepted)
 
     def result(self, p: Pending) -> m.StepResultMsg:
         if self.stamps is not None:
@@ -123,6 +134,9 @@ class Runner:
         rows = np.asarray(p.rows)
         tokens = np.asarray(p.out.tokens)[rows]  # blocks until the step is done
         res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(p.out.logprobs)[rows]))
+        if p.accepted is not None:
+            acc, g = p.accepted
+            res.accepted = m.i32(np.asarray(acc)[:g])
         if p.want_top:
             res.top_n = self.top_n
             res.top_ids = m.i32(np.asarray(p.out.top_ids)[rows])

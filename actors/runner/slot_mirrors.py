@@ -8,6 +8,10 @@ any new page, and the mirror turns it into the `model.step_inputs.DeviceRow`s th
 
 Messages are applied in order: released slots first, then rows. A mismatch between the
 scheduler's committed length and the mirror's is a protocol bug and fails loudly.
+
+A verify round (speculative decoding) leaves the slot's length known on the device only (the
+FutureMap's position: how many drafts were accepted is decided there). The mirror then marks
+it UNKNOWN and takes the scheduler's length at the slot's next extend row (a session's next turn).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import dataclasses
 
 import numpy as np
 
-from actors.transport.messages import StepMsg, as_i32
+from actors.transport.messages import StepMsg, VerifyRounds, as_i32
 from model.step_inputs import DeviceRow, DeviceSampling
+
+UNKNOWN = -1  # committed_len after a verify round: the device's FutureMap holds it
 
 
 @dataclasses.dataclass(slots=True)
@@ -36,14 +42,17 @@ class SlotMirrors:
         s = self.slots.get(slot)
         if s is None:
             raise ValueError(f"slot {slot} is not live on this runner (message out of order?)")
-        if s.committed_len != committed:
+        if s.committed_len == UNKNOWN:
+            s.committed_len = committed
+        elif s.committed_len != committed:
             raise ValueError(
                 f"slot {slot}: scheduler says committed_len={committed}, runner has {s.committed_len}"
             )
         return s
 
     def apply(self, msg: StepMsg) -> list[DeviceRow]:
-        """The step's rows as the device runs them, in result-row order (extend, then decode)."""
+        """The step's rows as the device runs them, in result-row order (extend, then decode or
+        verify rounds)."""
         for slot in as_i32(msg.released).tolist():
             self.slots.pop(slot, None)
         rows = []
@@ -72,4 +81,25 @@ class SlotMirrors:
                     )
                 )
                 s.committed_len += 1
+        if msg.verify is not None:
+            rows += self._verify_rows(msg.verify)
+        return rows
+
+    def _verify_rows(self, v: VerifyRounds) -> list[DeviceRow]:
+        """Round g: the slot's last token (future) and its k drafts (NO_DRAFT = -1 pads, which
+        the device reads as a token it never accepts), at the scheduler's bound on its length."""
+        slots, bounds = as_i32(v.slots), as_i32(v.committed)
+        drafts = as_i32(v.drafts).reshape(len(slots), -1)
+        counts, pages = as_i32(v.page_counts), as_i32(v.pages)
+        ends = np.cumsum(counts)
+        rows = []
+        for g, slot in enumerate(slots.tolist()):
+            s = self.slots.get(slot)
+            if s is None:
+                raise ValueError(f"slot {slot} is not live on this runner (message out of order?)")
+            if counts[g]:
+                s.pages = np.concatenate([s.pages, pages[ends[g] - counts[g] : ends[g]]])
+            ids = np.concatenate([np.array([-(slot + 1)], np.int32), drafts[g]])
+            rows.append(DeviceRow(ids, int(bounds[g]), s.pages, s.sampling, future_slot=slot))
+            s.committed_len = UNKNOWN
         return rows

@@ -65,6 +65,7 @@ class SchedulerCore:
         self.weight_version = "0"  # stamps outputs; namespaces the prefix cache (extra_key)
         self.sessions = SessionSlots(kv)  # slots finished session turns keep for their next turn
         self.spec_hist = [0] * (args.speculative_num_draft_tokens + 1)  # verify rounds by drafts accepted
+        self.spec_dropped = 0  # accepted tokens dropped past a finish inside their run
         self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -290,9 +291,10 @@ class SchedulerCore:
             else:
                 toks = [(i, int(result.tokens[i]))]
             reason = None
-            for j, tok in toks:  # a finish inside an accepted run drops the tokens after it
+            for n, (j, tok) in enumerate(toks):  # a finish inside an accepted run drops the tokens after it
                 reason = self._append(req, tok, j, result)
                 if reason is not None:
+                    self.spec_dropped += len(toks) - n - 1
                     break
             if reason is not None:
                 outs.append(self._finish(req, reason))
@@ -388,5 +390,11 @@ class SchedulerCore:
             "new_token_ratio": round(self.ratio.value, 4),
             "num_retracted": self.num_retracted,
             "sessions_keeping_kv": len(self.sessions.kept),
+            "kept_sessions": {  # what each session keeps between turns (seed 001's postcondition)
+                sid: {"committed_len": k.kv.committed_len, "allocated_len": k.kv.allocated_len,
+                      "pages": int(self.kv.slots.n_pages[k.kv.slot])}
+                for sid, k in self.sessions.kept.items()
+            },  # fmt: skip
+            "spec_dropped_tokens": self.spec_dropped,
             "step": self.step_id,
         }

@@ -46,6 +46,7 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
         assert all(r.is_verify and r.drafts is not None for r in dec), "a verify step has only verify rounds"
         msg.verify = VerifyRounds(
             slots=i32([r.slot for r in dec]),
+            committed=i32([r.committed_len for r in dec]),
             drafts=i32(np.concatenate([r.drafts for r in dec if r.drafts is not None])),
             page_counts=i32([len(r.new_pages) for r in dec]),
             pages=i32(np.concatenate([r.new_pages for r in dec])),

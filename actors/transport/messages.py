@@ -154,9 +154,12 @@ class ExtendRow(msgspec.Struct, **_S):
 
 class VerifyRounds(msgspec.Struct, **_S):
     """A verify step (speculative decoding), in place of decode rows: G rounds of k + 1
-    positions from each slot's FutureMap position; round g appends page_counts[g] of `pages`."""
+    positions from each slot's FutureMap position; round g appends page_counts[g] of `pages`.
+    `committed` is the scheduler's bound on each slot's length (its rounds in flight counted as
+    all accepted): the runner plans with it, the device resolves the true position."""
 
     slots: bytes  # int32 [G]
+    committed: bytes  # int32 [G] upper bound of each slot's committed_len before its round
     drafts: bytes  # int32 [G, k], -1 = no draft
     page_counts: bytes  # int32 [G]
     pages: bytes = b""  # int32 [sum of page_counts]

@@ -73,6 +73,7 @@ class StepShape(NamedTuple):
     tokens: int  # T: padded new tokens
     rows: int  # R: padded rows (requests); every row samples one token
     context: int = 0  # context bucket (longest kv_len) for backends with static loops; 0 = any
+    verify: int = 0  # a verify program (speculative decoding): tokens per round (k + 1); 0 = not
 
 
 class AttentionBackend:
@@ -108,6 +109,17 @@ class AttentionBackend:
 
     def plan_avals(self, shape: StepShape) -> dict[str, jax.ShapeDtypeStruct]:
         return {}
+
+    def shift_plan(self, plan: dict, shift: jax.Array) -> dict:
+        """In the graph, before the layers: row r's positions are `shift[r]` lower than the host
+        planned with (a verify step: the host planned with a bound, the device knows the true
+        length). The keys the plan covers stay (a superset); what needs positions moves. The
+        tile-based plans (native, bucketed) carry query positions; the kernels read fb.kv_len."""
+        if "tile_pos" not in plan:
+            return plan
+        pos = plan["tile_pos"]
+        moved = jnp.where(pos >= 0, pos - shift[plan["tile_row"]][:, None], -1)
+        return plan | {"tile_pos": moved}
 
     # ---- in the graph --------------------------------------------------------------------------
     def write(self, kv, layer: jax.Array, k: jax.Array, v: jax.Array, fb) -> Any:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import tiles
+import model.attention.tiles as tiles
 from model.attention.base import AttentionBackend, AttnGeometry, StepShape, layer_pages
 from model.attention.tiles import cdiv
 
