@@ -82,6 +82,11 @@ class ServerArgs:
     step_trace: int = _opt(
         0, "keep timings of the last N steps for get_server_info()['step_trace'] (0: off; `ringserve bench --profile`)"
     )
+    enable_deterministic_inference: bool = _opt(
+        False,
+        "batch-invariant kernels: a request's greedy tokens and seeded samples (and logprobs) are bitwise the same "
+        "whatever its batch neighbours, bucket, chunking, overlap, retracts or cached prefix (costs speed)",
+    )
     jax_profile_dir: str | None = _opt(
         None, "write a jax.profiler trace of the runner (ready to shutdown) into this directory (Perfetto, TensorBoard)"
     )

@@ -17,50 +17,68 @@ import jax.numpy as jnp
 
 from model.attention.base import AttentionBackend
 from model.checkpoints.config import ModelConfig
-from model.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq, rope_tables
+from model.layers import (
+    apply_rope,
+    gated_mlp,
+    invariant_matmul,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+    rowwise,
+)
 
 
 class CausalLM:
     """The model's static description; parameters and KV cache are passed to every call."""
 
-    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, layer_unroll: int = 1):
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, layer_unroll: int = 1, deterministic: bool = False):
         self.cfg = cfg
+        self.mm = invariant_matmul if deterministic else jnp.matmul  # every projection and the LM head
+        self.deterministic = deterministic
         self.attn = attn
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         self.layer_unroll = layer_unroll
 
+    def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """RMSNorm of x [T, ...] over its last axis (batch-invariant in the deterministic mode)."""
+        eps = self.cfg.rms_norm_eps
+        if not self.deterministic:
+            return rms_norm(x, w, eps)
+        flat = x.reshape(-1, x.shape[-1])
+        return rowwise(lambda a: rms_norm(a, w, eps), flat).reshape(x.shape)
+
     def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any) -> tuple[jax.Array, Any]:
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache."""
-        cfg, attn = self.cfg, self.attn
+        cfg, attn, mm = self.cfg, self.attn, self.mm
         t = ids.shape[0]
         cos, sin = rope_tables(fb.positions, self.inv_freq)
         x = jnp.take(params["embed"], ids, axis=0)
 
         def layer(carry, lp):
             x, kv, i = carry
-            h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+            h = self.norm(x, lp["attn_norm"])
+            q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
             if cfg.qkv_bias:
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+                q = self.norm(q, lp["q_norm"])
+                k = self.norm(k, lp["k_norm"])
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv = attn.write(kv, i, k, v, fb)
             o = attn.attend(q, kv, i, fb)
-            x = x + o.reshape(t, cfg.q_size) @ lp["wo"]
-            h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-            x = x + gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+            x = x + mm(o.reshape(t, cfg.q_size), lp["wo"])
+            h = self.norm(x, lp["mlp_norm"])
+            x = x + gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], mm)
             return (x, kv, i + 1), None
 
         (x, kv, _), _ = jax.lax.scan(layer, (x, kv, jnp.int32(0)), params["layers"], unroll=self.layer_unroll)
-        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+        return self.norm(x, params["final_norm"]), kv
 
     def logits(self, params: dict, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
         if "lm_head" in params:
-            return (h @ params["lm_head"]).astype(jnp.float32)
-        return (h @ params["embed"].T).astype(jnp.float32)
+            return self.mm(h, params["lm_head"]).astype(jnp.float32)
+        return self.mm(h, params["embed"].T).astype(jnp.float32)

@@ -89,14 +89,24 @@ def sample_rows(
     top_n: int,
     n_rows: jax.Array,
     group: int | None,
+    fixed: int | None = None,
 ) -> SampleOut:
     """Sample rows of hidden states hs [R, H] (logits_fn: [S, H] -> f32 [S, V]).
 
     group None: every row at once. Otherwise only the first `n_rows` (a traced count), `group`
     rows per iteration of a runtime-trip-count loop, so the LM head and the sampler cost what
     the real rows need (an extend program has R = max_batch rows, often a handful real);
-    rows past the last group read as token 0."""
+    rows past the last group read as token 0.
+
+    fixed: rows padded to a multiple of it and sampled `fixed` at a time, so that every row is
+    computed by one program shape whatever the step (the deterministic mode)."""
     r = hs.shape[0]
+    if fixed is not None:
+        pad = -r % fixed
+        hs = jnp.pad(hs, ((0, pad), (0, 0)))
+        sp = SamplingBatch(*(x if x.ndim == 0 else jnp.pad(x, (0, pad)) for x in sp))
+        out = sample_rows(logits_fn, hs, sp, top_n, n_rows, fixed)
+        return SampleOut(*(a[:r] for a in out))
     if group is None or r <= group or r % group:
         return sample(logits_fn(hs), sp, top_n)
 

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 
 from model.attention import AttentionBackend, AttnGeometry, StepShape, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint
+from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
 from model.mesh import make_mesh, param_spec, replicated
 from model.params import build_host_tree
@@ -57,6 +58,7 @@ class ExecutorConfig:
     layer_unroll: int = 1  # decoder layers per scan iteration
     precompile: bool = True  # compile every bucket at start-up
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
+    deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
 
     @property
     def max_pages(self) -> int:
@@ -90,6 +92,10 @@ class ModelExecutor:
         self.mesh = make_mesh(cfg.tp_size)
         self.platform = jax.devices()[0].platform
         self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret)
+        if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
+            # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
+            log.warning("enable_deterministic_inference: attention backend %s -> bucketed", self.backend)
+            self.backend = "bucketed"
         self.model_config, tensors = load_checkpoint(model_path)
         mc = self.model_config
         if cfg.max_context_len > mc.max_position_embeddings:
@@ -102,13 +108,15 @@ class ModelExecutor:
             num_layers=mc.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             max_pages=cfg.max_pages, dtype=DTYPES[cfg.dtype], sliding_window=mc.sliding_window,
+            deterministic=cfg.deterministic,
         )  # fmt: skip
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
-        self.model = CausalLM(mc, self.attn, cfg.layer_unroll)
+        self.model = CausalLM(mc, self.attn, cfg.layer_unroll, cfg.deterministic)
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # future buffer entries (one per request slot) + sink
         # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
         self.sample_group = 16 if self.platform == "cpu" else None
+        self.fixed_rows = INVARIANT_ROWS if cfg.deterministic else None  # sampler tiles of one shape
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
         self.graphdef, self.params = self._build(tensors)
         self.params_avals = jax.tree_util.tree_map(
@@ -185,7 +193,7 @@ class ModelExecutor:
         h, kv = self.model.forward(params, ids, fb, kv)
         group = self.sample_group if fb.input_ids.shape[0] != fb.kv_len.shape[0] else None  # not decode
         out = sample_rows(lambda x: self.model.logits(params, x), h[fb.sample_idx], sp, top_n,
-                          fb.num_rows[0], group)  # fmt: skip
+                          fb.num_rows[0], group, self.fixed_rows)  # fmt: skip
         tok = tok.at[fb.sample_slot].set(out.tokens)
         pos = pos.at[fb.sample_slot].set(fb.kv_len)
         return kv, (tok, pos), out, jnp.zeros(fb.kv_len.shape, jnp.int32)
@@ -220,7 +228,8 @@ class ModelExecutor:
             sp.temperature[tok_row], sp.top_k[tok_row], sp.top_p[tok_row], sp.min_p[tok_row], sp.seed[tok_row],
             positions + 1, sp.any_random, sp.any_filter,
         )  # fmt: skip
-        out = sample_rows(lambda x: self.model.logits(params, x), h, per_tok, top_n, fb.row_start[n], self.sample_group)
+        out = sample_rows(lambda x: self.model.logits(params, x), h, per_tok, top_n, fb.row_start[n], self.sample_group,
+                          self.fixed_rows)  # fmt: skip
         idx = jnp.minimum(fb.row_start[:r, None] + jnp.arange(k1)[None, :], t - 1)  # [R, k1]
         targets = out.tokens[idx]
         drafts = fb.input_ids[idx[:, 1:]]  # raw: NO_DRAFT (-1) pads never match

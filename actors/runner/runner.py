@@ -52,6 +52,7 @@ def executor_config(args) -> ExecutorConfig:
         attention_backend=args.attention_backend,
         precompile=args.precompile,
         verify_tokens=verify,
+        deterministic=args.enable_deterministic_inference,
     )
 
 

@@ -51,6 +51,7 @@ class AttnGeometry:
     max_pages: int  # page-table width (pages of the longest context)
     dtype: Any  # KV dtype (the compute dtype)
     sliding_window: int | None = None
+    deterministic: bool = False  # contractions as products and sums whose order no shape changes
 
     @property
     def scale(self) -> float:

@@ -94,7 +94,9 @@ def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None)
     q [n, block, Hkv, G, D] (scaled f32), k/v [Hkv, n, chunk, D] (f32), key_pos [n, chunk],
     q_pos [n, block]; reset [n] bool starts a tile afresh (its first chunk)."""
     m, den, acc = state
-    if q.shape[1] == 1:  # decode: no block axis in the contractions (measured faster on CPU)
+    if geo.deterministic:  # a query's scores summed the same way whatever the tile and step shape
+        sc = jnp.sum(jnp.transpose(q, (0, 2, 3, 1, 4))[:, :, :, :, None, :] * jnp.swapaxes(k, 0, 1)[:, :, None, None], -1)
+    elif q.shape[1] == 1:  # decode: no block axis in the contractions (measured faster on CPU)
         sc = jnp.einsum("nkgd,kncd->nkgc", q[:, 0], k)[:, :, :, None, :]
     else:
         sc = jnp.einsum("nbkgd,kncd->nkgbc", q, k)  # [n, Hkv, G, block, chunk]
@@ -110,7 +112,9 @@ def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None)
     p = jnp.where(vis, jnp.exp(sc - m1[..., None]), 0.0)
     alpha = jnp.exp(m - m1)
     den = den * alpha + p.sum(-1)
-    if q.shape[1] == 1:
+    if geo.deterministic:
+        pv = jnp.sum(p[..., None] * jnp.swapaxes(v, 0, 1)[:, :, None, None], -2)
+    elif q.shape[1] == 1:
         pv = jnp.einsum("nkgc,kncd->nkgd", p[:, :, :, 0], v)[:, :, :, None, :]
     else:
         pv = jnp.einsum("nkgbc,kncd->nkgbd", p, v)
