@@ -47,10 +47,13 @@ def test_native_streaming_chunks_are_cumulative(engine, servers):
     with httpx.stream("POST", servers.url + "/generate", json={"input_ids": [21, 22], "sampling_params": sp, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = sse(r)
-    assert len(chunks) == 5
+    # one chunk per token, except where the loop read two outputs before writing (they merge)
+    assert 2 <= len(chunks) <= 5
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens == sorted(set(lens)) and lens[-1] == 5
     for k, c in enumerate(chunks):
-        assert c["output_ids"] == want["output_ids"][: k + 1]
-        assert c["meta_info"]["finish_reason"] is (None if k < 4 else c["meta_info"]["finish_reason"])
+        assert c["output_ids"] == want["output_ids"][: lens[k]]  # cumulative
+        assert (c["meta_info"]["finish_reason"] is None) == (k < len(chunks) - 1)
     assert chunks[-1]["text"] == want["text"] and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
     with httpx.stream("POST", servers.url + "/generate", json={"input_ids": [[1, 2], [3, 4]], "sampling_params": sp, "stream": True}) as r:
         chunks = sse(r)
