@@ -60,12 +60,7 @@ def iterate_in_thread(lt: LoopThread, make: Callable[[], AsyncIterator[T]]) -> I
     q: queue.SimpleQueue = queue.SimpleQueue()
     task = lt.submit(_pump(make, q.put))
     try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Raised):
-                raise item.error
+        while not _ended(item := q.get()):
             yield item
     finally:
         task.cancel()
@@ -81,15 +76,17 @@ async def iterate_across(lt: LoopThread, make: Callable[[], AsyncIterator[T]]) -
 
     task = lt.submit(_pump(make, put))
     try:
-        while True:
-            item = await q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Raised):
-                raise item.error
+        while not _ended(item := await q.get()):
             yield item
     finally:
         task.cancel()
+
+
+def _ended(item: Any) -> bool:
+    """Whether the pumped stream ended; re-raises the error it ended with."""
+    if isinstance(item, _Raised):
+        raise item.error
+    return item is _END
 
 
 class _Raised:

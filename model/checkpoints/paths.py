@@ -9,7 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -17,3 +21,19 @@ def cache_dir(*parts: str) -> Path:
     """The cache root, or a path inside it (nothing is created)."""
     root = Path(os.environ.get("RINGSERVE_CACHE") or Path.home() / ".cache" / "ringserve")
     return root.joinpath(*parts)
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out` to fill; it replaces `out` whole when the block ends
+    without error (a half-written checkpoint is never seen at `out`), and is removed otherwise."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

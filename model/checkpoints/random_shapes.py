@@ -9,13 +9,11 @@ benchmarks feed token ids.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from model.checkpoints.paths import cache_dir
+from model.checkpoints.paths import atomic_dir, cache_dir
 
 # config.json fields of the real checkpoints (HF hub configs), minus tokens and tokenizers.
 SHAPES: dict[str, dict] = {
@@ -71,15 +69,7 @@ def random_model(shape: str, seed: int = 0) -> Path:
 
     cfg = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
                hidden_act="silu", attention_bias=False, bos_token_id=1, eos_token_id=2, dtype="float32")  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_file(_weights(cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out

@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from model.checkpoints.paths import cache_dir
+from model.checkpoints.paths import atomic_dir, cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -164,9 +162,7 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, *
     tok = Tokenizer.from_str(_trained_tokenizer_json(merged["vocab_size"]))
     merged["vocab_size"] = tok.get_vocab_size()
     cfg = _hf_config(family, merged, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_file(_weights(cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save(str(tmp / "tokenizer.json"))
@@ -183,12 +179,6 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, *
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
         gen = {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"], "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 
