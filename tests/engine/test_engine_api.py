@@ -3,13 +3,12 @@ pause / continue / abort / flush_cache (seed 000's plan), all through the real p
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import in_background, random_prompts
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -111,30 +110,8 @@ def test_seeded_sampling_is_reproducible_and_n_samples(engine):
     assert len(many) == 3 and many[0]["output_ids"] == a["output_ids"]
 
 
-def _in_background(engine, prompts, max_new):
-    box: dict = {}
-
-    def go():
-        try:
-            box["out"] = engine.generate(
-                input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new}
-            )
-        except BaseException as e:  # surfaced by the test
-            box["err"] = e
-
-    base = engine.get_server_info()["forward_ct_decode"]
-    t = threading.Thread(target=go)
-    t.start()
-    deadline = time.monotonic() + 60
-    while engine.get_server_info()["forward_ct_decode"] < base + 3:
-        assert "err" not in box, box["err"]
-        assert time.monotonic() < deadline, "generation never started decoding"
-        time.sleep(0.01)
-    return t, box
-
-
 def test_abort_one_request(engine):
-    t, box = _in_background(engine, random_prompts(2, seed=8, lo=5, hi=10), 200)
+    t, box = in_background(engine, random_prompts(2, seed=8, lo=5, hi=10), 200)
     rid = engine.get_server_info()["running_rids"][0]
     engine.abort_request(rid)
     t.join(60)
