@@ -95,7 +95,7 @@ def summarize(cols: dict[str, list]) -> dict[str, Any]:
         "apply_ms_per_step": ms(r["r_applied"] - r["r_start"]),
         "build_dispatch_ms_per_step": ms(r["r_dispatched"] - r["r_applied"]),
         "d2h_ms_per_step": ms(r["r_fetched"] - np.maximum(r["r_fetch"], r["dev_ready"])),
-        "stepmsg_ring_ms_per_step": ms(r["r_start"] - r["t_sent"]),
+        "stepmsg_ring_ms_per_step": ms(r["r_start"] - np.minimum(r["t_sent"], r["r_start"])),  # 0 if it started first
         "result_ring_ms_per_step": ms(r["t_got"] - np.maximum(r["r_fetched"], r["t_wait"])),
         "host_over_forward": float(sched_host.sum() / dev_total) if dev_total > 0 else None,
         "runner_host_over_forward": float(runner_host.sum() / dev_total) if dev_total > 0 else None,
