@@ -126,16 +126,15 @@ class AttentionBackend:
     def write(self, kv, layer: jax.Array, k: jax.Array, v: jax.Array, fb) -> Any:
         """Scatter the step's k, v [T, Hkv, D] into layer `layer` at fb.out_loc (in place under
         donation: the scan carries the cache, so the update never copies it)."""
+        return self.write_paged(kv[0], k, layer, fb), self.write_paged(kv[1], v, layer, fb)
+
+    def write_paged(self, cache: jax.Array, new: jax.Array, layer: jax.Array, fb) -> jax.Array:
+        """new [T, Hkv, D] into a cache of the paged layout [Hkv, L*P, page, D]."""
         g = self.geo
-        k_cache, v_cache = kv
         flat = (g.num_kv_heads, g.num_layers * g.num_pages * g.page_size, g.head_dim)
         loc = fb.out_loc + layer * (g.num_pages * g.page_size)
-
-        def put(cache, new):
-            upd = cache.reshape(flat).at[:, loc].set(jnp.swapaxes(new, 0, 1).astype(cache.dtype))
-            return upd.reshape(cache.shape)
-
-        return put(k_cache, k), put(v_cache, v)
+        upd = cache.reshape(flat).at[:, loc].set(jnp.swapaxes(new, 0, 1).astype(cache.dtype))
+        return upd.reshape(cache.shape)
 
     def attend(self, q: jax.Array, kv, layer: jax.Array, fb) -> jax.Array:
         raise NotImplementedError

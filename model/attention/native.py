@@ -45,8 +45,24 @@ class NativeAttention(AttentionBackend):
         self.chunk = self.chunk_pages * geo.page_size
         self.max_chunks = cdiv(geo.max_pages, self.chunk_pages)
 
+    # ---- the cache: keys stored key-major within a page ----------------------------------------
+    def kv_avals(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """K [Hkv, L*P, D, page] (each page's keys transposed), V [Hkv, L*P, page, D]: a gathered
+        chunk of keys is then the [D, chunk] operand the score product wants, no transpose."""
+        g = self.geo
+        k, v = super().kv_avals()
+        return jax.ShapeDtypeStruct((g.num_kv_heads, g.num_layers * g.num_pages, g.head_dim, g.page_size), g.dtype), v
+
+    def write(self, kv, layer, k, v, fb):
+        g = self.geo
+        page = fb.out_loc // g.page_size + layer * g.num_pages
+        k_cache = kv[0].at[:, page, :, fb.out_loc % g.page_size].set(k.astype(kv[0].dtype))  # k: [T, Hkv, D]
+        return k_cache, self.write_paged(kv[1], v, layer, fb)
+
     def lanes(self, shape: StepShape) -> int:
-        return self.decode_lanes if shape.block == 1 else self.extend_lanes
+        """Lanes of a program: never more than it has tiles (a small batch would run idle lanes
+        on the sink tile, each gathering and scoring a whole chunk for nothing)."""
+        return min(self.decode_lanes if shape.block == 1 else self.extend_lanes, tiles.num_tiles(shape))
 
     def max_steps(self, shape: StepShape) -> int:
         """Static bound on the longest lane: LPT keeps it <= ceil(items / lanes) + the largest tile."""
@@ -106,9 +122,10 @@ class NativeAttention(AttentionBackend):
             state, out = carry
             tile, chunk = p["item_tile"][s], p["item_chunk"][s]  # [W]
             pages = jax.vmap(lambda row, c: jax.lax.dynamic_slice_in_dim(row, c * cp, cp))(tables[tile_row[tile]], chunk)
-            k, v = tiles.gather_pages(kv[0], pages), tiles.gather_pages(kv[1], pages)
+            k, v = tiles.gather_pages_t(kv[0], pages), tiles.gather_pages(kv[1], pages)
             key_pos = chunk[:, None] * self.chunk + key_off[None, :]
-            state = tiles.online_update(state, qt[tile], k, v, key_pos, pos[tile], g, reset=p["item_first"][s])
+            state = tiles.online_update(state, qt[tile], k, v, key_pos, pos[tile], g, reset=p["item_first"][s],
+                                        k_major=True)  # fmt: skip
             dest = jnp.where(p["item_last"][s], tile, nt)  # unfinished tiles write the sink tile
             return state, out.at[dest].set(tiles.normalize(state[1], state[2]))
 
