@@ -55,7 +55,8 @@ def parser(prog: str = "python -m bench.serving") -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog=prog, description="ringserve serving benchmark (throughput and latency)")
     a = ap.add_argument
-    a("--model", default="tiny", help="'tiny', 'smollm2', or a model directory")
+    a("--model", nargs="+", default=["tiny"],
+      help="'tiny', 'smollm2', or a model directory; several: the whole benchmark for each in turn")
     a("--backend", nargs="+", default=["engine"], choices=[*RINGSERVE, "hf"],
       help="engine | client (IPC socket) | http (OpenAI API) | hf (transformers on the same checkpoint; "
            "ringserve's engine runs too, for the ratio)")  # fmt: skip
@@ -218,8 +219,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.serving") -
 
 
 def bench(argv: list[str] | None = None, prog: str = "python -m bench.serving") -> list[dict]:
-    """Run the benchmark `argv` describes; print its tables; every run's metrics."""
+    """Run the benchmark `argv` describes (for each --model); print its tables; every run's metrics."""
     a = parser(prog).parse_args(argv)
+    runs: list[dict] = []
+    for name in a.model:
+        one = argparse.Namespace(**vars(a))
+        one.model = name
+        if len(a.model) > 1 and a.output_json:  # profiles and plots: one set per model
+            out = Path(a.output_json)
+            one.output_json = str(out.with_name(f"{out.stem}.{Path(name).name}{out.suffix}"))
+        runs += _bench_model(one)
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1, default=_json))
+        print(f"\nwrote {a.output_json}")
+    return runs
+
+
+def _bench_model(a: argparse.Namespace) -> list[dict]:
     from actors.server_args import ServerArgs
     from model.checkpoints.config import ModelConfig
     from model.checkpoints.resolve import resolve_model
@@ -290,9 +306,6 @@ def bench(argv: list[str] | None = None, prog: str = "python -m bench.serving") 
 
         print(f"\nplots: {throughput_vs_rate(runs, outdir / f'{stem}.throughput.png')}, "
               f"{latency_cdfs(recs, outdir / f'{stem}.cdf.png')}")  # fmt: skip
-    if a.output_json:
-        Path(a.output_json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1, default=_json))
-        print(f"\nwrote {a.output_json}")
     return runs
 
 

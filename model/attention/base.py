@@ -18,6 +18,9 @@ Paged layout (native, bucketed, pallas_gpu, none):
            padding tokens write to and nothing reads.
     token location (ForwardBatch.out_loc) = page * page_size + offset, within one layer.
 
+The native backend keeps V so and stores K key-major within a page, [Hkv, L * P, D, page_size]
+(same page ids and token locations): its CPU score product then reads a gathered chunk as is.
+
 Per-step inputs every backend sees (ForwardBatch, built in model/step_inputs.py): the new
 tokens packed densely (row r owns flat tokens row_start[r]:row_start[r+1]), their positions and
 token locations, and per row its kv_len (= committed_len + extend_len: KV valid after this

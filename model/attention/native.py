@@ -17,7 +17,12 @@ longest. Runtime trip counts are free on CPU; GPUs and TPUs use the other backen
 
 Measured on 2 CPU cores (SmolLM2's 3 KV heads x 64, decode batch 64, contexts 16-768):
 lanes x chunk of 16 x 64 keys 10 ms per layer, against 27-35 ms for one loop over the batch's
-longest context in chunks (all rows per iteration).
+longest context in chunks (all rows per iteration). Per item the cost is the gathers and the
+two products (XLA CPU's profile, tiny model, decode 64 x 256): K is stored key-major within a
+page and both products batch over (Hkv, lane) in the gathered order, so no chunk is transposed
+in the loop (before: two chunk transposes per item cost more than the products); the step went
+from 36.6 to 24.7 ms (11.9 ms without attention), a 4 x 512 prefill from 438 to 332 ms (187).
+A program has at most as many lanes as tiles (a batch of 1 ran 15 idle lanes before).
 """
 
 from __future__ import annotations
@@ -61,8 +66,11 @@ class NativeAttention(AttentionBackend):
 
     def lanes(self, shape: StepShape) -> int:
         """Lanes of a program: never more than it has tiles (a small batch would run idle lanes
-        on the sink tile, each gathering and scoring a whole chunk for nothing)."""
-        return min(self.decode_lanes if shape.block == 1 else self.extend_lanes, tiles.num_tiles(shape))
+        on the sink tile, each gathering and scoring a whole chunk for nothing). The deterministic
+        mode keeps one lane count per kind: the loop body, and how XLA orders its sums, is then
+        the same in every program."""
+        lanes = self.decode_lanes if shape.block == 1 else self.extend_lanes
+        return lanes if self.geo.deterministic else min(lanes, tiles.num_tiles(shape))
 
     def max_steps(self, shape: StepShape) -> int:
         """Static bound on the longest lane: LPT keeps it <= ceil(items / lanes) + the largest tile."""

@@ -103,7 +103,7 @@ def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None,
     m, den, acc = state
     n, b, kvh, g, d = q.shape
     if geo.deterministic:  # a query's scores summed the same way whatever the tile and step shape
-        assert not k_major
+        k = jnp.swapaxes(k, 2, 3) if k_major else k
         sc = jnp.sum(jnp.transpose(q, (0, 2, 3, 1, 4))[:, :, :, :, None, :] * jnp.swapaxes(k, 0, 1)[:, :, None, None], -1)
     else:
         qh = jnp.transpose(q, (2, 0, 3, 1, 4)).reshape(kvh, n, g * b, d)  # [Hkv, n, G*block, D]
