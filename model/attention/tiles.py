@@ -137,6 +137,19 @@ def normalize(den: jax.Array, acc: jax.Array) -> jax.Array:
     return acc / jnp.maximum(den, 1e-30)[..., None]
 
 
+def combine(part, seg_tile: jax.Array, n: int) -> jax.Array:
+    """Segments' softmax states -> tiles' outputs [n, Hkv, G, block, D]. A tile's keys may be
+    split into segments (run on different lanes); segment i belongs to tile seg_tile[i]. Each
+    segment's (max, denominator, unnormalised output) is rescaled to its tile's max and summed
+    (split-K, as flash-decoding does). A tile of one segment comes out exactly as normalize()."""
+    m, den, acc = part
+    m_tile = jax.ops.segment_max(m, seg_tile, num_segments=n)
+    w = jnp.exp(m - m_tile[seg_tile])
+    den_t = jax.ops.segment_sum(den * w, seg_tile, num_segments=n)
+    acc_t = jax.ops.segment_sum(acc * w[..., None], seg_tile, num_segments=n)
+    return normalize(den_t, acc_t)
+
+
 def untile(out: jax.Array, plan: dict, geo: AttnGeometry, dtype) -> jax.Array:
     """Tiles' outputs [NT + 1, Hkv, G, block, D] -> the step's tokens [T, H, D]."""
     n, b = out.shape[0], out.shape[3]

@@ -67,3 +67,21 @@ def test_table_lists_every_run_and_headline_metric():
     assert row["output throughput (tok/s)"] == ["6.0", "-"]
     assert row["ITL p99 (ms)"] == ["197.00", "-"]
     assert row["TTFT p90 (ms)"] == ["280.00", "-"]
+
+
+def test_chunked_prefill_window_against_steady_median():
+    """bench/chunked_prefill.analyse: decoder ITLs that overlap the long prompt's prefill window
+    (sent 1.0, first token 1.5) are the window; the ratios divide by the median outside it."""
+    from bench.chunked_prefill import analyse
+
+    # a decoder streaming a token every 0.1 s, except one 0.4 s stall inside the window
+    times = [0.1 * i for i in range(1, 11)] + [1.4, 1.5, 1.6, 1.7, 1.8]
+    dec = RequestRecord(prompt_len=64, sent=0.0, chunk_times=times, chunk_tokens=[1] * len(times), output_len=len(times))
+    long = RequestRecord(prompt_len=4096, sent=1.0, chunk_times=[1.5], chunk_tokens=[1], output_len=1)
+    r = analyse([dec], long)
+    # ITLs: nine of 0.1 up to t=1.0 (steady), 1.0->1.4 (0.4, window), 1.4->1.5 (0.1, window), then 3 steady
+    assert r["steady_samples"] == 12 and r["window_samples"] == 2
+    assert r["itl_median_ms"] == pytest.approx(100.0)
+    assert r["window_max_ms"] == pytest.approx(400.0) and r["window_median_ms"] == pytest.approx(250.0)
+    assert r["window_p99_over_median"] == pytest.approx(r["window_p99_ms"] / 100.0)
+    assert r["long_ttft_ms"] == pytest.approx(500.0) and r["long_prefill_window_ms"] == pytest.approx(500.0)
