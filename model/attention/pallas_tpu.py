@@ -16,9 +16,19 @@ Per step it takes what ForwardBatch already has: cu_q_lens = row_start, kv_lens 
 page_indices = the page tables (+ layer offset), num_seqs = num_rows. Output rows past the last
 real token are undefined (NaN in interpret mode) and are zeroed.
 
-Off TPU the kernel runs in Pallas's TPU interpreter (`interpret=True`, for tests). jax 0.10.2's
-interpreter cannot discharge the kernel's masked `pltpu.store`; the interpreter path therefore
-rebinds that one function, in the kernel module only, to an equivalent read-modify-write.
+Off TPU the kernel runs in Pallas's TPU interpreter (`interpret=True`, for tests), which in
+jax 0.10.2 differs from a TPU in two ways the interpreter path works around:
+
+  - it cannot discharge the kernel's masked `pltpu.store`: that one function is rebound, in the
+    kernel module only, to an equivalent read-modify-write;
+  - a kernel's writes to its scalar-prefetch refs do not reach the next grid point (each one
+    reads the initial values). The kernel carries (seq_idx, buf_idx) there from one grid point
+    to the next: which row a query block starts at, and which of its two KV buffers holds the
+    block the previous grid point prefetched. Restarted at (0, 0), a grid point past the first
+    reads a stale buffer (a 40-token chunk over 300 cached tokens in query blocks of 32: the
+    second block's outputs were wrong). So the interpreter path runs one grid point per call:
+    all T query tokens in one query block, and one call per heads block (the kernel's
+    `get_min_heads_per_blk` grouping), each over its slice of query and K/V heads.
 """
 
 from __future__ import annotations
@@ -63,6 +73,24 @@ def _interpret_shim() -> None:
     shim.__dict__.update(pltpu.__dict__)
     shim.store = store  # type: ignore[attr-defined]
     kernel.pltpu = shim  # type: ignore[attr-defined]
+
+
+def _interpret_call(kernel, q, cache, kv_len, tables, cu_q_lens, num_seqs):
+    """The kernel in Pallas's TPU interpreter, one grid point per call (see the module
+    docstring): one query block of all T tokens, one call per heads block. Block sizes are
+    given (off TPU the kernel's tuned-size lookup raises)."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
+
+    hq, hc = get_min_heads_per_blk(q.shape[1], cache.shape[2], q.dtype, cache.dtype)
+    outs = []
+    with pltpu.force_tpu_interpret_mode(True):  # type: ignore[arg-type]
+        for b in range(q.shape[1] // hq):
+            qb = q[:, b * hq : (b + 1) * hq]
+            cb = cache if hc == cache.shape[2] else cache[:, :, b * hc : (b + 1) * hc]
+            blocks = dict(num_kv_pages_per_block=min(8, tables.shape[1]), num_queries_per_block=q.shape[0])
+            outs.append(kernel(qb, cb, kv_len, tables, cu_q_lens, num_seqs, **blocks))
+    return jnp.concatenate(outs, axis=1)
 
 
 class PallasTPUAttention(AttentionBackend):
@@ -112,21 +140,9 @@ class PallasTPUAttention(AttentionBackend):
         t = q.shape[0]
         qp = self._pad_heads(q, g.group)
         tables = fb.pages + layer * g.num_pages
-        blocks = {}
-        if self.interpret:  # off TPU the tuned-size lookup raises: pick sizes that fit
-            blocks = dict(num_kv_pages_per_block=min(8, tables.shape[1]), num_queries_per_block=min(32, t))
-        kernel = functools.partial(
-            ragged_paged_attention, sm_scale=g.scale, sliding_window=g.sliding_window, **blocks
-        )
-
-        def call(qp, cache, kv_len, tables, start, n):
-            if self.interpret:
-                from jax.experimental.pallas import tpu as pltpu
-
-                with pltpu.force_tpu_interpret_mode(True):  # type: ignore[arg-type]
-                    return kernel(qp, cache, kv_len, tables, start, n)
-            return kernel(qp, cache, kv_len, tables, start, n)
-
+        call = functools.partial(ragged_paged_attention, sm_scale=g.scale, sliding_window=g.sliding_window)
+        if self.interpret:
+            call = functools.partial(_interpret_call, call)
         args = (qp, kv[0], fb.kv_len, tables, fb.row_start, fb.num_rows)
         if self.tp > 1:
             call = jax.shard_map(
