@@ -81,13 +81,15 @@ def analyse(recs: list[RequestRecord], long_rec: RequestRecord) -> dict[str, flo
     inside = np.array([s[1] > w0 and s[0] < w1 for s in spans], bool)
     itl = np.array([s[2] for s in spans]) * 1e3
     steady, window = itl[~inside], itl[inside]
-    med = float(np.median(steady)) if len(steady) else float("nan")
-    p99 = float(np.percentile(itl, 99))
-    wp99 = float(np.percentile(window, 99)) if len(window) else float("nan")
+
+    def stat(fn, x: np.ndarray) -> float:
+        return float(fn(x)) if len(x) else float("nan")
+
+    med, p99, wp99 = stat(np.median, steady), float(np.percentile(itl, 99)), stat(lambda x: np.percentile(x, 99), window)
     return {
         "itl_median_ms": med, "steady_samples": int(len(steady)), "itl_p99_ms": p99, "itl_p99_over_median": p99 / med,
-        "window_samples": int(len(window)), "window_median_ms": float(np.median(window)) if len(window) else float("nan"),
-        "window_p99_ms": wp99, "window_max_ms": float(window.max()) if len(window) else float("nan"),
+        "window_samples": int(len(window)), "window_median_ms": stat(np.median, window),
+        "window_p99_ms": wp99, "window_max_ms": stat(np.max, window),
         "window_p99_over_median": wp99 / med, "long_ttft_ms": long_rec.ttft * 1e3, "long_prefill_window_ms": (w1 - w0) * 1e3,
     }  # fmt: skip
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -248,23 +247,14 @@ class ModelExecutor:
         return [(s, self.cfg.top_logprobs_num) for s in shapes]
 
     def compile_all(self) -> float:
-        """AOT-compile every program (progress bar); returns seconds spent. Programs are traced
-        one after another here (Python), and compiled by XLA on a thread per core as they come
-        (XLA's compile releases the GIL), so tracing the next overlaps compiling the last. On 2
-        CPU cores this gains nothing (XLA CPU's compile already keeps both busy: tiny model, 15
-        programs, 34.5 s either way); it is for hosts whose compiles run on one core each."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
+        """AOT-compile every program (progress bar); returns seconds spent. One after another:
+        XLA CPU's compile already keeps the cores busy (2 cores, tiny model: 15 programs took
+        34.5 s on one thread and on two)."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        todo = [k for k in self.program_keys() if k not in self._programs]
-        with (ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool,
-              tqdm(total=len(todo), desc="compiling buckets", unit="bucket") as bar):  # fmt: skip
-            pending = {pool.submit(self._lower(key).compile): key for key in todo}
-            for done in as_completed(pending):
-                self._programs[pending[done]] = done.result()
-                bar.update()
+        for key in tqdm(self.program_keys(), desc="compiling buckets", unit="bucket"):
+            self._program(key)
         return time.perf_counter() - t0
 
     def _avals(self, shape: StepShape) -> tuple[ForwardBatch, SamplingBatch]:
@@ -286,15 +276,13 @@ class ModelExecutor:
         )  # fmt: skip
         return fwd, smp
 
-    def _lower(self, key: tuple[StepShape, int]):
-        shape, top_n = key
-        fwd, smp = self._avals(shape)
-        return self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp, top_n, shape.verify)
-
     def _program(self, key: tuple[StepShape, int]):
         prog = self._programs.get(key)
         if prog is None:
-            prog = self._programs[key] = self._lower(key).compile()
+            shape, top_n = key
+            fwd, smp = self._avals(shape)
+            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp, top_n, shape.verify).compile()
+            self._programs[key] = prog
         return prog
 
     # ---- serving ------------------------------------------------------------------------------
