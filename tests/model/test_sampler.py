@@ -1,11 +1,14 @@
-"""Sampler: exact keep-masks on hand-made logits; seeded draws independent of batch neighbours."""
+"""Sampler: exact keep-masks on hand-made logits and against a sorting reference (both the\ntop-k candidates path and the bisection path); draws with the right frequencies; seeded draws\nindependent of batch neighbours."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from model.sampler import keep_mask, sample
+import model.sampler
+from model.sampler import gumbel_noise, keep_mask, sample
 from model.step import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow, DeviceSampling, SamplingBatch
 
@@ -98,6 +101,80 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_8(tiny_dir):
     alone = run([3])
     assert alone[3] == together[3]
     assert len({tuple(v) for v in together.values()}) == 8
-    # a different seed really changes the stream (the draw is random, not greedy)
-    params[3] = DeviceSampling(temperature=0.8, top_p=0.95, top_k=50, seed=7)
-    assert run([3])[3] != alone[3]
+    # a different seed really changes the stream (the draw is random, not greedy); hot enough
+    # that the random model's peaked rows do not make two seeds agree by chance
+    params[3] = DeviceSampling(temperature=2.0, top_k=50, seed=1003)
+    hot = run([3])[3]
+    params[3] = DeviceSampling(temperature=2.0, top_k=50, seed=7)
+    assert run([3])[3] != hot
+
+
+def reference_mask(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, float]:
+    """The module docstring's definition, by sorting (numpy, float64 sums); also the distance of
+    the nearest prefix mass to top_p (a float32 sum may land either side closer than that)."""
+    order = np.lexsort((np.arange(len(probs)), -probs))  # descending, lower id first on ties
+    sp = probs[order].astype(np.float64)
+    rank = np.arange(len(probs))
+    before = np.cumsum(sp) - sp
+    keep = (rank < (top_k if top_k > 0 else len(probs))) & (sp >= min_p * sp[0])
+    if top_p < 1:
+        keep &= before < top_p
+    keep[0] = True
+    out = np.zeros(len(probs), bool)
+    out[order] = keep
+    return out, float(np.min(np.abs(np.cumsum(sp) - top_p)))
+
+
+@pytest.mark.parametrize("candidates", [256, 1], ids=["top-k-candidates", "bisection"])
+def test_keep_mask_equals_the_sorting_definition(candidates, monkeypatch):
+    monkeypatch.setattr(model.sampler, "CANDIDATES", candidates)
+    rng = np.random.default_rng(11)
+    v, n = 700, 48
+    # coarse logits: many exactly tied probabilities; wide and flat rows: prefixes past 256
+    scale = rng.choice([0.3, 2.0, 6.0], n)[:, None]
+    logits = np.round(rng.normal(size=(n, v)) * scale * 4) / 4
+    temp = rng.choice([0.5, 1.0, 1.7], n).astype(np.float32)
+    top_k = rng.choice([-1, 1, 3, 40, 300, 699, 900], n)
+    top_p = rng.choice([1.0, 0.3, 0.8, 0.95, 0.999], n)
+    min_p = rng.choice([0.0, 0.0, 0.01, 0.2], n)
+    got = np.asarray(keep_mask(jnp.asarray(logits, jnp.float32), sb(temp, top_k, top_p, min_p)))
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32) / temp[:, None], axis=-1))
+    compared = 0
+    for i in range(n):
+        want, margin = reference_mask(probs[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+        if top_p[i] < 1 and margin < 1e-5:
+            continue  # the prefix mass is at top_p within float32 rounding: either answer is right
+        assert got[i].tolist() == want.tolist(), (i, int(got[i].sum()), int(want.sum()))
+        compared += 1
+    assert compared >= 40
+    assert (got.sum(-1) > 256).any() and (got.sum(-1) == 1).any()  # both paths' regimes were hit
+
+
+def test_draws_follow_the_kept_distribution():
+    # 4,000 draws (seeds x positions) from [0.5, 0.25, 0.125, 0.0625, 0.0625] and from the same
+    # distribution cut by top_k=3 (renormalised): chi-square against the expected counts
+    n = 4000
+    logits = jnp.asarray(np.repeat(LOGITS, n, axis=0))
+    seeds, positions = np.arange(n) // 40, np.arange(n) % 40 * 7
+    for top_k, probs in [(-1, [0.5, 0.25, 0.125, 0.0625, 0.0625]), (3, [4 / 7, 2 / 7, 1 / 7, 0, 0])]:
+        out = sample(logits, sb([1.0] * n, top_k=top_k, seed=seeds, position=positions), top_n=0)
+        counts = np.bincount(np.asarray(out.tokens), minlength=5)
+        expected = np.asarray(probs) * n
+        live = expected > 0
+        assert counts[~live].sum() == 0
+        chi2 = (((counts - expected) ** 2)[live] / expected[live]).sum()
+        assert chi2 < 20.5, (counts, chi2)  # p = 0.001 at 4 degrees of freedom (and below at 2)
+
+
+def test_noise_is_uniform_and_uncorrelated_across_positions_seeds_and_tokens():
+    v = 4096
+    g = np.asarray(gumbel_noise(jnp.asarray([3, 3, 4, 0], jnp.uint32), jnp.asarray([10, 11, 10, 0]), v))
+    u = np.exp(-np.exp(-g))  # back to the uniforms
+    for row in u:
+        hist = np.bincount((row * 16).astype(int), minlength=16)
+        assert ((hist - v / 16) ** 2 / (v / 16)).sum() < 45  # chi-square, 15 dof, p ~ 1e-4
+    corr = np.corrcoef(u)
+    assert np.abs(corr[np.triu_indices(4, 1)]).max() < 0.08  # 5 sigma at n = 4096
+    assert abs(np.corrcoef(u[0, :-1], u[0, 1:])[0, 1]) < 0.08  # neighbouring tokens
+    again = np.asarray(gumbel_noise(jnp.asarray([3], jnp.uint32), jnp.asarray([10]), v))
+    np.testing.assert_array_equal(again[0], g[0])  # a function of (seed, position, token) only
