@@ -110,8 +110,13 @@ def keep_mask(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     c, tau = _prefix_len_and_value(probs, k, top_p, sp.min_p)
     above = probs > tau[:, None]
     tied = probs == tau[:, None]
-    tie_rank = jnp.cumsum(tied, axis=-1) - tied  # tied tokens before this one (lower ids)
-    return above | (tied & (tie_rank < (c - above.sum(-1))[:, None]))
+    room = c - above.sum(-1)  # tied tokens the prefix takes, lowest ids first
+
+    def some_tied():
+        tie_rank = jnp.cumsum(tied, axis=-1) - tied  # tied tokens before this one (11 ms at [32, 49152])
+        return above | (tied & (tie_rank < room[:, None]))
+
+    return jax.lax.cond(jnp.all(room >= tied.sum(-1)), lambda: above | tied, some_tied)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
