@@ -59,12 +59,12 @@ def _bisect_bits(pred: Callable[[jax.Array], jax.Array], shape: tuple[int, ...])
     return jax.lax.fori_loop(0, 31, body, (lo, hi))[0]
 
 
-def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array):
-    """(c, tau) per row: length of the kept prefix of the descending order and the value of its
-    last token (see the module docstring). c = min(c_k, c_p, c_m), one per filter: min-p is a
-    value threshold (a count and a min); top-k and top-p come from the CANDIDATES largest
-    probabilities when every row's prefix fits in them, else from one bisection loop over the
-    whole rows that finds the k-th largest value and top-p's value together."""
+def _from_candidates(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+    """(c, tau, resolved, c_m, tau_m) per row, from the CANDIDATES largest probabilities: the
+    prefix length and its last value where `resolved`, and min-p's own (exact) count and value.
+    A row is resolved when its prefix ends inside the candidates, or when min-p ends it and
+    top-p is known not to end it sooner (top-p off, or reached inside the candidates); a row
+    with no filter at all is resolved (c = its whole row) beside filtered ones."""
     s, v = probs.shape
     thr = (min_p * probs.max(-1))[:, None]
     c_m = jnp.maximum((probs >= thr).sum(-1), 1)  # the top token always passes
@@ -74,11 +74,26 @@ def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_
     upper = jnp.triu(jnp.ones((nc, nc), jnp.float32))  # prefix sums as one product
     cum = jnp.matmul(cand, upper, precision=jax.lax.Precision.HIGHEST)
     reached = cum >= top_p[:, None]  # cum(r) >= top_p: r is the last kept
-    c_p_cand = jnp.where(reached.any(-1), jnp.argmax(reached, axis=-1) + 1, v + 1)  # v + 1: not in them
-    c_fast = jnp.minimum(jnp.minimum(k, c_p_cand), c_m)
+    # top-p's length: reached inside the candidates, v when off, v + 1 when not known (longer)
+    c_p = jnp.where(reached.any(-1), jnp.argmax(reached, axis=-1) + 1, jnp.where(top_p > 1, v, v + 1))
+    c = jnp.minimum(jnp.minimum(k, c_p), c_m)
+    resolved = (c <= nc) | ((c == c_m) & (c_p <= v))
+    tau = jnp.where(c <= nc, jnp.take_along_axis(cand, jnp.minimum(c, nc)[:, None] - 1, axis=-1)[:, 0], tau_m)
+    return c, tau, resolved, c_m, tau_m
+
+
+def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+    """(c, tau) per row: length of the kept prefix of the descending order and the value of its
+    last token (see the module docstring). c = min(c_k, c_p, c_m), one per filter: min-p is a
+    value threshold (a count and a min); top-k and top-p come from the CANDIDATES largest
+    probabilities when every row is resolved by them (`_from_candidates`), else from one
+    bisection loop over the whole rows that finds the k-th largest value and top-p's value
+    together."""
+    s, v = probs.shape
+    c_fast, tau_fast, resolved, c_m, tau_m = _from_candidates(probs, k, top_p, min_p)
 
     def from_candidates():
-        return c_fast, jnp.take_along_axis(cand, c_fast[:, None] - 1, axis=-1)[:, 0]
+        return c_fast, tau_fast
 
     def by_bisection():
         bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
@@ -97,7 +112,7 @@ def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_
         c = jnp.minimum(jnp.minimum(k, c_p), c_m)
         return c, jnp.where(c == k, tau_k, jnp.where(c == c_p, tau_p, tau_m))
 
-    return jax.lax.cond(jnp.all(c_fast <= nc), from_candidates, by_bisection)
+    return jax.lax.cond(jnp.all(resolved), from_candidates, by_bisection)
 
 
 def keep_mask(logits: jax.Array, sp: SamplingBatch) -> jax.Array:

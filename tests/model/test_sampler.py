@@ -178,3 +178,20 @@ def test_noise_is_uniform_and_uncorrelated_across_positions_seeds_and_tokens():
     assert abs(np.corrcoef(u[0, :-1], u[0, 1:])[0, 1]) < 0.08  # neighbouring tokens
     again = np.asarray(gumbel_noise(jnp.asarray([3], jnp.uint32), jnp.asarray([10]), v))
     np.testing.assert_array_equal(again[0], g[0])  # a function of (seed, position, token) only
+
+
+def test_rows_without_filters_do_not_force_the_bisection_path():
+    # beside a peaked top-p row, rows with no filter (or min-p only) are settled by the
+    # candidates: the batch takes the cheap path; a top-k past the candidates is not
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, 5000)).astype(np.float32) * np.array([[9.0], [1.0], [1.0], [1.0]]))
+    probs = jax.nn.softmax(logits, axis=-1)
+    k = jnp.asarray([5000, 5000, 5000, 1000])
+    top_p = jnp.asarray([0.9, 2.0, 2.0, 2.0])  # keep_mask's encoding: > 1 = off
+    min_p = jnp.asarray([0.0, 0.0, 0.05, 0.0])
+    c, tau, resolved, _, _ = model.sampler._from_candidates(probs, k, top_p, min_p)
+    assert np.asarray(resolved).tolist() == [True, True, True, False]
+    assert int(c[1]) == 5000 and float(tau[1]) == float(probs[1].min())
+    assert int(c[0]) <= model.sampler.CANDIDATES
+    mask = np.asarray(keep_mask(logits, sb([1.0] * 4, top_k=[-1, -1, -1, 1000], top_p=[0.9, 1, 1, 1], min_p=[0, 0, 0.05, 0])))
+    assert mask[1].all() and mask[3].sum() == 1000 and mask[2].sum() == int((probs[2] >= 0.05 * probs[2].max()).sum())
