@@ -195,3 +195,17 @@ def test_rows_without_filters_do_not_force_the_bisection_path():
     assert int(c[0]) <= model.sampler.CANDIDATES
     mask = np.asarray(keep_mask(logits, sb([1.0] * 4, top_k=[-1, -1, -1, 1000], top_p=[0.9, 1, 1, 1], min_p=[0, 0, 0.05, 0])))
     assert mask[1].all() and mask[3].sum() == 1000 and mask[2].sum() == int((probs[2] >= 0.05 * probs[2].max()).sum())
+
+
+def test_noise_is_finite_so_a_near_certain_token_always_wins():
+    # the hash's extremes map strictly inside (0, 1): a uniform of exactly 1 (a 24-bit mapping
+    # rounds 0xFFFFFF + 0.5 up to 2^24) is a Gumbel of +inf that wins whatever its token's mass
+    u = np.asarray(model.sampler._uniform(jnp.asarray([0, 0xFFFFFFFF], jnp.uint32)))
+    assert 0 < u[0] and u[1] < 1
+    v = 49152
+    logits = np.zeros((64, v), np.float32)
+    logits[:, 0] = 30.0  # token 0: probability 1 - 4.6e-9
+    seeds, positions = np.zeros(64, np.int64), np.arange(64) + 40  # (0, 66) drew +inf before
+    out = sample(jnp.asarray(logits), sb([1.0] * 64, seed=seeds, position=positions), top_n=0)
+    assert np.asarray(out.tokens).tolist() == [0] * 64
+    assert np.isfinite(np.asarray(gumbel_noise(jnp.asarray(seeds, jnp.uint32), jnp.asarray(positions), v))).all()
