@@ -9,8 +9,9 @@ The kept set is therefore a prefix of that order; its length c and the value tau
 token decide the mask: every token with p > tau, and the lowest-id tokens with p == tau up to
 c. Nothing is sorted (a sort of [32, 49152] takes 0.55 s on XLA CPU): c and tau come from the
 `CANDIDATES` largest probabilities (`lax.top_k`) when the prefix fits in them, which is the
-common case, and otherwise from bisections over the probabilities' float bits (non-negative
-floats order as their bit patterns), 31 passes over the row each, exact as well.
+common case, and otherwise from one bisection over the probabilities' float bits (non-negative
+floats order as their bit patterns; 31 passes over the rows finding top-k's and top-p's values
+together), exact as well.
 
 The token is then drawn from the kept set renormalised, by the Gumbel-max trick. The noise is a
 counter-based hash of (seed, position, token id) (`gumbel_noise`): a request's random stream
@@ -92,9 +93,6 @@ def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_
     s, v = probs.shape
     c_fast, tau_fast, resolved, c_m, tau_m = _from_candidates(probs, k, top_p, min_p)
 
-    def from_candidates():
-        return c_fast, tau_fast
-
     def by_bisection():
         bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
 
@@ -115,14 +113,23 @@ def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_
         # neighbour sent the batch here (the two ways round a sum differently at the boundary)
         return jnp.where(resolved, c_fast, c), jnp.where(resolved, tau_fast, tau)
 
-    return jax.lax.cond(jnp.all(resolved), from_candidates, by_bisection)
+    return jax.lax.cond(jnp.all(resolved), lambda: (c_fast, tau_fast), by_bisection)
+
+
+def _temperature(sp: SamplingBatch) -> jax.Array:
+    """[S, 1] divisor of the logits: the row's temperature, 1 for greedy rows."""
+    return jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
 
 
 def keep_mask(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """Boolean [S, V] mask of the tokens each row may sample (see the module docstring)."""
-    s, v = logits.shape
-    t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
-    probs = jax.nn.softmax(logits / t[:, None], axis=-1)
+    return _keep_mask_scaled(logits / _temperature(sp), sp)
+
+
+def _keep_mask_scaled(scaled: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """keep_mask of logits already divided by the temperature."""
+    v = scaled.shape[1]
+    probs = jax.nn.softmax(scaled, axis=-1)
     k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
     top_p = jnp.where(sp.top_p < 1, sp.top_p, 2.0)  # 1 = off (a float sum may fall short of 1)
     c, tau = _prefix_len_and_value(probs, k, top_p, sp.min_p)
@@ -181,9 +188,9 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
-        mask = jax.lax.cond(sp.any_filter, lambda: keep_mask(logits, sp), lambda: jnp.ones((s, v), bool))
-        t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
-        scores = jnp.where(mask, logits / t[:, None] + gumbel_noise(sp.seed, sp.position, v), -jnp.inf)
+        scaled = logits / _temperature(sp)
+        mask = jax.lax.cond(sp.any_filter, lambda: _keep_mask_scaled(scaled, sp), lambda: jnp.ones((s, v), bool))
+        scores = jnp.where(mask, scaled + gumbel_noise(sp.seed, sp.position, v), -jnp.inf)
         drawn = _first_max(scores)
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
