@@ -66,6 +66,11 @@ class ServerArgs:
     layer_unroll: int = _opt(1, "decoder layers per iteration of the layer scan")
     attention_interpret: bool = _opt(False, "run Pallas attention kernels in their interpreter (CPU tests)")
     precompile: bool = _opt(True, "compile every shape bucket at start-up")
+    serve_while_compiling: bool = _opt(
+        True,
+        "serve once the largest bucket of each kind is compiled and compile the rest in the background "
+        "(steps pad to the smallest compiled bucket meanwhile); off: serve after all are compiled",
+    )
     xla_cache: bool = _opt(
         True, "keep compiled step programs in $RINGSERVE_CACHE/xla (later start-ups take seconds)"
     )

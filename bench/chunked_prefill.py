@@ -101,6 +101,7 @@ def run_config(model_dir: str, name: str, a: argparse.Namespace, vocab: int) -> 
     decoders = random_requests(a.num_decode, vocab, 1, (64, 64), (a.decode_len, a.decode_len))
     long_req = random_requests(1, vocab, 2, (a.long_len, a.long_len), (16, 16))[0]
     with Engine(model_dir, **server_args(a.long_len, a.num_decode, a.decode_len, chunk, mixed)) as engine:
+        engine.wait_compiled()
         engine.generate(input_ids=[long_req.prompt[:512], decoders[0].prompt], sampling_params={"max_new_tokens": 4})
         engine.flush_cache()
         t = time.perf_counter()

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = [rng.integers(3, 2000, args.prompt_len).tolist() for _ in range(args.requests)]
     results: dict[str, Any] = {}
     with Engine(args.model, **SHAPES) as engine, Servers(engine, port=0) as servers:
+        engine.wait_compiled()
         engine.generate(input_ids=prompts[:8], sampling_params={"max_new_tokens": 2})  # warm every path once
         measure(engine, servers, prompts[:16], 4, args.max_new_tokens)
         print(f"\n{args.requests} requests of {args.prompt_len} prompt tokens, max_new_tokens={args.max_new_tokens}, "

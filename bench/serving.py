@@ -328,6 +328,7 @@ def _start(a: argparse.Namespace, model_dir: Any, server: dict, overlap: bool | 
         extra["jax_profile_dir"] = a.jax_profile
     print(f"starting the engine (overlap {'on' if overlap else 'off'}) ...", file=sys.stderr, flush=True)
     engine = Engine(str(model_dir), **server, disable_overlap_schedule=not overlap, **extra)
+    engine.wait_compiled()  # every step program, before anything is timed
     t = Target(engine=engine, model_name=engine.served_model_name)
     if {"client", "http"} & set(a.backend):
         t.servers = Servers(engine, port=0, http="http" in a.backend).start()

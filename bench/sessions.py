@@ -44,6 +44,7 @@ def run_mode(model: str, convs: list[list[list[int]]], max_new: int, session: bo
     from actors import Engine
 
     with Engine(model, disable_radix_cache=not radix, **shapes) as engine:
+        engine.wait_compiled()
         engine.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 2})  # warm
         before = engine.get_server_info()["tokens_computed"]
 

@@ -52,6 +52,7 @@ def run_mode(model: str, texts: list[str], max_new: int, spec: dict, shapes: dic
 
     sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
     with Engine(model, **shapes, **spec) as engine:
+        engine.wait_compiled()
         engine.generate(prompt=texts[:2], sampling_params={"max_new_tokens": 8})  # warm
         engine.flush_cache()
         res: dict[str, Any] = {}

@@ -51,6 +51,7 @@ def engine(request):
     else:
         path, _ = resolve_model(model)
     e = Engine(str(path), disable_overlap_schedule=overlap == "no-overlap", **SHAPES)
+    e.wait_compiled()
     e.generate(input_ids=[[5] * 128] * 4, sampling_params={"max_new_tokens": 4})  # warm every path
     yield request.param, e
     e.shutdown()

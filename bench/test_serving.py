@@ -46,6 +46,7 @@ def test_offline_throughput_tiny(benchmark, record, tiny_path, workload, side):
 
         server = FULL if len(workload) > 8 else SMALL
         with Engine(tiny_path, **server) as engine:
+            engine.wait_compiled()
             engine.generate(input_ids=[r.prompt[:8] for r in workload[:2]], sampling_params={"max_new_tokens": 2})
             send = engine_sender(engine)
             records = benchmark.pedantic(lambda: asyncio.run(drive(send, workload, arrivals, progress=False)), rounds=1)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tensors = {k: np.array(v) for k, v in load_checkpoint(engine.model_dir)[1].items()}
         nbytes = sum(a.nbytes for a in tensors.values())
         layer = {k: v for k, v in tensors.items() if ".layers.0." in k}
-        traces = engine.get_server_info()["runner_trace_count"]
+        traces = engine.wait_compiled()["runner_trace_count"]
         engine.pause_generation("retract")
         runs: dict[str, list[float]] = {"from_disk": [], "from_tensor_all": [], "from_tensor_one_layer": [],
                                         "release_memory": [], "resume_memory": []}  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,7 @@ class ExecutorConfig:
     context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
     layer_unroll: int = 1  # decoder layers per scan iteration
     precompile: bool = True  # compile every bucket at start-up
+    background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
     deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
 
@@ -123,12 +125,19 @@ class ModelExecutor:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params
         )  # what every compiled program takes (weight updates must match it)
         self.new_kv()
+        self.kv_avals = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.kv, self.future)
+        )  # programs compile against these (the arrays themselves may be freed meanwhile)
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(1, 2), static_argnums=(5, 6))
         self._programs: dict[tuple[StepShape, int], Any] = {}
         self._logits_fn: Callable | None = None
+        self.pending = 0  # programs still compiling in the background
+        self.compile_s = 0.0  # seconds every program took to compile (set once all are)
+        self.compile_error: str | None = None
+        self._compiler: threading.Thread | None = None
         if cfg.precompile:
-            self.compile_all()
+            self.compile_all(background=cfg.background_compile and jax.process_count() == 1)
 
     # ---- set-up -------------------------------------------------------------------------------
     def _build(self, tensors: dict[str, np.ndarray]):
@@ -246,16 +255,75 @@ class ModelExecutor:
         shapes = [s._replace(context=c) for s in self.buckets.shapes(self.cfg.verify_tokens) for c in ctx]
         return [(s, self.cfg.top_logprobs_num) for s in shapes]
 
-    def compile_all(self) -> float:
+    def compile_order(self) -> tuple[list[tuple[StepShape, int]], int]:
+        """Every program key in the order to compile them, and how many lead: the covering set.
+
+        Programs of one family (decode, extend, verify) are ordered by size (tokens, then
+        context); the largest of a family serves any step of it (padded). So the covering set
+        is each family's largest program; after it the families take turns, each adding the
+        program in the middle of its widest run of missing ones, so padding shrinks fastest
+        (decode 2..64: 64, 8, 32, 4, 2, 16)."""
+        families: dict[tuple[int, int], list[tuple[StepShape, int]]] = {}
+        for key in self.program_keys():
+            families.setdefault((key[0].block, key[0].verify), []).append(key)
+        orders = []
+        for keys in families.values():
+            keys.sort(key=lambda k: (k[0].tokens, k[0].context))
+            orders.append([keys[i] for i in _widest_gap_first(len(keys))])
+        lead = [o[0] for o in orders]
+        rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
+        return lead + rest, len(lead)
+
+    def compile_all(self, background: bool = False) -> float:
         """AOT-compile every program (progress bar); returns seconds spent. One after another:
         XLA CPU's compile already keeps the cores busy (2 cores, tiny model: 15 programs took
-        34.5 s on one thread and on two)."""
+        34.5 s on one thread and on two).
+
+        `background`: return once the covering set is compiled (every step can run, padded to
+        a larger program) and compile the rest on a thread (`pending` counts them down;
+        `prepare` picks the smallest compiled program that holds a step; `wait_compiled`)."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        for key in tqdm(self.program_keys(), desc="compiling buckets", unit="bucket"):
+        keys, lead = self.compile_order()
+        now = keys[:lead] if background else keys
+        for key in tqdm(now, desc="compiling buckets", unit="bucket"):
             self._program(key)
+        rest = keys[len(now) :]
+        if not rest:
+            self.compile_s = time.perf_counter() - t0
+            return self.compile_s
+        self.pending = len(rest)
+
+        def compile_rest() -> None:
+            try:
+                for key in rest:
+                    self._program(key)
+                    self.pending -= 1
+                self.compile_s = time.perf_counter() - t0
+                log.info("compiled the other %d step programs in the background (%.1f s in all)", len(rest), self.compile_s)
+            except Exception as e:  # noqa: BLE001 -- serving goes on with the programs it has
+                self.compile_error = f"{type(e).__name__}: {e}"
+                log.exception("background compile failed; serving with %d programs", len(self._programs))
+
+        self._compiler = threading.Thread(target=compile_rest, name="ringserve-compile", daemon=True)
+        self._compiler.start()
         return time.perf_counter() - t0
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compile is over; True once every program is compiled."""
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+        return self.pending == 0
+
+    def compile_status(self) -> dict[str, Any]:
+        return {
+            "programs_compiled": len(self._programs),
+            "programs_total": len(self.program_keys()),
+            "programs_pending": self.pending,
+            "compile_s": round(self.compile_s, 2),
+            "compile_error": self.compile_error,
+        }
 
     def _avals(self, shape: StepShape) -> tuple[ForwardBatch, SamplingBatch]:
         rep = replicated(self.mesh)
@@ -281,18 +349,36 @@ class ModelExecutor:
         if prog is None:
             shape, top_n = key
             fwd, smp = self._avals(shape)
-            prog = self._jitted.lower(self.params_avals, self.kv, self.future, fwd, smp, top_n, shape.verify).compile()
+            kv, future = self.kv_avals
+            prog = self._jitted.lower(self.params_avals, kv, future, fwd, smp, top_n, shape.verify).compile()
             self._programs[key] = prog
         return prog
 
     # ---- serving ------------------------------------------------------------------------------
     def prepare(self, rows: list[DeviceRow], verify: int = 0) -> HostBatch:
         """The host side of a step: padded inputs, the program's shape, the backend's plan."""
-        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify)
-        ctx = self.attn.context_for(hb.max_kv_len)
+        ok, need = None, 0
+        if self.pending:  # still compiling: the smallest compiled program that holds the step
+            try:
+                need = self.attn.context_for(max(r.committed_len + r.extend_len for r in rows))
+            except ValueError:  # empty, or too long: build_batch says which
+                pass
+            else:
+                ok = lambda s: self._compiled_context(s, need) is not None  # noqa: E731
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok)
+        ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self._compiled_context(hb.shape, need)
+        assert ctx is not None  # `ok` accepted this shape for that reason
         hb.shape = hb.shape._replace(context=ctx)
         hb.forward = hb.forward._replace(attn=self.attn.plan(hb.forward, hb.shape))
         return hb
+
+    def _compiled_context(self, shape: StepShape, need: int) -> int | None:
+        """The shortest compiled context bucket >= need for `shape`, or None."""
+        top_n = self.cfg.top_logprobs_num
+        for c in self.attn.context_buckets():
+            if c >= need and (shape._replace(context=c), top_n) in self._programs:
+                return c
+        return None
 
     def run(self, rows: list[DeviceRow]) -> tuple[SampleOut, list[int]]:
         """One step over `rows`; returns the (device) sample output and each row's sample index."""
@@ -336,3 +422,15 @@ class ModelExecutor:
     @property
     def num_programs(self) -> int:
         return len(self._programs)
+
+
+def _widest_gap_first(n: int) -> list[int]:
+    """0..n-1, the last first, then each time the middle of the widest run not yet taken."""
+    order, runs = [n - 1], [(0, n - 2)] if n > 1 else []
+    while runs:
+        runs.sort(key=lambda r: r[1] - r[0])
+        lo, hi = runs.pop()
+        mid = (lo + hi + 1) // 2
+        order.append(mid)
+        runs += [r for r in ((lo, mid - 1), (mid + 1, hi)) if r[0] <= r[1]]
+    return order

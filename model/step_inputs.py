@@ -25,14 +25,23 @@ kv_len down to the FutureMap's true position before the layers run (model/step.p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from model.attention.base import StepShape
-
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
+
+
+class StepShape(NamedTuple):
+    """The static shape of one compiled step program."""
+
+    block: int  # query tile: 1 for decode programs (one token per row), extend_block otherwise
+    tokens: int  # T: padded new tokens
+    rows: int  # R: padded rows (requests); every row samples one token
+    context: int = 0  # context bucket (longest kv_len) for backends with static loops; 0 = any
+    verify: int = 0  # a verify program (speculative decoding): tokens per round (k + 1); 0 = not
 
 
 class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -131,26 +140,36 @@ class Buckets:
                     break
         return dec + ext + ver
 
-    def pick(self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0) -> StepShape:
-        """Smallest shape holding the step; ValueError past the largest."""
+    def pick(
+        self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0, ok: Callable[[StepShape], bool] | None = None
+    ) -> StepShape:
+        """Smallest shape holding the step (and, given `ok`, accepted by it: the compiled ones,
+        while the rest compile in the background); ValueError past the largest."""
         if verify:
-            return self.pick(False, n_rows, n_tokens)._replace(verify=verify)
-        if is_decode:
-            for nb in self.decode_batches:
-                if nb >= n_rows:
-                    return StepShape(1, nb, nb)
-            raise ValueError(
-                f"decode batch of {n_rows} requests exceeds the largest bucket {self.decode_batches[-1]}"
-            )
+            fits = [s._replace(verify=verify) for s in self._extend_fits(n_rows, n_tokens)]
+        elif is_decode:
+            fits = [StepShape(1, nb, nb) for nb in self.decode_batches if nb >= n_rows]
+            if not fits:
+                raise ValueError(
+                    f"decode batch of {n_rows} requests exceeds the largest bucket {self.decode_batches[-1]}"
+                )
+        else:
+            fits = self._extend_fits(n_rows, n_tokens)
+        for s in fits:
+            if ok is None or ok(s):
+                return s
+        raise RuntimeError(f"no compiled program holds a step of {n_rows} rows, {n_tokens} tokens")
+
+    def _extend_fits(self, n_rows: int, n_tokens: int) -> list[StepShape]:
         if n_rows > self.max_rows:
             raise ValueError(f"extend step of {n_rows} rows exceeds max_batch={self.max_rows}")
-        for t in self.extend_tokens:
-            if t >= n_tokens:
-                return StepShape(self.extend_block, t, self.max_rows)
-        raise ValueError(
-            f"extend step of {n_tokens} tokens exceeds the largest bucket {self.extend_tokens[-1]} "
-            "(chunk the prefill)"
-        )
+        fits = [StepShape(self.extend_block, t, self.max_rows) for t in self.extend_tokens if t >= n_tokens]
+        if not fits:
+            raise ValueError(
+                f"extend step of {n_tokens} tokens exceeds the largest bucket {self.extend_tokens[-1]} "
+                "(chunk the prefill)"
+            )
+        return fits
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,9 +186,16 @@ class HostBatch:
 
 
 def build_batch(
-    rows: list[DeviceRow], buckets: Buckets, page_size: int, max_pages: int, sink_slot: int, verify: int = 0
+    rows: list[DeviceRow],
+    buckets: Buckets,
+    page_size: int,
+    max_pages: int,
+    sink_slot: int,
+    verify: int = 0,
+    ok: Callable[[StepShape], bool] | None = None,
 ) -> HostBatch:
-    """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each)."""
+    """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each);
+    `ok`: which shapes may be picked (default: any)."""
     if not rows:
         raise ValueError("empty batch")
     ext = np.fromiter((r.extend_len for r in rows), np.int64, len(rows))
@@ -178,7 +204,7 @@ def build_batch(
     if verify and (ext != verify).any():
         raise ValueError(f"a verify step's rows are rounds of {verify} tokens, got {sorted(set(ext.tolist()))}")
     is_decode = bool((ext == 1).all()) and not verify
-    shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify)
+    shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify, ok)
     t, nr = shape.tokens, shape.rows
     n = len(rows)
     committed = np.fromiter((r.committed_len for r in rows), np.int64, n)

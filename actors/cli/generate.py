@@ -86,6 +86,9 @@ def main(argv: list[str]) -> int:
             for text, out in zip(texts[1:], engine.generate(prompts[1:], sp), strict=True):
                 print(f"### {text}\n{out['text']}")
         if args.batch:
+            info = engine.wait_compiled()  # the timed batch runs on every step program
+            print(f"all {info['programs_total']} step programs compiled {time.perf_counter() - t0:.1f}s after start",
+                  file=sys.stderr)  # fmt: skip
             batch = [prompts[i % len(prompts)] for i in range(args.batch)]
             t = time.perf_counter()
             outs = engine.generate(

@@ -73,11 +73,13 @@ def main(argv: list[str]) -> int:
 def _banner(engine, servers, seconds: float) -> None:
     r = engine.runner_info
     a = engine.args
+    pending = (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
     lines = [
         f"ringserve serve: ready in {seconds:.1f} s",
         f"  model      {engine.served_model_name} ({engine.model_dir}; {r.get('family')}, {r.get('num_layers')} layers, {a.dtype})",
         f"  devices    {len(r.get('devices', []))} x {r.get('platform')} {r.get('devices')} (tp_size {a.tp_size}, attention {r.get('attention_backend')})",
-        f"  compiled   {r.get('num_programs')} step programs (load + compile {r.get('load_and_compile_s')} s)",
+        f"  compiled   {r.get('num_programs')} of {r.get('programs_total')} step programs (load + compile "
+        f"{r.get('load_and_compile_s')} s){'; the rest compile in the background' if pending else ''}",
         f"  KV pool    {r.get('kv_pool_tokens', 0):,} tokens in pages of {a.page_size}; {a.max_running_requests} running requests max",
     ]
     if servers.socket_path:

@@ -51,6 +51,7 @@ def executor_config(args) -> ExecutorConfig:
         top_logprobs_num=args.max_top_logprobs_num,
         attention_backend=args.attention_backend,
         precompile=args.precompile,
+        background_compile=args.serve_while_compiling,
         verify_tokens=verify,
         deterministic=args.enable_deterministic_inference,
     )
@@ -70,6 +71,7 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
         "dtype": ex.cfg.dtype,
         "attention_backend": ex.backend,
         "num_programs": ex.num_programs,
+        "programs_total": len(ex.program_keys()),
         "load_and_compile_s": round(load_s, 2),
         "kv_pool_tokens": (ex.cfg.num_pages - 1) * ex.cfg.page_size,
         "jax_version": jax.__version__,
@@ -92,10 +94,13 @@ class Runner:
         self.weights = WeightSync(executor)
         self.stamps = RunnerStamps() if trace else None  # ServerArgs.step_trace (actors/transport/trace.py)
 
-    def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory) -> m.RunnerReply:
-        """A weights or memory message (every earlier step has been answered): its reply. A
-        refusal (WeightError, bad tags) leaves everything as it was."""
+    def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory | m.RunnerStatus) -> m.RunnerReply:
+        """A weights, memory or status message (every earlier step has been answered): its
+        reply. A refusal (WeightError, bad tags) leaves everything as it was."""
         try:
+            if isinstance(msg, m.RunnerStatus):
+                status = self.ex.compile_status() | {"trace_count": self.ex.trace_count}
+                return m.RunnerReply(True, "", json.dumps(status).encode())
             if isinstance(msg, m.RunnerWeights):
                 u = msg.update
                 if u.source == "disk":
@@ -199,7 +204,8 @@ def run(ctx) -> None:
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
     load_s = time.perf_counter() - t0
-    ctx.log.info("model loaded and %d step programs compiled in %.1fs (attention: %s)", ex.num_programs, load_s, ex.backend)
+    ctx.log.info("model loaded and %d of %d step programs compiled in %.1fs (attention: %s)",
+                 ex.num_programs, len(ex.program_keys()), load_s, ex.backend)  # fmt: skip
     runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)

@@ -58,6 +58,7 @@ class SchedulerLoop:
         self.times: dict[str, float] = collections.defaultdict(float)
         self.integrity_errors: list[str] = []
         self.runner_trace_count = 0
+        self.compile_status: dict = {}  # the runner's, asked for until every program is compiled
         self.weight_updates = 0
         self.trace = StepTrace(args.step_trace) if args.step_trace else None  # off by default
 
@@ -255,7 +256,19 @@ class SchedulerLoop:
             "token_usage": round(used / total, 6),
         }
 
+    def runner_compile_status(self) -> dict:
+        """Programs compiled / total / pending (the runner compiles in the background after
+        start-up): asked of the runner (after the steps in flight) until none is pending, then
+        remembered (without precompile, programs compile as steps need them: always asked)."""
+        st = self.compile_status
+        if not st or st["programs_pending"] or not self.args.precompile:
+            st = json.loads(self._runner_call(m.RunnerStatus()).payload)
+            self.runner_trace_count = st.pop("trace_count")
+            self.compile_status = st
+        return st
+
     def info(self) -> dict:
+        compiled = self.runner_compile_status()  # first: it finishes the steps in flight
         c = self.core
         t = self.times
         steps = self.stats["decode_steps"] + self.stats["prefill_steps"]
@@ -280,6 +293,7 @@ class SchedulerLoop:
             "integrity_errors": list(self.integrity_errors),
             "weight_version": c.weight_version,
             "memory_released": sorted(c.memory_released),
+            **compiled,
             "runner_trace_count": self.runner_trace_count,
             "cur_batch": self.in_flight[-1].step_id if self.in_flight else None,
             "last_batch": self.in_flight[0].step_id if self.in_flight else None,

@@ -195,7 +195,11 @@ class RunnerMemory(msgspec.Struct, tag="memory", **_S):
     request: MemoryReq
 
 
-ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerMemory
+class RunnerStatus(msgspec.Struct, tag="status", **_S):
+    """Asks for the step programs' compile status (RunnerReply payload: JSON)."""
+
+
+ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerMemory | RunnerStatus
 
 
 # ---- runner -> scheduler ---------------------------------------------------------------------

@@ -31,12 +31,14 @@ and sees keys j <= its position (and j > position - sliding_window when the mode
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
+from model.step_inputs import StepShape  # noqa: F401 -- re-exported: the backends' shape type
 
 NEG_INF = -1e30  # additive mask value (finite: a fully masked row gives 0, not NaN)
 
@@ -68,16 +70,6 @@ class AttnGeometry:
     @property
     def max_context(self) -> int:
         return self.max_pages * self.page_size
-
-
-class StepShape(NamedTuple):
-    """The static shape of one compiled step program."""
-
-    block: int  # query tile: 1 for decode programs (one token per row), extend_block otherwise
-    tokens: int  # T: padded new tokens
-    rows: int  # R: padded rows (requests); every row samples one token
-    context: int = 0  # context bucket (longest kv_len) for backends with static loops; 0 = any
-    verify: int = 0  # a verify program (speculative decoding): tokens per round (k + 1); 0 = not
 
 
 class AttentionBackend:

@@ -115,3 +115,22 @@ def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
                 messages=[{"role": "user", "content": "What is the capital of France?"}],
             )  # fmt: skip
             assert "Paris" in r.choices[0].message.content
+
+
+def test_greedy_equals_hf_while_the_programs_compile(tiny_llama, reference):
+    """serve_while_compiling (the default): the engine serves once the largest programs are
+    compiled and the others compile in the background (no XLA cache here, so it takes a while);
+    the tokens are HF's before and after, and each program is traced once."""
+    prompts, want = reference
+    with engine_ctx(tiny_llama, page_size=16, xla_cache=False) as engine:
+        info = engine.get_server_info()
+        assert info["programs_pending"] > 0, "every program was compiled before the engine served"
+        assert info["programs_compiled"] + info["programs_pending"] == info["programs_total"]
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == want
+        info = engine.wait_compiled()
+        assert info["programs_pending"] == 0 and info["compile_error"] is None
+        assert info["programs_compiled"] == info["programs_total"] == info["runner_trace_count"]
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == want
+        assert engine.get_server_info()["runner_trace_count"] == info["runner_trace_count"]

@@ -39,6 +39,71 @@ def test_all_buckets_compiled_once_and_never_again(tiny_dir):
         ex.run([DeviceRow(np.zeros(65, np.int32), 0, pages[0])])
 
 
+def test_compile_order_covers_first_then_splits_the_widest_gap():
+    from model.step import _widest_gap_first
+
+    for n in range(1, 12):
+        order = _widest_gap_first(n)
+        assert sorted(order) == list(range(n)) and order[0] == n - 1
+    assert _widest_gap_first(6) == [5, 2, 4, 1, 0, 3]
+
+
+def test_serves_while_the_other_programs_compile(tiny_dir):
+    """background_compile: the executor is ready once the largest decode and extend programs are
+    compiled; until the others are, a step runs in the smallest compiled program that holds it
+    (padded), with the tokens the exact program gives; then every program is there, each traced
+    once, and steps use the exact ones."""
+    import threading
+
+    from model.step_inputs import StepShape
+
+    gate = threading.Event()
+
+    class Gated(ModelExecutor):  # the background compile waits for the gate
+        def _program(self, key):
+            if threading.current_thread().name == "ringserve-compile":
+                assert gate.wait(120)
+            return super()._program(key)
+
+    cfg = ExecutorConfig(
+        page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, background_compile=True
+    )
+    ex = Gated(tiny_dir("llama"), cfg)
+    keys, lead = ex.compile_order()
+    assert [k[0] for k in keys[:lead]] == [StepShape(1, 4, 4), StepShape(16, 64, 4)]
+    assert ex.num_programs == 2 and ex.pending == 3
+    status = ex.compile_status()
+    assert (status["programs_compiled"], status["programs_total"], status["programs_pending"]) == (2, 5, 3)
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 2000, 5).astype(np.int32)
+    pages = np.arange(1, 9, dtype=np.int32)
+
+    def generate() -> tuple[list[int], list[StepShape]]:
+        ex.new_kv()
+        rows = [DeviceRow(prompt, 0, pages, future_slot=0)]
+        shapes, toks = [ex.prepare(rows).shape], []
+        out, idx = ex.run(rows)
+        toks.append(int(out.tokens[idx[0]]))
+        for i in range(6):
+            rows = [DeviceRow(np.array([toks[-1]], np.int32), len(prompt) + i, pages, future_slot=0)]
+            shapes.append(ex.prepare(rows).shape)
+            out, idx = ex.run(rows)
+            toks.append(int(out.tokens[idx[0]]))
+        return toks, shapes
+
+    padded, shapes = generate()
+    assert shapes[0] == StepShape(16, 64, 4) and set(shapes[1:]) == {StepShape(1, 4, 4)}
+    assert ex.trace_count == 2
+    gate.set()
+    assert ex.wait_compiled(300) and ex.pending == 0 and ex.compile_error is None
+    assert ex.num_programs == ex.trace_count == 5
+    exact, shapes = generate()
+    assert shapes[0] == StepShape(16, 16, 4) and set(shapes[1:]) == {StepShape(1, 2, 2)}
+    assert exact == padded
+    assert ex.trace_count == 5
+
+
 def test_no_program_copies_the_kv_cache(tiny_dir):
     """Donation must make the KV update in place in every bucket: a whole-cache copy per step
     (what XLA CPU did for 1-token programs) costs ~30x the step."""
