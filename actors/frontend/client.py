@@ -195,6 +195,10 @@ class AsyncClient:
     async def get_load(self) -> dict:
         return await self.control("get_load")
 
+    async def wait_compiled(self, timeout: float = 900.0) -> dict:
+        """Once the server has compiled every step program: its info (it serves before that)."""
+        return await self.control("wait_compiled", timeout=timeout)
+
     async def health(self) -> bool:
         try:
             return bool(await self.control("health"))
@@ -264,6 +268,9 @@ class Client:
 
     def get_load(self) -> dict:
         return self._lt.run(self._ac.get_load())
+
+    def wait_compiled(self, timeout: float = 900.0) -> dict:
+        return self._lt.run(self._ac.wait_compiled(timeout))
 
     def health(self) -> bool:
         return self._lt.run(self._ac.health())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -158,21 +157,9 @@ class Engine:
         return self.frontend.run_sync(self.frontend.get_server_info())
 
     def wait_compiled(self, timeout: float = READY_TIMEOUT_S) -> dict:
-        """Block until the runner has compiled every step program; the server info then.
-
-        The engine serves as soon as the largest program of each kind is compiled and compiles
-        the others in the background (`serve_while_compiling`); meanwhile steps pad to a larger
-        program. Call this before timing anything."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.get_server_info()
-            if info["compile_error"]:
-                raise RuntimeError(f"the runner's background compile failed: {info['compile_error']}")
-            if not info["programs_pending"]:
-                return info
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{info['programs_pending']} step programs still compiling after {timeout:.0f}s")
-            time.sleep(0.2)
+        """Block until the runner has compiled every step program (it serves before that: see
+        TokenizerManager.wait_compiled); the server info then. Call it before timing anything."""
+        return self.frontend.run_sync(self.frontend.wait_compiled(timeout))
 
     # ---- streaming sessions -----------------------------------------------------------------
     def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:

@@ -445,6 +445,24 @@ class TokenizerManager:
         self.weights.version = info["weight_version"]
         return {**self.static_info, **info}
 
+    async def wait_compiled(self, timeout: float = 900.0) -> dict:
+        """Once the runner has compiled every step program: the server info. It serves as soon
+        as the largest program of each kind is compiled and compiles the others in the
+        background (`serve_while_compiling`), steps padding to a larger program meanwhile:
+        wait for this before timing anything. TimeoutError / RuntimeError (a failed compile)."""
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        while True:
+            info = await self.get_server_info()
+            if info["compile_error"]:
+                raise RuntimeError(f"the runner's background compile failed: {info['compile_error']}")
+            if not info["programs_pending"]:
+                return info
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{info['programs_pending']} step programs still compiling after {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+
     async def get_load(self) -> dict:
         """{num_running_reqs, num_waiting_reqs, kv tokens used / total, token_usage}."""
         reply = await self.control(m.LoadReq(), "load")

@@ -26,6 +26,7 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "get_server_info": tm.get_server_info,
         "get_load": tm.get_load,
         "health": tm.health,
+        "wait_compiled": tm.wait_compiled,
         "open_session": tm.open_session,
         "close_session": tm.close_session,
         "update_weights_from_disk": w.update_weights_from_disk,

@@ -123,6 +123,10 @@ def test_control_verbs_behave_as_through_the_engine(engine, client):
     info = client.get_server_info()
     assert info["integrity_errors"] == [] and info["model_path"]
     assert client.flush_cache()["success"]
+    done = client.wait_compiled(timeout=600)
+    assert done["programs_pending"] == 0 and done["programs_compiled"] == done["programs_total"] > 0
+    with pytest.raises(ValueError, match="timeout"):
+        client.wait_compiled(timeout=-1)
 
 
 def test_leaving_a_stream_aborts_its_requests(engine, client):
