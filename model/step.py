@@ -267,16 +267,14 @@ class ModelExecutor:
         is each family's largest program; after it the families take turns, each adding the
         program in the middle of its widest run of missing ones, so padding shrinks fastest
         (decode 2..64: 64, 8, 32, 4, 2, 16)."""
-        families: dict[tuple[int, int], list[tuple[StepShape, int]]] = {}
-        for key in self.program_keys():
-            families.setdefault((key[0].block, key[0].verify), []).append(key)
+        ctx, top_n = self.attn.context_buckets(), self.cfg.top_logprobs_num
         orders = []
-        for keys in families.values():
-            keys.sort(key=lambda k: (k[0].tokens, k[0].context))
+        for family in self.buckets.families(self.cfg.verify_tokens):
+            keys = [(s._replace(context=c), top_n) for s in family for c in ctx]  # ascending
             orders.append([keys[i] for i in _widest_gap_first(len(keys))])
-        lead = [o[0] for o in orders]
+        lead = list(dict.fromkeys(o[0] for o in orders))
         rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
-        return lead + rest, len(lead)
+        return list(dict.fromkeys(lead + rest)), len(lead)
 
     def compile_all(self, background: bool = False) -> float:
         """AOT-compile every program (progress bar); returns seconds spent. One after another:

@@ -128,8 +128,14 @@ class Buckets:
         )
 
     def shapes(self, verify: int = 0) -> list[StepShape]:
-        """Every program shape; with `verify` (k + 1 > 0) also the verify programs, up to
-        max_rows rounds."""
+        """Every program shape (once); with `verify` (k + 1 > 0) also the verify programs, up
+        to max_rows rounds."""
+        return list(dict.fromkeys(s for family in self.families(verify) for s in family))
+
+    def families(self, verify: int = 0) -> list[list[StepShape]]:
+        """The shapes by kind (decode, extend, verify), each ascending: a kind's last shape
+        holds any step of that kind. (With extend_block 1 a decode shape may also be an
+        extend one.)"""
         dec = [StepShape(1, nb, nb) for nb in self.decode_batches]
         ext = [StepShape(self.extend_block, t, self.max_rows) for t in self.extend_tokens]
         ver = []
@@ -138,7 +144,7 @@ class Buckets:
                 ver.append(StepShape(self.extend_block, t, self.max_rows, verify=verify))
                 if t >= self.max_rows * verify:
                     break
-        return dec + ext + ver
+        return [f for f in (dec, ext, ver) if f]
 
     def pick(
         self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0, ok: Callable[[StepShape], bool] | None = None

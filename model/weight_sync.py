@@ -117,6 +117,9 @@ class WeightSync:
 
     # ---- device memory -----------------------------------------------------------------------
     def release(self, tags: list[str]) -> str:
+        # The memory is the caller's once this returns: no background compile (which may use
+        # device memory, e.g. GPU autotuning) may still be running.
+        self.ex.wait_compiled()
         if "kv_cache" in tags:
             self.ex.drop_kv()
         if "weights" in tags:

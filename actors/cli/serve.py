@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
 def _banner(engine, servers, seconds: float) -> None:
     r = engine.runner_info
     a = engine.args
-    pending = (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
+    pending = a.precompile and a.serve_while_compiling and (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
     lines = [
         f"ringserve serve: ready in {seconds:.1f} s",
         f"  model      {engine.served_model_name} ({engine.model_dir}; {r.get('family')}, {r.get('num_layers')} layers, {a.dtype})",

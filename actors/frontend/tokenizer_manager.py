@@ -461,7 +461,7 @@ class TokenizerManager:
                 return info
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{info['programs_pending']} step programs still compiling after {timeout:.0f}s")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
 
     async def get_load(self) -> dict:
         """{num_running_reqs, num_waiting_reqs, kv tokens used / total, token_usage}."""

@@ -149,6 +149,8 @@ class Runner:
             res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[rows])
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
+        res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.pending
+        res.compile_error = self.ex.compile_error or ""
         if self.stamps is not None:
             res.times = self.stamps.fetched(p.step_id)
         return res

@@ -115,6 +115,10 @@ class SchedulerLoop:
         self.times["wait_runner_s"] += t1 - t0
         self.times["runner_forward_s"] += res.forward_s
         self.runner_trace_count = res.trace_count
+        if self.compile_status:
+            self.compile_status["programs_compiled"] = res.programs_compiled
+            self.compile_status["programs_pending"] = res.programs_pending
+            self.compile_status["compile_error"] = res.compile_error or None
         tokens = m.as_i32(res.tokens)
         top_ids = top_lp = None
         if res.top_n:
@@ -258,10 +262,11 @@ class SchedulerLoop:
 
     def runner_compile_status(self) -> dict:
         """Programs compiled / total / pending (the runner compiles in the background after
-        start-up): asked of the runner (after the steps in flight) until none is pending, then
-        remembered (without precompile, programs compile as steps need them: always asked)."""
+        start-up). Every step result brings the counts; the runner is asked (a control call:
+        after the steps in flight) only at first, and while some are pending and no step is in
+        flight (an idle engine), so polling never breaks the pipeline up."""
         st = self.compile_status
-        if not st or st["programs_pending"] or not self.args.precompile:
+        if not st or (st["programs_pending"] and not st["compile_error"] and not self.in_flight):
             st = json.loads(self._runner_call(m.RunnerStatus()).payload)
             self.runner_trace_count = st.pop("trace_count")
             self.compile_status = st

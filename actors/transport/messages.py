@@ -213,6 +213,9 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     accepted: bytes = b""  # a verify step: int32 [G] drafts accepted per round (tokens: [G * (k + 1)] targets)
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
+    programs_compiled: int = 0  # step programs compiled so far (others may compile in the background)
+    programs_pending: int = 0  # step programs still compiling in the background
+    compile_error: str = ""  # why the background compile stopped, if it failed
     times: bytes = b""  # f64 runner stamps when ServerArgs.step_trace is on (actors/transport/trace.py)
 
 

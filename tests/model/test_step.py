@@ -48,11 +48,27 @@ def test_compile_order_covers_first_then_splits_the_widest_gap():
     assert _widest_gap_first(6) == [5, 2, 4, 1, 0, 3]
 
 
-def test_serves_while_the_other_programs_compile(tiny_dir):
-    """background_compile: the executor is ready once the largest decode and extend programs are
-    compiled; until the others are, a step runs in the smallest compiled program that holds it
-    (padded), with the tokens the exact program gives; then every program is there, each traced
-    once, and steps use the exact ones."""
+def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
+    from model.step_inputs import Buckets, StepShape
+
+    for block in (16, 1):  # with block 1 the decode shape (1, 4, 4) is also an extend shape
+        b = Buckets.make(4, 64, block)
+        dec, ext = b.families()
+        assert dec[-1] == StepShape(1, 4, 4) and ext[-1] == StepShape(block, 64, 4)
+        shapes = b.shapes()
+        assert len(shapes) == len(set(shapes)) and set(shapes) == set(dec) | set(ext)
+        lead = {dec[-1], ext[-1]}.__contains__  # only the covering programs compiled so far
+        assert b.pick(True, 1, 1, ok=lead) == StepShape(1, 4, 4)
+        assert b.pick(False, 1, 5, ok=lead) == StepShape(block, 64, 4)
+        assert b.pick(False, 1, 5) == StepShape(block, 16 if block == 16 else 8, 4)
+
+
+@pytest.mark.parametrize("backend", ["native", "bucketed"])
+def test_serves_while_the_other_programs_compile(tiny_dir, backend):
+    """background_compile: the executor is ready once the largest decode and extend programs
+    (at the longest context bucket) are compiled; until the others are, a step runs in the
+    smallest compiled program that holds it (padded), with the tokens the exact program gives;
+    then every program is there, each traced once, and steps use the exact ones."""
     import threading
 
     from model.step_inputs import StepShape
@@ -65,15 +81,18 @@ def test_serves_while_the_other_programs_compile(tiny_dir):
                 assert gate.wait(120)
             return super()._program(key)
 
-    cfg = ExecutorConfig(
-        page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, background_compile=True
-    )
+    nb, nt = (4, 64) if backend == "native" else (2, 32)  # bucketed: x2 context buckets (128, 256)
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=nb, max_extend_tokens=nt,
+                         context_bucket_min=128, attention_backend=backend, background_compile=True)  # fmt: skip
     ex = Gated(tiny_dir("llama"), cfg)
+    top, low = max(ex.attn.context_buckets()), ex.attn.context_for(16)
     keys, lead = ex.compile_order()
-    assert [k[0] for k in keys[:lead]] == [StepShape(1, 4, 4), StepShape(16, 64, 4)]
-    assert ex.num_programs == 2 and ex.pending == 3
+    total = len(ex.program_keys())
+    assert len(keys) == total == (5 if backend == "native" else 6)
+    assert [k[0] for k in keys[:lead]] == [StepShape(1, nb, nb, top), StepShape(16, nt, nb, top)]
+    assert ex.num_programs == 2 and ex.pending == total - 2
     status = ex.compile_status()
-    assert (status["programs_compiled"], status["programs_total"], status["programs_pending"]) == (2, 5, 3)
+    assert (status["programs_compiled"], status["programs_total"], status["programs_pending"]) == (2, total, total - 2)
 
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 2000, 5).astype(np.int32)
@@ -93,15 +112,15 @@ def test_serves_while_the_other_programs_compile(tiny_dir):
         return toks, shapes
 
     padded, shapes = generate()
-    assert shapes[0] == StepShape(16, 64, 4) and set(shapes[1:]) == {StepShape(1, 4, 4)}
+    assert shapes[0] == StepShape(16, nt, nb, top) and set(shapes[1:]) == {StepShape(1, nb, nb, top)}
     assert ex.trace_count == 2
     gate.set()
     assert ex.wait_compiled(300) and ex.pending == 0 and ex.compile_error is None
-    assert ex.num_programs == ex.trace_count == 5
+    assert ex.num_programs == ex.trace_count == total
     exact, shapes = generate()
-    assert shapes[0] == StepShape(16, 16, 4) and set(shapes[1:]) == {StepShape(1, 2, 2)}
+    assert shapes[0] == StepShape(16, 16, nb, low) and set(shapes[1:]) == {StepShape(1, 2, 2, low)}
     assert exact == padded
-    assert ex.trace_count == 5
+    assert ex.trace_count == total
 
 
 def test_no_program_copies_the_kv_cache(tiny_dir):
