@@ -321,7 +321,7 @@ class ModelExecutor:
     def compile_status(self) -> dict[str, Any]:
         return {
             "programs_compiled": len(self._programs),
-            "programs_total": len(self.program_keys()),
+            "programs_total": self.num_programs_total,
             "programs_pending": self.pending,
             "compile_s": round(self.compile_s, 2),
             "compile_error": self.compile_error,
@@ -423,7 +423,13 @@ class ModelExecutor:
 
     @property
     def num_programs(self) -> int:
+        """Programs compiled so far."""
         return len(self._programs)
+
+    @property
+    def num_programs_total(self) -> int:
+        """Programs there are to compile (num_programs reaches it once start-up compiling ends)."""
+        return len(self.program_keys())
 
 
 def _widest_gap_first(n: int) -> list[int]:

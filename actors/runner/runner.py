@@ -71,7 +71,7 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
         "dtype": ex.cfg.dtype,
         "attention_backend": ex.backend,
         "num_programs": ex.num_programs,
-        "programs_total": len(ex.program_keys()),
+        "programs_total": ex.num_programs_total,
         "load_and_compile_s": round(load_s, 2),
         "kv_pool_tokens": (ex.cfg.num_pages - 1) * ex.cfg.page_size,
         "jax_version": jax.__version__,
@@ -207,7 +207,7 @@ def run(ctx) -> None:
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
     load_s = time.perf_counter() - t0
     ctx.log.info("model loaded and %d of %d step programs compiled in %.1fs (attention: %s)",
-                 ex.num_programs, len(ex.program_keys()), load_s, ex.backend)  # fmt: skip
+                 ex.num_programs, ex.num_programs_total, load_s, ex.backend)  # fmt: skip
     runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
