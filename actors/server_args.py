@@ -63,6 +63,9 @@ class ServerArgs:
     context_bucket_min: int = _opt(
         512, "smallest context length compiled by static-loop attention (bucketed, pallas_gpu); then x2"
     )
+    layer_loop: Literal["auto", "scan", "unrolled"] = _opt(
+        "auto", "decoder layers: one scan over stacked weights, or unrolled over per-layer weights (auto: unrolled on CPU)"
+    )
     layer_unroll: int = _opt(1, "decoder layers per iteration of the layer scan")
     attention_interpret: bool = _opt(False, "run Pallas attention kernels in their interpreter (CPU tests)")
     precompile: bool = _opt(True, "compile every shape bucket at start-up")

@@ -49,7 +49,7 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, 
     if name in ("w_gate", "w_up"):
         return split(len(shape) - 1)
     if name in ("wo", "w_down"):
-        return split(1)
+        return split(len(shape) - 2)  # the input dim: [L, in, out] stacked, [in, out] per layer
     if name == "lm_head":
         return split(1)
     return PartitionSpec()

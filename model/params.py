@@ -15,7 +15,9 @@
 
 Linear weights are `[in, out]` (the transpose of HF's `[out, in]`), so every projection is
 `x @ w`. The stacked layout lets the forward run the layers under one `jax.lax.scan` (one
-layer body to compile) and passes a dozen buffers per step instead of ~10 per layer.
+layer body to compile) and passes a dozen buffers per step instead of ~10 per layer. On CPU
+the executor unstacks it (`unstack_layers`: "layers" becomes a list of per-layer dicts of the
+same names, each [...] without the L axis), since XLA:CPU copies a scanned layer's slice.
 
 `hf_layout(cfg)` is THE map from HF tensor names to tree positions: loading uses it, and a
 weight update by HF name places one tensor with `to_tree_layout` at `Placement.path` (and at
@@ -109,6 +111,14 @@ def build_host_tree(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> 
             stacked = tree["layers"][place.path[1]] = np.empty((cfg.num_layers, *a.shape), a.dtype)
         stacked[place.layer] = a
     return tree
+
+
+def unstack_layers(tree: Tree) -> Tree:
+    """The tree with `layers` as a list of per-layer dicts (views of the stacked arrays), for a
+    forward that runs its layers unrolled (model/step.py: resolve_layer_loop)."""
+    stacked = tree["layers"]
+    n = len(next(iter(stacked.values())))
+    return {**tree, "layers": [{k: v[i] for k, v in stacked.items()} for i in range(n)]}
 
 
 def leaf_at(tree: Tree, path: tuple[str, ...]) -> Any:

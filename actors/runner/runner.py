@@ -44,6 +44,7 @@ def executor_config(args) -> ExecutorConfig:
         extend_block=args.extend_block,
         attn_chunk_tokens=args.attn_chunk_tokens,
         context_bucket_min=args.context_bucket_min,
+        layer_loop=args.layer_loop,
         layer_unroll=args.layer_unroll,
         attention_interpret=args.attention_interpret,
         dtype=args.dtype,

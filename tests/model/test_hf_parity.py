@@ -8,6 +8,8 @@ init keeps the top-2 logit gap >= ~0.03 (see model/tiny.py), far above that erro
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -67,10 +69,12 @@ def greedy_with_cached_prefix(ex: ModelExecutor, prompts: list[list[int]], n_pre
     return gen
 
 
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])  # CPU's default, and accelerators'
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_logits_match_hf(tiny_dir, family):
+def test_prefill_logits_match_hf(tiny_dir, family, layer_loop):
     path = tiny_dir(family)
-    ex = ModelExecutor(path, CFG)
+    ex = ModelExecutor(path, dataclasses.replace(CFG, layer_loop=layer_loop))
+    assert isinstance(ex.params["layers"], list) == (layer_loop == "unrolled")
     prompt = np.random.default_rng(7).integers(3, 2000, 45).tolist()
     ours, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
     ref = hf_logits(path, prompt)[-1]

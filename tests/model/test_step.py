@@ -161,8 +161,9 @@ import numpy as np
 from model.step_inputs import DeviceRow
 from model.step import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
-path, tp = sys.argv[1], int(sys.argv[2])
-cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp, precompile=False)
+path, tp, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,
+                     precompile=False, layer_loop=loop)
 ex = ModelExecutor(path, cfg)
 prompts = prompts_with_shared_prefix(32, [3, 20, 50])
 shards = {repr(tuple(l.sharding.spec)) for l in __import__("jax").tree_util.tree_leaves(ex.params)}
@@ -175,13 +176,17 @@ def test_tensor_parallel_matches_tp1(tiny_dir, family):
     path = str(tiny_dir(family))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     results = {}
-    for tp in (1, 2, 4):
-        r = subprocess.run([sys.executable, "-c", TP_SCRIPT, path, str(tp)], env=env, capture_output=True, text=True, timeout=600)
+    # CPU runs its layers unrolled (per-layer weights); accelerators scan stacked ones: both split
+    for tp, loop in ((1, "unrolled"), (2, "unrolled"), (4, "unrolled"), (4, "scan")):
+        r = subprocess.run([sys.executable, "-c", TP_SCRIPT, path, str(tp), loop], env=env, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
-        results[tp] = json.loads(r.stdout.strip().splitlines()[-1])
-    assert results[2]["tokens"] == results[1]["tokens"]
-    assert results[4]["tokens"] == results[1]["tokens"]
-    # stacked layers: [L, in, out] weights, the layer axis never split
-    assert "(None, None, 'tp')" in results[4]["specs"]  # column-parallel: really sharded
-    assert "(None, 'tp', None)" in results[4]["specs"]  # row-parallel
-    assert results[4]["kv"].startswith("('tp',")  # KV cache split by KV head
+        results[tp, loop] = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ((2, "unrolled"), (4, "unrolled"), (4, "scan")):
+        assert results[key]["tokens"] == results[1, "unrolled"]["tokens"], key
+    # per-layer [in, out] weights; stacked [L, in, out], the layer axis never split
+    assert "(None, 'tp')" in results[4, "unrolled"]["specs"]  # column-parallel: really sharded
+    assert "('tp', None)" in results[4, "unrolled"]["specs"]  # row-parallel
+    assert "(None, None, 'tp')" in results[4, "scan"]["specs"]
+    assert "(None, 'tp', None)" in results[4, "scan"]["specs"]
+    assert results[4, "unrolled"]["kv"].startswith("('tp',")  # KV cache split by KV head
