@@ -83,9 +83,12 @@ def resolve_layer_loop(layer_loop: str, platform: str) -> str:
     one `lax.scan` (XLA compiles one layer body); "unrolled" keeps each layer's weights in buffers
     of their own and traces every layer. On CPU a scan pays for its stacked weights: the dynamic
     slice of layer l's weights is a copy (XLA:CPU's dot reads whole buffers), ~14 MB a layer for
-    SmolLM2-135M, 425 MB a step, 66 of 647 ms of a batch-64 decode step (XLA's CPU profile). Unrolled
-    that copy is gone (decode 32x256 without attention: 258-269 -> 221-229 ms) for about twice
-    the compile time of a program. Accelerators read a slice in place or at HBM speed: scan."""
+    SmolLM2-135M, 425 MB a step, 66 of 647 ms of a batch-64 decode step (XLA's CPU profile).
+    Unrolled, that copy is gone: SmolLM2's decode steps (2 cores, old/new alternated twice)
+    64x256 578-593 -> 530-553 ms, 32x256 424-432 -> 319-349, 8x512 228-246 -> 145-156; prefill
+    unchanged. The price is compile time, about 4x a program (SmolLM2: 3.5 -> 14 s; the tiny
+    model's 4 layers: 51 -> 59 s for all 15). Accelerators read a slice in place or at HBM speed
+    (and compile longer): scan."""
     if layer_loop == "auto":
         return "unrolled" if platform == "cpu" else "scan"
     if layer_loop not in ("scan", "unrolled"):
