@@ -165,8 +165,8 @@ class ModelExecutor:
 
     # ---- set-up -------------------------------------------------------------------------------
     def _build(self, tensors: dict[str, np.ndarray]):
-        """(treedef, params): the stacked tree from HF-named host arrays (model/params.py), each
-        leaf placed on its `tp` sharding. Raises ValueError naming a missing or misshapen tensor."""
+        """(treedef, params): the parameter tree from HF-named host arrays (model/params.py;
+        per-layer weights when the layers run unrolled), each leaf placed on its `tp` sharding. Raises ValueError naming a missing or misshapen tensor."""
         host = build_host_tree(self.model_config, tensors, DTYPES[self.cfg.dtype])
         if self.layer_loop == "unrolled":
             host = unstack_layers(host)
