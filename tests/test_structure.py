@@ -119,4 +119,4 @@ def test_exactly_one_sampling_params_class():
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ClassDef) and node.name == "SamplingParams":
                 found.append(str(f.relative_to(ROOT)))
-    assert found == ["actors/frontend/sampling_params.py"]
+    assert found == ["actors/transport/sampling.py"]

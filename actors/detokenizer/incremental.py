@@ -60,17 +60,3 @@ class IncrementalDecoder:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
-
-
-def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> tuple[int, str] | None:
-    """Earliest occurrence of any stop string starting at or after `search_from` - max_len + 1
-    (so a stop string straddling the previous boundary is found): (index, stop) or None."""
-    if not stops:
-        return None
-    start = max(0, search_from - max(len(s) for s in stops) + 1)
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best

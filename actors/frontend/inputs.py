@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from actors.frontend.sampling_params import SamplingParams
+from actors.transport.sampling import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)

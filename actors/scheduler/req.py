@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from actors.detokenizer.incremental import find_stop
-from actors.frontend.sampling_params import SamplingParams
+from actors.transport.sampling import SamplingParams, find_stop
 from kvmem import ReqKV
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from actors.frontend.sampling_params import SamplingParams
 from actors.server_args import ServerArgs
+from actors.transport.sampling import SamplingParams
 from model.step_inputs import DeviceSampling
 
 _S = {"array_like": True, "omit_defaults": True, "gc": False}

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import tests.actors.test_scheduler as scheduler_tests
-from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
+from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
 from tests.actors.fake_runner import FakeRunner, reference
 from tests.actors.test_scheduler import letters

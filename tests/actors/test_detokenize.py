@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.detokenizer.incremental import IncrementalDecoder, find_stop
-from actors.frontend.sampling_params import SamplingParams
+from actors.detokenizer.incremental import IncrementalDecoder
+from actors.transport.sampling import SamplingParams, find_stop
 
 TEXT = "Héllo wörld — naïve café, 世界 🙂🚀 ok. Ünïcödé ∑∫ done"
 

@@ -8,9 +8,9 @@ import pickle
 import msgspec
 import pytest
 
-from actors.frontend.sampling_params import SamplingParams
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from actors.transport.sampling import SamplingParams
 from model.step_inputs import DeviceSampling
 
 _SAMPLING = SamplingParams(max_new_tokens=16, temperature=0.5, top_k=4, stop=("\n",), stop_token_ids=(2,), sampling_seed=7)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
+from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
 from tests.actors.fake_runner import FakeRunner, reference
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.frontend.sampling_params import SamplingParams
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.scheduler.spec import propose
 from actors.server_args import ServerArgs
+from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
 from tests.actors.fake_runner import FakeRunner, copying, reference
 from tests.actors.test_scheduler import letters

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.frontend.sampling_params import SamplingParams
 from actors.runner.slot_mirrors import SlotMirrors
 from actors.scheduler.batch import StepResult
 from actors.scheduler.core import SchedulerCore
@@ -14,6 +13,7 @@ from actors.scheduler.output import step_msg
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
 from model.step import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy

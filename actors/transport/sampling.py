@@ -1,4 +1,5 @@
-"""`SamplingParams`: a request's options (SGLang's names), validated once at the front door.
+"""`SamplingParams`: a request's options (SGLang's names), validated once at the front door;
+`find_stop`: the stop-string search the scheduler (finish) and the detokenizer (trim) share.
 
 It is the one sampling-parameter type of the code base: a frozen msgspec Struct that travels
 as it is from the frontend (Engine, IPC socket, HTTP) through the scheduler's ring into the
@@ -159,3 +160,17 @@ def _field_error(e: msgspec.ValidationError) -> str:
     msg = msg.replace("`", "")
     msg = msg[:1].lower() + msg[1:]
     return f"{field}: {msg}" if field else msg
+
+
+def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string starting at or after `search_from` - max_len + 1
+    (so a stop string straddling the previous boundary is found): (index, stop) or None."""
+    if not stops:
+        return None
+    start = max(0, search_from - max(len(s) for s in stops) + 1)
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
