@@ -130,7 +130,7 @@ def hf_step(model, kind: str, b: int, n: int, repeat: int) -> float:
 def startup(path, dtype: str) -> dict:
     """Seconds to build an executor with the engine's default shapes, nothing cached: until it
     serves (the covering programs compiled: `serve_while_compiling`) and until every program is."""
-    from actors.runner.runner import executor_config
+    from actors.runner.core import executor_config
     from actors.server_args import ServerArgs
     from model.step import ModelExecutor
 

@@ -73,8 +73,8 @@ class Engine:
                 "from_runner": runner_out.name,
                 "to_detok": detok_in.name,
             }
-            group.spawn("scheduler", "actors.scheduler.loop:run", cfg, sched_rings)
-            group.spawn("runner", "actors.runner.runner:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name})
+            group.spawn("scheduler", "actors.scheduler.actor:run", cfg, sched_rings)
+            group.spawn("runner", "actors.runner.actor:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name})
             group.spawn("detokenizer", "actors.detokenizer.actor:run", cfg, {"inbox": detok_in.name, "outbox": front_in.name})
             self.frontend = TokenizerManager(self.tokenizer, sched_in, front_in, args=args, vocab_size=self.vocab_size)
             ready = group.wait_ready(READY_TIMEOUT_S)

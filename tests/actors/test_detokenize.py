@@ -86,7 +86,7 @@ def test_aliases_and_normalisation():
 
 
 def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
-    from actors.detokenizer.streams import DetokenizerCore
+    from actors.detokenizer.core import DetokenizerCore
 
     text = "alpha beta STOP gamma"
     ids = tok.encode(text, add_special_tokens=False)
@@ -106,7 +106,7 @@ def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
 
 
 def test_detokenizer_without_stops_streams_everything(tok):
-    from actors.detokenizer.streams import DetokenizerCore
+    from actors.detokenizer.core import DetokenizerCore
 
     ids = tok.encode(TEXT, add_special_tokens=False)
     core = DetokenizerCore(tok)

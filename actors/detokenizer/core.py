@@ -1,4 +1,9 @@
-"""The detokenizer's logic, without its process: token ids in, text deltas out, per request.
+"""The detokenizer's logic, without its process: token ids in, text deltas out, per request
+(actors/detokenizer/actor.py owns the ring loop).
+
+Each TokenOut carries only the ids produced since the previous one; nothing is resent. A
+request's first TokenOut opens its decoder (its SamplingParams: stop strings, special-token
+options); its last closes it.
 
 For a request with stop strings, the last `max(len(stop)) - 1` characters are held back while
 it runs (they might be the start of a stop string the scheduler has not seen complete yet);
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from actors.detokenizer.incremental import Decodes, IncrementalDecoder
+from actors.transport import messages as m
 
 
 @dataclasses.dataclass(slots=True)
@@ -29,6 +35,7 @@ class DetokenizerCore:
     def __init__(self, tokenizer: Decodes):
         self.tok = tokenizer
         self.states: dict[str, DetokState] = {}
+        self.dropped: list[str] = []  # rids of outputs for requests never opened (a protocol bug)
 
     def open(self, rid: str, *, stops: tuple[str, ...] = (), no_stop_trim: bool = False,
              skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:  # fmt: skip
@@ -56,5 +63,23 @@ class DetokenizerCore:
         st.emitted = limit
         return out
 
-    def abort(self, rid: str) -> None:
-        self.states.pop(rid, None)
+    def convert(self, batch: m.BatchTokenOut) -> m.BatchStrOut:
+        """Each TokenOut with its new text (same order); an output for a request never opened is
+        dropped (and logged by the caller through `dropped`)."""
+        outs, texts = [], []
+        for t in batch.outs:
+            if t.open is not None:
+                sp = t.open
+                self.open(t.rid, stops=sp.stop, no_stop_trim=sp.no_stop_trim,
+                          skip_special_tokens=sp.skip_special_tokens,
+                          spaces_between_special_tokens=sp.spaces_between_special_tokens)  # fmt: skip
+            if t.rid not in self.states:
+                self.dropped.append(t.rid)
+                continue
+            matched = None
+            if t.finished and t.finish_reason and isinstance(t.finish_reason.get("matched"), str):
+                matched = t.finish_reason["matched"]
+            texts.append(self.push(t.rid, m.as_i32(t.new_ids).tolist(), t.finished, matched))
+            t.open = None  # the frontend has no use for it
+            outs.append(t)
+        return m.BatchStrOut(outs, texts)

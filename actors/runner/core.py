@@ -1,19 +1,13 @@
-"""The runner actor: owns the model, the KV cache on device and the slot mirrors.
+"""The runner's logic without its loop: the step messages applied to the slot mirrors, run on the
+executor (model/executor.py), and the results and control replies built (actors/runner/actor.py
+owns the ring loop).
 
-One runner per host; on one host it drives every local device through the `tp` mesh. It
-applies the scheduler's StepMsgs in order (actors/runner_state.py), runs the compiled step
-(model/step.py) and sends the sampled tokens back (rank 0 only on a multi-host slice).
-
-Pipelining: JAX dispatch is asynchronous, so after dispatching step N the runner looks for
-step N+1 before it blocks on N's tokens. In overlap mode the scheduler has usually sent N+1
-already, so N+1's host work (mirrors, padding, transfer) overlaps N's device time and the
-device never waits for the host between two steps.
+One runner per host; on one host it drives every local device through the `tp` mesh.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 
 import numpy as np
@@ -22,10 +16,8 @@ from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from actors.transport.trace import RunnerStamps
 from model.sampler import SampleOut
-from model.step import ExecutorConfig, ModelExecutor, enable_compilation_cache
+from model.step import ExecutorConfig, ModelExecutor
 from model.weight_sync import WeightSync, tensors_from_segments
-
-log = logging.getLogger("ringserve.runner")
 
 
 def executor_config(args) -> ExecutorConfig:
@@ -87,7 +79,7 @@ class Pending:
         self.accepted = accepted  # a verify step: the device's [R] accepted counts, the first G real
 
 
-class Runner:
+class RunnerCore:
     def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int, trace: bool = False):
         self.ex = executor
         self.mirrors = SlotMirrors(max_slots)
@@ -155,70 +147,3 @@ class Runner:
         if self.stamps is not None:
             res.times = self.stamps.fetched(p.step_id)
         return res
-
-    def serve(self, inbox, outbox, stopping, send_results: bool = True) -> None:
-        pending: Pending | None = None
-        while not stopping():
-            raw = inbox.recv(timeout=0 if pending is not None else 0.5)
-            if raw is None:
-                if pending is not None:
-                    self._send(outbox, pending, send_results)
-                    pending = None
-                continue
-            msg = m.to_runner.decode(raw)
-            if isinstance(msg, m.RunnerShutdown):
-                break
-            if not isinstance(msg, m.StepMsg):  # a control message: after the step in flight
-                if pending is not None:
-                    self._send(outbox, pending, send_results)
-                    pending = None
-                reply = self.control(msg)
-                if send_results:
-                    outbox.send(m.encode(reply))
-                continue
-            nxt = self.dispatch(msg)
-            if pending is not None:
-                self._send(outbox, pending, send_results)
-            pending = nxt
-        if pending is not None:
-            self._send(outbox, pending, send_results)
-
-    def _send(self, outbox, p: Pending, send_results: bool) -> None:
-        res = self.result(p)
-        if send_results:
-            outbox.send(m.encode(res))
-
-
-def run(ctx) -> None:
-    """Actor entry point: rings `inbox` (broadcast reader 0) and `outbox` (results)."""
-    import threading
-
-    from tqdm import tqdm
-
-    from actors.transport.ring import BroadcastRing, Ring
-
-    # tqdm's default lock is a multiprocessing semaphore, which an actor's os._exit at the end
-    # would leave registered with the resource tracker ("leaked semaphore" at shutdown).
-    tqdm.set_lock(threading.RLock())
-    cfg = m.actor_config.decode(ctx.config)
-    args = cfg.args
-    if args.xla_cache:
-        enable_compilation_cache()
-    t0 = time.perf_counter()
-    ex = ModelExecutor(cfg.model_dir, executor_config(args))
-    load_s = time.perf_counter() - t0
-    ctx.log.info("model loaded and %d of %d step programs compiled in %.1fs (attention: %s)",
-                 ex.num_programs, ex.num_programs_total, load_s, ex.backend)  # fmt: skip
-    runner = Runner(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
-    inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
-    outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
-    ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
-    if args.jax_profile_dir:  # optional: the device's own view (bench/profile.py has the steps')
-        import jax
-
-        jax.profiler.start_trace(args.jax_profile_dir, create_perfetto_trace=True)
-    try:
-        runner.serve(inbox, outbox, ctx.stopping)
-    finally:
-        if args.jax_profile_dir:
-            jax.profiler.stop_trace()

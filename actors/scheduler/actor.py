@@ -42,7 +42,7 @@ def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
                stream=g.stream, session_id=g.session_id)  # fmt: skip
 
 
-class SchedulerLoop:
+class SchedulerActor:
     def __init__(self, args: ServerArgs, eos_ids: list[int], decode_tail: Callable[[list[int]], str],
                  inbox, to_runner, from_runner, to_detok):  # fmt: skip
         self.args = args
@@ -51,7 +51,7 @@ class SchedulerLoop:
         self.core = SchedulerCore(args, self.kv, decode_tail)
         self.inbox, self.to_runner, self.from_runner, self.to_detok = inbox, to_runner, from_runner, to_detok
         self.in_flight: collections.deque[ScheduledBatch] = collections.deque()
-        self.opened: set[str] = set()  # rids whose first TokenOut (with DetokOpen) was sent
+        self.opened: set[str] = set()  # rids whose first TokenOut (carrying `open`) was sent
         self.checked_idle = False
         self.initial_tokens = self.kv.available_tokens()
         self.stats = collections.Counter[str]()
@@ -312,7 +312,7 @@ class SchedulerLoop:
 
 
 def run(ctx) -> None:
-    """Actor entry point (see actors/actor.py): rings `inbox`, `to_runner`, `from_runner`, `to_detok`."""
+    """Actor entry point (actors/transport/actor.py): rings `inbox`, `to_runner`, `from_runner`, `to_detok`."""
     from actors.transport.ring import BroadcastRing, Ring
 
     cfg = m.actor_config.decode(ctx.config)
@@ -325,7 +325,7 @@ def run(ctx) -> None:
         return str(tok.decode(ids, skip_special_tokens=True))
 
     spin = args.spin_us
-    loop = SchedulerLoop(
+    loop = SchedulerActor(
         args, cfg.eos_ids, decode_tail,
         inbox=Ring.attach(ctx.rings["inbox"], spin_us=spin),
         to_runner=BroadcastRing.attach(ctx.rings["to_runner"], reader=None, spin_us=spin),  # the writer
