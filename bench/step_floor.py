@@ -64,7 +64,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def executor(path, backend: str, dtype: str, cases, precompile: bool = False):
-    from model.step import ExecutorConfig, ModelExecutor
+    from model.executor import ExecutorConfig, ModelExecutor
 
     page = 16
     max_batch = max(b for _, b, _ in cases)
@@ -132,7 +132,7 @@ def startup(path, dtype: str) -> dict:
     serves (the covering programs compiled: `serve_while_compiling`) and until every program is."""
     from actors.runner.core import executor_config
     from actors.server_args import ServerArgs
-    from model.step import ModelExecutor
+    from model.executor import ModelExecutor
 
     args = ServerArgs(model_path=str(path), dtype=dtype)  # type: ignore[arg-type]
     t = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +30,9 @@ _WHY = {
 _EMPTY = np.zeros(0, np.int32)
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for integers (pages covering a tokens, chunks covering a keys, ...)."""
+def cdiv(a: Any, b: Any) -> Any:
+    """ceil(a / b) for integers or integer arrays (NumPy or JAX): pages covering a tokens,
+    chunks covering a keys, ... The code base's one ceiling division."""
     return -(-a // b)
 
 

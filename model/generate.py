@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from model.step import ModelExecutor
+from kvmem.allocator import cdiv
+from model.executor import ModelExecutor
 from model.step_inputs import DeviceRow, DeviceSampling
 
 
@@ -26,7 +27,7 @@ def generate(
     next_page = 1
     tables = []
     for p in prompts:
-        need = -(-(len(p) + max_new_tokens) // page)
+        need = cdiv(len(p) + max_new_tokens, page)
         if len(p) + max_new_tokens > cfg.max_context_len:
             raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds max_context_len={cfg.max_context_len}")
         if next_page + need > cfg.num_pages:

@@ -7,7 +7,7 @@ matmuls see the flat [T, hidden] tokens, attention goes through the backend's in
 parameter tree (model/params.py), carrying the hidden states and the whole KV cache, so XLA
 compiles one layer body and updates the cache in place; on CPU, where a scanned layer's weights
 are copied out of the stack every step, the tree holds per-layer weights and the layers are
-traced one after another (model/step.py: resolve_layer_loop).
+traced one after another (model/executor.py: resolve_layer_loop).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def build_host_tree(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> 
 
 def unstack_layers(tree: Tree) -> Tree:
     """The tree with `layers` as a list of per-layer dicts (views of the stacked arrays), for a
-    forward that runs its layers unrolled (model/step.py: resolve_layer_loop)."""
+    forward that runs its layers unrolled (model/executor.py: resolve_layer_loop)."""
     stacked = tree["layers"]
     n = len(next(iter(stacked.values())))
     return {**tree, "layers": [{k: v[i] for k, v in stacked.items()} for i in range(n)]}

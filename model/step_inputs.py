@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
+from kvmem.allocator import cdiv
+
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
 
 
@@ -215,7 +217,7 @@ def build_batch(
     n = len(rows)
     committed = np.fromiter((r.committed_len for r in rows), np.int64, n)
     kv_len = committed + ext
-    need_pages = -(-kv_len // page_size)
+    need_pages = cdiv(kv_len, page_size)
     if (need_pages > max_pages).any():
         i = int(np.argmax(need_pages > max_pages))
         raise ValueError(f"row of {kv_len[i]} tokens exceeds the context limit of {max_pages * page_size}")

@@ -23,7 +23,7 @@ from model.checkpoints.config import ModelConfig
 from model.checkpoints.weights import load_checkpoint
 
 if TYPE_CHECKING:
-    from model.step import ModelExecutor
+    from model.executor import ModelExecutor
 
 FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                 "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # fmt: skip

@@ -27,7 +27,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def xla_cache(tmp_path_factory):
     """One persistent XLA cache for the run: engines and executors with equal shapes compile once."""
-    from model.step import enable_compilation_cache
+    from model.programs import enable_compilation_cache
 
     return enable_compilation_cache(
         os.environ.get("RINGSERVE_TEST_XLA_CACHE") or tmp_path_factory.mktemp("xla")

@@ -113,8 +113,8 @@ def main_static(argv: list[str]) -> int:
 
     from model.checkpoints.resolve import resolve_model
     from model.checkpoints.tokenizer import load_tokenizer
+    from model.executor import ExecutorConfig, ModelExecutor
     from model.generate import generate
-    from model.step import ExecutorConfig, ModelExecutor
     from model.step_inputs import DeviceSampling
 
     path, tok_dir = resolve_model(args.model)

@@ -15,7 +15,8 @@ import time
 
 from actors.runner.core import Pending, RunnerCore, executor_config, ready_info
 from actors.transport import messages as m
-from model.step import ModelExecutor, enable_compilation_cache
+from model.executor import ModelExecutor
+from model.programs import enable_compilation_cache
 
 
 def serve(core: RunnerCore, inbox, outbox, stopping, send_results: bool = True) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from actors.transport.trace import RunnerStamps
+from model.executor import ExecutorConfig, ModelExecutor
 from model.sampler import SampleOut
-from model.step import ExecutorConfig, ModelExecutor
 from model.weight_sync import WeightSync, tensors_from_segments
 
 
@@ -142,8 +142,8 @@ class RunnerCore:
             res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[rows])
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
-        res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.pending
-        res.compile_error = self.ex.compile_error or ""
+        res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.programs.pending
+        res.compile_error = self.ex.programs.error or ""
         if self.stamps is not None:
             res.times = self.stamps.fetched(p.step_id)
         return res

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import model.attention.tiles as tiles
+from kvmem.allocator import cdiv
 from model.attention.base import AttentionBackend, AttnGeometry, StepShape, layer_pages
-from model.attention.tiles import cdiv
 
 
 def context_buckets(geo: AttnGeometry, smallest: int) -> tuple[int, ...]:

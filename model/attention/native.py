@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import model.attention.tiles as tiles
+from kvmem.allocator import cdiv
 from model.attention.base import AttentionBackend, AttnGeometry, StepShape, layer_pages
-from model.attention.tiles import cdiv
 
 
 class NativeAttention(AttentionBackend):

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from kvmem.allocator import cdiv
 from model.attention.base import AttnGeometry, StepShape, layer_pages
 from model.attention.bucketed import BucketedAttention
-from model.attention.tiles import cdiv
 
 
 def _pow2_at_least(n: int) -> int:

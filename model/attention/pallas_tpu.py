@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kvmem.allocator import cdiv
 from model.attention.base import AttentionBackend, AttnGeometry
 
 
@@ -104,7 +105,7 @@ class PallasTPUAttention(AttentionBackend):
         self.tp = tp if geo.num_kv_heads % tp == 0 else 1
         self.local_kv = geo.num_kv_heads // self.tp
         self.local_kv_pad = padded_kv_heads(self.local_kv, geo.dtype)
-        self.d_pad = -(-geo.head_dim // 128) * 128
+        self.d_pad = cdiv(geo.head_dim, 128) * 128
         if interpret:
             _interpret_shim()
 

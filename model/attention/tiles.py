@@ -21,11 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvmem.allocator import cdiv
 from model.attention.base import NEG_INF, AttnGeometry, StepShape
-
-
-def cdiv(a, b):
-    return -(-a // b)
 
 
 def num_tiles(shape: StepShape) -> int:

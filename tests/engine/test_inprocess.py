@@ -15,7 +15,7 @@ from actors.server_args import ServerArgs
 from actors.transport import messages as m
 from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy
 
 

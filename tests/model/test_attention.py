@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_greedy, hf_logits
 from tests.model import test_hf_parity as parity

@@ -21,7 +21,7 @@ from model.checkpoints.gguf import (
     unpermute_rope_rows,
 )
 from model.checkpoints.weights import load_checkpoint
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow
 from tests.model.bpe_ref import TEXTS, RefBPE
 

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_greedy, hf_logits
 

@@ -10,7 +10,7 @@ import pytest
 
 from model.checkpoints.config import ModelConfig
 from model.checkpoints.weights import load_checkpoint
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import model.sampler
+from model.executor import ExecutorConfig, ModelExecutor
 from model.sampler import gumbel_noise, keep_mask, sample
-from model.step import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow, DeviceSampling, SamplingBatch
 
 

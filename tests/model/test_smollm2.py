@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from model.checkpoints.fetch import RegistryUnreachable, fetch_model
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_greedy
 from tests.model.bpe_ref import TEXTS, RefBPE

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow
 
 PAGE = 16
@@ -40,7 +40,7 @@ def test_all_buckets_compiled_once_and_never_again(tiny_dir):
 
 
 def test_compile_order_covers_first_then_splits_the_widest_gap():
-    from model.step import _widest_gap_first
+    from model.programs import widest_gap_first as _widest_gap_first
 
     for n in range(1, 12):
         order = _widest_gap_first(n)
@@ -76,21 +76,21 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
     gate = threading.Event()
 
     class Gated(ModelExecutor):  # the background compile waits for the gate
-        def _program(self, key):
+        def _compile(self, key):
             if threading.current_thread().name == "ringserve-compile":
                 assert gate.wait(120)
-            return super()._program(key)
+            return super()._compile(key)
 
     nb, nt = (4, 64) if backend == "native" else (2, 32)  # bucketed: x2 context buckets (128, 256)
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=nb, max_extend_tokens=nt,
                          context_bucket_min=128, attention_backend=backend, background_compile=True)  # fmt: skip
     ex = Gated(tiny_dir("llama"), cfg)
     top, low = max(ex.attn.context_buckets()), ex.attn.context_for(16)
-    keys, lead = ex.compile_order()
-    total = len(ex.program_keys())
+    keys, lead = ex.programs.order, ex.programs.lead
+    total = ex.num_programs_total
     assert len(keys) == total == (5 if backend == "native" else 6)
     assert [k[0] for k in keys[:lead]] == [StepShape(1, nb, nb, top), StepShape(16, nt, nb, top)]
-    assert ex.num_programs == 2 and ex.pending == total - 2
+    assert ex.num_programs == 2 and ex.programs.pending == total - 2
     status = ex.compile_status()
     assert (status["programs_compiled"], status["programs_total"], status["programs_pending"]) == (2, total, total - 2)
 
@@ -115,7 +115,7 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
     assert shapes[0] == StepShape(16, nt, nb, top) and set(shapes[1:]) == {StepShape(1, nb, nb, top)}
     assert ex.trace_count == 2
     gate.set()
-    assert ex.wait_compiled(300) and ex.pending == 0 and ex.compile_error is None
+    assert ex.wait_compiled(300) and ex.programs.pending == 0 and ex.programs.error is None
     assert ex.num_programs == ex.trace_count == total
     exact, shapes = generate()
     assert shapes[0] == StepShape(16, 16, nb, low) and set(shapes[1:]) == {StepShape(1, 2, 2, low)}
@@ -131,7 +131,7 @@ def test_no_program_copies_the_kv_cache(tiny_dir):
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=1024, max_batch=8, max_extend_tokens=64, extend_block=16)
     ex = ModelExecutor(tiny_dir("llama"), cfg)
     kv_shape = "f32[{}]".format(",".join(map(str, ex.kv[0].shape)))  # the stacked K cache
-    for key, prog in ex._programs.items():
+    for key, prog in ex.programs.compiled.items():
         copies = [ln for ln in prog.as_text().splitlines() if re.search(re.escape(kv_shape) + r"\{[^}]*\} copy\(", ln)]
         assert not copies, (key, copies[:2])
 
@@ -159,7 +159,7 @@ TP_SCRIPT = r"""
 import json, sys
 import numpy as np
 from model.step_inputs import DeviceRow
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 path, tp, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.step import ExecutorConfig, ModelExecutor
+from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow, DeviceSampling
 
 PAGE, K = 16, 4
@@ -118,8 +118,8 @@ def test_verify_shapes_compiled_at_start_up(tiny_dir):
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64,
                          extend_block=16, verify_tokens=K + 1)  # fmt: skip
     ex = ModelExecutor(tiny_dir("llama"), cfg)
-    verify = [s for s, _ in ex.program_keys() if s.verify]
-    assert [s.tokens for s in verify] == [16, 32]  # 4 rounds of 5 tokens fit 32
+    verify = [s for s, _ in ex.programs.order if s.verify]
+    assert sorted(s.tokens for s in verify) == [16, 32]  # 4 rounds of 5 tokens fit 32
     traced = ex.trace_count
     pages = np.arange(1, 9, dtype=np.int32)
     out, rows = ex.run([DeviceRow(np.arange(3, 20, dtype=np.int32), 0, pages, future_slot=0)])

@@ -1,0 +1,267 @@
+"""`ModelExecutor`: the facade the runner calls. It owns the parameters (sharded over the `tp`
+mesh), the KV cache (its attention backend's arrays) and the FutureMap on device, and the
+compiled step programs (model/programs.py) of the traced step (model/step.py).
+
+    ex = ModelExecutor(path, ExecutorConfig(...))     load, place, compile (progress bar)
+    out, rows = ex.run(device_rows)                   one step (model/step_inputs.py DeviceRows)
+    ex.build_params / swap_params / drop_params       weights while serving (model/weight_sync.py)
+    ex.new_kv / drop_kv                               device memory (release / resume)
+
+Nothing recompiles while serving: `run` only calls programs compiled at start-up (or in the
+background, `background_compile`: until they all are, a step runs padded in the smallest
+compiled program that holds it; tiny model, 2 CPU cores: serving 13 s after start instead of
+~50 s). `trace_count` counts traces and tests pin it. The KV cache and the FutureMap are donated
+to every step and replaced by its outputs, so their update is in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from kvmem.allocator import cdiv
+from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
+from model.checkpoints.weights import load_checkpoint
+from model.layers import INVARIANT_ROWS
+from model.llama import CausalLM
+from model.mesh import make_mesh, param_spec, replicated
+from model.params import build_host_tree, unstack_layers
+from model.programs import Key, ProgramSet, compile_order, step_avals
+from model.sampler import SampleOut
+from model.step import make_logits, make_step
+from model.step_inputs import Buckets, DeviceRow, HostBatch, build_batch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    page_size: int = 16
+    num_pages: int = 2048  # including the sink page 0
+    max_context_len: int = 4096
+    max_batch: int = 64  # largest decode bucket (= max running requests)
+    max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
+    extend_block: int = 16  # query tile of extend steps
+    dtype: str = "float32"
+    tp_size: int = 1
+    top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
+    attention_backend: str = "auto"
+    attention_interpret: bool = False  # run Pallas kernels in their interpreter (tests on CPU)
+    attn_chunk_tokens: int = 64  # native attention: keys per work item
+    context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
+    layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
+    layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
+    precompile: bool = True  # compile every bucket at start-up
+    background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
+    verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
+    deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
+
+    @property
+    def max_pages(self) -> int:
+        """Page-table width: pages of the longest context."""
+        return cdiv(self.max_context_len, self.page_size)
+
+
+def resolve_layer_loop(layer_loop: str, platform: str) -> str:
+    """How the forward runs the decoder layers. "scan" stacks each weight over the layers and runs
+    one `lax.scan` (XLA compiles one layer body); "unrolled" keeps each layer's weights in buffers
+    of their own and traces every layer. On CPU a scan pays for its stacked weights: the dynamic
+    slice of layer l's weights is a copy (XLA:CPU's dot reads whole buffers; SmolLM2-135M: 425 MB
+    a step, 66 of 647 ms of a batch-64 decode step), so CPU runs unrolled (decode steps 7-37%
+    faster, each program ~4x longer to compile). Accelerators read a slice in place: scan."""
+    if layer_loop == "auto":
+        return "unrolled" if platform == "cpu" else "scan"
+    if layer_loop not in ("scan", "unrolled"):
+        raise ValueError(f"layer_loop={layer_loop!r}: must be 'auto', 'scan' or 'unrolled'")
+    return layer_loop
+
+
+class ModelExecutor:
+    def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
+        self.cfg = cfg
+        self.mesh = make_mesh(cfg.tp_size)
+        self.platform = jax.devices()[0].platform
+        self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret)
+        if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
+            # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
+            log.warning("enable_deterministic_inference: attention backend %s -> bucketed", self.backend)
+            self.backend = "bucketed"
+        self.model_config, tensors = load_checkpoint(model_path)
+        mc = self.model_config
+        if cfg.max_context_len > mc.max_position_embeddings:
+            log.warning("max_context_len %d > model's max_position_embeddings %d",
+                        cfg.max_context_len, mc.max_position_embeddings)  # fmt: skip
+        geo = AttnGeometry(
+            num_layers=mc.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
+            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            max_pages=cfg.max_pages, dtype=DTYPES[cfg.dtype], sliding_window=mc.sliding_window,
+            deterministic=cfg.deterministic,
+        )  # fmt: skip
+        self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
+        self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform)
+        self.model = CausalLM(mc, self.attn, cfg.layer_unroll, cfg.deterministic, logits_vocab_major=self.platform == "cpu")
+        self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
+        self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
+        self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
+        self.params = self._build(tensors)
+        self.params_avals = _avals(self.params)  # what every compiled program takes (updates must match it)
+        self.new_kv()
+        self.kv_avals = _avals((self.kv, self.future))  # programs compile against these
+        self.trace_count = 0
+        # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
+        step = make_step(self.model, 16 if self.platform == "cpu" else None, INVARIANT_ROWS if cfg.deterministic else None)
+
+        def traced(*args):
+            self.trace_count += 1  # Python side effect: runs once per trace, never per call
+            return step(*args)
+
+        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(5, 6))
+        self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
+        contexts = self.attn.context_buckets()
+        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num)
+        self.programs = ProgramSet(self._compile, order, lead, contexts)
+        if cfg.precompile:
+            self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1)
+
+    # ---- weights ------------------------------------------------------------------------------
+    def _build(self, tensors: dict[str, np.ndarray]) -> Any:
+        """The parameter tree from HF-named host arrays (model/params.py; per-layer weights when
+        the layers run unrolled), each leaf placed on its `tp` sharding. Raises ValueError
+        naming a missing or misshapen tensor."""
+        host = build_host_tree(self.model_config, tensors, DTYPES[self.cfg.dtype])
+        if self.layer_loop == "unrolled":
+            host = unstack_layers(host)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(host)
+        placed = []
+        for path, leaf in flat:
+            names = tuple(str(getattr(k, "key", k)) for k in path)
+            spec = param_spec(names, np.shape(leaf), self.model_config, self.cfg.tp_size)
+            placed.append(jax.device_put(leaf, NamedSharding(self.mesh, spec)))
+        return jax.tree_util.tree_unflatten(treedef, placed)
+
+    def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
+        """A new parameter tree beside the served one (same structure, avals and shardings)."""
+        params = self._build(tensors)
+        want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), self.params_avals)
+        got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), params)
+        same_tree = str(jax.tree_util.tree_structure(params)) == str(jax.tree_util.tree_structure(self.params_avals))
+        if not same_tree or want != got:
+            raise ValueError("the new weights do not fit the compiled programs (structure, shapes or shardings)")
+        return params
+
+    def swap_params(self, params: Any, tensors: dict[str, np.ndarray]) -> None:
+        old, self.params, self.host_tensors = self.params, params, tensors
+        if old is not None:
+            for leaf in jax.tree_util.tree_leaves(old):
+                leaf.delete()
+
+    def drop_params(self) -> None:
+        """Free the weights on the device; the host copy stays."""
+        self.swap_params(None, self.host_tensors)
+
+    # ---- device memory --------------------------------------------------------------------------
+    def new_kv(self) -> None:
+        """A zeroed KV cache (the backend's arrays) and FutureMap (token, position per slot + sink)."""
+        avals = self.attn.kv_avals()
+        specs = self.attn.kv_specs(self.cfg.tp_size)
+        self.kv: Any = tuple(
+            jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=NamedSharding(self.mesh, s))()
+            for a, s in zip(avals, specs, strict=True)
+        )
+        n = self.max_slots + 1
+        self.future: Any = jax.device_put((np.zeros(n, np.int32), np.zeros(n, np.int32)), replicated(self.mesh))
+
+    def drop_kv(self) -> None:
+        """Free the KV cache and FutureMap on the device."""
+        for leaf in jax.tree_util.tree_leaves((self.kv, self.future)):
+            leaf.delete()
+        self.kv, self.future = None, None
+
+    # ---- programs -----------------------------------------------------------------------------
+    def _compile(self, key: Key) -> Any:
+        shape, top_n = key
+        fwd, smp = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages, replicated(self.mesh))
+        kv, future = self.kv_avals
+        return self._jitted.lower(self.params_avals, kv, future, fwd, smp, top_n, shape.verify).compile()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compile is over; True once every program is compiled."""
+        return self.programs.wait(timeout)
+
+    def compile_status(self) -> dict[str, Any]:
+        return self.programs.status()
+
+    @property
+    def num_programs(self) -> int:
+        """Programs compiled so far."""
+        return len(self.programs.compiled)
+
+    @property
+    def num_programs_total(self) -> int:
+        """Programs there are to compile (num_programs reaches it once start-up compiling ends)."""
+        return len(self.programs.order)
+
+    # ---- serving ------------------------------------------------------------------------------
+    def prepare(self, rows: list[DeviceRow], verify: int = 0) -> HostBatch:
+        """The host side of a step: padded inputs, the program's shape, the backend's plan."""
+        top_n, ok, need = self.cfg.top_logprobs_num, None, 0
+        if self.programs.pending:  # still compiling: the smallest compiled program that holds the step
+            try:
+                need = self.attn.context_for(max(r.committed_len + r.extend_len for r in rows))
+            except ValueError:  # empty, or too long: build_batch says which
+                pass
+            else:
+                ok = lambda s: self.programs.smallest_context(s, top_n, need) is not None  # noqa: E731
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok)
+        ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)
+        assert ctx is not None  # `ok` accepted this shape for that reason
+        hb.shape = hb.shape._replace(context=ctx)
+        hb.forward = hb.forward._replace(attn=self.attn.plan(hb.forward, hb.shape))
+        return hb
+
+    def run(self, rows: list[DeviceRow]) -> tuple[SampleOut, list[int]]:
+        """One step over `rows`; returns the (device) sample output and each row's sample index."""
+        hb = self.prepare(rows)
+        return self.run_host_batch(hb)[0], hb.rows
+
+    def run_verify(self, rows: list[DeviceRow], k1: int) -> tuple[SampleOut, list[int], jax.Array]:
+        """A verify step (rows: rounds of k1 tokens at the scheduler's bounds): the samples of
+        every token, their indices (round after round), and the drafts each round accepted."""
+        hb = self.prepare(rows, k1)
+        out, accepted = self.run_host_batch(hb)
+        return out, hb.rows, accepted
+
+    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array]:
+        key = (hb.shape, self.cfg.top_logprobs_num)
+        if key not in self.programs.compiled and self.cfg.precompile:
+            raise RuntimeError(f"program {key} was not compiled at start-up")
+        prog = self.programs.get(key)
+        # The host arrays go to the compiled program as they are: it moves them to its input
+        # shardings in one batched transfer (CPU, 17 arrays: 0.2 ms, against 1.5 ms for a
+        # jax.device_put of the same tree first).
+        self.kv, self.future, out, accepted = prog(self.params, self.kv, self.future, hb.forward, hb.sampling)
+        return out, accepted
+
+    def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
+        """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).
+
+        A diagnostic path for parity tests and tools: jitted on demand, never used while
+        serving, and not counted in `trace_count`."""
+        hb = self.prepare(rows)
+        self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
+        return np.asarray(logits)[hb.rows], hb.rows
+
+
+def _avals(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)

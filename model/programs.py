@@ -1,0 +1,176 @@
+"""The compiled step programs of one executor: which exist, in what order they compile, and the
+smallest compiled one that holds a step.
+
+A program is keyed by `(StepShape, top_n)`: the padded step shape (model/step_inputs.py buckets,
+times the attention backend's context buckets) and the top-logprobs count compiled into it.
+Every key is compiled ahead of time (`compile_all`), so serving never traces: the executor only
+calls compiled executables, and `trace_count` (counted by the executor) stays constant.
+
+Background compiling (the server's default): `compile_all(background=True)` returns once the
+covering set is compiled (the largest program of each family holds any step of that family,
+padded) and compiles the rest on a thread; until it is done `smallest_context` picks the
+smallest compiled program that holds a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from model.step_inputs import Buckets, ForwardBatch, SamplingBatch, StepShape
+
+log = logging.getLogger(__name__)
+
+Key = tuple[StepShape, int]  # (shape, top_n)
+
+
+def enable_compilation_cache(path: str | Path | None = None) -> Path:
+    """Persist XLA executables on disk (process-wide), keyed by XLA on program and backend:
+    the second start-up with the same shapes loads its buckets instead of compiling them."""
+    from model.checkpoints.paths import cache_dir
+
+    p = Path(path) if path is not None else cache_dir("xla")
+    p.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(p))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return p
+
+
+def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any) -> tuple[ForwardBatch, SamplingBatch]:
+    """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device)."""
+
+    def spec(shp: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shp, dtype, sharding=sharding)
+
+    t, r = shape.tokens, shape.rows
+    i32, f32 = jnp.int32, jnp.float32
+    fwd = ForwardBatch(
+        input_ids=spec((t,), i32), positions=spec((t,), i32), out_loc=spec((t,), i32),
+        row_start=spec((r + 1,), i32), kv_len=spec((r,), i32), pages=spec((r, max_pages), i32),
+        num_rows=spec((1,), i32), sample_idx=spec((r,), i32), sample_slot=spec((r,), i32),
+        attn={k: spec(a.shape, a.dtype) for k, a in plan_avals.items()},
+    )  # fmt: skip
+    smp = SamplingBatch(
+        temperature=spec((r,), f32), top_k=spec((r,), i32), top_p=spec((r,), f32), min_p=spec((r,), f32),
+        seed=spec((r,), jnp.uint32), position=spec((r,), i32), any_random=spec((), jnp.bool_),
+        any_filter=spec((), jnp.bool_),
+    )  # fmt: skip
+    return fwd, smp
+
+
+def program_keys(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int) -> list[Key]:
+    """Every (shape, top_n) there is to compile."""
+    return [(s._replace(context=c), top_n) for s in buckets.shapes(verify) for c in contexts]
+
+
+def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int) -> tuple[list[Key], int]:
+    """Every program key in the order to compile them, and how many lead: the covering set.
+
+    Programs of one family (decode, extend, verify) are ordered by size (tokens, then context);
+    the largest of a family serves any step of it (padded). So the covering set is each family's
+    largest program; after it the families take turns, each adding the program in the middle of
+    its widest run of missing ones, so padding shrinks fastest (decode 2..64: 64, 8, 32, 4, 2, 16)."""
+    orders = []
+    for family in buckets.families(verify):
+        keys = [(s._replace(context=c), top_n) for s in family for c in contexts]  # ascending
+        orders.append([keys[i] for i in widest_gap_first(len(keys))])
+    lead = list(dict.fromkeys(o[0] for o in orders))
+    rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
+    return list(dict.fromkeys(lead + rest)), len(lead)
+
+
+def widest_gap_first(n: int) -> list[int]:
+    """0..n-1, the last first, then each time the middle of the widest run not yet taken."""
+    order, runs = [n - 1], [(0, n - 2)] if n > 1 else []
+    while runs:
+        runs.sort(key=lambda r: r[1] - r[0])
+        lo, hi = runs.pop()
+        mid = (lo + hi + 1) // 2
+        order.append(mid)
+        runs += [r for r in ((lo, mid - 1), (mid + 1, hi)) if r[0] <= r[1]]
+    return order
+
+
+class ProgramSet:
+    """Compiled executables by key. `compile_one(key)` lowers and compiles one (the executor's
+    jitted step over that key's abstract inputs); `order` / `lead` come from `compile_order`."""
+
+    def __init__(self, compile_one: Callable[[Key], Any], order: list[Key], lead: int, contexts: Sequence[int]):
+        self._compile_one = compile_one
+        self.order, self.lead, self.contexts = order, lead, contexts
+        self.compiled: dict[Key, Any] = {}
+        self.pending = 0  # programs still compiling in the background
+        self.compile_s = 0.0  # seconds every program took to compile (set once all are)
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def get(self, key: Key) -> Any:
+        """The compiled program of `key` (compiled now if it never was)."""
+        prog = self.compiled.get(key)
+        if prog is None:
+            prog = self.compiled[key] = self._compile_one(key)
+        return prog
+
+    def compile_all(self, background: bool = False) -> float:
+        """AOT-compile every program (progress bar); returns seconds spent. One after another:
+        XLA CPU's compile already keeps the cores busy (2 cores, tiny model: 15 programs took
+        34.5 s on one thread and on two).
+
+        `background`: return once the covering set is compiled (every step can run, padded to
+        a larger program) and compile the rest on a thread (`pending` counts them down)."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        now = self.order[: self.lead] if background else self.order
+        for key in tqdm(now, desc="compiling buckets", unit="bucket"):
+            self.get(key)
+        rest = self.order[len(now) :]
+        if not rest:
+            self.compile_s = time.perf_counter() - t0
+            return self.compile_s
+        self.pending = len(rest)
+
+        def compile_rest() -> None:
+            try:
+                for key in rest:
+                    self.get(key)
+                    self.pending -= 1
+                self.compile_s = time.perf_counter() - t0
+                log.info("compiled the other %d step programs in the background (%.1f s in all)", len(rest), self.compile_s)
+            except Exception as e:  # noqa: BLE001 -- serving goes on with the programs it has
+                self.error = f"{type(e).__name__}: {e}"
+                log.exception("background compile failed; serving with %d programs", len(self.compiled))
+
+        self._thread = threading.Thread(target=compile_rest, name="ringserve-compile", daemon=True)
+        self._thread.start()
+        return time.perf_counter() - t0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background compile is over; True once every program is compiled."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.pending == 0
+
+    def smallest_context(self, shape: StepShape, top_n: int, need: int) -> int | None:
+        """The shortest compiled context bucket >= need for `shape`, or None."""
+        for c in self.contexts:
+            if c >= need and (shape._replace(context=c), top_n) in self.compiled:
+                return c
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "programs_compiled": len(self.compiled),
+            "programs_total": len(self.order),
+            "programs_pending": self.pending,
+            "compile_s": round(self.compile_s, 2),
+            "compile_error": self.error,
+        }
