@@ -165,9 +165,11 @@ def test_one_way_throughput_1kb(benchmark, link):
 def test_decode_step_message_encode_decode(benchmark):
     """msgspec encode + typed decode of a decode step for 256 running requests."""
     rng = np.random.default_rng(0)
-    step = m.StepMsg(step_id=12345, released=m.i32([3, 9]), decode_slots=m.i32(np.arange(256)),
-                     decode_committed=m.i32(rng.integers(1, 4096, 256)),
-                     decode_new_page=m.i32(np.where(rng.random(256) < 1 / 16, rng.integers(0, 1 << 16, 256), -1)))  # fmt: skip
+    new_page = rng.random(256) < 1 / 16
+    step = m.StepMsg(step_id=12345, released=m.i32([3, 9]), slots=m.i32(np.arange(256)),
+                     committed=m.i32(rng.integers(1, 4096, 256)), token_counts=m.i32(np.ones(256)),
+                     tokens=m.i32(-(np.arange(256) + 1)), page_counts=m.i32(new_page),
+                     pages=m.i32(rng.integers(1, 1 << 16, int(new_page.sum()))), keep=m.u8(np.ones(256)))  # fmt: skip
 
     def round_trip() -> m.StepMsg:
         return m.to_runner.decode(m.encode(step))  # type: ignore[no-any-return]

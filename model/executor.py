@@ -230,17 +230,13 @@ class ModelExecutor:
         hb.forward = hb.forward._replace(attn=self.attn.plan(hb.forward, hb.shape))
         return hb
 
-    def run(self, rows: list[DeviceRow]) -> tuple[SampleOut, list[int]]:
-        """One step over `rows`; returns the (device) sample output and each row's sample index."""
-        hb = self.prepare(rows)
-        return self.run_host_batch(hb)[0], hb.rows
-
-    def run_verify(self, rows: list[DeviceRow], k1: int) -> tuple[SampleOut, list[int], jax.Array]:
-        """A verify step (rows: rounds of k1 tokens at the scheduler's bounds): the samples of
-        every token, their indices (round after round), and the drafts each round accepted."""
-        hb = self.prepare(rows, k1)
+    def run(self, rows: list[DeviceRow], verify: int = 0) -> tuple[SampleOut, list[int], jax.Array]:
+        """One step over `rows` (with `verify` = k + 1: verify rounds of that many tokens at the
+        scheduler's bounds). Returns the (device) sample output, where each row's samples sit
+        in it (row after row: k1 = max(1, verify) each) and the drafts each row accepted."""
+        hb = self.prepare(rows, verify)
         out, accepted = self.run_host_batch(hb)
-        return out, hb.rows, accepted
+        return out, list(range(hb.num_samples)), accepted
 
     def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array]:
         key = (hb.shape, self.cfg.top_logprobs_num)
@@ -260,7 +256,7 @@ class ModelExecutor:
         serving, and not counted in `trace_count`."""
         hb = self.prepare(rows)
         self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
-        return np.asarray(logits)[hb.rows], hb.rows
+        return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
 
 
 def _avals(tree: Any) -> Any:

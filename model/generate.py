@@ -41,7 +41,7 @@ def generate(
     for i, p in enumerate(prompts):
         for start in range(0, len(p), chunk):
             piece = np.asarray(p[start : start + chunk], np.int32)
-            res, rows = ex.run([DeviceRow(piece, start, tables[i], params[i])])
+            res, rows, _ = ex.run([DeviceRow(piece, start, tables[i], params[i])])
         tok = int(np.asarray(res.tokens)[rows[0]])
         out[i].append(tok)
         if on_token:
@@ -51,7 +51,7 @@ def generate(
         for lo in range(0, len(live), cfg.max_batch):
             group = live[lo : lo + cfg.max_batch]
             batch = [DeviceRow(np.array([out[i][-1]], np.int32), len(prompts[i]) + len(out[i]) - 1, tables[i], params[i]) for i in group]
-            res, rows = ex.run(batch)
+            res, rows, _ = ex.run(batch)
             toks = np.asarray(res.tokens)
             for i, r in zip(group, rows, strict=True):
                 out[i].append(int(toks[r]))

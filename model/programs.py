@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model.step_inputs import Buckets, ForwardBatch, SamplingBatch, StepShape
+from model.step_inputs import Buckets, ForwardBatch, RowSampling, StepShape
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +44,23 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path:
     return p
 
 
-def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any) -> tuple[ForwardBatch, SamplingBatch]:
+def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any) -> tuple[ForwardBatch, RowSampling]:
     """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device)."""
 
     def spec(shp: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shp, dtype, sharding=sharding)
 
-    t, r = shape.tokens, shape.rows
+    t, r, k1 = shape.tokens, shape.rows, max(1, shape.verify)
     i32, f32 = jnp.int32, jnp.float32
     fwd = ForwardBatch(
         input_ids=spec((t,), i32), positions=spec((t,), i32), out_loc=spec((t,), i32),
         row_start=spec((r + 1,), i32), kv_len=spec((r,), i32), pages=spec((r, max_pages), i32),
-        num_rows=spec((1,), i32), sample_idx=spec((r,), i32), sample_slot=spec((r,), i32),
+        num_rows=spec((1,), i32), sample_idx=spec((r * k1,), i32), sample_slot=spec((r,), i32),
         attn={k: spec(a.shape, a.dtype) for k, a in plan_avals.items()},
     )  # fmt: skip
-    smp = SamplingBatch(
+    smp = RowSampling(
         temperature=spec((r,), f32), top_k=spec((r,), i32), top_p=spec((r,), f32), min_p=spec((r,), f32),
-        seed=spec((r,), jnp.uint32), position=spec((r,), i32), any_random=spec((), jnp.bool_),
-        any_filter=spec((), jnp.bool_),
+        seed=spec((r,), jnp.uint32), any_random=spec((), jnp.bool_), any_filter=spec((), jnp.bool_),
     )  # fmt: skip
     return fwd, smp
 

@@ -1,15 +1,20 @@
 """The traced step: forward + sample over the paged KV cache, as pure functions of their inputs.
 
-    step(params, kv, future, fb, sp, top_n, verify) -> kv, future, SampleOut, accepted
+    step(params, kv, future, fb, rs, top_n, verify) -> kv, future, SampleOut, accepted
 
 `params` is the parameter tree, `kv` the attention backend's cache arrays and `future` the
 FutureMap, all three passed in and (kv, future) returned updated: the executor donates them, so
-the update is in place (model/executor.py). `fb` / `sp` are one step's padded inputs
+the update is in place (model/executor.py). `fb` / `rs` are one step's padded inputs
 (model/step_inputs.py); `top_n` and `verify` are static (part of the program's key).
 
+One path for every row (model/step_inputs.py): inputs `-(slot + 1)` read the FutureMap, each row
+samples its last k1 = max(1, verify) tokens, and a row accepts its leading drafts (the tokens
+after its first sampled one) that equal the targets sampled before them; a plain row has no
+drafts, so it accepts 0 and keeps its one sample. The FutureMap then holds, per slot, the token
+after the accepted ones (the bonus token) and its position.
+
 FutureMap: per request slot (+ a sink row for padding) the token it sampled last and that
-token's position (= KV tokens valid before it). An input id `-(slot + 1)` reads `future[slot]`
-on device, which is what lets the scheduler plan one batch ahead (overlap).
+token's position (= KV tokens valid before it).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 
 from model.llama import CausalLM
 from model.sampler import sample_rows
-from model.step_inputs import ForwardBatch, SamplingBatch
+from model.step_inputs import ForwardBatch, RowSampling, SamplingBatch
 
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array]]
 
@@ -32,66 +37,60 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None)
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
     deterministic mode)."""
 
-    def step(params, kv, future, fb: ForwardBatch, sp: SamplingBatch, top_n: int, verify: int):
+    def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, top_n: int, verify: int):
         """kv and the FutureMap (token, position per slot) in, updated, out, with the samples
-        and, for a verify step, the drafts each round accepted ([R] int32)."""
+        ([R * k1], row after row) and the drafts each row accepted ([R] int32)."""
+        k1 = max(1, verify)
         tok, pos = future
         ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
-        if verify:
-            return _verify(model, sample_group, fixed_rows, params, kv, (tok, pos), fb, sp, top_n, verify, ids)
+        if k1 > 1:  # verify rounds were planned at bounds on their slots' lengths
+            fb = at_true_positions(model, fb, pos)
         h, kv = model.forward(params, ids, fb, kv)
-        group = sample_group if fb.input_ids.shape[0] != fb.kv_len.shape[0] else None  # not decode
-        out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx], sp, top_n,
-                          fb.num_rows[0], group, fixed_rows)  # fmt: skip
-        tok = tok.at[fb.sample_slot].set(out.tokens)
-        pos = pos.at[fb.sample_slot].set(fb.kv_len)
-        return kv, (tok, pos), out, jnp.zeros(fb.kv_len.shape, jnp.int32)
+        r, n = fb.kv_len.shape[0], fb.num_rows[0]
+        sp = per_sample(rs, fb.positions[fb.sample_idx] + 1, k1)  # each token's seed at its position
+        group = sample_group if fb.input_ids.shape[0] != r else None  # not a decode program
+        out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx], sp, top_n, n * k1, group,
+                          fixed_rows)  # fmt: skip
+        targets = out.tokens.reshape(r, k1)
+        drafts = fb.input_ids[fb.sample_idx.reshape(r, k1)[:, 1:]]  # raw ids: NO_DRAFT (-1) never matches
+        match = (drafts >= 0) & (drafts == targets[:, :-1])
+        accepted = jnp.where(jnp.arange(r) < n, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
+        tok = tok.at[fb.sample_slot].set(jnp.take_along_axis(targets, accepted[:, None], axis=1)[:, 0])
+        pos = pos.at[fb.sample_slot].set(fb.kv_len - (k1 - 1) + accepted)
+        return kv, (tok, pos), out, accepted
 
     return step
 
 
-def _verify(model: CausalLM, sample_group, fixed_rows, params, kv, future, fb: ForwardBatch, sp: SamplingBatch,
-            top_n: int, k1: int, ids):  # fmt: skip
-    """A verify step: rounds of k1 = k + 1 tokens (the slot's future token, k drafts).
+def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> ForwardBatch:
+    """A verify program's rows moved to their slots' true lengths (the FutureMap's positions).
 
-    The host planned each round at a bound on the slot's length (its rounds in flight taken
-    as all accepted); the true length is the FutureMap's position. Positions, token
-    locations, kv_len and the attention plan move down by the difference, every token is
-    sampled (per-request seeds at the token's own position: the same draws as plain
-    decoding), and a round accepts its leading drafts equal to their targets; the target
-    after them is the bonus token. The FutureMap moves past what was accepted."""
-    tok, fpos = future
+    The host planned each round at a bound on the slot's length (its rounds in flight taken as
+    all accepted); positions, token locations, kv_len and the attention plan move down by the
+    difference. The pages the bound covers are a superset of what the true length needs."""
     t, r, ps = fb.input_ids.shape[0], fb.kv_len.shape[0], model.attn.geo.page_size
     n = fb.num_rows[0]
-    real_row = jnp.arange(r) < n
-    base = fpos[fb.sample_slot]  # [R] true length before each round
-    bound = fb.kv_len - (fb.row_start[1:] - fb.row_start[:-1])
-    shift = jnp.where(real_row, bound - base, 0)
+    extend = fb.row_start[1:] - fb.row_start[:-1]
+    shift = jnp.where(jnp.arange(r) < n, fb.kv_len - extend - fpos[fb.sample_slot], 0)
     flat = jnp.arange(t)
     tok_row = jnp.clip(jnp.searchsorted(fb.row_start, flat, side="right") - 1, 0, r - 1)
     real_tok = flat < fb.row_start[n]
     positions = fb.positions - jnp.where(real_tok, shift[tok_row], 0)
     loc = fb.pages[tok_row, positions // ps] * ps + positions % ps
-    fb = fb._replace(
+    return fb._replace(
         positions=positions, out_loc=jnp.where(real_tok, loc, fb.out_loc), kv_len=fb.kv_len - shift,
         attn=model.attn.shift_plan(fb.attn, shift),
     )  # fmt: skip
-    h, kv = model.forward(params, ids, fb, kv)
-    per_tok = SamplingBatch(
-        sp.temperature[tok_row], sp.top_k[tok_row], sp.top_p[tok_row], sp.min_p[tok_row], sp.seed[tok_row],
-        positions + 1, sp.any_random, sp.any_filter,
-    )  # fmt: skip
-    out = sample_rows(lambda x: model.logits(params, x), h, per_tok, top_n, fb.row_start[n], sample_group,
-                      fixed_rows)  # fmt: skip
-    idx = jnp.minimum(fb.row_start[:r, None] + jnp.arange(k1)[None, :], t - 1)  # [R, k1]
-    targets = out.tokens[idx]
-    drafts = fb.input_ids[idx[:, 1:]]  # raw: NO_DRAFT (-1) pads never match
-    match = (drafts >= 0) & (drafts == targets[:, :-1])
-    accepted = jnp.where(real_row, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
-    bonus = jnp.take_along_axis(targets, accepted[:, None], axis=1)[:, 0]
-    tok = tok.at[fb.sample_slot].set(bonus)
-    fpos = fpos.at[fb.sample_slot].set(base + accepted + 1)
-    return kv, (tok, fpos), out, accepted
+
+
+def per_sample(rs: RowSampling, position: jax.Array, k1: int) -> SamplingBatch:
+    """The sampler's input: each row's parameters for each of its k1 sampled tokens."""
+
+    def each(x: jax.Array) -> jax.Array:
+        return x if k1 == 1 else jnp.repeat(x, k1)
+
+    return SamplingBatch(each(rs.temperature), each(rs.top_k), each(rs.top_p), each(rs.min_p), each(rs.seed),
+                         position, rs.any_random, rs.any_filter)  # fmt: skip
 
 
 def make_logits(model: CausalLM) -> Callable[..., tuple[Any, jax.Array]]:

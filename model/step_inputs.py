@@ -1,25 +1,33 @@
 """Host side of a step: turn per-request rows into padded, bucketed device inputs (no JAX here).
 
-A `DeviceRow` is one request's work in one step, as the device sees it: its new tokens
-(`extend_len` of them; an id may be a negative future index), the position of the first one
-(`committed_len`: tokens whose KV is already written), its page table covering
-`committed_len + extend_len` tokens, and its `DeviceSampling`.
+One row model (vLLM v1's "no prefill or decode phase"): a `DeviceRow` is one request's work in
+one step, as the device sees it: its new tokens (`extend_len` of them), the position of the first
+one (`committed_len`: tokens whose KV is already written), its page table covering
+`committed_len + extend_len` tokens, and its `DeviceSampling`. The three kinds are shapes of it:
+
+    extend row    a span of known ids (a prompt, or one chunk of it)
+    decode row    one token, FUTURE(slot) = -(slot + 1): the token the slot sampled last,
+                  read from the FutureMap on device (so the host never waits for it)
+    verify round  FUTURE(slot) then k drafts (NO_DRAFT = -1 pads): k + 1 tokens, all sampled
 
 Flat token layout: the rows' new tokens packed densely in row order, then padding up to the
 program's T (two rows of 6 and 1 tokens, T = 8):
 
     token:     a0 a1 a2 a3 a4 a5 b0 --
     row_start: 0                 6  7   (7 repeated for the padding rows up to R)
-    sample:                   a5 b0     sample_idx = [5, 6, 0, ...], one per row
+    sample:                   a5 b0     sample_idx = [5, 6, 0, ...]: each row's last k1 tokens
+
+Every row samples its last `k1` tokens, row after row (sample_idx [R * k1]); k1 is static per
+program: 1, or k + 1 in a verify program (speculative decoding), whose rows are rounds of
+exactly k + 1 tokens. Results are the first `num_rows * k1` samples, in row order.
 
 Padding tokens write KV to token location 0 (the sink page) and padding rows are ignored.
 Decode programs have one token per row (T = R, query block 1); extend programs take up to
 max_batch rows over T packed tokens (query block = extend_block, the attention tile).
 
-Verify programs (speculative decoding) are extend programs whose rows are rounds of k + 1
-tokens (the slot's future token, then k drafts) and which sample EVERY token: a row's
-`committed_len` is the scheduler's bound, and the device moves positions, token locations and
-kv_len down to the FutureMap's true position before the layers run (model/step.py).
+A verify round's `committed_len` is the scheduler's bound on the slot's length (its rounds in
+flight counted as all accepted); the device moves positions, token locations and kv_len down to
+the FutureMap's true position before the layers run (model/step.py).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ class StepShape(NamedTuple):
 
     block: int  # query tile: 1 for decode programs (one token per row), extend_block otherwise
     tokens: int  # T: padded new tokens
-    rows: int  # R: padded rows (requests); every row samples one token
+    rows: int  # R: padded rows (requests); every row samples its last max(1, verify) tokens
     context: int = 0  # context bucket (longest kv_len) for backends with static loops; 0 = any
     verify: int = 0  # a verify program (speculative decoding): tokens per round (k + 1); 0 = not
 
@@ -80,18 +88,32 @@ class ForwardBatch(NamedTuple):
     kv_len: Arr  # [R] int32 committed_len + extend_len (KV valid after this step); 0 = padding
     pages: Arr  # [R, max_pages] int32 page table of each row
     num_rows: Arr  # [1] int32 real rows
-    sample_idx: Arr  # [R] int32 flat index of each row's last token
+    sample_idx: Arr  # [R * k1] int32 flat index of each row's last k1 tokens (k1 = max(1, verify))
     sample_slot: Arr  # [R] int32 future slot that receives the row's sampled token (sink = last)
     attn: dict[str, Arr]  # the attention backend's own per-step inputs (its `plan`)
 
 
-class SamplingBatch(NamedTuple):
+class RowSampling(NamedTuple):
+    """How each row samples (a step program's input; the step expands it per sampled token)."""
+
     temperature: Arr  # [R] f32, 0 = greedy
     top_k: Arr  # [R] i32, <= 0 = off
     top_p: Arr  # [R] f32 in (0, 1], 1 = off
     min_p: Arr  # [R] f32 in [0, 1], 0 = off
     seed: Arr  # [R] u32
-    position: Arr  # [R] i32 position of the token being sampled
+    any_random: Arr  # [] bool: some row has temperature > 0
+    any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
+
+
+class SamplingBatch(NamedTuple):
+    """The sampler's input: one entry per sampled token (model/sampler.py)."""
+
+    temperature: Arr  # [S] f32, 0 = greedy
+    top_k: Arr  # [S] i32, <= 0 = off
+    top_p: Arr  # [S] f32 in (0, 1], 1 = off
+    min_p: Arr  # [S] f32 in [0, 1], 0 = off
+    seed: Arr  # [S] u32
+    position: Arr  # [S] i32 position of the token being sampled (its seed's counter)
     any_random: Arr  # [] bool: some row has temperature > 0
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
 
@@ -184,9 +206,8 @@ class Buckets:
 class HostBatch:
     shape: StepShape
     forward: ForwardBatch  # NumPy arrays (attn filled in by the executor's backend)
-    sampling: SamplingBatch  # NumPy arrays
-    rows: list[int]  # where each result sits in the step's samples: row i at index i (a verify
-    # step: its flat token indices, round after round)
+    sampling: RowSampling  # NumPy arrays
+    num_samples: int  # real samples: rows * k1, row after row (the first entries of the step's samples)
 
     @property
     def max_kv_len(self) -> int:
@@ -213,7 +234,7 @@ def build_batch(
         raise ValueError(f"a verify step's rows are rounds of {verify} tokens, got {sorted(set(ext.tolist()))}")
     is_decode = bool((ext == 1).all()) and not verify
     shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify, ok)
-    t, nr = shape.tokens, shape.rows
+    t, nr, k1 = shape.tokens, shape.rows, max(1, verify)
     n = len(rows)
     committed = np.fromiter((r.committed_len for r in rows), np.int64, n)
     kv_len = committed + ext
@@ -240,8 +261,8 @@ def build_batch(
     loc[:total] = pages[tok_row, p // page_size].astype(np.int64) * page_size + p % page_size
     kv = np.zeros(nr, np.int32)
     kv[:n] = kv_len
-    sample_idx = np.zeros(nr, np.int32)
-    sample_idx[:n] = start[1 : n + 1] - 1
+    sample_idx = np.zeros((nr, k1), np.int32)
+    sample_idx[:n] = start[1 : n + 1, None] - k1 + np.arange(k1)[None, :]
     sample_slot = np.full(nr, sink_slot, np.int32)
     sample_slot[:n] = [r.future_slot if r.future_slot >= 0 else sink_slot for r in rows]
     temp = np.zeros(nr, np.float32)
@@ -253,11 +274,8 @@ def build_batch(
         sp = r.sampling
         temp[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         seed[i] = (sp.seed ^ (sp.seed >> 32)) & 0xFFFFFFFF  # 63-bit seed folded to 32
-    spos = np.zeros(nr, np.int32)
-    spos[:n] = kv_len
     random = temp > 0
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
-    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx, sample_slot, {})
-    smp = SamplingBatch(temp, top_k, top_p, min_p, seed, spos, np.bool_(random.any()), np.bool_(filt.any()))
-    sample_rows = (start[:n, None] + np.arange(verify)[None, :]).ravel().tolist() if verify else list(range(n))
-    return HostBatch(shape, fwd, smp, sample_rows)
+    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {})
+    smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()))
+    return HostBatch(shape, fwd, smp, n * k1)

@@ -4,6 +4,8 @@ dependencies pointing one way, one owner per concept (one SamplingParams class).
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,3 +122,147 @@ def test_exactly_one_sampling_params_class():
             if isinstance(node, ast.ClassDef) and node.name == "SamplingParams":
                 found.append(str(f.relative_to(ROOT)))
     assert found == ["actors/transport/sampling.py"]
+
+
+# ---- rooms: process folders, the floor below them, the composition root ----------------------
+PROCESS_FOLDERS = ("frontend", "scheduler", "runner", "detokenizer")
+JAX_NAMES = ("jax", "jaxlib", "flax")
+
+
+def _room(mod: str) -> str | None:
+    """The process folder of an actors module ("scheduler" for actors.scheduler.core), or None."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "actors" and parts[1] in PROCESS_FOLDERS else None
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a process folder imports another process folder, or
+    the floor below them (actors.transport, actors.server_args) imports a process folder."""
+    bad = []
+    for mod, deps in graph.items():
+        mine = _room(mod)
+        below = mod.startswith(("actors.transport", "actors.server_args"))
+        for d in deps:
+            theirs = _room(d)
+            if theirs is not None and (below or (mine is not None and theirs != mine)):
+                bad.append((mod, d))
+    return sorted(bad)
+
+
+def test_process_folders_never_import_one_another():
+    """frontend, scheduler, runner and detokenizer import transport, kvmem and model (and the
+    shared ServerArgs), never each other; transport imports none of them."""
+    graph = import_graph()
+    assert {r for r in map(_room, graph) if r} == set(PROCESS_FOLDERS)
+    assert room_violations(graph) == []
+
+
+def test_the_room_check_finds_a_crossing():
+    graph = {"actors.scheduler.req": {"actors.detokenizer.core", "kvmem"}, "actors.transport.messages": {"actors.frontend.x"},
+             "actors.cli.main": {"actors.frontend.engine"}, "actors.runner.core": {"actors.runner.slot_mirrors"}}  # fmt: skip
+    assert room_violations(graph) == [("actors.scheduler.req", "actors.detokenizer.core"),
+                                      ("actors.transport.messages", "actors.frontend.x")]  # fmt: skip
+
+
+def _jax_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        found += [n for n in names if n.split(".")[0] in JAX_NAMES]
+    return found
+
+
+def test_scheduler_frontend_and_transport_never_import_jax():
+    """Written nowhere in their files (not even inside a function), and not pulled in by what
+    they import: importing every module of theirs in a fresh interpreter leaves JAX unloaded."""
+    import subprocess
+    import sys
+
+    mods = []
+    for room in ("scheduler", "frontend", "transport", "detokenizer"):
+        for f in sorted((ROOT / "actors" / room).rglob("*.py")):
+            assert _jax_imports(f) == [], f
+            mods.append(".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {JAX_NAMES!r}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_jax_check_sees_an_import_inside_a_function(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    import jax.numpy as jnp\n    from flax import nnx\n")
+    assert _jax_imports(f) == ["jax.numpy", "flax"]
+
+
+def test_only_the_cli_reaches_up_into_bench():
+    """bench/ sits above the engine; the one sanctioned arrow up is `ringserve bench`."""
+    up = set()
+    for f in ROOT.glob("*/**/*.py"):
+        rel = f.relative_to(ROOT)
+        if rel.parts[0] not in PACKAGES:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "bench" for n in names):
+                up.add(str(rel))
+    assert up == {"actors/cli/bench.py"}
+
+
+# ---- the map matches the house --------------------------------------------------------------
+PATH_RE = re.compile(r"(?<![\w./-])((?:\.?[\w-]+/)+[\w-]+\.(?:py|md|sh|toml|json))\b")
+ROOTS = ("", "actors/", "kvmem/", "model/", "bench/", "tests/", "tools/")
+
+
+@functools.cache
+def _directories() -> frozenset[str]:
+    """Names of the repository's directories (where a named path may start)."""
+    out = {".ci"}
+    for top in ("actors", "kvmem", "model", "bench", "tests", "tools"):
+        out |= {top} | {d.name for d in (ROOT / top).rglob("*") if d.is_dir() and d.name != "__pycache__"}
+    return frozenset(out)
+
+
+def named_paths(text: str) -> set[str]:
+    """Repository paths (`dir/file.ext` starting at one of the repository's directories) a
+    text names; an example output such as `out/run.json` is not one."""
+    dirs = _directories()
+    return {p for p in PATH_RE.findall(text) if p.split("/")[0] in dirs}
+
+
+def missing(paths: set[str]) -> list[str]:
+    """Paths that exist neither from the repository root nor inside one of the packages
+    (docstrings often write `runner/core.py` for actors/runner/core.py)."""
+    return sorted(p for p in paths if not any((ROOT / (r + p)).exists() for r in ROOTS))
+
+
+def _docstrings(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+    return [d for d in (ast.get_docstring(n) for n in nodes) if d]
+
+
+def test_every_path_a_docstring_names_exists():
+    bad = {}
+    for f in ROOT.glob("*/**/*.py"):
+        rel = f.relative_to(ROOT)
+        if rel.parts[0] not in (*PACKAGES, "bench", "tests", "tools"):
+            continue
+        gone = missing({p for d in _docstrings(f) for p in named_paths(d)})
+        if gone:
+            bad[str(rel)] = gone
+    assert bad == {}
+
+
+def test_every_path_the_architecture_document_names_exists():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    assert len(named_paths(text)) > 30, "the map names the files of a request's walk"
+    assert missing(named_paths(text)) == []
+
+
+def test_the_path_check_finds_a_missing_file():
+    text = "see actors/runner_state.py and runner/core.py (model/step.py)."
+    assert named_paths(text) >= {"actors/runner_state.py", "runner/core.py", "model/step.py"}
+    assert missing(named_paths(text)) == ["actors/runner_state.py"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import numpy as np
 
@@ -72,11 +73,13 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
 
 
 class Pending:
-    __slots__ = ("step_id", "out", "rows", "t0", "want_top", "accepted")
+    """A dispatched step whose samples are not fetched yet (JAX dispatch is asynchronous)."""
 
-    def __init__(self, step_id: int, out: SampleOut, rows: list[int], t0: float, want_top: bool, accepted=None):
-        self.step_id, self.out, self.rows, self.t0, self.want_top = step_id, out, rows, t0, want_top
-        self.accepted = accepted  # a verify step: the device's [R] accepted counts, the first G real
+    __slots__ = ("step_id", "out", "accepted", "rows", "k1", "t0", "want_top")
+
+    def __init__(self, step_id: int, out: SampleOut, accepted: Any, rows: int, k1: int, t0: float, want_top: bool):
+        self.step_id, self.out, self.accepted, self.rows, self.k1 = step_id, out, accepted, rows, k1
+        self.t0, self.want_top = t0, want_top
 
 
 class RunnerCore:
@@ -117,29 +120,26 @@ class RunnerCore:
         t0 = time.perf_counter()
         dev_rows = self.mirrors.apply(msg)
         t_applied = time.perf_counter()
-        accepted = None
-        if msg.verify is not None:
-            out, rows, acc = self.ex.run_verify(dev_rows, self.ex.cfg.verify_tokens)
-            accepted = (acc, len(msg.verify.slots))
-        else:
-            out, rows = self.ex.run(dev_rows)
+        k1 = 1 + msg.drafts
+        out, _, accepted = self.ex.run(dev_rows, k1 if msg.drafts else 0)
         if self.stamps is not None:
             self.stamps.dispatched(msg.step_id, t0, t_applied, out.tokens)
-        return Pending(msg.step_id, out, rows, t0, self.top_n > 0, accepted)
+        return Pending(msg.step_id, out, accepted, len(dev_rows), k1, t0, self.top_n > 0)
 
     def result(self, p: Pending) -> m.StepResultMsg:
+        """The real rows' samples (the first rows * k1, row after row) and, for a verify step,
+        the drafts each round accepted."""
         if self.stamps is not None:
             self.stamps.fetching(p.step_id)
-        rows = np.asarray(p.rows)
-        tokens = np.asarray(p.out.tokens)[rows]  # blocks until the step is done
-        res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(p.out.logprobs)[rows]))
-        if p.accepted is not None:
-            acc, g = p.accepted
-            res.accepted = m.i32(np.asarray(acc)[:g])
+        n = p.rows * p.k1
+        tokens = np.asarray(p.out.tokens)[:n]  # blocks until the step is done
+        res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(p.out.logprobs)[:n]))
+        if p.k1 > 1:
+            res.accepted = m.i32(np.asarray(p.accepted)[: p.rows])
         if p.want_top:
             res.top_n = self.top_n
-            res.top_ids = m.i32(np.asarray(p.out.top_ids)[rows])
-            res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[rows])
+            res.top_ids = m.i32(np.asarray(p.out.top_ids)[:n])
+            res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[:n])
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
         res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.programs.pending

@@ -6,13 +6,15 @@
 
 Normal mode waits for batch N's tokens before planning N+1. Overlap mode (default) sends
 N+1 first, then processes N: the runner computes N+1 while the host books N's tokens; where
-N+1 needs a token N has not returned yet it reads the runner's future buffer (see core.py).
+N+1 needs a token N has not returned yet it reads the runner's FutureMap (see core.py).
 At most two batches are ever in flight.
 
 Control requests (pause, continue, flush, info) are answered through the detokenizer, so a
 reply arrives at the frontend after every output sent before it. Pause and flush first finish
 the batches in flight (seed 000). When nothing runs, the KV books' integrity check runs once;
-a violation is logged loudly and counted in get_server_info (tests assert it stays 0).
+a violation is logged loudly and counted in get_server_info (tests assert it stays 0). Every
+scheduling fact lives in the core; this loop owns only what is in flight and the runner's
+compile status.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from actors.scheduler.batch import ScheduledBatch, StepResult
 from actors.scheduler.core import ReqOutput, SchedulerCore
 from actors.scheduler.output import step_msg, token_out
-from actors.scheduler.req import Req, ReqStatus
+from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 from actors.transport.trace import StepTrace
@@ -47,35 +49,29 @@ class SchedulerActor:
                  inbox, to_runner, from_runner, to_detok):  # fmt: skip
         self.args = args
         self.eos = frozenset(eos_ids)
-        self.kv = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache)
-        self.core = SchedulerCore(args, self.kv, decode_tail)
+        cache = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache)
+        self.core = SchedulerCore(args, cache, decode_tail)
+        self.stats = self.core.stats
         self.inbox, self.to_runner, self.from_runner, self.to_detok = inbox, to_runner, from_runner, to_detok
         self.in_flight: collections.deque[ScheduledBatch] = collections.deque()
-        self.opened: set[str] = set()  # rids whose first TokenOut (carrying `open`) was sent
         self.checked_idle = False
-        self.initial_tokens = self.kv.available_tokens()
-        self.stats = collections.Counter[str]()
-        self.times: dict[str, float] = collections.defaultdict(float)
-        self.integrity_errors: list[str] = []
         self.runner_trace_count = 0
         self.compile_status: dict = {}  # the runner's, asked for until every program is compiled
-        self.weight_updates = 0
         self.trace = StepTrace(args.step_trace) if args.step_trace else None  # off by default
 
     # ---- main loop --------------------------------------------------------------------------
     def serve(self, stopping: Callable[[], bool]) -> None:
         overlap = self.args.enable_overlap
         while not stopping():
-            stalled = self.core.idle or self.core.paused or bool(self.core.memory_released)
             t_loop = time.perf_counter()
-            self._recv_requests(block=not self.in_flight and stalled)
+            self._recv_requests(block=not self.in_flight and self.core.stalled)
             t0 = time.perf_counter()
             batch = self.core.get_next_batch()
             if batch is not None:
                 self._send(batch)
                 if self.trace is not None:
                     self.trace.scheduled(batch.step_id, t_loop, t0)
-            self.times["schedule_s"] += time.perf_counter() - t0
+            self.stats.schedule_s += time.perf_counter() - t0
             if self.in_flight and (not overlap or batch is None or len(self.in_flight) > 1):
                 self._finish_oldest()
             if batch is None and not self.in_flight:
@@ -94,8 +90,6 @@ class SchedulerActor:
 
     def _send(self, batch: ScheduledBatch) -> None:
         self.checked_idle = False
-        self.stats["decode_steps" if batch.is_decode else "prefill_steps"] += 1
-        self.stats["tokens_computed"] += batch.num_tokens
         t_send = time.perf_counter()
         raw = m.encode(step_msg(batch))
         self.to_runner.send(raw)
@@ -112,8 +106,8 @@ class SchedulerActor:
         assert isinstance(res, m.StepResultMsg) and res.step_id == batch.step_id, (
             f"runner answered {res!r:.80}, expected step {batch.step_id}"
         )
-        self.times["wait_runner_s"] += t1 - t0
-        self.times["runner_forward_s"] += res.forward_s
+        self.stats.wait_runner_s += t1 - t0
+        self.stats.runner_forward_s += res.forward_s
         self.runner_trace_count = res.trace_count
         if self.compile_status:
             self.compile_status["programs_compiled"] = res.programs_compiled
@@ -127,7 +121,7 @@ class SchedulerActor:
         result = StepResult(res.step_id, tokens, m.as_f32(res.logprobs) if res.logprobs else None, top_ids, top_lp,
                             m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
         self._emit(self.core.process_result(batch, result))
-        self.times["process_s"] += time.perf_counter() - t1
+        self.stats.process_s += time.perf_counter() - t1
         if self.trace is not None:
             self.trace.finished(batch.step_id, res.times, t0, t1, len(raw))
 
@@ -144,17 +138,8 @@ class SchedulerActor:
         return reply
 
     def _emit(self, outs: list[ReqOutput]) -> None:
-        if not outs:
-            return
-        tos = []
-        for o in outs:
-            first = o.req.rid not in self.opened
-            if o.finished:
-                self.opened.discard(o.req.rid)
-            elif first:
-                self.opened.add(o.req.rid)
-            tos.append(token_out(o, first))
-        self.to_detok.send(m.encode(m.BatchTokenOut(tos)))
+        if outs:
+            self.to_detok.send(m.encode(m.BatchTokenOut([token_out(o) for o in outs])))
 
     def _on_idle(self) -> None:
         if self.checked_idle:
@@ -163,42 +148,38 @@ class SchedulerActor:
         try:
             self.core.check_idle()
         except AssertionError as e:  # kvmem's IntegrityError is an AssertionError
-            self.integrity_errors.append(str(e))
+            self.stats.integrity_errors.append(str(e))
             log.error("KV INTEGRITY VIOLATION: %s", e)
 
     # ---- requests ---------------------------------------------------------------------------
     def _handle(self, msg: m.ToScheduler) -> None:
+        core = self.core
         if isinstance(msg, m.GenerateReq):
             try:
-                self.core.add_request(to_req(msg, self.eos))
+                core.add_request(to_req(msg, self.eos))
             except ValueError as e:  # e.g. a duplicate rid: answer that request, nothing else
                 self.to_detok.send(m.encode(m.BatchTokenOut([m.TokenOut(
                     msg.rid, b"", len(msg.input_ids) // 4, 0, finished=True,
                     finish_reason={"type": "abort", "message": str(e)}, open=msg.sampling)])))  # fmt: skip
         elif isinstance(msg, m.AbortReq):
-            self._emit(self.core.abort(msg.rid))
+            self._emit(core.abort(msg.rid))
         elif isinstance(msg, m.PauseReq):
             self._drain()
-            if msg.mode == "abort":
-                self._emit(self.core.abort(None, "aborted by pause_generation"))
-            elif msg.mode == "retract":
-                self.core.retract_all()
-            self.core.paused = True
+            self._emit(core.pause(msg.mode))
             self._reply("pause", True, f"paused ({msg.mode})")
         elif isinstance(msg, m.ContinueReq):
-            self.core.paused = False
+            core.resume()
             self._reply("continue", True, "continued")
         elif isinstance(msg, m.FlushCacheReq):
             self._drain()
-            ok, why = self.core.flush_cache()
+            ok, why = core.flush_cache()
             if ok:
-                self.stats["decode_steps"] = 0
                 self.checked_idle = False
             self._reply("flush", ok, why)
         elif isinstance(msg, m.InfoReq):
             self._reply("info", True, "", json.dumps(self.info()).encode())
         elif isinstance(msg, m.LoadReq):
-            self._reply("load", True, "", json.dumps(self.load()).encode())
+            self._reply("load", True, "", json.dumps(core.load()).encode())
         elif isinstance(msg, m.UpdateWeightsReq):
             self._update_weights(msg)
         elif isinstance(msg, m.GetWeightsReq):
@@ -207,7 +188,7 @@ class SchedulerActor:
         elif isinstance(msg, m.MemoryReq):
             self._memory(msg)
         elif isinstance(msg, m.CloseSessionReq):
-            self.core.close_session(msg.session_id)
+            core.close_session(msg.session_id)
             self.checked_idle = False
 
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
@@ -215,50 +196,29 @@ class SchedulerActor:
         if busy is not None:
             self._reply("update_weights", False, f"update_weights refused: {busy}")
             return
-        if msg.part == msg.parts - 1:  # the final part swaps: version it (default: a counter)
-            msg.weight_version = msg.weight_version or str(self.weight_updates + 1)
+        last = msg.part == msg.parts - 1
+        if last:  # the final part swaps: version it
+            msg.weight_version = self.core.next_weight_version(msg.weight_version)
         r = self._runner_call(m.RunnerWeights(msg))
-        if r.ok and msg.part == msg.parts - 1:
-            self.weight_updates += 1
+        if r.ok and last:
             self.core.new_weights(msg.weight_version or "")
             self.checked_idle = False
         version = self.core.weight_version
         self._reply("update_weights", r.ok, r.message, json.dumps({"weight_version": version}).encode())
 
     def _memory(self, msg: m.MemoryReq) -> None:
-        core = self.core
         if msg.action == "release":
-            busy = core.busy()
-            if busy is None and "kv_cache" in msg.tags and core.live():
-                busy = f"{len(core.live())} requests hold KV; pause_generation('retract') or ('abort') first"
-            if busy is not None:
-                self._reply("memory", False, f"release_memory_occupation refused: {busy}")
+            why = self.core.can_release(msg.tags)
+            if why is not None:
+                self._reply("memory", False, f"release_memory_occupation refused: {why}")
                 return
-            if "kv_cache" in msg.tags:
-                self._drain()
-                core.flush_cache()  # the cached KV is about to be gone
-        r = self._runner_call(m.RunnerMemory(msg))
+        r = self._runner_call(m.RunnerMemory(msg))  # (after the batches in flight)
         if r.ok:
-            if msg.action == "release":
-                core.memory_released |= set(msg.tags)
-            else:
-                core.memory_released -= set(msg.tags)
+            (self.core.released if msg.action == "release" else self.core.resumed)(msg.tags)
         self._reply("memory", r.ok, r.message)
 
     def _reply(self, kind: str, ok: bool, message: str, payload: bytes = b"", shape: list[int] | None = None) -> None:
         self.to_detok.send(m.encode(m.ControlReply(kind, ok, message, payload, shape or [])))
-
-    def load(self) -> dict:
-        """What a router or a monitor polls (SGLang's /get_load and /v1/loads core fields)."""
-        total = (self.args.num_pages - 1) * self.args.page_size
-        used = total - self.kv.available_tokens()  # evictable prefix-cache pages count as free
-        return {
-            "num_running_reqs": len(self.core.running) + (self.core.chunked is not None),
-            "num_waiting_reqs": len(self.core.waiting),
-            "num_used_tokens": used,
-            "max_total_num_tokens": total,
-            "token_usage": round(used / total, 6),
-        }
 
     def runner_compile_status(self) -> dict:
         """Programs compiled / total / pending (the runner compiles in the background after
@@ -273,40 +233,15 @@ class SchedulerActor:
         return st
 
     def info(self) -> dict:
+        """get_server_info: the core's facts and stats, and what this loop owns."""
         compiled = self.runner_compile_status()  # first: it finishes the steps in flight
-        c = self.core
-        t = self.times
-        steps = self.stats["decode_steps"] + self.stats["prefill_steps"]
-        host = t["schedule_s"] + t["process_s"]
         return {
-            **c.info(),
-            "running_batch_size": len(c.running),
-            "waiting_queue_size": len(c.waiting),
-            "running_rids": [r.rid for r in c.running],
-            "waiting_rids": [r.rid for r in c.waiting],
-            "retracted_waiting": sum(
-                1 for r in c.waiting if r.status is ReqStatus.WAITING and r.retractions > 0
-            ),
-            "available_kv_tokens": self.kv.available_tokens(),
-            "initial_kv_tokens": self.initial_tokens,
-            "tree_cache_size": self.kv.tree.total_pages * self.args.page_size,
-            "req_to_token_pool_used": self.args.max_running_requests - self.kv.num_free_slots,
-            "forward_ct_decode": self.stats["decode_steps"],
-            "forward_ct_prefill": self.stats["prefill_steps"],
-            "tokens_computed": self.stats["tokens_computed"],
-            "in_flight": len(self.in_flight),
-            "integrity_errors": list(self.integrity_errors),
-            "weight_version": c.weight_version,
-            "memory_released": sorted(c.memory_released),
+            **self.core.info(),
             **compiled,
             "runner_trace_count": self.runner_trace_count,
+            "in_flight": len(self.in_flight),
             "cur_batch": self.in_flight[-1].step_id if self.in_flight else None,
             "last_batch": self.in_flight[0].step_id if self.in_flight else None,
-            "chunked_req": c.chunked.rid if c.chunked else None,
-            "spec_accept_histogram": list(c.spec_hist),  # verify rounds by drafts accepted (0..k)
-            "avg_spec_accept_length": round(sum((a + 1) * n for a, n in enumerate(c.spec_hist)) / max(1, sum(c.spec_hist)), 4),
-            "host_s_per_step": host / steps if steps else 0.0,
-            "forward_s_per_step": t["runner_forward_s"] / steps if steps else 0.0,
             **({"step_trace": self.trace.drain()} if self.trace is not None else {}),
         }
 
@@ -325,7 +260,7 @@ def run(ctx) -> None:
         return str(tok.decode(ids, skip_special_tokens=True))
 
     spin = args.spin_us
-    loop = SchedulerActor(
+    actor = SchedulerActor(
         args, cfg.eos_ids, decode_tail,
         inbox=Ring.attach(ctx.rings["inbox"], spin_us=spin),
         to_runner=BroadcastRing.attach(ctx.rings["to_runner"], reader=None, spin_us=spin),  # the writer
@@ -333,4 +268,4 @@ def run(ctx) -> None:
         to_detok=Ring.attach(ctx.rings["to_detok"], spin_us=spin),
     )  # fmt: skip
     ctx.ready()
-    loop.serve(ctx.stopping)
+    actor.serve(ctx.stopping)

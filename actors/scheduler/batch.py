@@ -1,12 +1,19 @@
 """What the scheduler hands the runner for one step: rows of (request, work), incrementally.
 
-A `Row` is one request's work in one step (on the wire it becomes an `ExtendRow` or a decode
-column, on the device a `DeviceRow`). The runner mirrors every live request slot (its page
-table and committed length), so a row carries only what the runner cannot know yet:
+One row model: a `Row` is one request's work in one step, whatever its kind (on the wire one
+columnar StepMsg row, on the device a `DeviceRow`):
+
+    extend row    the next span of the request's known tokens (a prompt, or a chunk of it)
+    decode row    one token, FUTURE(slot): the token the request sampled last, which the
+                  runner reads from its FutureMap on device (the scheduler never waits for it)
+    verify round  FUTURE(slot) + k drafts (speculative decoding): every position sampled, the
+                  leading drafts equal to their targets accepted on device
+
+The runner mirrors every live request slot (its page table and committed length), so a row
+carries only what the runner cannot know yet:
 
     new slot   : the slot, the pages of its cached prefix, its sampling params   (once)
-    every row  : slot, extend tokens (concrete ids, or none for decode: the runner reads
-                 `future[slot]`), pages newly appended to the slot's table (usually none)
+    every row  : slot, committed_len, tokens, pages newly appended to the slot's table
     batch      : slots released since the previous batch
 
 so a decode step costs a fixed number of bytes per row, whatever the context length.
@@ -23,45 +30,51 @@ from actors.scheduler.req import Req
 _NO_PAGES = np.zeros(0, np.int32)
 
 
+def future(slot: int) -> int:
+    """The input id that reads `slot`'s last sampled token from the runner's FutureMap."""
+    return -(slot + 1)
+
+
 @dataclasses.dataclass(slots=True)
 class Row:
     req: Req
     committed_len: int  # KV tokens written before this step = position of the first new token
-    extend_len: int
-    token_ids: np.ndarray | None  # int32 [extend_len]; None = decode (runner uses future[slot])
+    # (a verify round: the scheduler's bound, its rounds in flight counted as all accepted)
+    token_ids: np.ndarray  # int32 [extend_len]; FUTURE(slot) first in decode rows and verify rounds
     sample: bool  # this step ends the request's extend (or decodes): its sampled token is kept
-    epoch: int  # req.retractions when scheduled: a result for an older epoch is dropped
+    retractions: int  # req.retractions when scheduled: a result for an older one is dropped
     new_pages: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 pages appended this step
     prefix_pages: np.ndarray | None = None  # int32 whole table at (re)admission, else None
-    drafts: np.ndarray | None = None  # a verify round: int32 [k] drafts (NO_DRAFT pads), else None
+    drafts: int = 0  # a verify round: the k tokens after FUTURE(slot) are drafts (NO_DRAFT pads)
 
     @classmethod
     def extend(cls, req: Req, extend_len: int, *, last_chunk: bool) -> Row:
         """The next `extend_len` tokens of `req` past its committed_len (pages set when reserved)."""
         start = req.committed_len
-        return cls(req, start, extend_len, req.fill_ids(start, start + extend_len), last_chunk, req.retractions)
+        return cls(req, start, req.fill_ids(start, start + extend_len), last_chunk, req.retractions)
 
     @classmethod
-    def decode(cls, req: Req, new_pages: np.ndarray) -> Row:
-        return cls(req, req.committed_len, 1, None, True, req.retractions, new_pages)
-
-    @classmethod
-    def verify(cls, req: Req, drafts: np.ndarray, new_pages: np.ndarray) -> Row:
-        """A speculative round: the last token (future buffer) and k drafts, k + 1 positions from
-        wherever the device's FutureMap says the request is (committed_len is a bound here)."""
-        return cls(req, req.committed_len, len(drafts) + 1, None, True, req.retractions, new_pages, drafts=drafts)
+    def decode(cls, req: Req, new_pages: np.ndarray, drafts: np.ndarray | None = None) -> Row:
+        """The request's next token, read from the FutureMap; with `drafts` (int32 [k]) a verify
+        round of k + 1 positions from wherever the device's FutureMap says the request is."""
+        k = 0 if drafts is None else len(drafts)
+        ids = np.empty(1 + k, np.int32)
+        ids[0] = future(req.slot)
+        ids[1:] = drafts if drafts is not None else ()
+        return cls(req, req.committed_len, ids, True, req.retractions, new_pages, drafts=k)
 
     @property
     def slot(self) -> int:
         return self.req.slot
 
     @property
-    def is_decode(self) -> bool:
-        return self.token_ids is None
+    def extend_len(self) -> int:
+        return len(self.token_ids)
 
     @property
-    def is_verify(self) -> bool:
-        return self.drafts is not None
+    def reads_future(self) -> bool:
+        """A decode row or verify round (its first token is the request's last sample)."""
+        return bool(self.token_ids[0] < 0)
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,14 +92,19 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(r.extend_len for r in self.rows)
 
+    @property
+    def drafts(self) -> int:
+        """k when the batch's rows are verify rounds of 1 + k tokens (a verify step), else 0."""
+        return self.rows[0].drafts if self.rows else 0
+
 
 @dataclasses.dataclass(slots=True)
 class StepResult:
     """The runner's answer for one batch, rows in the batch's order."""
 
     step_id: int
-    tokens: np.ndarray  # int32 [rows]; a verify batch: its targets [rounds * (k + 1)]
+    tokens: np.ndarray  # int32 [rows * (1 + drafts)], row after row
     logprobs: np.ndarray | None = None  # f32, one per token
     top_ids: np.ndarray | None = None  # int32 [tokens, N]
     top_logprobs: np.ndarray | None = None  # f32 [tokens, N]
-    accepted: np.ndarray | None = None  # a verify batch: int32 [rounds], drafts accepted per round
+    accepted: np.ndarray | None = None  # a verify batch: int32 [rows], drafts accepted per round

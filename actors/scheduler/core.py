@@ -1,8 +1,12 @@
 """The scheduler's state machine, without processes or I/O (tested with a fake runner).
 
-    add_request / abort / retract_all / flush_cache       inputs from the frontend
-    get_next_batch()                                       seed 004's get_next_batch_to_run
-    process_result(batch, result)                          append tokens, finish, stream
+    add_request / abort / pause / resume / flush_cache       inputs from the frontend
+    new_weights / can_release / released / resumed            weights and device memory
+    get_next_batch()                                          seed 004's get_next_batch_to_run
+    process_result(batch, result)                             append tokens, finish, stream
+
+The core owns every scheduling fact (queues, paused, memory released, weight version, stats);
+the actor (actors/scheduler/actor.py) only calls its verbs.
 
 Outputs: a streamed request gets its new tokens every `stream_interval` tokens; any request
 gets them all when it finishes (so a non-streamed request costs the detokenizer and the
@@ -12,12 +16,16 @@ frontend one message).
 policy order, through a PrefillAdder); if none can run it decodes the running batch, retracting
 under KV pressure. Requests enter the running batch as soon as their last prefill chunk is
 scheduled: their first decode step reads the token that chunk samples from the runner's
-future buffer, so in overlap mode batch N+1 is planned before batch N's tokens are back.
-Every row remembers the request's retraction epoch; a result for a row whose request has
+FutureMap, so in overlap mode batch N+1 is planned before batch N's tokens are back.
+Every row remembers the request's retraction count; a result for a row whose request has
 since finished, been aborted or been retracted is dropped (the overshoot of seed 001).
 
-KV memory is kvmem's `KVCache`; a request's KV record (`req.kv`) is the one owner of its
-lengths. A request lets go of its KV in one place (`_release_kv`), finishes in one place
+Every row takes one path (actors/scheduler/batch.py): a row of a verify step accepts what the
+device accepted (0 for a plain row) and appends accepted + 1 tokens. Speculation's per-request
+state is `req.spec` (actors/scheduler/spec.py).
+
+KV memory is kvmem's `KVCache` (`self.cache`); a request's KV record (`req.kv`) is the one owner
+of its lengths. A request lets go of its KV in one place (`_release_kv`), finishes in one place
 (`_finish`) and is retracted in one place (`_retract`).
 """
 
@@ -32,9 +40,13 @@ from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decod
 from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
-from actors.scheduler.spec import padded, propose
+from actors.scheduler.spec import SpecState
+from actors.scheduler.stats import SchedulerStats
 from actors.server_args import ServerArgs
 from kvmem import KVCache, ReqKV, SessionSlots
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("kv_cache", "weights")
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,29 +56,29 @@ class ReqOutput:
     req: Req
     new_ids: list[int]
     finished: bool
+    first: bool  # the request's first output: it opens its detokenizer stream
 
 
 class SchedulerCore:
-    def __init__(self, args: ServerArgs, kv: KVCache, decode_tail: Callable[[list[int]], str]):
+    def __init__(self, args: ServerArgs, cache: KVCache, decode_tail: Callable[[list[int]], str]):
         self.args = args
-        self.kv = kv
+        self.cache = cache
         self.decode_tail = decode_tail
         self.waiting: list[Req] = []
-        self.running: list[Req] = []  # RUNNING status, in admission order
-        self.chunked: Req | None = None  # the one PREFILL request
+        self.running: list[Req] = []  # the running batch (decoding), in admission order
+        self.chunked: Req | None = None  # the one request whose extend is scheduled in chunks
+        self.by_rid: dict[str, Req] = {}
         self.paused = False
+        self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
+        self.weight_version = "0"  # stamps outputs; namespaces the prefix cache (extra_key)
         self.step_id = 0
         self.released_slots: list[int] = []
         self.ratio = NewTokenRatio(args.new_token_ratio_init, args.new_token_ratio_min,
                                    (args.new_token_ratio_init - args.new_token_ratio_min) / max(1, args.new_token_ratio_decay_steps))  # fmt: skip
-        self.num_retracted = 0
-        self.by_rid: dict[str, Req] = {}
+        self.sessions = SessionSlots(cache)  # slots finished session turns keep for their next turn
+        self.stats = SchedulerStats(args.speculative_num_draft_tokens)
+        self.initial_tokens = cache.available_tokens()
         self._arrivals = 0
-        self.weight_version = "0"  # stamps outputs; namespaces the prefix cache (extra_key)
-        self.sessions = SessionSlots(kv)  # slots finished session turns keep for their next turn
-        self.spec_hist = [0] * (args.speculative_num_draft_tokens + 1)  # verify rounds by drafts accepted
-        self.spec_dropped = 0  # accepted tokens dropped past a finish inside their run
-        self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -74,30 +86,45 @@ class SchedulerCore:
             raise ValueError(f"rid {req.rid!r} is already in use by a live request")
         req.arrival = self._arrivals
         self._arrivals += 1
+        if self.args.speculative:
+            req.spec = SpecState(self.args.speculative_num_draft_tokens, self.args.speculative_ngram_max_match)
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 
     def abort(self, rid: str | None, message: str = "aborted by request") -> list[ReqOutput]:
         """Abort one request (or all when rid is None); returns their final outputs."""
-        victims = (
-            list(self.by_rid.values())
-            if rid is None
-            else [r for r in [self.by_rid.get(rid)] if r is not None]
-        )
+        victims = list(self.by_rid.values()) if rid is None else [r for r in [self.by_rid.get(rid)] if r is not None]
         return [self._finish(r, FinishReason("abort", message=message)) for r in victims]
 
-    def retract_all(self) -> None:
-        """pause_generation(mode="retract"): every admitted request gives its KV back."""
-        for r in list(self.running) + ([self.chunked] if self.chunked else []):
-            self._retract(r)
+    def pause(self, mode: str) -> list[ReqOutput]:
+        """pause_generation (the actor finished the batches in flight first): `abort` finishes
+        every request (their outputs are returned), `retract` gives every admitted request's KV
+        back (they wait), `in_place` keeps everything. Nothing is scheduled until `resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: choose one of {list(PAUSE_MODES)}")
+        outs = self.abort(None, "aborted by pause_generation") if mode == "abort" else []
+        if mode == "retract":
+            for r in list(self.running) + ([self.chunked] if self.chunked else []):
+                self._retract(r)
+        self.paused = True
+        return outs
+
+    def resume(self) -> None:
+        """continue_generation."""
+        self.paused = False
+
+    def next_weight_version(self, given: str | None) -> str:
+        """The version a weight update gets: the caller's, or the count of updates so far + 1."""
+        return given or str(self.stats.weight_updates + 1)
 
     def new_weights(self, version: str) -> None:
         """The runner serves other weights now: outputs carry `version`; cached prefixes of
         the old weights never match again (another extra_key) and leave the tree now where
         no request holds them, as does the KV sessions kept."""
+        self.stats.weight_updates += 1
         self.weight_version = version
         self.sessions.drop_all()
-        self.kv.tree.evict(self.kv.tree.evictable_pages * self.kv.page_size)
+        self.cache.tree.evict(self.cache.tree.evictable_pages * self.cache.page_size)
 
     def close_session(self, session_id: str) -> None:
         """The session's kept KV goes to the prefix cache and its slot is freed."""
@@ -110,6 +137,23 @@ class SchedulerCore:
         return (f"{len(self.running) + (self.chunked is not None)} requests are running and {len(self.waiting)} waiting; "
                 "call pause_generation first (or wait until idle)")  # fmt: skip
 
+    def can_release(self, tags: list[str]) -> str | None:
+        """Why release_memory_occupation(tags) is refused now, or None."""
+        busy = self.busy()
+        if busy is None and "kv_cache" in tags and self.live():
+            busy = f"{len(self.live())} requests hold KV; pause_generation('retract') or ('abort') first"
+        return busy
+
+    def released(self, tags: list[str]) -> None:
+        """The runner gave `tags` back: nothing is scheduled until they are resumed. Releasing
+        the KV cache empties the prefix cache (the KV it indexes is gone)."""
+        if "kv_cache" in tags:
+            self.flush_cache()
+        self.memory_released |= set(tags)
+
+    def resumed(self, tags: list[str]) -> None:
+        self.memory_released -= set(tags)
+
     def flush_cache(self) -> tuple[bool, str]:
         """Empty the prefix cache and pools. Refused while any request holds KV; requests
         that wait without KV (e.g. retracted by a pause) do not block it."""
@@ -120,13 +164,19 @@ class SchedulerCore:
                 f"{len(holding)} requests hold KV ({len(self.running)} running); flush needs them finished or retracted",
             )
         self.sessions.drop_all()  # sessions stay open; their next turn starts cold
-        self.kv.flush()
+        self.cache.flush()
         self.ratio.reset()
+        self.stats.forward_ct_decode = 0  # as SGLang's flush_cache
         return True, "cache flushed"
 
     @property
     def idle(self) -> bool:
         return not self.by_rid
+
+    @property
+    def stalled(self) -> bool:
+        """Nothing can be scheduled now: no request, paused, or device memory given back."""
+        return self.idle or self.paused or bool(self.memory_released)
 
     def live(self) -> list[Req]:
         """Requests holding KV."""
@@ -143,22 +193,27 @@ class SchedulerCore:
             self.step_id += 1
             batch.step_id = self.step_id
             batch.released_slots, self.released_slots = self.released_slots, []
+            if batch.is_decode:
+                self.stats.forward_ct_decode += 1
+            else:
+                self.stats.forward_ct_prefill += 1
+            self.stats.tokens_computed += batch.num_tokens
         return batch
 
     def _match_len(self, req: Req) -> int:
-        return self.kv.match_len(req.prefix_ids(), self.weight_version)
+        return self.cache.match_len(req.prefix_ids(), self.weight_version)
 
     def _admit(self, req: Req) -> ReqKV | None:
         """A slot and a cached prefix: a session's turn reuses the slot its previous turn kept."""
         if req.session_id is not None:
             return self.sessions.start_turn(req.session_id, req.fill_ids(0, req.fill_len), self.weight_version)
-        return self.kv.admit(req.prefix_ids(), self.weight_version)
+        return self.cache.admit(req.prefix_ids(), self.weight_version)
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         a = self.args
         chunk = None if a.chunked_prefill_size == -1 else a.chunked_prefill_size
         reserved = sum(decode_reserve(r, self.ratio.value) for r in self.running)
-        adder = PrefillAdder(self.kv, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens,
+        adder = PrefillAdder(self.cache, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens,
                              chunk_size=chunk, new_token_ratio=self.ratio.value)  # fmt: skip
         admitted: list[Req] = []
         if self.chunked is not None:
@@ -169,7 +224,7 @@ class SchedulerCore:
         for req in order_waiting(a.schedule_policy, self.waiting, self._match_len):
             if len(self.running) + len(adder.planned) >= a.max_running_requests:
                 break
-            if self.kv.num_free_slots == 0 and self.sessions.evict_oldest() is None:
+            if self.cache.num_free_slots == 0 and self.sessions.evict_oldest() is None:
                 break  # (a session's kept slot is given back first)
             if shared.defer(req, self._match_len(req)):
                 continue
@@ -180,7 +235,7 @@ class SchedulerCore:
             while result is AddResult.NO_TOKEN and self.sessions.evict_oldest() is not None:
                 result = adder.add(req)  # kept session KV is the first to make room
             if result is AddResult.NO_TOKEN:  # undo the admission (the runner never saw the slot)
-                self.kv.release(req.kv, None)
+                self.cache.release(req.kv, None)
                 req.kv = None
                 break
             admitted.append(req)
@@ -197,26 +252,25 @@ class SchedulerCore:
             req = row.req
             assert req.kv is not None
             if id(req) in new:
-                row.prefix_pages = self.kv.pages(req.kv).copy()
+                row.prefix_pages = self.cache.pages(req.kv).copy()
                 if req.retractions == 0:
                     req.cached_tokens = req.cached_len
+                req.status = ReqStatus.RUNNING
                 self.waiting.remove(req)
-            pages = self.kv.reserve(req.kv, row.extend_len)
+            pages = self.cache.reserve(req.kv, row.extend_len)
             assert pages is not None, (
                 f"prefill budget admitted {req.rid} but the pool refused {row.extend_len} tokens"
             )
             row.new_pages = pages
-            self.kv.commit(req.kv, row.extend_len)
+            self.cache.commit(req.kv, row.extend_len)
             rows.append(row)
             if row.sample:  # the last chunk: the request decodes from its next step on
-                if self.args.speculative:
-                    req.spec_pending.append(1)  # its first token, not known when the first round is drafted
-                req.status = ReqStatus.RUNNING
+                if req.spec is not None:
+                    req.spec.scheduled(None)  # its first token, not known when the first round is drafted
                 self.running.append(req)
                 if self.chunked is req:
                     self.chunked = None
             else:
-                req.status = ReqStatus.PREFILL
                 self.chunked = req
         if self.args.enable_mixed_chunk and self.running:
             planned = {id(r.req) for r in adder.planned}
@@ -238,63 +292,53 @@ class SchedulerCore:
         return True
 
     def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None) -> list[Row]:
-        """One decode row per request, or with speculation one verify round (k + 1 positions,
+        """One decode row per request, or with speculation one verify round (1 + k positions,
         booked as an upper bound; the rejected ones are given back with the result)."""
         a = self.args
-        k = a.speculative_num_draft_tokens if a.speculative else 0
-        retracted_before = self.num_retracted
-        grants = prepare_decode(self.kv, reqs, self._retract, spare, defer_last=spare is None,
-                                reclaim=lambda: self.sessions.evict_oldest() is not None, need=k + 1)  # fmt: skip
-        if self.num_retracted > retracted_before:
+        need = 1 + (a.speculative_num_draft_tokens if a.speculative else 0)
+        retracted_before = self.stats.num_retracted
+        grants = prepare_decode(self.cache, reqs, self._retract, spare, defer_last=spare is None,
+                                reclaim=lambda: self.sessions.evict_oldest() is not None, need=need)  # fmt: skip
+        if self.stats.num_retracted > retracted_before:
             self.ratio.after_retract(self.running)
         rows = []
         for r in reqs:
             if id(r) in grants:
                 assert r.kv is not None
-                if k:
-                    drafts = propose(r.fill_ids(0, r.fill_len), k, sum(r.spec_pending), a.speculative_ngram_max_match)
-                    r.spec_pending.append(len(drafts) + 1)  # what the round yields if all are accepted
-                    rows.append(Row.verify(r, padded(drafts, k), grants[id(r)]))
-                else:
-                    rows.append(Row.decode(r, grants[id(r)]))
-                self.kv.commit(r.kv, k + 1)
+                drafts = r.spec.scheduled(r.fill_ids(0, r.fill_len)) if r.spec is not None else None
+                rows.append(Row.decode(r, grants[id(r)], drafts))
+                self.cache.commit(r.kv, need)
         return rows
 
     # ---- results --------------------------------------------------------------------------
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> list[ReqOutput]:
+        """Every row on one path: accepted drafts (0 for a plain row) and one token more."""
         assert result.step_id == batch.step_id, f"result of step {result.step_id} for batch {batch.step_id}"
         outs: list[ReqOutput] = []
-        k = self.args.speculative_num_draft_tokens
+        k1 = 1 + batch.drafts
         for i, row in enumerate(batch.rows):
             req = row.req
-            if row.sample and row.epoch == req.retractions and req.spec_pending:
-                expected = req.spec_pending.pop(0)  # this step is no longer in flight
-                got = int(result.accepted[i]) + 1 if row.is_verify and result.accepted is not None else 1
-                if got != expected and req.spec_pending:
-                    req.spec_pending[0] = 1  # the next round was drafted on a wrong guess: expect its bonus only
-            if req.finished or row.epoch != req.retractions or not row.sample:
+            accepted = int(result.accepted[i]) if result.accepted is not None else 0
+            current = row.retractions == req.retractions
+            if row.sample and current and req.spec is not None:
+                req.spec.resolved(accepted + 1)  # this step is no longer in flight
+            if req.finished or not current or not row.sample:
                 continue  # overshoot of a finished/retracted request, or a middle chunk
-            if req.status is ReqStatus.RUNNING and not row.is_decode and not req.output_ids:
+            if not row.reads_future and not req.output_ids:
                 self._cache_prefix(req)  # prompt done: share it with later requests
             if req.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
                 outs.append(self._finish(req, FinishReason("length")))
                 continue
-            if row.is_verify:
-                assert result.accepted is not None and row.drafts is not None and req.kv is not None
-                accepted = int(result.accepted[i])
-                self.kv.uncommit(req.kv, k - accepted)  # the rejected drafts' positions
-                req.spec_verify_ct += 1
-                req.spec_accepted += accepted
-                self.spec_hist[accepted] += 1
-                first = i * (k + 1)
-                toks = [(first + j, int(result.tokens[first + j])) for j in range(accepted + 1)]
-            else:
-                toks = [(i, int(result.tokens[i]))]
+            if row.drafts:
+                assert req.kv is not None and req.spec is not None
+                self.cache.uncommit(req.kv, row.drafts - accepted)  # the rejected drafts' positions
+                req.spec.counted(accepted)
+                self.stats.spec_accept_histogram[accepted] += 1
             reason = None
-            for n, (j, tok) in enumerate(toks):  # a finish inside an accepted run drops the tokens after it
-                reason = self._append(req, tok, j, result)
+            for j in range(i * k1, i * k1 + accepted + 1):  # a finish inside an accepted run drops the rest
+                reason = self._append(req, int(result.tokens[j]), j, result)
                 if reason is not None:
-                    self.spec_dropped += len(toks) - n - 1
+                    self.stats.spec_dropped_tokens += i * k1 + accepted - j
                     break
             if reason is not None:
                 outs.append(self._finish(req, reason))
@@ -320,13 +364,14 @@ class SchedulerCore:
     def _output(self, req: Req, finished: bool) -> ReqOutput:
         new = req.output_ids[req.sent_len :]
         req.sent_len = len(req.output_ids)
-        return ReqOutput(req, new, finished)
+        first, req.opened = not req.opened, True
+        return ReqOutput(req, new, finished, first)
 
     # ---- the one release, finish and retract paths ---------------------------------------------
     def _cache_prefix(self, req: Req) -> None:
         """Insert the request's written KV into the prefix cache (the row is unchanged)."""
         assert req.kv is not None
-        self.kv.cache_unfinished(req.kv, req.fill_ids(0, min(req.committed_len, req.fill_len)))
+        self.cache.cache_unfinished(req.kv, req.fill_ids(0, min(req.committed_len, req.fill_len)))
 
     def _release_kv(self, req: Req, keep_len: int | None) -> None:
         """The request lets go of its KV: fill_ids[:keep_len] enter the prefix cache (None:
@@ -334,7 +379,7 @@ class SchedulerCore:
         if req.kv is None:
             return
         self.released_slots.append(req.kv.slot)
-        self.kv.release(req.kv, None if keep_len is None else req.fill_ids(0, keep_len))
+        self.cache.release(req.kv, None if keep_len is None else req.fill_ids(0, keep_len))
         req.kv = None
 
     def _finish(self, req: Req, reason: FinishReason) -> ReqOutput:
@@ -358,13 +403,14 @@ class SchedulerCore:
 
     def _retract(self, req: Req) -> None:
         """Back to the front of the waiting queue without KV; its output so far is kept and
-        will be prefilled again. Rows of it still in flight are dropped (epoch)."""
+        will be prefilled again. Rows of it still in flight are dropped (retractions)."""
         self._release_kv(req, None)
         self._unlist(req)
-        req.spec_pending.clear()
+        if req.spec is not None:
+            req.spec.retracted()
         req.status = ReqStatus.WAITING
         req.retractions += 1
-        self.num_retracted += 1
+        self.stats.num_retracted += 1
         self.waiting.insert(0, req)
 
     def _unlist(self, req: Req) -> None:
@@ -380,21 +426,41 @@ class SchedulerCore:
         self.ratio.reset()
         self.sessions.check_integrity([r.kv for r in self.live() if r.kv is not None])
 
+    # ---- what get_server_info and get_load report -----------------------------------------------
     def info(self) -> dict:
+        c, a = self.cache, self.args
         return {
-            "waiting": len(self.waiting),
-            "running": len(self.running),
-            "chunked": self.chunked.rid if self.chunked else None,
+            "running_batch_size": len(self.running),
+            "waiting_queue_size": len(self.waiting),
+            "running_rids": [r.rid for r in self.running],
+            "waiting_rids": [r.rid for r in self.waiting],
+            "chunked_req": self.chunked.rid if self.chunked else None,
+            "retracted_waiting": sum(1 for r in self.waiting if r.retractions > 0),
             "paused": self.paused,
-            "available_tokens": self.kv.available_tokens(),
+            "memory_released": sorted(self.memory_released),
+            "weight_version": self.weight_version,
+            "available_kv_tokens": c.available_tokens(),
+            "initial_kv_tokens": self.initial_tokens,
+            "tree_cache_size": c.tree.total_pages * a.page_size,
+            "req_to_token_pool_used": a.max_running_requests - c.num_free_slots,
             "new_token_ratio": round(self.ratio.value, 4),
-            "num_retracted": self.num_retracted,
             "sessions_keeping_kv": len(self.sessions.kept),
             "kept_sessions": {  # what each session keeps between turns (seed 001's postcondition)
                 sid: {"committed_len": k.kv.committed_len, "allocated_len": k.kv.allocated_len,
-                      "pages": int(self.kv.slots.n_pages[k.kv.slot])}
+                      "pages": int(c.slots.n_pages[k.kv.slot])}
                 for sid, k in self.sessions.kept.items()
             },  # fmt: skip
-            "spec_dropped_tokens": self.spec_dropped,
-            "step": self.step_id,
+            **self.stats.as_dict(),
+        }
+
+    def load(self) -> dict:
+        """What a router or a monitor polls (SGLang's /get_load and /v1/loads core fields)."""
+        total = (self.args.num_pages - 1) * self.args.page_size
+        used = total - self.cache.available_tokens()  # evictable prefix-cache pages count as free
+        return {
+            "num_running_reqs": len(self.running) + (self.chunked is not None),
+            "num_waiting_reqs": len(self.waiting),
+            "num_used_tokens": used,
+            "max_total_num_tokens": total,
+            "token_usage": round(used / total, 6),
         }

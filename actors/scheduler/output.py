@@ -1,75 +1,53 @@
 """The scheduler's outgoing wire messages: a batch as an incremental StepMsg, outputs as TokenOuts.
 
-What a StepMsg carries per row (everything else the runner already mirrors, see
-actors/runner/slot_mirrors.py):
+What a StepMsg carries (everything else the runner already mirrors, see
+actors/runner/slot_mirrors.py), one columnar encoding for every row:
 
-    starting slot (new or resumed request): SlotStart = cached prefix pages + sampling params
-    extend row : slot, committed_len, the new token ids, pages appended this step
-    decode row : slot, committed_len, the page appended this step or -1     (12 bytes, columnar)
-    verify round (speculative): slot, k drafts, pages appended this step   (columnar)
-    every step : slots released since the previous step
+    starting slot (new or resumed request): SlotStart = slot, cached prefix pages, sampling
+    every row : slot, committed_len, tokens (ids; FUTURE(slot) for the last sample), pages
+                appended this step, keep (0: a middle prefill chunk)
+    every step: slots released since the previous step; drafts = k for a verify step
 
-Rows keep the batch's order; the scheduler core puts every extend row before the decode rows
-(mixed batches), which is the order the runner returns tokens in.
+A decode row costs 21 bytes (5 columns of int32 and one of uint8) plus its page when it starts
+one. Rows keep the batch's order; the scheduler core puts every extend row before the decode
+rows (mixed batches), which is the order the runner returns tokens in.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from actors.scheduler.batch import Row, ScheduledBatch
+from actors.scheduler.batch import ScheduledBatch
 from actors.scheduler.core import ReqOutput
-from actors.transport.messages import ExtendRow, SlotStart, StepMsg, TokenOut, VerifyRounds, f32, i32
-
-
-def slot_start(row: Row) -> SlotStart:
-    assert row.prefix_pages is not None
-    return SlotStart(i32(row.prefix_pages), row.req.sampling.device())
+from actors.transport.messages import SlotStart, StepMsg, TokenOut, f32, i32, u8
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:
-    extend: list[ExtendRow] = []
-    dec: list[Row] = []
-    for row in batch.rows:
-        if row.is_decode:
-            dec.append(row)
-            continue
-        assert not dec, "extend rows must precede decode rows (result order)"
-        start = slot_start(row) if row.prefix_pages is not None else None
-        assert row.token_ids is not None
-        extend.append(ExtendRow(
-            slot=row.slot, committed_len=row.committed_len, token_ids=i32(row.token_ids),
-            new_pages=i32(row.new_pages) if len(row.new_pages) else b"", sample=row.sample, start=start,
-        ))  # fmt: skip
-    msg = StepMsg(batch.step_id, i32(batch.released_slots) if batch.released_slots else b"", extend)
-    if dec and dec[0].is_verify:
-        assert all(r.is_verify and r.drafts is not None for r in dec), "a verify step has only verify rounds"
-        msg.verify = VerifyRounds(
-            slots=i32([r.slot for r in dec]),
-            committed=i32([r.committed_len for r in dec]),
-            drafts=i32(np.concatenate([r.drafts for r in dec if r.drafts is not None])),
-            page_counts=i32([len(r.new_pages) for r in dec]),
-            pages=i32(np.concatenate([r.new_pages for r in dec])),
-        )
-        return msg
-    if dec:
-        new_page = np.full(len(dec), -1, np.int32)
-        for i, r in enumerate(dec):
-            assert len(r.new_pages) <= 1, (
-                f"decode row of slot {r.slot} got {len(r.new_pages)} pages for one token"
-            )
-            if len(r.new_pages):
-                new_page[i] = r.new_pages[0]
-        msg.decode_slots = i32([r.slot for r in dec])
-        msg.decode_committed = i32([r.committed_len for r in dec])
-        msg.decode_new_page = i32(new_page)
-    return msg
+    rows = batch.rows
+    k = batch.drafts
+    assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
+    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device()) for r in rows if r.prefix_pages is not None]
+    pages = [r.new_pages for r in rows]
+    return StepMsg(
+        batch.step_id,
+        released=i32(batch.released_slots) if batch.released_slots else b"",
+        starts=starts,
+        slots=i32([r.slot for r in rows]),
+        committed=i32([r.committed_len for r in rows]),
+        token_counts=i32([r.extend_len for r in rows]),
+        tokens=i32(np.concatenate([r.token_ids for r in rows])) if rows else b"",
+        page_counts=i32([len(p) for p in pages]),
+        pages=i32(np.concatenate(pages)) if rows else b"",
+        keep=u8([r.sample for r in rows]),
+        drafts=k,
+    )
 
 
-def token_out(o: ReqOutput, first: bool) -> TokenOut:
+def token_out(o: ReqOutput) -> TokenOut:
     req = o.req
     n = len(o.new_ids)
     done = len(req.output_ids)
+    spec = req.spec if o.finished else None
     out = TokenOut(
         rid=req.rid,
         new_ids=i32(o.new_ids),
@@ -78,12 +56,12 @@ def token_out(o: ReqOutput, first: bool) -> TokenOut:
         cached_tokens=req.cached_tokens,
         finished=o.finished,
         finish_reason=req.finish_reason.to_dict() if o.finished and req.finish_reason else None,
-        open=req.sampling if first else None,
+        open=req.sampling if o.first else None,
         first_token_at=req.first_token_at if n and done == n else 0.0,
         weight_version=req.weight_version,
         weight_versions=list(req.weight_spans) if o.finished and len(req.weight_spans) > 1 else [],
-        spec_verify_ct=req.spec_verify_ct if o.finished else 0,
-        spec_accepted=req.spec_accepted if o.finished else 0,
+        spec_verify_ct=spec.verify_ct if spec is not None else 0,
+        spec_accepted=spec.accepted if spec is not None else 0,
     )
     if req.return_logprob and n:
         out.logprobs = f32(req.output_logprobs[done - n : done])

@@ -24,15 +24,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from actors.scheduler.spec import SpecState
 from actors.transport.sampling import SamplingParams, find_stop
 from kvmem import ReqKV
 
 
 class ReqStatus(enum.IntEnum):
     WAITING = 0  # queued without KV (new, or retracted: it will be prefilled again)
-    PREFILL = 1  # the chunked request: part of its extend is computed, the rest waits
-    RUNNING = 2  # in the running batch: its whole extend is scheduled, it decodes
-    FINISHED = 3
+    RUNNING = 1  # holds KV: its extend is being scheduled in chunks (the scheduler's one
+    # `chunked` request) or wholly scheduled (the running batch: it decodes)
+    FINISHED = 2
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,11 +72,10 @@ class Req:
     finish_reason: FinishReason | None = None
     retractions: int = 0
     sent_len: int = 0  # output tokens sent to the detokenizer so far (only new ones are sent)
+    opened: bool = False  # its first output (which opens its detokenizer stream) was built
     first_token_at: float = 0.0  # time.perf_counter() when its first token was processed
     weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
-    spec_pending: list[int] = dataclasses.field(default_factory=list)  # tokens each sampling step in flight is expected to yield
-    spec_verify_ct: int = 0  # verify rounds processed
-    spec_accepted: int = 0  # drafts accepted in them
+    spec: SpecState | None = None  # speculative decoding's state (actors/scheduler/spec.py), when on
 
     # ---- KV (read from kvmem's record) --------------------------------------------------------
     @property
@@ -112,12 +112,6 @@ class Req:
     @property
     def max_new_tokens(self) -> int:
         return self.sampling.max_new_tokens
-
-    @property
-    def seed(self) -> int:
-        seed = self.sampling.sampling_seed
-        assert seed is not None, f"request {self.rid} reached the scheduler without a seed"
-        return seed
 
     def fill_ids(self, start: int, stop: int) -> np.ndarray:
         """Token ids [start, stop) of origin + output, as int32."""

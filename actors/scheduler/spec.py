@@ -1,4 +1,5 @@
-"""N-gram (prompt lookup) drafts for speculative decoding, proposed on the host.
+"""Speculative decoding's part of the scheduler: n-gram (prompt lookup) drafts, proposed on the
+host, and each request's speculation state (`SpecState`, `req.spec`).
 
 A request's draft is what followed the most recent earlier occurrence of its context's longest
 repeated suffix (n from `max_n` down to 1), continued periodically past the context's end:
@@ -11,6 +12,8 @@ wrong guess only costs acceptance: every draft is checked against the target mod
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -37,3 +40,43 @@ def padded(drafts: np.ndarray, k: int) -> np.ndarray:
     out = np.full(k, NO_DRAFT, np.int32)
     out[: len(drafts)] = drafts[:k]
     return out
+
+
+@dataclasses.dataclass(slots=True)
+class SpecState:
+    """One request's speculation: what each of its sampling steps in flight is expected to
+    yield (so the next round drafts past them) and the rounds' counts (reported at finish)."""
+
+    k: int  # drafts per round
+    max_n: int  # longest suffix n-gram looked up
+    in_flight: list[int] = dataclasses.field(default_factory=list)  # tokens each step in flight yields if all accepted
+    verify_ct: int = 0  # verify rounds processed
+    accepted: int = 0  # drafts they accepted
+
+    def scheduled(self, context: np.ndarray | None) -> np.ndarray | None:
+        """A sampling step of the request was planned: the last prefill chunk (context None: it
+        yields one token) or a verify round, whose k drafts (padded) are returned."""
+        if context is None:
+            self.in_flight.append(1)
+            return None
+        drafts = propose(context, self.k, sum(self.in_flight), self.max_n)
+        self.in_flight.append(len(drafts) + 1)  # what the round yields if all are accepted
+        return padded(drafts, self.k)
+
+    def resolved(self, yielded: int) -> None:
+        """The oldest step in flight came back with `yielded` tokens (a verify round's accepted
+        drafts + 1); a round drafted on a wrong guess now expects its bonus token only."""
+        if not self.in_flight:
+            return
+        expected = self.in_flight.pop(0)
+        if yielded != expected and self.in_flight:
+            self.in_flight[0] = 1
+
+    def counted(self, accepted: int) -> None:
+        """A verify round of the request's output was processed."""
+        self.verify_ct += 1
+        self.accepted += accepted
+
+    def retracted(self) -> None:
+        """Steps in flight are dropped with the request's KV (their results are stale)."""
+        self.in_flight.clear()

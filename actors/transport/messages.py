@@ -9,9 +9,10 @@ page ids and per-row numbers travel as little-endian int32 / float32 `bytes` (re
 `np.frombuffer`, no copy). Nothing is pickled: every ring has a typed decoder below, which
 rejects anything that is not one of its union's tags.
 
-A decode step is columnar (`StepMsg.decode_*`): per row a slot, the committed length the
-scheduler expects the runner's mirror to have, and the page appended by this step (-1: none).
-Its size is fixed per row, so bytes per decode step grow with batch size, never with context.
+A step is columnar (`StepMsg`): one encoding for every row (an extend span, a decode token, a
+verify round), per row its slot, the committed length the scheduler expects the runner's mirror
+to have, its tokens and the pages appended to its table. A decode row is 21 bytes whatever the
+context, so bytes per decode step grow with batch size, never with context length.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def as_i32(b: bytes) -> np.ndarray:
 
 def as_f32(b: bytes) -> np.ndarray:
     return np.frombuffer(b, dtype="<f4")
+
+
+def u8(a: Any) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.uint8).tobytes()
+
+
+def as_u8(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype=np.uint8)
 
 
 # ---- actor configs (the opaque `config` bytes each actor is spawned with) ---------------------
@@ -139,42 +148,35 @@ ToScheduler = (
 class SlotStart(msgspec.Struct, **_S):
     """Sent once when a request slot (re)starts: its cached prefix pages and how it samples."""
 
+    slot: int
     prefix_pages: bytes  # int32
     sampling: DeviceSampling
 
 
-class ExtendRow(msgspec.Struct, **_S):
-    slot: int
-    committed_len: int  # the runner's mirror must agree (protocol check)
-    token_ids: bytes  # int32 [extend_len]
-    new_pages: bytes = b""  # int32 pages appended to the slot's table
-    sample: bool = True  # False: a middle prefill chunk, its sampled token is discarded
-    start: SlotStart | None = None
-
-
-class VerifyRounds(msgspec.Struct, **_S):
-    """A verify step (speculative decoding), in place of decode rows: G rounds of k + 1
-    positions from each slot's FutureMap position; round g appends page_counts[g] of `pages`.
-    `committed` is the scheduler's bound on each slot's length (its rounds in flight counted as
-    all accepted): the runner plans with it, the device resolves the true position."""
-
-    slots: bytes  # int32 [G]
-    committed: bytes  # int32 [G] upper bound of each slot's committed_len before its round
-    drafts: bytes  # int32 [G, k], -1 = no draft
-    page_counts: bytes  # int32 [G]
-    pages: bytes = b""  # int32 [sum of page_counts]
-
-
 class StepMsg(msgspec.Struct, tag="step", **_S):
-    """One batch. Result rows come back in order: extend rows, then decode rows."""
+    """One batch of R rows, columnar; applied in order: released slots, started slots, rows.
+
+        row r:  slots[r], committed[r], tokens[ts[r]:ts[r+1]], pages[ps[r]:ps[r+1]], keep[r]
+                (ts / ps: running sums of token_counts / page_counts)
+
+    A token id `-(slot + 1)` (FUTURE) is the token the slot sampled last: the runner reads it from
+    the FutureMap on device. Extend rows carry ids, a decode row is [FUTURE], a verify round
+    (`drafts` = k > 0: every row of the step is one) is [FUTURE, k drafts] with NO_DRAFT (-1)
+    pads; its committed length is the scheduler's bound (its rounds in flight counted as all
+    accepted), and every one of its positions is sampled. `keep[r]` = 0: a middle prefill chunk,
+    whose sample is discarded. Result rows come back in this order."""
 
     step_id: int
     released: bytes = b""  # int32 slots freed since the previous step (applied first)
-    extend: list[ExtendRow] = []
-    decode_slots: bytes = b""  # int32 [B]; the input token is future[slot] on device
-    decode_committed: bytes = b""  # int32 [B]
-    decode_new_page: bytes = b""  # int32 [B], -1 = no new page
-    verify: VerifyRounds | None = None  # a speculative step: rounds instead of decode rows
+    starts: list[SlotStart] = []  # slots (re)starting this step (applied before the rows)
+    slots: bytes = b""  # int32 [R]
+    committed: bytes = b""  # int32 [R] KV tokens written before the row (a verify round: a bound)
+    token_counts: bytes = b""  # int32 [R]
+    tokens: bytes = b""  # int32 [sum of token_counts]
+    page_counts: bytes = b""  # int32 [R] pages appended to each row's table
+    pages: bytes = b""  # int32 [sum of page_counts]
+    keep: bytes = b""  # uint8 [R]: 1 = the row's sample is kept (0: a middle prefill chunk)
+    drafts: int = 0  # k: the rows are verify rounds of 1 + k tokens; 0: plain rows
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
@@ -205,12 +207,12 @@ ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerM
 # ---- runner -> scheduler ---------------------------------------------------------------------
 class StepResultMsg(msgspec.Struct, tag="result", **_S):
     step_id: int
-    tokens: bytes  # int32 [rows]
-    logprobs: bytes = b""  # f32 [rows] (when some row asked)
-    top_ids: bytes = b""  # int32 [rows, top_n]
-    top_logprobs: bytes = b""  # f32 [rows, top_n]
+    tokens: bytes  # int32 [rows * k1], row after row (k1 = 1 + the step's drafts)
+    logprobs: bytes = b""  # f32, one per token
+    top_ids: bytes = b""  # int32 [tokens, top_n]
+    top_logprobs: bytes = b""  # f32 [tokens, top_n]
     top_n: int = 0
-    accepted: bytes = b""  # a verify step: int32 [G] drafts accepted per round (tokens: [G * (k + 1)] targets)
+    accepted: bytes = b""  # a verify step: int32 [R] drafts accepted per round (tokens: [R * (k + 1)] targets)
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
     programs_compiled: int = 0  # step programs compiled so far (others may compile in the background)

@@ -55,8 +55,8 @@ class StepTrace:
         self.dropped = 0  # completed records pushed out before anyone drained them
 
     def sent(self, batch: Any, t_send: float, t_sent: float, nbytes: int) -> None:
-        extend = sum(r.extend_len for r in batch.rows if not r.is_decode)
-        decode = sum(1 for r in batch.rows if r.is_decode)
+        extend = sum(r.extend_len for r in batch.rows if not r.reads_future)
+        decode = sum(1 for r in batch.rows if r.reads_future)
         self.open[batch.step_id] = [batch.step_id, int(batch.is_decode), len(batch.rows), extend, decode,
                                     0.0, 0.0, t_send, t_sent, nbytes]  # fmt: skip
 

@@ -53,13 +53,14 @@ def reference(prompt: list[int], n: int, vocab: int, eos: int | None = None, mod
 @dataclasses.dataclass
 class SlotMirror:
     pages: list[int]
-    committed: int
+    committed: int  # -1 after a verify round: known on the device only
 
 
 class FakeRunner:
-    """Also plays a verify round (speculative decoding) as the device does: k + 1 positions from
-    the slot's FutureMap position, a target per position, the leading drafts equal to their
-    targets accepted, the FutureMap moved past them (see DESIGN.md)."""
+    """Plays every row as the device does (model/step.py), one path: FUTURE(slot) inputs read
+    the slot's last sample, a row samples its last 1 + drafts positions, a verify round starts
+    at the slot's FutureMap position (its committed_len is the scheduler's bound) and accepts its
+    leading drafts equal to their targets; the FutureMap moves past what was accepted."""
 
     def __init__(self, page_size: int, vocab: int = 1000, model=None):
         self.page = page_size
@@ -80,47 +81,36 @@ class FakeRunner:
         for s in batch.released_slots:
             self.slots.pop(s, None)
         self.log.append([(r.slot, r.extend_len) for r in batch.rows])
-        if batch.rows and batch.rows[0].is_verify:
-            return self._verify(batch)
-        toks = np.zeros(len(batch.rows), np.int32)
+        k1 = 1 + batch.drafts
+        toks = np.zeros((len(batch.rows), k1), np.int32)
+        accepted = np.zeros(len(batch.rows), np.int32)
         for i, row in enumerate(batch.rows):
             if row.prefix_pages is not None:
                 assert row.slot not in self.slots, f"slot {row.slot} reused before its release was sent"
                 self.slots[row.slot] = SlotMirror(list(row.prefix_pages), row.committed_len)
             m = self.slots[row.slot]
-            assert m.committed == row.committed_len, (row.slot, m.committed, row.committed_len)
             m.pages += [int(p) for p in row.new_pages]
-            ids = [int(t) for t in row.token_ids] if row.token_ids is not None else [self.future[row.slot]]
-            assert len(ids) == row.extend_len
+            if row.drafts:  # a bound: the device starts where the FutureMap says
+                base, m.committed = self.future_pos[row.slot], -1
+            else:
+                assert m.committed in (-1, row.committed_len), (row.slot, m.committed, row.committed_len)
+                base = row.committed_len
+            ids = [self.future[row.slot] if t < 0 and j == 0 else int(t) for j, t in enumerate(row.token_ids)]
             for j, t in enumerate(ids):
-                self.kv[self.loc(m, m.committed + j)] = t
-            m.committed += row.extend_len
-            if row.sample:
-                ctx = [self.kv[self.loc(m, p)] for p in range(m.committed)]
-                toks[i] = self.model(ctx, self.vocab)
-                self.future[row.slot] = int(toks[i])
-                self.future_pos[row.slot] = m.committed
-        return StepResult(batch.step_id, toks, logprobs=-np.arange(len(toks), dtype=np.float32))
-
-    def _verify(self, batch: ScheduledBatch) -> StepResult:
-        k = len(batch.rows[0].drafts)
-        targets = np.zeros((len(batch.rows), k + 1), np.int32)
-        accepted = np.zeros(len(batch.rows), np.int32)
-        for g, row in enumerate(batch.rows):
-            m = self.slots[row.slot]
-            m.pages += [int(p) for p in row.new_pages]
-            base = self.future_pos[row.slot]
-            inputs = [self.future[row.slot]] + [int(d) for d in row.drafts]
-            for j, t in enumerate(inputs):
                 self.kv[self.loc(m, base + j)] = t
-                ctx = [self.kv[self.loc(m, p)] for p in range(base + j + 1)]
-                targets[g, j] = self.model(ctx, self.vocab)
+            end = base + len(ids)
+            if not row.drafts:
+                m.committed = end
+            for j in range(k1):  # the last k1 positions are sampled
+                ctx = [self.kv[self.loc(m, p)] for p in range(end - k1 + j + 1)]
+                toks[i, j] = self.model(ctx, self.vocab)
             a = 0
-            while a < k and row.drafts[a] == targets[g, a]:
+            while a < row.drafts and row.token_ids[1 + a] == toks[i, a]:
                 a += 1
-            accepted[g] = a
-            self.future[row.slot] = int(targets[g, a])
-            self.future_pos[row.slot] = base + a + 1
-            m.committed = -1  # known on the device only from now on
-        flat = targets.ravel()
-        return StepResult(batch.step_id, flat, logprobs=-np.arange(len(flat), dtype=np.float32), accepted=accepted)
+            accepted[i] = a
+            if row.sample:
+                self.future[row.slot] = int(toks[i, a])
+                self.future_pos[row.slot] = end - row.drafts + a
+        flat = toks.ravel()
+        return StepResult(batch.step_id, flat, logprobs=-np.arange(len(flat), dtype=np.float32),
+                          accepted=accepted if batch.drafts else None)  # fmt: skip

@@ -23,11 +23,13 @@ SAMPLES: dict[str, tuple[msgspec.msgpack.Decoder, list[msgspec.Struct]]] = {
         m.AbortReq(), m.AbortReq(rid="a"), m.PauseReq(mode="retract"), m.ContinueReq(), m.FlushCacheReq(), m.InfoReq(),
     ]),
     "to_runner": (m.to_runner, [
-        m.StepMsg(step_id=3, released=m.i32([4]), decode_slots=m.i32([0, 1]), decode_committed=m.i32([9, 12]),
-                  decode_new_page=m.i32([-1, 7]), extend=[
-                      m.ExtendRow(slot=2, committed_len=0, token_ids=m.i32([1, 2]), new_pages=m.i32([3]),
-                                  start=m.SlotStart(prefix_pages=m.i32([1]), sampling=DeviceSampling(0.0, -1, 1.0, 0.0, 1))),
-                      m.ExtendRow(slot=5, committed_len=16, token_ids=m.i32([8]), sample=False)]),
+        m.StepMsg(step_id=3, released=m.i32([4]),
+                  starts=[m.SlotStart(slot=2, prefix_pages=m.i32([1]), sampling=DeviceSampling(0.0, -1, 1.0, 0.0, 1))],
+                  slots=m.i32([2, 5, 0, 1]), committed=m.i32([0, 16, 9, 12]), token_counts=m.i32([2, 1, 1, 1]),
+                  tokens=m.i32([1, 2, 8, -1, -2]), page_counts=m.i32([1, 0, 0, 1]), pages=m.i32([3, 7]),
+                  keep=m.u8([1, 0, 1, 1])),
+        m.StepMsg(step_id=5, slots=m.i32([0]), committed=m.i32([9]), token_counts=m.i32([3]), tokens=m.i32([-1, 4, -1]),
+                  page_counts=m.i32([0]), keep=m.u8([1]), drafts=2),
         m.StepMsg(step_id=4), m.RunnerShutdown(),
     ]),
     "from_runner": (m.from_runner, [

@@ -26,9 +26,11 @@ def mp_bin(n: int) -> int:
 
 
 def decode_step_bytes(batch: int, step_id: int) -> int:
-    """[tag "step", step_id, released=b"", extend=[], slots, committed, new_page, verify=nil]:
-    three int32 columns of `batch` rows; nothing depends on the context length."""
-    return 1 + (1 + 4) + mp_uint(step_id) + mp_bin(0) + 1 + 3 * mp_bin(4 * batch) + 1
+    """[tag "step", step_id, released=b"", starts=[], slots, committed, token_counts, tokens,
+    page_counts, pages, keep, drafts=0]: five int32 columns and one uint8 column of `batch` rows,
+    and the pages appended (a context of whole pages: one new page per row); nothing depends on
+    the context length."""
+    return 1 + (1 + 4) + mp_uint(step_id) + mp_bin(0) + 1 + 5 * mp_bin(4 * batch) + mp_bin(4 * batch) + mp_bin(batch) + 1
 
 
 def first_decode(context: int, batch: int, page: int = 16):
@@ -46,7 +48,7 @@ def first_decode(context: int, batch: int, page: int = 16):
         rows = mirrors.apply(m.to_runner.decode(wire))
         # the mirror alone reproduces what the scheduler planned: positions and page tables
         assert [d.committed_len for d in rows] == [r.committed_len for r in b.rows]
-        assert all(np.array_equal(d.pages, core.kv.pages(r.req.kv)) for d, r in zip(rows, b.rows, strict=True))
+        assert all(np.array_equal(d.pages, core.cache.pages(r.req.kv)) for d, r in zip(rows, b.rows, strict=True))
         if b.is_decode:
             return b, wire
         core.process_result(b, runner.run(b))

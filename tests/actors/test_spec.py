@@ -75,8 +75,8 @@ def test_verify_rounds_give_the_non_speculative_tokens(overlap, page):
         core.add_request(req(rid, p, 40))
     out = drive(core, runner, overlap)
     assert out == {rid: reference(p, 40, VOCAB, model=model) for rid, p in prompts.items()}
-    assert sum(core.spec_hist[1:]) > 0, "no draft was ever accepted"
-    assert sum(core.spec_hist) < 6 * 40, "every round yielded one token: no speed-up"
+    assert sum(core.stats.spec_accept_histogram[1:]) > 0, "no draft was ever accepted"
+    assert sum(core.stats.spec_accept_histogram) < 6 * 40, "every round yielded one token: no speed-up"
     core.check_idle()
     assert kv.available_tokens() == (512 - 1) * page
 
@@ -89,7 +89,7 @@ def test_verify_rounds_under_kv_pressure_retract_and_stay_exact():
         core.add_request(req(rid, p, 30))
     out = drive(core, runner, overlap=True)
     assert out == {rid: reference(p, 30, VOCAB, model=model) for rid, p in prompts.items()}
-    assert core.num_retracted > 0, "the small pool was meant to force a retract"
+    assert core.stats.num_retracted > 0, "the small pool was meant to force a retract"
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -119,7 +119,7 @@ def test_seed_001_case_table_with_sessions(overlap, page, overshoot):
         core.add_request(r)
         out = drive(core, runner, overlap, on_finish=check)[r.rid]
         assert out == reference(ctx, max_new, VOCAB, model=model)  # the non-speculative tokens
-        assert core.spec_hist[K] >= 3 * (t + 1) - 1, core.spec_hist  # the rounds accepted every draft
+        assert core.stats.spec_accept_histogram[K] >= 3 * (t + 1) - 1, core.stats.spec_accept_histogram  # the rounds accepted every draft
         T = saved["T"]
         assert saved["out"] == max_new == len(out)  # len(output_ids) == finished_len
         exact_without_extra = overshoot == 0 and not overlap

@@ -3,7 +3,7 @@
 Tolerance: prefill logits agree to 1e-5 of the logit scale (max |logit| ~50; measured max error
 ~8e-5 absolute, 1.5e-6 relative, at 200 tokens) - float32 on both
 sides, different summation orders. Greedy is well defined on these checkpoints because their
-init keeps the top-2 logit gap >= ~0.03 (see model/tiny.py), far above that error.
+init keeps the top-2 logit gap >= ~0.03 (see model/checkpoints/tiny.py), far above that error.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def greedy_with_cached_prefix(ex: ModelExecutor, prompts: list[list[int]], n_pre
         need = -(-(len(p) + n_new) // PAGE)
         tables.append(np.array(prefix_pages + book.take(need - len(prefix_pages)), np.int32))
     segs = [DeviceRow(np.array(p[n_prefix:], np.int32), n_prefix, t) for p, t in zip(prompts, tables, strict=True)]
-    out, rows = ex.run(segs)
+    out, rows, _ = ex.run(segs)
     toks = np.asarray(out.tokens)
     gen = [[int(toks[r])] for r in rows]
     for _ in range(n_new - 1):
@@ -62,7 +62,7 @@ def greedy_with_cached_prefix(ex: ModelExecutor, prompts: list[list[int]], n_pre
             DeviceRow(np.array([g[-1]], np.int32), len(p) + len(g) - 1, t)
             for p, g, t in zip(prompts, gen, tables, strict=True)
         ]
-        out, rows = ex.run(segs)
+        out, rows, _ = ex.run(segs)
         toks = np.asarray(out.tokens)
         for g, r in zip(gen, rows, strict=True):
             g.append(int(toks[r]))

@@ -88,11 +88,11 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_8(tiny_dir):
     def run(indices: list[int]) -> dict[int, list[int]]:
         ex = ModelExecutor(tiny_dir("llama"), cfg)
         pages = {i: np.arange(1 + 8 * i, 9 + 8 * i, dtype=np.int32) for i in indices}
-        out, rows = ex.run([DeviceRow(prompts[i], 0, pages[i], params[i]) for i in indices])
+        out, rows, _ = ex.run([DeviceRow(prompts[i], 0, pages[i], params[i]) for i in indices])
         gen = {i: [int(out.tokens[r])] for i, r in zip(indices, rows, strict=True)}
         for _ in range(12):
             segs = [DeviceRow(np.array([gen[i][-1]], np.int32), len(prompts[i]) + len(gen[i]) - 1, pages[i], params[i]) for i in indices]
-            out, rows = ex.run(segs)
+            out, rows, _ = ex.run(segs)
             for i, r in zip(indices, rows, strict=True):
                 gen[i].append(int(out.tokens[r]))
         return gen

@@ -57,14 +57,14 @@ def ringserve_greedy(path, prompts: list[list[int]], n_new: int) -> list[list[in
     )
     ex = ModelExecutor(path, cfg)
     tables = [np.arange(1 + 16 * i, 17 + 16 * i, dtype=np.int32) for i in range(len(prompts))]
-    out, rows = ex.run([DeviceRow(np.array(p, np.int32), 0, t) for p, t in zip(prompts, tables, strict=True)])
+    out, rows, _ = ex.run([DeviceRow(np.array(p, np.int32), 0, t) for p, t in zip(prompts, tables, strict=True)])
     gen = [[int(out.tokens[r])] for r in rows]
     for _ in range(n_new - 1):
         segs = [
             DeviceRow(np.array([g[-1]], np.int32), len(p) + len(g) - 1, t)
             for p, g, t in zip(prompts, gen, tables, strict=True)
         ]
-        out, rows = ex.run(segs)
+        out, rows, _ = ex.run(segs)
         for g, r in zip(gen, rows, strict=True):
             g.append(int(out.tokens[r]))
     return gen

@@ -102,12 +102,12 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
         ex.new_kv()
         rows = [DeviceRow(prompt, 0, pages, future_slot=0)]
         shapes, toks = [ex.prepare(rows).shape], []
-        out, idx = ex.run(rows)
+        out, idx, _ = ex.run(rows)
         toks.append(int(out.tokens[idx[0]]))
         for i in range(6):
             rows = [DeviceRow(np.array([toks[-1]], np.int32), len(prompt) + i, pages, future_slot=0)]
             shapes.append(ex.prepare(rows).shape)
-            out, idx = ex.run(rows)
+            out, idx, _ = ex.run(rows)
             toks.append(int(out.tokens[idx[0]]))
         return toks, shapes
 
@@ -144,11 +144,11 @@ def test_future_index_reads_previous_sample_on_device(tiny_dir):
 
     def generate(use_future: bool) -> list[int]:
         ex = ModelExecutor(tiny_dir("llama"), cfg)
-        out, rows = ex.run([DeviceRow(prompt, 0, pages, future_slot=2)])
+        out, rows, _ = ex.run([DeviceRow(prompt, 0, pages, future_slot=2)])
         toks = [int(out.tokens[rows[0]])]
         for i in range(8):
             inp = -3 if use_future else toks[-1]
-            out, rows = ex.run([DeviceRow(np.array([inp], np.int32), len(prompt) + i, pages, future_slot=2)])
+            out, rows, _ = ex.run([DeviceRow(np.array([inp], np.int32), len(prompt) + i, pages, future_slot=2)])
             toks.append(int(out.tokens[rows[0]]))
         return toks
 

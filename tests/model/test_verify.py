@@ -24,13 +24,13 @@ def executor(tiny_dir, backend: str) -> ModelExecutor:
 def plain(
     ex: ModelExecutor, prompt: np.ndarray, pages: np.ndarray, slot: int, n: int, sp=DeviceSampling()
 ) -> list[int]:
-    out, rows = ex.run([DeviceRow(prompt, 0, pages, sp, future_slot=slot)])
+    out, rows, _ = ex.run([DeviceRow(prompt, 0, pages, sp, future_slot=slot)])
     toks = [int(out.tokens[rows[0]])]
     while len(toks) < n:
         row = DeviceRow(
             np.array([-(slot + 1)], np.int32), len(prompt) + len(toks) - 1, pages, sp, future_slot=slot
         )
-        out, rows = ex.run([row])
+        out, rows, _ = ex.run([row])
         toks.append(int(out.tokens[rows[0]]))
     return toks
 
@@ -46,7 +46,7 @@ def test_verify_rounds_equal_plain_decoding(tiny_dir, backend):
 
     # the same prompts again on slots 2, 3, then verify rounds with drafts right, wrong or absent
     slots = [2, 3]
-    out, rows = ex.run(
+    out, rows, _ = ex.run(
         [DeviceRow(p, 0, pages[s], future_slot=s) for p, s in zip(prompts, slots, strict=True)]
     )
     gen = [[int(out.tokens[rows[i]])] for i in range(2)]
@@ -71,7 +71,7 @@ def test_verify_rounds_equal_plain_decoding(tiny_dir, backend):
                     np.concatenate([[-(s + 1)], drafts]).astype(np.int32), bound, pages[s], future_slot=s
                 )
             )
-        out, rows, accepted = ex.run_verify(batch, K + 1)
+        out, rows, accepted = ex.run(batch, K + 1)
         targets = np.asarray(out.tokens)[rows].reshape(2, K + 1)
         acc = np.asarray(accepted)[:2]
         for i in range(2):
@@ -87,7 +87,7 @@ def test_verify_rounds_equal_plain_decoding(tiny_dir, backend):
     # the KV the rounds wrote is what plain decoding reads next (a session's next turn)
     for i, s in enumerate(slots):
         row = DeviceRow(np.array([-(s + 1)], np.int32), exact[i], pages[s], future_slot=s)
-        out, rows = ex.run([row])
+        out, rows, _ = ex.run([row])
         more = plain(ex, prompts[i], pages[i], i, len(gen[i]) + 1)
         assert int(out.tokens[rows[0]]) == more[-1]
 
@@ -101,11 +101,11 @@ def test_verify_with_seeded_sampling_draws_what_plain_decoding_draws(tiny_dir):
     pages = [np.arange(1 + 12 * i, 13 + 12 * i, dtype=np.int32) for i in range(2)]
     n = 24
     ref = plain(ex, prompt, pages[0], 0, n + K + 1, sp)
-    out, rows = ex.run([DeviceRow(prompt, 0, pages[1], sp, future_slot=1)])
+    out, rows, _ = ex.run([DeviceRow(prompt, 0, pages[1], sp, future_slot=1)])
     gen, exact = [int(out.tokens[rows[0]])], len(prompt)
     while len(gen) < n:
         drafts = np.array((ref[len(gen) : len(gen) + K] + [0] * K)[:K], np.int32)
-        out, rows, accepted = ex.run_verify(
+        out, rows, accepted = ex.run(
             [DeviceRow(np.concatenate([[-2], drafts]).astype(np.int32), exact, pages[1], sp, 1)], K + 1
         )
         a = int(np.asarray(accepted)[0])
@@ -122,8 +122,8 @@ def test_verify_shapes_compiled_at_start_up(tiny_dir):
     assert sorted(s.tokens for s in verify) == [16, 32]  # 4 rounds of 5 tokens fit 32
     traced = ex.trace_count
     pages = np.arange(1, 9, dtype=np.int32)
-    out, rows = ex.run([DeviceRow(np.arange(3, 20, dtype=np.int32), 0, pages, future_slot=0)])
-    ex.run_verify([DeviceRow(np.array([-1, 5, 6, 7, 8], np.int32), 17, pages, future_slot=0)], K + 1)
+    out, rows, _ = ex.run([DeviceRow(np.arange(3, 20, dtype=np.int32), 0, pages, future_slot=0)])
+    ex.run([DeviceRow(np.array([-1, 5, 6, 7, 8], np.int32), 17, pages, future_slot=0)], K + 1)
     assert ex.trace_count == traced
     with pytest.raises(ValueError, match="rounds of 5 tokens"):
-        ex.run_verify([DeviceRow(np.array([-1, 5], np.int32), 17, pages, future_slot=0)], K + 1)
+        ex.run([DeviceRow(np.array([-1, 5], np.int32), 17, pages, future_slot=0)], K + 1)
