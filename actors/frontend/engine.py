@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from actors.frontend.bridge import iterate_across, iterate_in_thread
 from actors.frontend.errors import EngineDead
+from actors.frontend.inputs import GenerateArgs
 from actors.frontend.tokenizer_manager import TokenizerManager
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -101,18 +102,15 @@ class Engine:
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
         aborts its unfinished requests."""
+        args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+                            session_params=session_params)  # fmt: skip
         fe = self.frontend
-        specs, batched = fe.specs(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, rid=rid,
-                                  stream=stream, session_params=session_params)  # fmt: skip
+        specs, batched = fe.specs(args)
         if stream:
-            return self._stream_sync(specs, batched)
+            fe.check_up()
+            return iterate_in_thread(fe.lt, lambda: fe.generate_stream(specs, batched))
         return fe.run_sync(fe.generate(specs, batched))
-
-    def _stream_sync(self, specs, batched: bool) -> Iterator[dict]:
-        fe = self.frontend
-        fe.check_up()
-        return iterate_in_thread(fe.lt, lambda: fe.generate_stream(specs, batched))
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
@@ -120,10 +118,11 @@ class Engine:
                              stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
+        args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+                            session_params=session_params)  # fmt: skip
         fe = self.frontend
-        specs, batched = fe.specs(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, rid=rid,
-                                  stream=stream, session_params=session_params)  # fmt: skip
+        specs, batched = fe.specs(args)
         if stream:
             fe.check_up()
             return self._astream(specs, batched)

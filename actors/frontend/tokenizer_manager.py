@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
 from actors.frontend.errors import EngineDead
-from actors.frontend.inputs import RequestSpec, normalize_generate
+from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
 from actors.frontend.metrics import FrontendMetrics
 from actors.frontend.sessions import Sessions
 from actors.frontend.weights import WeightsAPI
@@ -65,7 +65,7 @@ class TokenizerManager:
     def __init__(self, tokenizer, to_scheduler, from_detok, *, args: ServerArgs, vocab_size: int):
         self.tok = tokenizer
         self.args = args
-        self.vocab_size = vocab_size
+        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num)
         self.to_scheduler = to_scheduler
         self.from_detok = from_detok
         self.send_lock = threading.Lock()
@@ -201,49 +201,14 @@ class TokenizerManager:
                 fut.set_exception(EngineDead(f"the engine is down: {err}"))
 
     # ---- generation -------------------------------------------------------------------------
-    def specs(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
-              return_logprob: Any = False, top_logprobs_num: Any = 0, rid: Any = None,
-              stream: bool = False, session_params: Any = None) -> tuple[list[RequestSpec], bool]:  # fmt: skip
-        """Validate and normalise `generate` arguments (any thread): ValueError naming the field
-        and the limit, before anything is sent. Returns (specs, batched)."""
-        plans = None
-        if session_params is not None:  # a session turn's input holds its earlier turns
-            prompt, input_ids, plans = self._session_inputs(prompt, input_ids, session_params)
-        a = self.args
-        specs, batched = normalize_generate(
-            prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            encode=self.tok.encode, vocab_size=self.vocab_size, context_length=a.context_length,
-            max_top_logprobs_num=a.max_top_logprobs_num, next_seed=lambda: self._seeds.getrandbits(63),
+    def specs(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
+        """Validate and normalise one generate call (any thread): ValueError naming the field
+        and the limit, before anything is sent; session turns get their earlier turns' tokens.
+        Returns (specs, batched)."""
+        return normalize_generate(
+            args, self.limits, encode=self.tok.encode, next_seed=lambda: self._seeds.getrandbits(63),
+            sessions=self.sessions, bos_token_id=self.tok.bos_token_id,
         )  # fmt: skip
-        for s in specs:
-            s.stream = stream
-        if plans is not None:
-            if len(specs) != len(plans):
-                raise ValueError("session_params: n > 1 samples cannot share one session turn")
-            for s, plan in zip(specs, plans, strict=True):
-                s.session = plan
-        return specs, batched
-
-    def _session_inputs(self, prompt: Any, input_ids: Any, session_params: Any) -> tuple[None, Any, list]:
-        """(prompt, input_ids, plans): each prompt's tokens behind its session's earlier turns."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("generate: give exactly one of 'prompt' or 'input_ids'")
-        batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], list)
-        if prompt is not None:
-            texts = prompt if batched else [prompt]
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt: expected a string or a list of strings")
-            new = [self.tok.encode(t) for t in texts]
-        else:
-            new = input_ids if batched else [input_ids]
-        params = session_params if isinstance(session_params, list) else [session_params] * len(new)
-        if len(params) != len(new):
-            raise ValueError(f"session_params: {len(params)} given for {len(new)} prompts")
-        bos = self.tok.bos_token_id
-        plans = [self.sessions.plan(p, list(ids), bos) for p, ids in zip(params, new, strict=True)]
-        ids = [p.input_ids for p in plans]
-        return None, ids if batched else ids[0], plans
 
     def refuse_new(self, reason: str) -> None:
         """From now on every new request fails with EngineDead(reason) (graceful shutdown)."""
