@@ -1,5 +1,5 @@
 """`Engine`: the in-process API. Launches the scheduler, runner and detokenizer actors over
-shared-memory rings and serves every verb through the frontend (tokenizer_manager.py).
+shared-memory rings and serves every verb through the frontend (actors/frontend/actor.py).
 
     with Engine("tiny", page_size=16) as engine:
         out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
@@ -21,10 +21,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.frontend.actor import TokenizerManager
 from actors.frontend.bridge import iterate_across, iterate_in_thread
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs
-from actors.frontend.tokenizer_manager import TokenizerManager
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 

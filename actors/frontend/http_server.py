@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.frontend import openai_api as oai
+from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs
-from actors.frontend.tokenizer_manager import TokenizerManager
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.http")
@@ -175,7 +175,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         b: AbortBody = await body(request, AbortBody)
         if b.abort_all:
             tm.abort_request(abort_all=True)
-        elif b.rid and (b.rid in tm.states or any(r.startswith(b.rid + "-") for r in tm.states)):
+        elif b.rid and (b.rid in tm.core.states or any(r.startswith(b.rid + "-") for r in tm.core.states)):
             tm.abort_request(b.rid)  # as SGLang: an unknown rid is ignored
         return Response(status_code=200)
 
@@ -235,7 +235,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(tm.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
+        return Response(tm.core.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
 
     for name in verbs or {}:
         app.add_api_route(f"/{name}", _verb_route(verbs or {}, name, body), methods=["GET", "POST"])

@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 
 from actors.frontend import protocol as p
+from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
-from actors.frontend.tokenizer_manager import TokenizerManager
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.ipc")
