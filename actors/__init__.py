@@ -5,8 +5,11 @@
 
 Layout (one folder per process or subsystem):
 
-    transport/    shared-memory rings, actor processes, the launcher, every wire message
-    frontend/     Engine, TokenizerManager, input validation, SamplingParams
+    transport/    shared-memory rings, actor processes, the launcher, every wire message,
+                  SamplingParams
+    frontend/     Engine and the clients; the frontend actor (actor.py: TokenizerManager, its
+                  loop and reader threads) around its request table (core.py); GenerateArgs and
+                  its validation (inputs.py); the IPC socket and HTTP servers
     scheduler/    the scheduler actor: batches, KV books, overlap
     runner/       the runner actor: the model on device, slot mirrors
     detokenizer/  the detokenizer actor: incremental text, stop strings

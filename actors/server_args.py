@@ -14,6 +14,8 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
+from kvmem import cdiv
+
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
@@ -123,6 +125,10 @@ class ServerArgs:
             self.max_running_requests >= 1, f"max_running_requests={self.max_running_requests}: must be >= 1"
         )
         need(self.context_length >= 2, f"context_length={self.context_length}: must be >= 2")
+        pages = cdiv(self.context_length, self.page_size)  # one full-context request, page 0 reserved
+        need(self.num_pages - 1 >= pages + 1,
+             f"max_total_tokens={self.max_total_tokens}: the KV pool must hold one request of context_length="
+             f"{self.context_length} plus a page ({(pages + 2) * self.page_size} tokens)")  # fmt: skip
         need(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"chunked_prefill_size={self.chunked_prefill_size}: -1 (off) or >= 1",

@@ -23,6 +23,7 @@ from typing import Any
 from actors.frontend import protocol as p
 from actors.frontend.bridge import LoopThread, iterate_in_thread
 from actors.frontend.errors import EngineDead
+from actors.frontend.inputs import GenerateArgs
 
 CLIENT_MAX_FRAME = 1 << 30  # replies can be large (a batch with top logprobs)
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "EngineDead": EngineDead}
@@ -142,12 +143,16 @@ class AsyncClient:
                        stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
         """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
         chunks (returned once the server accepted the requests)."""
+        args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+                            session_params=session_params)  # fmt: skip
+        return await self._generate(args)
 
+    async def _generate(self, args: GenerateArgs) -> Any:
         def make(cid: int) -> p.Generate:
-            return p.Generate(cid, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream,
-                              session_params)  # fmt: skip
+            return p.Generate(cid, args)
 
-        if not stream:
+        if not args.stream:
             return await self._call(make)
         cid, q = await self._open(make)
         try:
@@ -241,8 +246,10 @@ class Client:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
-        out = self._lt.run(self._ac.generate(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
-                                             rid, stream, session_params))  # fmt: skip
+        args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+                            session_params=session_params)  # fmt: skip
+        out = self._lt.run(self._ac._generate(args))
         return self._iterate(out) if stream else out
 
     def _iterate(self, chunks: AsyncIterator[dict]) -> Iterator[dict]:

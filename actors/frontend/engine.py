@@ -1,5 +1,6 @@
-"""`Engine`: the in-process API. Launches the scheduler, runner and detokenizer actors over
-shared-memory rings and serves every verb through the frontend (tokenizer_manager.py).
+"""`Engine`: the in-process API, a facade. Starts the scheduler, runner and detokenizer actors
+over shared-memory rings (`start_engine`, actors/transport/launcher.py) and serves every verb
+through the frontend (actors/frontend/actor.py).
 
     with Engine("tiny", page_size=16) as engine:
         out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
@@ -18,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.frontend.actor import TokenizerManager
 from actors.frontend.bridge import iterate_across, iterate_in_thread
 from actors.frontend.errors import EngineDead
-from actors.frontend.tokenizer_manager import TokenizerManager
+from actors.frontend.inputs import GenerateArgs
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 
@@ -34,17 +36,13 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from actors.transport.launcher import ActorGroup
-        from kvmem import cdiv
+        from actors.transport.launcher import start_engine
         from model.checkpoints.config import ModelConfig
         from model.checkpoints.resolve import resolve_model
         from model.checkpoints.tokenizer import load_tokenizer
 
+        self._closed = False
         self.args = args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
-        pages = cdiv(args.context_length, args.page_size)
-        if args.num_pages - 1 < pages + 1:
-            raise ValueError(f"max_total_tokens={args.max_total_tokens}: the KV pool must hold one request of context_length="
-                             f"{args.context_length} plus a page ({(pages + 2) * args.page_size} tokens)")  # fmt: skip
         self.model_dir, tok_dir = resolve_model(args.model_path)
         self.tokenizer = load_tokenizer(tok_dir)
         mc = ModelConfig.from_dir(self.model_dir) if self.model_dir.is_dir() else None
@@ -55,29 +53,12 @@ class Engine:
         self.served_model_name = args.served_model_name or self.model_dir.name
         cfg = m.encode(m.ActorConfig(args, str(self.model_dir), str(tok_dir), sorted(eos), self.vocab_size))
 
-        self.group = group = ActorGroup(
-            on_failure=self._on_failure, log_level=getattr(logging, args.log_level.upper())
-        )
-        self._closed = False
         self.runner_info: dict[str, Any] = {}
+        self.group, to_scheduler, from_detokenizer = start_engine(args, cfg, self._on_failure)
         try:
-            cap, spin = args.ring_bytes, args.spin_us
-            sched_in = group.ring("sched", cap, spin_us=spin)
-            runner_in = group.broadcast_ring("runner", 1, cap, spin_us=spin)
-            runner_out = group.ring("result", cap, spin_us=spin)
-            detok_in = group.ring("detok", cap, spin_us=spin)
-            front_in = group.ring("front", cap, spin_us=spin)
-            sched_rings = {
-                "inbox": sched_in.name,
-                "to_runner": runner_in.name,
-                "from_runner": runner_out.name,
-                "to_detok": detok_in.name,
-            }
-            group.spawn("scheduler", "actors.scheduler.actor:run", cfg, sched_rings)
-            group.spawn("runner", "actors.runner.actor:run", cfg, {"inbox": runner_in.name, "outbox": runner_out.name})
-            group.spawn("detokenizer", "actors.detokenizer.actor:run", cfg, {"inbox": detok_in.name, "outbox": front_in.name})
-            self.frontend = TokenizerManager(self.tokenizer, sched_in, front_in, args=args, vocab_size=self.vocab_size)
-            ready = group.wait_ready(READY_TIMEOUT_S)
+            self.frontend = TokenizerManager(self.tokenizer, to_scheduler, from_detokenizer, args=args,
+                                             vocab_size=self.vocab_size)  # fmt: skip
+            ready = self.group.wait_ready(READY_TIMEOUT_S)
             self.runner_info = json.loads(ready.get("runner") or b"{}")
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "runner": self.runner_info}  # fmt: skip
@@ -101,18 +82,15 @@ class Engine:
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
         aborts its unfinished requests."""
+        args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+                            session_params=session_params)  # fmt: skip
         fe = self.frontend
-        specs, batched = fe.specs(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, rid=rid,
-                                  stream=stream, session_params=session_params)  # fmt: skip
+        specs, batched = fe.specs(args)
         if stream:
-            return self._stream_sync(specs, batched)
+            fe.check_up()
+            return iterate_in_thread(fe.lt, lambda: fe.generate_stream(specs, batched))
         return fe.run_sync(fe.generate(specs, batched))
-
-    def _stream_sync(self, specs, batched: bool) -> Iterator[dict]:
-        fe = self.frontend
-        fe.check_up()
-        return iterate_in_thread(fe.lt, lambda: fe.generate_stream(specs, batched))
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
@@ -120,10 +98,11 @@ class Engine:
                              stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
+        args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+                            session_params=session_params)  # fmt: skip
         fe = self.frontend
-        specs, batched = fe.specs(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, rid=rid,
-                                  stream=stream, session_params=session_params)  # fmt: skip
+        specs, batched = fe.specs(args)
         if stream:
             fe.check_up()
             return self._astream(specs, batched)
@@ -211,7 +190,9 @@ class Engine:
         fe = getattr(self, "frontend", None)
         if fe is not None:
             fe.close()
-        self.group.shutdown()
+        group = getattr(self, "group", None)  # None: start_engine failed (and cleaned up)
+        if group is not None:
+            group.shutdown()
 
     def __enter__(self) -> Engine:
         return self

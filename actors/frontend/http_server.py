@@ -6,7 +6,8 @@ refused), GET /get_server_info, /get_model_info, /get_load, /v1/loads, /health,
 /health_generate, /metrics (Prometheus). OpenAI: /v1/models, /v1/completions,
 /v1/chat/completions.
 
-Bodies are decoded with msgspec into typed structs: malformed JSON, a wrong type or an unknown
+Bodies are decoded with msgspec into typed structs (/generate's into `GenerateBody`, which
+yields the one `GenerateArgs` every surface builds): malformed JSON, a wrong type or an unknown
 field is a 400 naming the field; a body past `max_request_bytes` is a 413; bad generate
 arguments are the Engine's ValueError text as a 400. Errors are `{"error": {"message"}}` on
 native routes and OpenAI's `{"object": "error", "message", "type", "param", "code"}` on /v1.
@@ -28,8 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.frontend import openai_api as oai
+from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
-from actors.frontend.tokenizer_manager import TokenizerManager
+from actors.frontend.inputs import GenerateArgs
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.http")
@@ -48,19 +50,12 @@ class HTTPError(Exception):
         self.status = status
 
 
-class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """SGLang's GenerateReqInput, the fields ringserve serves (and those it refuses unless unset)."""
+class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
+    """/generate's body: SGLang's GenerateReqInput, the GenerateArgs fields and those ringserve
+    accepts only at their default (refused otherwise); an unknown field is a 400."""
 
-    text: str | list[str] | None = None
-    input_ids: list[Any] | None = None  # one prompt or many (checked by the frontend)
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
-    stream: bool = False
-    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
     log_metrics: bool = True
     image_data: Any = None
     video_data: Any = None
@@ -71,6 +66,19 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     return_hidden_states: bool = False
     token_ids_logprob: Any = None
     return_routed_experts: bool = False
+
+    def args(self) -> GenerateArgs:
+        """The generate call, once the fields served only at their default are checked."""
+        for name, default in _NOT_SUPPORTED.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} is not supported by ringserve")
+        starts = self.logprob_start_len if isinstance(self.logprob_start_len, list) else [self.logprob_start_len]
+        if any(x not in (-1, None) for x in starts):
+            raise ValueError("logprob_start_len: only -1 (output logprobs) is supported")
+        fields = {f.name: getattr(self, f.name) for f in msgspec.structs.fields(GenerateArgs)}
+        if self.text is not None and self.input_ids is not None:
+            fields["text"] = None  # as SGLang: input_ids win
+        return GenerateArgs(**fields)
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -154,18 +162,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         b: GenerateBody = await body(request, GenerateBody)
-        for name, default in _NOT_SUPPORTED.items():
-            if getattr(b, name) != default:
-                raise ValueError(f"{name} is not supported by ringserve")
-        if any(x not in (-1, None) for x in (b.logprob_start_len if isinstance(b.logprob_start_len, list) else [b.logprob_start_len])):
-            raise ValueError("logprob_start_len: only -1 (output logprobs) is supported")  # fmt: skip
-        kwargs: dict[str, Any] = dict(prompt=b.text, input_ids=b.input_ids, sampling_params=b.sampling_params, rid=b.rid,
-                      return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num, stream=b.stream)  # fmt: skip
-        if b.text is not None and b.input_ids is not None:
-            kwargs["prompt"] = None  # as SGLang: input_ids win
-        if b.session_params is not None:
-            kwargs["session_params"] = b.session_params
-        specs, batched = await _specs(tm, kwargs)
+        specs, batched = await _specs(tm, b.args())
         shape = _native(b.return_text_in_logprobs)
         if b.stream:
             states = await tm.submit_all(specs)
@@ -178,7 +175,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         b: AbortBody = await body(request, AbortBody)
         if b.abort_all:
             tm.abort_request(abort_all=True)
-        elif b.rid and (b.rid in tm.states or any(r.startswith(b.rid + "-") for r in tm.states)):
+        elif b.rid and (b.rid in tm.core.states or any(r.startswith(b.rid + "-") for r in tm.core.states)):
             tm.abort_request(b.rid)  # as SGLang: an unknown rid is ignored
         return Response(status_code=200)
 
@@ -230,7 +227,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     @app.get("/health_generate")
     async def health_generate() -> Response:
         try:
-            specs, _ = tm.specs(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+            specs, _ = tm.specs(GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}))
             out = await asyncio.wait_for(tm.generate(specs, False), 20.0)
         except (EngineDead, TimeoutError):
             return Response(status_code=503)
@@ -238,7 +235,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(tm.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
+        return Response(tm.core.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
 
     for name in verbs or {}:
         app.add_api_route(f"/{name}", _verb_route(verbs or {}, name, body), methods=["GET", "POST"])
@@ -267,7 +264,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         args = await asyncio.get_running_loop().run_in_executor(
             None, lambda: oai.chat_args(r, render_chat) if chat else oai.completion_args(r)
         )
-        specs, _ = await _specs(tm, {**args, "stream": r.stream})
+        specs, _ = await _specs(tm, args)
         n = r.n
         if r.stream:
             states = await tm.submit_all(specs)
@@ -322,11 +319,11 @@ def _error(path: str, status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-async def _specs(tm: TokenizerManager, kwargs: dict[str, Any]) -> tuple[list, bool]:
+async def _specs(tm: TokenizerManager, args: GenerateArgs) -> tuple[list, bool]:
     """tm.specs; tokenizing text is CPU work, done off the loop so other requests go on."""
-    if kwargs.get("prompt") is None:
-        return tm.specs(**kwargs)
-    return await asyncio.get_running_loop().run_in_executor(None, lambda: tm.specs(**kwargs))
+    if args.text is None:
+        return tm.specs(args)
+    return await asyncio.get_running_loop().run_in_executor(None, tm.specs, args)
 
 
 def _native(with_text: bool) -> Callable[[dict[str, Any]], dict[str, Any]]:

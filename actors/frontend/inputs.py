@@ -1,9 +1,16 @@
-"""Normalising and validating `generate` inputs (the frontend's front door).
+"""The generate call (`GenerateArgs`) and its validation (the frontend's front door).
 
-`normalize_generate` turns SGLang-style arguments (prompt or input_ids, one or many;
-sampling_params a dict or one per prompt; n > 1 samples per prompt) into a flat list of
-`RequestSpec`s, each validated: a bad one raises ValueError naming the field, the value and
-the limit, before anything is sent, so the engine keeps serving every other request.
+Every surface builds one `GenerateArgs` and hands it to the frontend: `Engine.generate` and
+the clients from their keyword arguments, the IPC socket as it decodes a `Generate` frame
+(protocol.py), HTTP `/generate` from its body (http_server.py) and the OpenAI routes from
+theirs (openai_api.py). The fields are SGLang's GenerateReqInput names (the Engine's `prompt`
+is `text` here).
+
+`normalize_generate` turns one (text or input_ids, one or many; sampling_params a dict or one
+per prompt; n > 1 samples per prompt; a streaming session's turn behind its earlier turns) into
+a flat list of `RequestSpec`s, each validated: a bad one raises ValueError naming the field,
+the value and the limit, before anything is sent, so the engine keeps serving every other
+request. Prompts are parsed here and nowhere else.
 """
 
 from __future__ import annotations
@@ -14,7 +21,35 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from actors.frontend.sessions import Plan, Sessions
 from actors.transport.sampling import SamplingParams
+
+
+class GenerateArgs(msgspec.Struct, omit_defaults=True):
+    """One generate call as the caller gave it (SGLang's GenerateReqInput, the fields ringserve
+    serves). Nothing is checked on construction: `normalize_generate` checks it once, so every
+    surface gets the same errors. A list in `text` / `input_ids` is a batch; the per-prompt
+    fields then take one value for all or a list with one per prompt."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # one prompt (ints) or many (lists of ints)
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    stream: bool = False
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """What a generate call is checked against: the model's vocabulary and the server's limits."""
+
+    vocab_size: int
+    context_length: int
+    max_top_logprobs_num: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,7 +61,7 @@ class RequestSpec:
     top_logprobs_num: int
     index: int  # position in the caller's batch (prompt index * n + sample index)
     stream: bool = False  # the caller streams: outputs every stream_interval tokens
-    session: Any = None  # a streaming session's turn (actors.frontend.sessions.Plan)
+    session: Plan | None = None  # a streaming session's turn
 
     @property
     def seed(self) -> int:
@@ -34,79 +69,105 @@ class RequestSpec:
         return self.sampling.sampling_seed
 
 
-def _as_list(x: Any) -> tuple[list, bool]:
-    return (x, True) if isinstance(x, list) else ([x], False)
+def _per_prompt(value: Any, n: int) -> list:
+    """One value per prompt: a list as given, anything else repeated."""
+    return value if isinstance(value, list) else [value] * n
 
 
-def normalize_generate(
-    *,
-    prompt: str | list[str] | None,
-    input_ids: list[int] | list[list[int]] | None,
-    sampling_params: dict | list[dict] | None,
-    rid: str | list[str] | None,
-    return_logprob: bool | list[bool],
-    top_logprobs_num: int | list[int],
-    encode: Callable[[str], list[int]],
-    vocab_size: int,
-    context_length: int,
-    max_top_logprobs_num: int,
-    next_seed: Callable[[], int],
-) -> tuple[list[RequestSpec], bool]:
-    """Returns (specs, batched): batched=False when a single prompt was given (one result)."""
-    if (prompt is None) == (input_ids is None):
+def _prompts(args: GenerateArgs, encode: Callable[[str], list[int]]) -> tuple[list[Any], bool]:
+    """(each prompt's token ids as given, batched): batched=False for a single prompt."""
+    text, input_ids = args.text, args.input_ids
+    if (text is None) == (input_ids is None):
         raise ValueError("generate: give exactly one of 'prompt' or 'input_ids'")
-    if prompt is not None:
-        texts, batched = _as_list(prompt)
+    if text is not None:
+        batched = isinstance(text, list)
+        texts = text if isinstance(text, list) else [text]
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise ValueError(f"prompt[{i}]: expected a string, got {type(t).__name__}")
-        ids_list = [encode(t) for t in texts]
-    else:
-        assert input_ids is not None
-        batched = bool(input_ids) and isinstance(input_ids[0], list)
-        ids_list = input_ids if batched else [input_ids]  # type: ignore[list-item, assignment]
-    n_prompts = len(ids_list)
+        return [encode(t) for t in texts], batched
+    assert input_ids is not None
+    batched = bool(input_ids) and isinstance(input_ids[0], list)
+    return (input_ids if batched else [input_ids]), batched
+
+
+def _token_ids(where: str, ids: list[Any], limits: Limits) -> list[int]:
+    if not ids:
+        raise ValueError(f"{where}: the prompt is empty (it needs at least one token)")
+    out: list[int] = []
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{where}: token id {t!r} at position {j} is not an integer")
+        if not 0 <= int(t) < limits.vocab_size:
+            raise ValueError(
+                f"{where}: token id {t!r} at position {j} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+        out.append(int(t))
+    if len(out) >= limits.context_length:
+        raise ValueError(
+            f"{where}: prompt of {len(out)} tokens does not fit the context length {limits.context_length} (it needs room for one output token)"
+        )
+    return out
+
+
+def normalize_generate(
+    args: GenerateArgs,
+    limits: Limits,
+    *,
+    encode: Callable[[str], list[int]],
+    next_seed: Callable[[], int],
+    sessions: Sessions | None = None,
+    bos_token_id: int | None = None,
+) -> tuple[list[RequestSpec], bool]:
+    """Returns (specs, batched): batched=False when a single prompt was given (one result).
+    With `session_params`, each prompt's tokens are put behind its session's earlier turns
+    (`sessions.plan`, nothing changed yet) and its spec carries that plan."""
+    raw, batched = _prompts(args, encode)
+    n_prompts = len(raw)
     if n_prompts == 0:
         raise ValueError("generate: empty batch (no prompts)")
-    sp_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n_prompts
+    session_params = None
+    if args.session_params is not None:
+        if sessions is None:
+            raise ValueError("session_params: this frontend serves no sessions")
+        session_params = _per_prompt(args.session_params, n_prompts)
+        if len(session_params) != n_prompts:
+            raise ValueError(f"session_params: {len(session_params)} given for {n_prompts} prompts")
+    sp_list = _per_prompt(args.sampling_params, n_prompts)
     if len(sp_list) != n_prompts:
         raise ValueError(f"sampling_params: {len(sp_list)} given for {n_prompts} prompts")
-    rids = rid if isinstance(rid, list) else ([rid] if rid is not None else [None] * n_prompts)
+    rids = args.rid if isinstance(args.rid, list) else ([args.rid] if args.rid is not None else [None] * n_prompts)
     if len(rids) != n_prompts:
         raise ValueError(f"rid: {len(rids)} given for {n_prompts} prompts")
     for i, r in enumerate(rids):
         if r is not None and not (isinstance(r, str) and r):
             raise ValueError(f"rid[{i}]={r!r}: a request id must be a non-empty string")
-    lp = return_logprob if isinstance(return_logprob, list) else [return_logprob] * n_prompts
-    tl = top_logprobs_num if isinstance(top_logprobs_num, list) else [top_logprobs_num] * n_prompts
+    lp = _per_prompt(args.return_logprob, n_prompts)
+    tl = _per_prompt(args.top_logprobs_num, n_prompts)
     if len(lp) != n_prompts or len(tl) != n_prompts:
         raise ValueError(
             f"return_logprob / top_logprobs_num: {len(lp)} / {len(tl)} given for {n_prompts} prompts"
         )
     specs: list[RequestSpec] = []
-    for i, ids in enumerate(ids_list):
+    for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
-        if not isinstance(ids, list | tuple) or not ids:
+        if not isinstance(given, list | tuple):
             raise ValueError(f"{where}: the prompt is empty (it needs at least one token)")
-        for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise ValueError(f"{where}: token id {t!r} at position {j} is not an integer")
-            if not 0 <= t < vocab_size:
-                raise ValueError(
-                    f"{where}: token id {t!r} at position {j} is outside the vocabulary [0, {vocab_size})"
-                )
-        ids = [int(t) for t in ids]
-        if len(ids) >= context_length:
-            raise ValueError(
-                f"{where}: prompt of {len(ids)} tokens does not fit the context length {context_length} (it needs room for one output token)"
-            )
+        plan = None
+        if session_params is not None:  # a session turn's input holds its earlier turns
+            assert sessions is not None
+            plan = sessions.plan(session_params[i], list(given), bos_token_id)
+            given = plan.input_ids
+        ids = _token_ids(where, given, limits)
         sp = SamplingParams.from_dict(
-            sp_list[i], vocab_size=vocab_size, max_new_tokens_limit=context_length - len(ids)
+            sp_list[i], vocab_size=limits.vocab_size, max_new_tokens_limit=limits.context_length - len(ids)
         )
-        if not isinstance(tl[i], int) or not 0 <= tl[i] <= max_top_logprobs_num:
+        if not isinstance(tl[i], int) or not 0 <= tl[i] <= limits.max_top_logprobs_num:
             raise ValueError(
-                f"top_logprobs_num={tl[i]!r} must be in [0, {max_top_logprobs_num}] (server max_top_logprobs_num)"
+                f"top_logprobs_num={tl[i]!r} must be in [0, {limits.max_top_logprobs_num}] (server max_top_logprobs_num)"
             )
+        if plan is not None and sp.n > 1:
+            raise ValueError("session_params: n > 1 samples cannot share one session turn")
         base_rid = rids[i] or uuid.uuid4().hex
         # no seed given: a fresh one per prompt, so equal prompts sample differently (GRPO groups)
         base_seed = sp.sampling_seed if sp.sampling_seed is not None else next_seed()
@@ -115,6 +176,7 @@ def normalize_generate(
                 rid=base_rid if sp.n == 1 else f"{base_rid}-{k}",
                 input_ids=list(ids), sampling=sp.with_seed((base_seed + k) % (2**63)),
                 return_logprob=bool(lp[i]), top_logprobs_num=int(tl[i]), index=len(specs),
+                stream=args.stream, session=plan,
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

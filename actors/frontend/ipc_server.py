@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 
 from actors.frontend import protocol as p
+from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
-from actors.frontend.tokenizer_manager import TokenizerManager
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.ipc")
@@ -163,15 +163,11 @@ class _Connection:
                 del self.calls[msg.id]
 
     async def _generate(self, c: p.Generate) -> None:
-        kwargs: dict[str, Any] = dict(prompt=c.prompt, input_ids=c.input_ids, sampling_params=c.sampling_params,
-                      return_logprob=c.return_logprob, top_logprobs_num=c.top_logprobs_num, rid=c.rid, stream=c.stream)  # fmt: skip
-        if c.session_params is not None:
-            kwargs["session_params"] = c.session_params
-        if c.prompt is None:
-            specs, batched = self.tm.specs(**kwargs)
+        if c.args.text is None:
+            specs, batched = self.tm.specs(c.args)
         else:  # tokenizing text is CPU work: off the loop, so other connections keep going
-            specs, batched = await asyncio.get_running_loop().run_in_executor(None, lambda: self.tm.specs(**kwargs))
-        if not c.stream:
+            specs, batched = await asyncio.get_running_loop().run_in_executor(None, self.tm.specs, c.args)
+        if not c.args.stream:
             await self.send(p.Done(c.id, await self.tm.generate(specs, batched)))
             return
         states = await self.tm.submit_all(specs)

@@ -2,11 +2,11 @@
 
 Requests are decoded with msgspec into the structs below (unknown fields are refused, naming
 the field; OpenAI options ringserve does not implement are refused unless left at their
-default), turned into `generate` arguments, and answered in OpenAI's shapes: `text_completion`
-/ `chat.completion` objects, or SSE chunks (`text_completion` / `chat.completion.chunk`; for
-chat a role chunk, content deltas, then a finish chunk per choice), an optional usage chunk,
-and `data: [DONE]`. As in SGLang, ids are the request ids, each choice carries `matched_stop`,
-and `usage` counts each distinct prompt once.
+default), turned into one `GenerateArgs` (actors/frontend/inputs.py), and answered in OpenAI's
+shapes: `text_completion` / `chat.completion` objects, or SSE chunks (`text_completion` /
+`chat.completion.chunk`; for chat a role chunk, content deltas, then a finish chunk per
+choice), an optional usage chunk, and `data: [DONE]`. As in SGLang, ids are the request ids,
+each choice carries `matched_stop`, and `usage` counts each distinct prompt once.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+
+from actors.frontend.inputs import GenerateArgs
 
 _S = {"forbid_unknown_fields": True, "omit_defaults": True}
 
@@ -99,8 +101,8 @@ def _sampling(r: _Common, max_new_tokens: int | None) -> dict[str, Any]:
     return sp
 
 
-def completion_args(r: CompletionRequest) -> dict[str, Any]:
-    """`generate` keyword arguments of a /v1/completions request."""
+def completion_args(r: CompletionRequest) -> GenerateArgs:
+    """The generate call of a /v1/completions request."""
     _refuse_unsupported(r, {"echo": (r.echo, False), "suffix": (r.suffix, None)})
     if r.best_of is not None and r.best_of != r.n:
         raise ValueError(f"best_of={r.best_of} is not supported (only best_of == n)")
@@ -108,27 +110,20 @@ def completion_args(r: CompletionRequest) -> dict[str, Any]:
         raise ValueError(f"max_tokens={r.max_tokens} must be >= 1")
     if r.logprobs is not None and r.logprobs < 0:
         raise ValueError(f"logprobs={r.logprobs} must be >= 0")
-    prompt = r.prompt
-    args: dict[str, Any] = {"sampling_params": _sampling(r, r.max_tokens)}
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
-        if prompt == "" or prompt == []:
-            raise ValueError("prompt: cannot be empty")
-        args["prompt"] = prompt
-    else:
-        if not prompt:
-            raise ValueError("prompt: cannot be empty")
-        args["input_ids"] = prompt
-    if r.logprobs is not None:
-        args["return_logprob"] = True
-        args["top_logprobs_num"] = r.logprobs
-    if r.rid is not None:
-        args["rid"] = r.rid
-    return args
+    prompt: Any = r.prompt
+    if not prompt:
+        raise ValueError("prompt: cannot be empty")
+    is_text = isinstance(prompt, str) or isinstance(prompt[0], str)
+    return GenerateArgs(
+        text=prompt if is_text else None, input_ids=None if is_text else prompt,
+        sampling_params=_sampling(r, r.max_tokens), rid=r.rid,
+        return_logprob=r.logprobs is not None, top_logprobs_num=r.logprobs or 0, stream=r.stream,
+    )  # fmt: skip
 
 
-def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> dict[str, Any]:
-    """`generate` keyword arguments of a /v1/chat/completions request; `render(messages)` is
-    the model's chat template, tokenized."""
+def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> GenerateArgs:
+    """The generate call of a /v1/chat/completions request; `render(messages)` is the model's
+    chat template, tokenized."""
     _refuse_unsupported(r, {"tools": (r.tools, None), "response_format": (r.response_format, None)})
     if not r.messages:
         raise ValueError("messages: cannot be empty")
@@ -148,13 +143,10 @@ def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]
         raise ValueError(f"max_completion_tokens={max_new} must be >= 1")
     if r.top_logprobs is not None and not r.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
-    args: dict[str, Any] = {"input_ids": render(messages), "sampling_params": _sampling(r, max_new)}
-    if r.logprobs:
-        args["return_logprob"] = True
-        args["top_logprobs_num"] = r.top_logprobs or 0
-    if r.rid is not None:
-        args["rid"] = r.rid
-    return args
+    return GenerateArgs(
+        input_ids=render(messages), sampling_params=_sampling(r, max_new), rid=r.rid,
+        return_logprob=r.logprobs, top_logprobs_num=(r.top_logprobs or 0) if r.logprobs else 0, stream=r.stream,
+    )  # fmt: skip
 
 
 # ---- responses ---------------------------------------------------------------------------------

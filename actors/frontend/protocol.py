@@ -11,8 +11,8 @@ server aborts what it still runs. Closing the connection cancels every call on i
 
 The server checks a frame's length before reading its body, and decodes every frame with the
 typed decoder of its direction: nothing is pickled, and a frame of another shape is refused.
-Arguments travel as the caller gave them and are validated by the frontend exactly as the
-Engine validates them.
+A generate call carries the caller's `GenerateArgs` (actors/frontend/inputs.py) unchecked; the
+frontend validates it exactly as it validates the Engine's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import struct
 from typing import Any
 
 import msgspec
+
+from actors.frontend.inputs import GenerateArgs
 
 _S = {"omit_defaults": True, "gc": False}
 HEADER = struct.Struct("<I")
@@ -34,14 +36,7 @@ class FrameTooLarge(ValueError):
 # ---- client -> server ------------------------------------------------------------------------
 class Generate(msgspec.Struct, tag="generate", **_S):
     id: int
-    prompt: str | list[str] | None = None
-    input_ids: list[Any] | None = None  # one prompt or many (checked by the frontend)
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] = False
-    top_logprobs_num: int | list[int] = 0
-    rid: str | list[str] | None = None
-    stream: bool = False
-    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    args: GenerateArgs  # as the caller gave them (checked by the frontend)
 
 
 class Abort(msgspec.Struct, tag="abort", **_S):

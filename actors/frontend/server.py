@@ -85,11 +85,11 @@ class Servers:
         if self._http is not None:
             self._http.should_exit = True  # stops accepting; in-flight requests finish below
         self.tm.refuse_new("the server is shutting down")
-        if self.tm.states:
+        if self.tm.core.states:
             with contextlib.suppress(Exception):
                 self.tm.abort_request(abort_all=True)
         deadline = time.monotonic() + drain_s
-        while self.tm.states and time.monotonic() < deadline:  # aborted outputs on their way out
+        while self.tm.core.states and time.monotonic() < deadline:  # aborted outputs on their way out
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)  # let the last answers reach their sockets
         if self.ipc is not None:

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from actors.frontend.tokenizer_manager import TokenizerManager
+from actors.frontend.actor import TokenizerManager
 
 Verb = Callable[..., Awaitable[Any]]
 

@@ -1,5 +1,6 @@
 """ActorGroup: the parent's side of the actor system (rings, spawn, readiness, watch, teardown),
-and `ringserve cleanup` for segments left behind by dead processes.
+`start_engine`: one engine's rings and actors, and `ringserve cleanup` for segments left
+behind by dead processes.
 
     parent                                   actor process (spawn)
     ActorGroup.ring()/broadcast_ring() ───── ring names in ActorSpec.rings ──► attach
@@ -33,11 +34,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from actors.transport.actor import ActorSpec, Failed, LogLine, Ready, Stop, actor_main, decode_control, encode
 from actors.transport.ring import BroadcastRing, Ring, _RingBase
 
-__all__ = ["ActorFailed", "ActorGroup", "cleanup_main"]
+if TYPE_CHECKING:
+    from actors.server_args import ServerArgs
+
+__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "start_engine"]
 
 log = logging.getLogger("ringserve.launcher")
 OnFailure = Callable[[str, int | None, str], None]
@@ -356,6 +361,36 @@ class ActorGroup:
             a.conn.close()
         for ring in rings:
             ring.unlink()
+
+
+# ---- one engine's topology ----------------------------------------------------------------
+def start_engine(args: ServerArgs, config: bytes, on_failure: OnFailure) -> tuple[ActorGroup, Ring, Ring]:
+    """Create one engine's rings and spawn its actors; returns (group, to_scheduler,
+    from_detokenizer), the frontend's two ends. Every actor gets `config` (an encoded
+    ActorConfig); the caller waits for them with `group.wait_ready()`. If anything fails here,
+    the group is shut down before the error is raised.
+
+        frontend ──"sched"──► scheduler ──"runner" (broadcast)──► runner
+                                  ▲ ◄────────── "result" ───────────┘
+                                  └──"detok"──► detokenizer ──"front"──► frontend
+    """
+    group = ActorGroup(on_failure=on_failure, log_level=getattr(logging, args.log_level.upper()))
+    try:
+        cap, spin = args.ring_bytes, args.spin_us
+        sched_in = group.ring("sched", cap, spin_us=spin)
+        runner_in = group.broadcast_ring("runner", 1, cap, spin_us=spin)
+        runner_out = group.ring("result", cap, spin_us=spin)
+        detok_in = group.ring("detok", cap, spin_us=spin)
+        front_in = group.ring("front", cap, spin_us=spin)
+        sched_rings = {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name,
+                       "to_detok": detok_in.name}  # fmt: skip
+        group.spawn("scheduler", "actors.scheduler.actor:run", config, sched_rings)
+        group.spawn("runner", "actors.runner.actor:run", config, {"inbox": runner_in.name, "outbox": runner_out.name})
+        group.spawn("detokenizer", "actors.detokenizer.actor:run", config, {"inbox": detok_in.name, "outbox": front_in.name})
+    except BaseException:
+        group.shutdown()
+        raise
+    return group, sched_in, front_in
 
 
 # ---- ringserve cleanup -------------------------------------------------------------------

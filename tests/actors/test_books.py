@@ -22,6 +22,7 @@ VOCAB = 1000
 
 
 def make(num_pages=256, page=16, max_running=8, **kw):
+    kw.setdefault("context_length", (num_pages - 2) * page)  # the longest request the pool holds
     args = ServerArgs(
         page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw
     )

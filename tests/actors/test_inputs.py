@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from actors.frontend.inputs import normalize_generate
+from actors.frontend.inputs import GenerateArgs, Limits, normalize_generate
 
 
-def norm(**kw):
+def norm(prompt=None, **kw):
+    """normalize_generate of the Engine's keyword arguments (`prompt` is GenerateArgs.text)."""
     seeds = iter(range(7, 1000))
-    base = dict(prompt=None, input_ids=None, sampling_params=None, rid=None, return_logprob=False, top_logprobs_num=0,
-                encode=lambda s: [ord(c) % 100 for c in s], vocab_size=100, context_length=64, max_top_logprobs_num=5,
-                next_seed=lambda: next(seeds))  # fmt: skip
-    base.update(kw)
-    return normalize_generate(**base)
+    args = GenerateArgs(text=prompt, **kw)
+    return normalize_generate(args, Limits(vocab_size=100, context_length=64, max_top_logprobs_num=5),
+                              encode=lambda s: [ord(c) % 100 for c in s], next_seed=lambda: next(seeds))  # fmt: skip
 
 
 def test_single_and_batched_forms():
@@ -110,3 +109,46 @@ def test_numpy_token_ids_are_accepted():
 
     specs, _ = norm(input_ids=[np.int64(3), np.int32(4)])
     assert specs[0].input_ids == [3, 4] and type(specs[0].input_ids[0]) is int
+
+
+def session_norm(sessions, **kw):
+    args = GenerateArgs(**kw)
+    return normalize_generate(args, Limits(vocab_size=100, context_length=64, max_top_logprobs_num=5),
+                              encode=lambda s: [1] + [ord(c) % 100 for c in s], next_seed=lambda: 7,
+                              sessions=sessions, bos_token_id=1)  # fmt: skip
+
+
+def test_a_session_turn_is_put_behind_its_earlier_turn():
+    from actors.frontend.sessions import Sessions
+
+    sessions = Sessions()
+    sid = sessions.open_session()
+    (first,), _ = session_norm(sessions, input_ids=[1, 5, 6], rid="t1", session_params={"id": sid})
+    assert first.input_ids == [1, 5, 6] and first.session is not None and first.session.parent is None
+    sessions.begin(first.session, "t1", first.input_ids)
+    sessions.finished(sid, "t1", [40, 41])
+    # text: encoded once, its BOS dropped behind the earlier turn; input + output + new tokens
+    specs, batched = session_norm(sessions, text=["hi"], session_params=[{"id": sid, "rid": "t1"}])
+    assert batched and specs[0].input_ids == [1, 5, 6, 40, 41, 4, 5]
+    assert specs[0].session is not None and specs[0].session.parent is sessions.open[sid].turns["t1"]
+    (cut,), _ = session_norm(sessions, input_ids=[9], session_params={"id": sid, "rid": "t1", "offset": 2})
+    assert cut.input_ids == [1, 5, 9]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(input_ids=[5], session_params={"id": "nope"}), "session id 'nope' does not exist"),
+        (dict(input_ids=[[5], [6]], session_params=[{"id": "S"}]), "session_params: 1 given for 2 prompts"),
+        (dict(input_ids=[5], session_params={"id": "S"}, sampling_params={"n": 2}), "n > 1 samples cannot share"),
+        (dict(input_ids=[5, 100], session_params={"id": "S"}), "token id 100 at position 1 is outside the vocabulary"),
+    ],
+)
+def test_bad_session_turns_name_the_field(kw, message):
+    from actors.frontend.sessions import Sessions
+
+    sessions = Sessions()
+    sessions.open_session(session_id="S")
+    with pytest.raises(ValueError) as e:
+        session_norm(sessions, **kw)
+    assert message in str(e.value)

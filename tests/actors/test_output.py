@@ -35,7 +35,7 @@ def decode_step_bytes(batch: int, step_id: int) -> int:
 
 def first_decode(context: int, batch: int, page: int = 16):
     n_pages = (context + 64) * batch // page + 8
-    args = ServerArgs(page_size=page, max_total_tokens=n_pages * page, max_running_requests=batch, context_length=8192,
+    args = ServerArgs(page_size=page, max_total_tokens=n_pages * page, max_running_requests=batch, context_length=context + 64,
                       chunked_prefill_size=-1, max_prefill_tokens=context * batch + 16)  # fmt: skip
     core = SchedulerCore(args, KVCache(n_pages, page, batch, disable_radix_cache=True), lambda ids: "")
     runner, mirrors = FakeRunner(page), SlotMirrors(batch)

@@ -23,6 +23,7 @@ def letters(ids: list[int]) -> str:
 
 
 def make(num_pages=256, page=1, max_running=8, **kw):
+    kw.setdefault("context_length", (num_pages - 2) * page)  # the longest request the pool holds
     args = ServerArgs(
         page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running, **kw
     )

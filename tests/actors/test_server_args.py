@@ -43,6 +43,8 @@ def test_frozen():
         (dict(dtype="int4"), "dtype='int4': choose one of"),
         (dict(chunked_prefill_size=0), "chunked_prefill_size=0: -1 (off) or >= 1"),
         (dict(max_total_tokens=16, page_size=16), "max_total_tokens=16: must hold at least 2 pages"),
+        (dict(max_total_tokens=4096, context_length=4096, page_size=16),
+         "max_total_tokens=4096: the KV pool must hold one request of context_length=4096 plus a page (4128 tokens)"),
         (dict(max_prefill_tokens=100), "max_prefill_tokens=100: must be a multiple of extend_block=16"),
         (dict(ring_bytes=5000), "ring_bytes=5000: must be a power of two"),
         (dict(pagesize=16), "unknown server option 'pagesize'; did you mean ['page_size'"),
@@ -55,4 +57,4 @@ def test_bad_options_name_the_field_and_limit(kwargs, message):
 
 
 def test_num_pages_rounds_down():
-    assert ServerArgs(max_total_tokens=1000, page_size=16).num_pages == 62
+    assert ServerArgs(max_total_tokens=1000, page_size=16, context_length=512).num_pages == 62

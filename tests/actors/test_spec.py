@@ -23,6 +23,7 @@ K = 3
 
 
 def make(page=4, num_pages=512, overlap=True, model=None, **kw):
+    kw.setdefault("context_length", (num_pages - 2) * page)  # the longest request the pool holds
     args = ServerArgs(page_size=page, max_total_tokens=num_pages * page, max_running_requests=8,
                       speculative_algorithm="ngram", speculative_num_draft_tokens=K,
                       disable_overlap_schedule=not overlap, **kw)  # fmt: skip

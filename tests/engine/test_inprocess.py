@@ -21,6 +21,7 @@ from tests.hf_ref import hf_greedy
 
 def run_engine(path, prompts, max_new, *, page, chunk, num_pages, overlap, max_running=8):
     args = ServerArgs(page_size=page, max_total_tokens=num_pages * page, max_running_requests=max_running,
+                      context_length=min(256, (num_pages - 2) * page),  # the longest request the pool holds
                       chunked_prefill_size=chunk, max_prefill_tokens=256, disable_overlap_schedule=not overlap)  # fmt: skip
     ex = ModelExecutor(path, ExecutorConfig(page_size=page, num_pages=num_pages, max_context_len=256, max_batch=max_running,
                                             max_extend_tokens=args.max_prefill_tokens + 16 * max_running, precompile=False))  # fmt: skip

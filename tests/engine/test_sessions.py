@@ -129,7 +129,7 @@ def test_32_concurrent_sessions_of_5_turns(engine):
 def session(engine):
     sid = engine.open_session()
     yield sid
-    if sid in engine.frontend.sessions.open:
+    if sid in engine.frontend.core.sessions.open:
         engine.close_session(sid)
 
 

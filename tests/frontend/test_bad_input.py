@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from actors.frontend import protocol as p
+from actors.frontend.inputs import GenerateArgs
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SP = {**GREEDY, "max_new_tokens": 20}
@@ -125,7 +126,7 @@ def test_socket_frame_of_the_wrong_shape(servers, running):
 def test_socket_truncated_frame_and_silent_client(engine, servers, running):
     silent = _raw(servers)  # connects and sends nothing: costs nothing, blocks nobody
     s = _raw(servers)
-    body = msgspec.msgpack.encode(p.Generate(1, input_ids=[5, 6], sampling_params={"max_new_tokens": 50}))
+    body = msgspec.msgpack.encode(p.Generate(1, GenerateArgs(input_ids=[5, 6], sampling_params={"max_new_tokens": 50})))
     s.sendall(struct.pack("<I", len(body)) + body[: len(body) // 2])
     s.close()  # mid-frame: the server drops the connection, nothing was submitted
     time.sleep(0.2)

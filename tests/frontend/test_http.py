@@ -182,3 +182,20 @@ def test_sessions_over_http_and_the_client(engine, servers, client):
     out = client.generate(input_ids=[5, 6], sampling_params=sp, session_params={"id": sid2})
     assert out["output_ids"] == engine.generate(input_ids=[5, 6], sampling_params=sp)["output_ids"]
     client.close_session(sid2)
+
+
+def test_generate_body_builds_the_generate_args():
+    """/generate's body decodes into GenerateBody and yields the GenerateArgs every surface
+    builds; input_ids win over text (as SGLang); fields served only at their default refuse."""
+    import msgspec
+
+    from actors.frontend.http_server import GenerateBody
+    from actors.frontend.inputs import GenerateArgs
+
+    body = b'{"text": "a", "input_ids": [1, 2], "rid": "r", "stream": true, "logprob_start_len": -1}'
+    args = msgspec.json.decode(body, type=GenerateBody).args()
+    assert type(args) is GenerateArgs and args == GenerateArgs(input_ids=[1, 2], rid="r", stream=True)
+    for bad, message in [(b'{"text": "a", "lora_path": "x"}', "lora_path is not supported by ringserve"),
+                         (b'{"text": "a", "logprob_start_len": [0]}', "logprob_start_len: only -1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            msgspec.json.decode(bad, type=GenerateBody).args()

@@ -1,20 +1,14 @@
-"""The frontend (SGLang's TokenizerManager): tokenizes and validates, sends requests to the
-scheduler, gathers the detokenizer's outputs into SGLang-shaped results and streams. Every
-surface calls the async verbs below on the frontend loop: the in-process Engine (through
-actors/frontend/bridge.py), the IPC socket server and the HTTP server. So they share one
-request table, one abort path, one set of metrics.
+"""The frontend (SGLang's TokenizerManager): the process side around `FrontendCore`
+(actors/frontend/core.py). It validates and tokenizes (actors/frontend/inputs.py), sends
+requests to the scheduler, hands the detokenizer's outputs to the core's request table and
+serves results and streams. Every surface calls the async verbs below on the frontend loop:
+the in-process Engine (through actors/frontend/bridge.py), the IPC socket server and the HTTP
+server. So they share one request table, one abort path, one set of metrics.
 
 Threads: one asyncio loop (a LoopThread) holds every request's state; a reader thread blocks
 on the detokenizer's ring and hands each message to that loop. Sends to the scheduler's ring
-(single producer) go through one lock, so any thread may send.
-
-Output of one request (SGLang's format; streamed chunks carry the text and ids so far):
-
-    {"text": str, "output_ids": [int],
-     "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", ...} | None,
-                   "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
-                   "output_token_logprobs": [(logprob, token_id, text)]            (if asked)
-                   "output_top_logprobs": [[(logprob, token_id, text), ...]]}}     (if asked)
+(single producer) go through one lock, so any thread may send. Results are SGLang's dicts
+(their shape is drawn in core.py).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import json
 import logging
 import random
@@ -32,10 +25,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
+from actors.frontend.core import FrontendCore, ReqState, generate_req
 from actors.frontend.errors import EngineDead
-from actors.frontend.inputs import RequestSpec, normalize_generate
-from actors.frontend.metrics import FrontendMetrics
-from actors.frontend.sessions import Sessions
+from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -46,38 +38,21 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 T = TypeVar("T")
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class ReqState:
-    spec: RequestSpec
-    created: float
-    text: str = ""
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    finished: bool = False
-    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    error: BaseException | None = None
-    last_output: float = 0.0  # when the latest tokens arrived (inter-token latency)
-
-
 class TokenizerManager:
     def __init__(self, tokenizer, to_scheduler, from_detok, *, args: ServerArgs, vocab_size: int):
         self.tok = tokenizer
         self.args = args
-        self.vocab_size = vocab_size
         self.to_scheduler = to_scheduler
         self.from_detok = from_detok
         self.send_lock = threading.Lock()
-        self.states: dict[str, ReqState] = {}
+        self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
+        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num)
         self.replies: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self.dead: BaseException | None = None
         self.closing = False
-        self.metrics = FrontendMetrics()
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
-        self.sessions = Sessions()
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
@@ -132,118 +107,29 @@ class TokenizerManager:
                 if not fut.done():
                     fut.set_result(msg)
                 return
-            self._outputs(msg)
+            self.core.apply(msg, time.perf_counter())
         except Exception as e:  # a protocol bug: fail loudly rather than leave callers waiting
             log.exception("frontend: bad message from the detokenizer")
             self.fail_all(e)
 
-    def _outputs(self, msg: m.BatchStrOut) -> None:
-        now = time.perf_counter()
-        for o, text in zip(msg.outs, msg.texts, strict=True):
-            st = self.states.get(o.rid)
-            if st is None:
-                continue
-            new = m.as_i32(o.new_ids).tolist()
-            st.text += text
-            if new:
-                if not st.output_ids:
-                    first_at = o.first_token_at or now
-                    self.metrics.first_token(first_at - st.created)
-                elif st.spec.stream:
-                    self.metrics.inter_token((now - st.last_output) / len(new), len(new))
-                st.last_output = now
-            st.output_ids += new
-            if o.logprobs:
-                st.logprobs += m.as_f32(o.logprobs).tolist()
-            if o.top_n:
-                ids = m.as_i32(o.top_ids).reshape(-1, o.top_n)
-                lps = m.as_f32(o.top_logprobs).reshape(-1, o.top_n)
-                st.top += [
-                    list(zip(lp.tolist(), i.tolist(), strict=True)) for lp, i in zip(lps, ids, strict=True)
-                ]
-            st.meta.update(
-                prompt_tokens=o.prompt_tokens,
-                completion_tokens=o.completion_tokens,
-                cached_tokens=o.cached_tokens,
-            )
-            if o.weight_version:
-                st.meta["weight_version"] = o.weight_version
-            if o.weight_versions:  # the tokens came from several weights: which produced which
-                ends = [start for _, start in o.weight_versions[1:]] + [o.completion_tokens]
-                st.meta["weight_versions"] = [
-                    {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)
-                ]
-            if o.spec_verify_ct:  # SGLang's names (slime reads them)
-                k = self.args.speculative_num_draft_tokens
-                st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,
-                               spec_draft_token_num=o.spec_verify_ct * k,
-                               spec_accept_length=round(o.completion_tokens / o.spec_verify_ct, 4))  # fmt: skip
-            if o.finished:
-                if st.spec.session is not None:
-                    self.sessions.finished(st.spec.session.session.id, o.rid, st.output_ids)
-                st.finished = True
-                st.meta["finish_reason"] = o.finish_reason
-                st.meta["e2e_latency"] = now - st.created
-                self.metrics.finished(st.meta, now - st.created)
-                self.states.pop(o.rid, None)
-            st.changed.set()
-
     def fail_all(self, err: BaseException) -> None:
         """An actor died: every pending request and control call gets the error."""
         self.dead = err
-        for st in list(self.states.values()):
-            st.error = err
-            st.changed.set()
-        self.states.clear()
+        self.core.fail_all(err)
         while self.replies:
             _, fut = self.replies.popleft()
             if not fut.done():
                 fut.set_exception(EngineDead(f"the engine is down: {err}"))
 
     # ---- generation -------------------------------------------------------------------------
-    def specs(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
-              return_logprob: Any = False, top_logprobs_num: Any = 0, rid: Any = None,
-              stream: bool = False, session_params: Any = None) -> tuple[list[RequestSpec], bool]:  # fmt: skip
-        """Validate and normalise `generate` arguments (any thread): ValueError naming the field
-        and the limit, before anything is sent. Returns (specs, batched)."""
-        plans = None
-        if session_params is not None:  # a session turn's input holds its earlier turns
-            prompt, input_ids, plans = self._session_inputs(prompt, input_ids, session_params)
-        a = self.args
-        specs, batched = normalize_generate(
-            prompt=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            encode=self.tok.encode, vocab_size=self.vocab_size, context_length=a.context_length,
-            max_top_logprobs_num=a.max_top_logprobs_num, next_seed=lambda: self._seeds.getrandbits(63),
+    def specs(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
+        """Validate and normalise one generate call (any thread): ValueError naming the field
+        and the limit, before anything is sent; session turns get their earlier turns' tokens.
+        Returns (specs, batched)."""
+        return normalize_generate(
+            args, self.limits, encode=self.tok.encode, next_seed=lambda: self._seeds.getrandbits(63),
+            sessions=self.core.sessions, bos_token_id=self.tok.bos_token_id,
         )  # fmt: skip
-        for s in specs:
-            s.stream = stream
-        if plans is not None:
-            if len(specs) != len(plans):
-                raise ValueError("session_params: n > 1 samples cannot share one session turn")
-            for s, plan in zip(specs, plans, strict=True):
-                s.session = plan
-        return specs, batched
-
-    def _session_inputs(self, prompt: Any, input_ids: Any, session_params: Any) -> tuple[None, Any, list]:
-        """(prompt, input_ids, plans): each prompt's tokens behind its session's earlier turns."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("generate: give exactly one of 'prompt' or 'input_ids'")
-        batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], list)
-        if prompt is not None:
-            texts = prompt if batched else [prompt]
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt: expected a string or a list of strings")
-            new = [self.tok.encode(t) for t in texts]
-        else:
-            new = input_ids if batched else [input_ids]
-        params = session_params if isinstance(session_params, list) else [session_params] * len(new)
-        if len(params) != len(new):
-            raise ValueError(f"session_params: {len(params)} given for {len(new)} prompts")
-        bos = self.tok.bos_token_id
-        plans = [self.sessions.plan(p, list(ids), bos) for p, ids in zip(params, new, strict=True)]
-        ids = [p.input_ids for p in plans]
-        return None, ids if batched else ids[0], plans
 
     def refuse_new(self, reason: str) -> None:
         """From now on every new request fails with EngineDead(reason) (graceful shutdown)."""
@@ -253,26 +139,16 @@ class TokenizerManager:
         self.check_up()
         if self.refusing is not None:
             raise EngineDead(self.refusing)
-        if spec.rid in self.states:
-            raise ValueError(f"rid {spec.rid!r} is already in use by a live request")
-        st = ReqState(spec, time.perf_counter(), meta={"id": spec.rid, "finish_reason": None})
-        self.states[spec.rid] = st
-        plan = spec.session
+        st = self.core.add(spec, time.perf_counter())
         try:
-            if plan is not None:
-                self.sessions.begin(plan, spec.rid, spec.input_ids)
-            self.send(m.GenerateReq(
-                rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
-                return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
-                session_id=plan.session.id if plan is not None else None,
-            ))  # fmt: skip
+            self.send(generate_req(spec))
         except BaseException:
-            self.states.pop(spec.rid, None)
+            self.core.drop(spec.rid)
             raise
-        if plan is not None:
-            for rid in plan.abort:  # `replace` dropped these unfinished turns
+        if spec.session is not None:
+            for rid in spec.session.abort:  # `replace` dropped these unfinished turns
                 self.send(m.AbortReq(rid))
-        self.metrics.submitted(len(spec.input_ids))
+        self.core.metrics.submitted(len(spec.input_ids))
         return st
 
     async def submit_all(self, specs: list[RequestSpec]) -> list[ReqState]:
@@ -350,7 +226,7 @@ class TokenizerManager:
             st.changed.clear()
             if st.error is not None:
                 raise EngineDead(f"request {st.spec.rid} lost: the engine is down: {st.error}")
-            yield self.result(st)
+            yield self.core.result(st)
             if st.finished:
                 return
 
@@ -361,22 +237,7 @@ class TokenizerManager:
             st.changed.clear()
             if st.error is not None:
                 raise EngineDead(f"request {st.spec.rid} lost: the engine is down: {st.error}")
-        return self.result(st)
-
-    def result(self, st: ReqState) -> dict:
-        meta = dict(st.meta)
-        if st.spec.return_logprob:
-            texts = self.token_texts(st.output_ids)
-            meta["output_token_logprobs"] = [
-                (lp, t, texts[t]) for lp, t in zip(st.logprobs, st.output_ids, strict=False)
-            ]
-            if st.spec.top_logprobs_num:
-                tops = self.token_texts([t for row in st.top for _, t in row])
-                meta["output_top_logprobs"] = [[(lp, t, tops[t]) for lp, t in row] for row in st.top]
-        return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
-
-    def token_texts(self, ids: list[int]) -> dict[int, str]:
-        return {t: self.tok.decode([t]) for t in set(ids)}
+        return self.core.result(st)
 
     # ---- control ----------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -388,10 +249,7 @@ class TokenizerManager:
             return
         if not (isinstance(rid, str) and rid):
             raise ValueError(f"abort_request: rid={rid!r} must be a non-empty string (or pass abort_all=True)")
-        samples = [
-            r for r, st in list(self.states.items()) if r.startswith(rid + "-") and st.spec.sampling.n > 1
-        ]
-        for r in [rid] + samples:
+        for r in self.core.with_samples(rid):
             self.send(m.AbortReq(r))
 
     async def control(self, msg: Any, kind: str) -> m.ControlReply:
@@ -428,12 +286,12 @@ class TokenizerManager:
     async def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:
         """A streaming session: its turns (generate with session_params={"id": ...}) extend
         the KV of the turn they follow instead of recomputing it. Returns its id."""
-        return self.sessions.open_session(capacity_of_str_len, session_id)
+        return self.core.sessions.open_session(capacity_of_str_len, session_id)
 
     async def close_session(self, session_id: str) -> None:
         """Forget the session: unfinished turns are aborted, its kept KV is freed."""
         self.check_up()
-        for rid in self.sessions.close_session(session_id):
+        for rid in self.core.sessions.close_session(session_id):
             self.send(m.AbortReq(rid))
         self.send(m.CloseSessionReq(session_id))
 
@@ -441,7 +299,7 @@ class TokenizerManager:
         reply = await self.control(m.InfoReq(), "info")
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
-        info["frontend_requests"] = len(self.states)
+        info["frontend_requests"] = len(self.core.states)
         self.weights.version = info["weight_version"]
         return {**self.static_info, **info}
 

@@ -1,0 +1,162 @@
+"""The frontend's logic without threads or rings: the request table (`FrontendCore`).
+
+A request's state (`ReqState`) lives here from submit to its finished output. The actor
+(actors/frontend/actor.py) adds a state per validated `RequestSpec`, sends `generate_req(spec)`
+to the scheduler, and hands every `BatchStrOut` from the detokenizer to `apply`, which appends
+each output to its request (outputs of different requests come interleaved, in any order),
+finishes it (its session turn too) and wakes its waiters through `ReqState.changed`. `result`
+builds the SGLang-shaped dict from a state (streamed chunks carry the text and ids so far):
+
+    {"text": str, "output_ids": [int],
+     "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", ...} | None,
+                   "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
+                   "output_token_logprobs": [(logprob, token_id, text)]            (if asked)
+                   "output_top_logprobs": [[(logprob, token_id, text), ...]]}}     (if asked)
+
+plus "weight_version" / "weight_versions" (which weights made which tokens) and, with
+speculative decoding, SGLang's spec_* counters. Times are the caller's `now` (seconds of
+time.perf_counter()), so the table is driven by hand in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from actors.frontend.inputs import RequestSpec
+from actors.frontend.metrics import FrontendMetrics
+from actors.frontend.sessions import Sessions
+from actors.transport import messages as m
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ReqState:
+    spec: RequestSpec
+    created: float
+    text: str = ""
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+    last_output: float = 0.0  # when the latest tokens arrived (inter-token latency)
+
+
+def generate_req(spec: RequestSpec) -> m.GenerateReq:
+    """The scheduler's message for one validated request."""
+    plan = spec.session
+    return m.GenerateReq(
+        rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
+        return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
+        session_id=plan.session.id if plan is not None else None,
+    )  # fmt: skip
+
+
+class FrontendCore:
+    """Live requests by rid, the streaming sessions their turns belong to, and the metrics
+    their outputs feed. `tokenizer` is only asked to decode single tokens (logprob texts)."""
+
+    def __init__(self, tokenizer: Any, *, num_draft_tokens: int = 0, metrics: FrontendMetrics | None = None):
+        self.tok = tokenizer
+        self.num_draft_tokens = num_draft_tokens  # speculative_num_draft_tokens (spec_* meta)
+        self.states: dict[str, ReqState] = {}
+        self.sessions = Sessions()
+        self.metrics = metrics or FrontendMetrics()
+
+    # ---- the table --------------------------------------------------------------------------
+    def add(self, spec: RequestSpec, now: float) -> ReqState:
+        """A new live request (and its session turn, if any). ValueError: the rid is live."""
+        if spec.rid in self.states:
+            raise ValueError(f"rid {spec.rid!r} is already in use by a live request")
+        if spec.session is not None:
+            self.sessions.begin(spec.session, spec.rid, spec.input_ids)
+        st = ReqState(spec, now, meta={"id": spec.rid, "finish_reason": None})
+        self.states[spec.rid] = st
+        return st
+
+    def drop(self, rid: str) -> None:
+        """Forget a request the scheduler never got (its send failed)."""
+        self.states.pop(rid, None)
+
+    def with_samples(self, rid: str) -> list[str]:
+        """`rid` and the live samples `rid-0 ... rid-(n-1)` of a request made with n > 1."""
+        samples = [r for r, st in self.states.items() if r.startswith(rid + "-") and st.spec.sampling.n > 1]
+        return [rid] + samples
+
+    def fail_all(self, err: BaseException) -> None:
+        """Every live request ends with `err` (its waiters raise); the table is emptied."""
+        for st in self.states.values():
+            st.error = err
+            st.changed.set()
+        self.states.clear()
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def apply(self, msg: m.BatchStrOut, now: float) -> None:
+        """Append each output to its request; a finished one leaves the table. Outputs of a
+        request no longer live (aborted and answered, or failed) are ignored."""
+        for o, text in zip(msg.outs, msg.texts, strict=True):
+            st = self.states.get(o.rid)
+            if st is None:
+                continue
+            self._append(st, o, text, now)
+            if o.finished:
+                if st.spec.session is not None:
+                    self.sessions.finished(st.spec.session.session.id, o.rid, st.output_ids)
+                st.finished = True
+                st.meta["finish_reason"] = o.finish_reason
+                st.meta["e2e_latency"] = now - st.created
+                self.metrics.finished(st.meta, now - st.created)
+                del self.states[o.rid]
+            st.changed.set()
+
+    def _append(self, st: ReqState, o: m.TokenOut, text: str, now: float) -> None:
+        new = m.as_i32(o.new_ids).tolist()
+        st.text += text
+        if new:
+            if not st.output_ids:
+                self.metrics.first_token((o.first_token_at or now) - st.created)
+            elif st.spec.stream:
+                self.metrics.inter_token((now - st.last_output) / len(new), len(new))
+            st.last_output = now
+        st.output_ids += new
+        if o.logprobs:
+            st.logprobs += m.as_f32(o.logprobs).tolist()
+        if o.top_n:
+            ids = m.as_i32(o.top_ids).reshape(-1, o.top_n)
+            lps = m.as_f32(o.top_logprobs).reshape(-1, o.top_n)
+            st.top += [list(zip(lp.tolist(), i.tolist(), strict=True)) for lp, i in zip(lps, ids, strict=True)]
+        st.meta.update(
+            prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens
+        )
+        if o.weight_version:
+            st.meta["weight_version"] = o.weight_version
+        if o.weight_versions:  # the tokens came from several weights: which produced which
+            ends = [start for _, start in o.weight_versions[1:]] + [o.completion_tokens]
+            st.meta["weight_versions"] = [
+                {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)
+            ]
+        if o.spec_verify_ct:  # SGLang's names (slime reads them)
+            k = self.num_draft_tokens
+            st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,
+                           spec_draft_token_num=o.spec_verify_ct * k,
+                           spec_accept_length=round(o.completion_tokens / o.spec_verify_ct, 4))  # fmt: skip
+
+    # ---- results ----------------------------------------------------------------------------
+    def result(self, st: ReqState) -> dict:
+        """The SGLang-shaped result so far (see the module docstring); a fresh dict each call."""
+        meta = dict(st.meta)
+        if st.spec.return_logprob:
+            texts = self.token_texts(st.output_ids)
+            meta["output_token_logprobs"] = [
+                (lp, t, texts[t]) for lp, t in zip(st.logprobs, st.output_ids, strict=False)
+            ]
+            if st.spec.top_logprobs_num:
+                tops = self.token_texts([t for row in st.top for _, t in row])
+                meta["output_top_logprobs"] = [[(lp, t, tops[t]) for lp, t in row] for row in st.top]
+        return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+    def token_texts(self, ids: list[int]) -> dict[int, str]:
+        return {t: self.tok.decode([t]) for t in set(ids)}
