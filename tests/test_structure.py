@@ -266,3 +266,13 @@ def test_the_path_check_finds_a_missing_file():
     text = "see actors/runner_state.py and runner/core.py (model/step.py)."
     assert named_paths(text) >= {"actors/runner_state.py", "runner/core.py", "model/step.py"}
     assert missing(named_paths(text)) == ["actors/runner_state.py"]
+
+
+def test_tests_mirror_the_packages():
+    """tests/actors/<folder>/ for every folder of actors/ that has logic, tests/<pkg>/ for each
+    package; the only test files at the top are the project-wide ones."""
+    for folder in (*PROCESS_FOLDERS, "transport"):
+        assert sorted((ROOT / "tests" / "actors" / folder).glob("test_*.py")), folder
+    for pkg in ("kvmem", "model", "engine", "bench"):
+        assert sorted((ROOT / "tests" / pkg).glob("test_*.py")), pkg
+    assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == ["test_structure.py", "test_tooling.py"]

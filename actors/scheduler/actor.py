@@ -28,6 +28,7 @@ from collections.abc import Callable
 from actors.scheduler.batch import ScheduledBatch, StepResult
 from actors.scheduler.core import ReqOutput, SchedulerCore
 from actors.scheduler.output import step_msg, token_out
+from actors.scheduler.report import load, server_info
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -179,7 +180,7 @@ class SchedulerActor:
         elif isinstance(msg, m.InfoReq):
             self._reply("info", True, "", json.dumps(self.info()).encode())
         elif isinstance(msg, m.LoadReq):
-            self._reply("load", True, "", json.dumps(core.load()).encode())
+            self._reply("load", True, "", json.dumps(load(core)).encode())
         elif isinstance(msg, m.UpdateWeightsReq):
             self._update_weights(msg)
         elif isinstance(msg, m.GetWeightsReq):
@@ -236,7 +237,7 @@ class SchedulerActor:
         """get_server_info: the core's facts and stats, and what this loop owns."""
         compiled = self.runner_compile_status()  # first: it finishes the steps in flight
         return {
-            **self.core.info(),
+            **server_info(self.core),
             **compiled,
             "runner_trace_count": self.runner_trace_count,
             "in_flight": len(self.in_flight),

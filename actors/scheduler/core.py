@@ -6,7 +6,7 @@
     process_result(batch, result)                             append tokens, finish, stream
 
 The core owns every scheduling fact (queues, paused, memory released, weight version, stats);
-the actor (actors/scheduler/actor.py) only calls its verbs.
+the actor (actors/scheduler/actor.py) only calls its verbs; actors/scheduler/report.py reports it.
 
 Outputs: a streamed request gets its new tokens every `stream_interval` tokens; any request
 gets them all when it finishes (so a non-streamed request costs the detokenizer and the
@@ -425,42 +425,3 @@ class SchedulerCore:
         """Called whenever nothing runs: integrity of the KV books, ratio reset."""
         self.ratio.reset()
         self.sessions.check_integrity([r.kv for r in self.live() if r.kv is not None])
-
-    # ---- what get_server_info and get_load report -----------------------------------------------
-    def info(self) -> dict:
-        c, a = self.cache, self.args
-        return {
-            "running_batch_size": len(self.running),
-            "waiting_queue_size": len(self.waiting),
-            "running_rids": [r.rid for r in self.running],
-            "waiting_rids": [r.rid for r in self.waiting],
-            "chunked_req": self.chunked.rid if self.chunked else None,
-            "retracted_waiting": sum(1 for r in self.waiting if r.retractions > 0),
-            "paused": self.paused,
-            "memory_released": sorted(self.memory_released),
-            "weight_version": self.weight_version,
-            "available_kv_tokens": c.available_tokens(),
-            "initial_kv_tokens": self.initial_tokens,
-            "tree_cache_size": c.tree.total_pages * a.page_size,
-            "req_to_token_pool_used": a.max_running_requests - c.num_free_slots,
-            "new_token_ratio": round(self.ratio.value, 4),
-            "sessions_keeping_kv": len(self.sessions.kept),
-            "kept_sessions": {  # what each session keeps between turns (seed 001's postcondition)
-                sid: {"committed_len": k.kv.committed_len, "allocated_len": k.kv.allocated_len,
-                      "pages": int(c.slots.n_pages[k.kv.slot])}
-                for sid, k in self.sessions.kept.items()
-            },  # fmt: skip
-            **self.stats.as_dict(),
-        }
-
-    def load(self) -> dict:
-        """What a router or a monitor polls (SGLang's /get_load and /v1/loads core fields)."""
-        total = (self.args.num_pages - 1) * self.args.page_size
-        used = total - self.cache.available_tokens()  # evictable prefix-cache pages count as free
-        return {
-            "num_running_reqs": len(self.running) + (self.chunked is not None),
-            "num_waiting_reqs": len(self.waiting),
-            "num_used_tokens": used,
-            "max_total_num_tokens": total,
-            "token_usage": round(used / total, 6),
-        }

@@ -1,6 +1,7 @@
 """`SchedulerStats`: the scheduler's counters and timings, one record that get_server_info reads
-(SGLang's names where SGLang has them). The core counts steps, tokens, retractions and
-speculation; the actor adds the time it spends scheduling, waiting and processing."""
+(actors/scheduler/report.py; SGLang's names where SGLang has them). The core counts steps,
+tokens, retractions and speculation; the actor adds the time it spends scheduling, waiting and
+processing."""
 
 from __future__ import annotations
 

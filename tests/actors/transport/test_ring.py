@@ -36,7 +36,7 @@ def _payload(pool: bytes, i: int, size: int) -> bytes:
     return i.to_bytes(4, "little") + pool[start : start + size]
 
 
-# ---- actors run in child processes (imported there as tests.actors.test_ring) --------------
+# ---- actors run in child processes (imported there as tests.actors.transport.test_ring) --------------
 def stream_writer(ctx):
     """Writes the seeded stream to ring "out", then its crc as the last message."""
     seed, n, max_size = msgspec.msgpack.decode(ctx.config)
@@ -97,7 +97,7 @@ def test_million_frames_keep_order_and_content_across_wraparound():
     seed, max_size = 7, 300
     with ActorGroup() as group:
         ring = group.ring("wrap", 4096)  # ~28 frames: the cursor wraps ~90,000 times
-        group.spawn("writer", "tests.actors.test_ring:stream_writer", msgspec.msgpack.encode([seed, N_FRAMES, max_size]), {"out": ring.name})  # fmt: skip
+        group.spawn("writer", "tests.actors.transport.test_ring:stream_writer", msgspec.msgpack.encode([seed, N_FRAMES, max_size]), {"out": ring.name})  # fmt: skip
         group.wait_ready(60)
         sizes, _ = _stream(seed, N_FRAMES, max_size)
         crc, total = 0, 0
@@ -122,7 +122,7 @@ def test_broadcast_three_readers_one_slow_all_in_order_and_writer_held_back():
         results = [group.ring(f"res{i}", 4096) for i in range(3)]
         for i in range(3):
             cfg = msgspec.msgpack.encode([i, n, delay if i == 2 else 0.0])
-            group.spawn(f"reader{i}", "tests.actors.test_ring:broadcast_reader", cfg, {"in": ring.name, "result": results[i].name})  # fmt: skip
+            group.spawn(f"reader{i}", "tests.actors.transport.test_ring:broadcast_reader", cfg, {"in": ring.name, "result": results[i].name})  # fmt: skip
         group.wait_ready(60)
         _, pool = _stream(0, 1, 0)
         crc, t0 = 0, time.monotonic()
@@ -144,7 +144,7 @@ def test_split_messages_larger_than_the_ring_round_trip_cross_process():
     rng = np.random.default_rng(3)
     with ActorGroup() as group:
         rin, rout = group.ring("big_in", 1 << 14), group.ring("big_out", 1 << 12)
-        group.spawn("echo", "tests.actors.test_ring:echo", b"", {"in": rin.name, "out": rout.name})
+        group.spawn("echo", "tests.actors.transport.test_ring:echo", b"", {"in": rin.name, "out": rout.name})
         group.wait_ready(60)
         assert rin.max_frame == (1 << 13) - 8
         for size in (0, 1, rin.max_frame, rin.max_frame + 1, 3 * (1 << 14) + 5, 1 << 20):
@@ -279,7 +279,7 @@ def test_reader_killed_mid_stream_is_detected_by_the_writer():
     failures: list[tuple[str, int | None, float]] = []
     group = ActorGroup(on_failure=lambda name, code, tb: failures.append((name, code, time.monotonic())))
     ring = group.ring("victim", 1024)
-    group.spawn("reader", "tests.actors.test_ring:slow_reader", b"", {"in": ring.name})
+    group.spawn("reader", "tests.actors.transport.test_ring:slow_reader", b"", {"in": ring.name})
     pid = group.pid("reader")
     group.wait_ready(60)
     sent, killed_at = 0, 0.0

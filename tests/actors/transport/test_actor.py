@@ -19,8 +19,8 @@ import pytest
 from actors.transport.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
 from actors.transport.ring import Ring, RingClosed
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = "tests.actors.test_actor"
+ROOT = Path(__file__).resolve().parents[3]
+HERE = "tests.actors.transport.test_actor"
 
 
 def _leftovers(group: ActorGroup) -> list[str]:
@@ -169,7 +169,7 @@ sys.path.insert(0, {root!r})
 from actors.transport.launcher import ActorGroup
 g = ActorGroup()
 ring = g.ring("orphan", 1024)
-g.spawn("child", "tests.actors.test_actor:idle")
+g.spawn("child", "tests.actors.transport.test_actor:idle")
 info = g.wait_ready(60)
 print(ring.name, int(info["child"]), flush=True)
 time.sleep(600)

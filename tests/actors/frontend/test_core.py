@@ -124,7 +124,7 @@ def test_the_frontend_imports_no_jax():
     mods += ["actors.transport.launcher", "model.checkpoints.config", "model.checkpoints.resolve",
              "model.checkpoints.tokenizer"]  # fmt: skip
     code = f"import sys\nfor m in {mods!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.actors.frontend.conftest import API_KEY
 from tests.engine.conftest import SMALL
-from tests.frontend.conftest import API_KEY
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_socket_and_shared_memory_are_private_and_http_is_local(engine, servers):

@@ -15,8 +15,8 @@ from actors.scheduler.spec import propose
 from actors.server_args import ServerArgs
 from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
-from tests.actors.fake_runner import FakeRunner, copying, reference
-from tests.actors.test_scheduler import letters
+from tests.actors.scheduler.fake_runner import FakeRunner, copying, reference
+from tests.actors.scheduler.test_scheduler import letters
 
 VOCAB = 1000
 K = 3

@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tests.actors.test_scheduler as scheduler_tests
+import tests.actors.scheduler.test_scheduler as scheduler_tests
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
-from tests.actors.fake_runner import FakeRunner, reference
-from tests.actors.test_scheduler import letters
+from tests.actors.scheduler.fake_runner import FakeRunner, reference
+from tests.actors.scheduler.test_scheduler import letters
 
 VOCAB = 1000
 
@@ -278,6 +278,6 @@ SCENARIOS = [
 
 @pytest.mark.parametrize(("name", "kwargs"), SCENARIOS, ids=[f"{n}{kw}" for n, kw in SCENARIOS])
 def test_scheduler_scenarios_with_the_prefix_cache(name, kwargs, monkeypatch):
-    """tests/actors/test_scheduler.py's scenarios, unchanged, with the radix tree on."""
+    """tests/actors/scheduler/test_scheduler.py's scenarios, unchanged, with the radix tree on."""
     monkeypatch.setattr(scheduler_tests, "PREFIX_CACHE", True)
     getattr(scheduler_tests, name)(**kwargs)

@@ -12,8 +12,8 @@ from actors.scheduler.output import step_msg
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 from kvmem import KVCache
-from tests.actors.fake_runner import FakeRunner
-from tests.actors.test_scheduler import req
+from tests.actors.scheduler.fake_runner import FakeRunner
+from tests.actors.scheduler.test_scheduler import req
 
 
 def mp_uint(x: int) -> int:

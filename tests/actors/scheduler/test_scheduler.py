@@ -11,7 +11,7 @@ from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport.sampling import SamplingParams
 from kvmem import KVCache
-from tests.actors.fake_runner import FakeRunner, reference
+from tests.actors.scheduler.fake_runner import FakeRunner, reference
 
 VOCAB = 1000
 PREFIX_CACHE = False  # exact page counts without the tree; test_books reruns these with it

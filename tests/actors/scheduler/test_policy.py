@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from actors.scheduler.policy import LPM_FALLBACK_QUEUE
-from tests.actors.fake_runner import reference
-from tests.actors.test_books import VOCAB, drive, make, req
+from tests.actors.scheduler.fake_runner import reference
+from tests.actors.scheduler.test_books import VOCAB, drive, make, req
 
 PREFIX = list(range(100, 164))  # 64 tokens = 4 pages of 16
 

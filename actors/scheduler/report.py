@@ -1,0 +1,48 @@
+"""What the scheduler reports, built from the core's state and its stats, each key once (SGLang's
+names where SGLang has them): `server_info` (the scheduler's part of get_server_info) and `load`
+(get_load / v1/loads: what a router or a monitor polls)."""
+
+from __future__ import annotations
+
+from actors.scheduler.core import SchedulerCore
+
+
+def server_info(core: SchedulerCore) -> dict:
+    """The core's scheduling facts and its stats."""
+    c, a = core.cache, core.args
+    return {
+        "running_batch_size": len(core.running),
+        "waiting_queue_size": len(core.waiting),
+        "running_rids": [r.rid for r in core.running],
+        "waiting_rids": [r.rid for r in core.waiting],
+        "chunked_req": core.chunked.rid if core.chunked else None,
+        "retracted_waiting": sum(1 for r in core.waiting if r.retractions > 0),
+        "paused": core.paused,
+        "memory_released": sorted(core.memory_released),
+        "weight_version": core.weight_version,
+        "available_kv_tokens": c.available_tokens(),
+        "initial_kv_tokens": core.initial_tokens,
+        "tree_cache_size": c.tree.total_pages * a.page_size,
+        "req_to_token_pool_used": a.max_running_requests - c.num_free_slots,
+        "new_token_ratio": round(core.ratio.value, 4),
+        "sessions_keeping_kv": len(core.sessions.kept),
+        "kept_sessions": {  # what each session keeps between turns (seed 001's postcondition)
+            sid: {"committed_len": k.kv.committed_len, "allocated_len": k.kv.allocated_len,
+                  "pages": int(c.slots.n_pages[k.kv.slot])}
+            for sid, k in core.sessions.kept.items()
+        },  # fmt: skip
+        **core.stats.as_dict(),
+    }
+
+
+def load(core: SchedulerCore) -> dict:
+    """What a router or a monitor polls (SGLang's /get_load and /v1/loads core fields)."""
+    total = (core.args.num_pages - 1) * core.args.page_size
+    used = total - core.cache.available_tokens()  # evictable prefix-cache pages count as free
+    return {
+        "num_running_reqs": len(core.running) + (core.chunked is not None),
+        "num_waiting_reqs": len(core.waiting),
+        "num_used_tokens": used,
+        "max_total_num_tokens": total,
+        "token_usage": round(used / total, 6),
+    }
