@@ -300,7 +300,6 @@ class TokenizerManager:
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
         info["frontend_requests"] = len(self.core.states)
-        self.weights.version = info["weight_version"]
         return {**self.static_info, **info}
 
     async def wait_compiled(self, timeout: float = 900.0) -> dict:

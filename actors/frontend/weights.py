@@ -37,21 +37,19 @@ class Frontend(Protocol):
     async def pause_generation(self, mode: str = "abort") -> dict: ...
     async def continue_generation(self) -> dict: ...
     async def flush_cache(self) -> dict: ...
+    async def get_server_info(self) -> dict: ...
 
 
 class WeightsAPI:
+    """The weight version has one owner, the scheduler: every update's reply carries the version
+    serving after it (refused or not), and get_weight_version asks for it."""
+
     def __init__(self, tm: Frontend):
         self.tm = tm
-        self.version = "0"  # as the scheduler last reported it
 
-    async def _update(self, req: m.UpdateWeightsReq) -> tuple[bool, str]:
+    async def _update(self, req: m.UpdateWeightsReq) -> dict[str, Any]:
         r = await self.tm.control(req, "update_weights")
-        if r.payload:
-            self.version = json.loads(r.payload)["weight_version"]
-        return r.ok, r.message
-
-    def _result(self, ok: bool, message: str) -> dict[str, Any]:
-        return {"success": ok, "message": message, "weight_version": self.version}
+        return {"success": r.ok, "message": r.message, "weight_version": json.loads(r.payload)["weight_version"]}
 
     async def _before(self, abort_all_requests: bool) -> None:
         if abort_all_requests:  # as SGLang's flag: abort everything, wait until quiet
@@ -72,9 +70,9 @@ class WeightsAPI:
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format={load_format!r}: only 'auto' (safetensors directory or .gguf)")
         await self._before(abort_all_requests)
-        ok, msg = await self._update(m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version))
-        await self._after(ok, flush_cache)
-        return self._result(ok, msg)
+        out = await self._update(m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version))
+        await self._after(out["success"], flush_cache)
+        return out
 
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, flush_cache: bool = True,
@@ -85,19 +83,20 @@ class WeightsAPI:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
         arrays = _arrays(named_tensors)
         chunks = _chunks(arrays, chunk_bytes)
-        ok, msg = True, "no tensors"
+        if not chunks:
+            return {"success": True, "message": "no tensors", **await self.get_weight_version()}
         for i, chunk in enumerate(chunks):
             name, size = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-w{i}", sum(a.nbytes for _, a in chunk)
             refs = _write_segment(name, chunk, size)
             try:
                 req = m.UpdateWeightsReq("tensor", weight_version=weight_version, part=i, parts=len(chunks), tensors=refs)
-                ok, msg = await self._update(req)
+                out = await self._update(req)
             finally:
                 _unlink(name)
-            if not ok:
+            if not out["success"]:
                 break
-        await self._after(ok and bool(chunks), flush_cache)
-        return self._result(ok, msg)
+        await self._after(out["success"], flush_cache)
+        return out
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of a weight as the runner serves it (as SGLang's)."""
@@ -111,7 +110,7 @@ class WeightsAPI:
         return m.as_f32(r.payload).reshape(r.shape).tolist()
 
     async def get_weight_version(self) -> dict[str, str]:
-        return {"weight_version": self.version}
+        return {"weight_version": (await self.tm.get_server_info())["weight_version"]}
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Free the KV cache (and the weights, with those tags) on the device, e.g. while a trainer

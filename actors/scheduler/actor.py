@@ -193,19 +193,21 @@ class SchedulerActor:
             self.checked_idle = False
 
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
+        """Forward an update (or one part of it) to the runner(s); the reply always carries the
+        version serving afterwards (the frontend keeps no copy)."""
         busy = self.core.busy()
         if busy is not None:
-            self._reply("update_weights", False, f"update_weights refused: {busy}")
-            return
-        last = msg.part == msg.parts - 1
-        if last:  # the final part swaps: version it
-            msg.weight_version = self.core.next_weight_version(msg.weight_version)
-        r = self._runner_call(m.RunnerWeights(msg))
-        if r.ok and last:
-            self.core.new_weights(msg.weight_version or "")
-            self.checked_idle = False
-        version = self.core.weight_version
-        self._reply("update_weights", r.ok, r.message, json.dumps({"weight_version": version}).encode())
+            ok, text = False, f"update_weights refused: {busy}"
+        else:
+            last = msg.part == msg.parts - 1
+            if last:  # the final part swaps: version it
+                msg.weight_version = self.core.next_weight_version(msg.weight_version)
+            r = self._runner_call(m.RunnerWeights(msg))
+            if r.ok and last:
+                self.core.new_weights(msg.weight_version or "")
+                self.checked_idle = False
+            ok, text = r.ok, r.message
+        self._reply("update_weights", ok, text, json.dumps({"weight_version": self.core.weight_version}).encode())
 
     def _memory(self, msg: m.MemoryReq) -> None:
         if msg.action == "release":
