@@ -1,10 +1,10 @@
 """KV memory bookkeeping (host side, NumPy only: never imports JAX or actors).
 
 allocator.py  PageAllocator: whole pages, page 0 the sink, checked free / adopt; cdiv
-slots.py      SlotPool (req_to_token rows: one request slot per live request)
+slots.py      SlotPool (req_to_token page tables: one request slot per live request)
 radix.py      RadixCache: page-granular prefix tree, lock refs, LRU eviction
 req_kv.py     ReqKV: one request's KV record, the owner of its lengths
-integrity.py  check_integrity: every page free, in the tree, or held by one live row
+integrity.py  check_integrity: every page free, in the tree, or held by one live page table
 cache.py      KVCache: the facade the scheduler calls, with the per-request contract
 sessions.py   SessionSlots: a streaming session keeps its trimmed slot between turns (a layer
               over KVCache)

@@ -1,7 +1,7 @@
 """Whole-page KV allocator: a NumPy free stack plus one state byte per page.
 
 A KV location is `page * page_size + offset` (offset < page_size). Page 0 is the sink that
-padded rows write into; it is never handed out. Every other page is in exactly one state:
+padding tokens write into; it is never handed out. Every other page is in exactly one state:
 
     FREE  on the free stack (or in the pending list of an open free group)
     HELD  owned by one request's slot (alloc -> HELD; free: HELD -> FREE)

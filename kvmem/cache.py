@@ -1,26 +1,26 @@
 """`KVCache`: the one facade the scheduler calls for KV memory (page allocator + slot pool +
 radix tree), with the per-request contract. Lengths are in tokens; see kvmem/slots.py for a
-row's regions and kvmem/req_kv.py for the record.
+page table's regions and kvmem/req_kv.py for the record.
 
 - `match_len(prefix_ids)`: what `admit` would grant now (changes nothing; LPM ordering).
 - `admit(prefix_ids)`: a request slot, plus the longest cached page-aligned prefix of
   `prefix_ids` (the caller caps it so at least one token is computed); the prefix node is
-  locked and its pages (tree-owned) start the row. cached_len == committed_len ==
+  locked and its pages (tree-owned) start the page table. cached_len == committed_len ==
   allocated_len == matched. None (nothing changed) when no slot is free.
 - `reserve(kv, extend_len)`: allocated_len >= committed_len + extend_len, evicting unlocked
-  tree leaves if the free list is short. Returns the pages appended to the row, or None with
+  tree leaves if the free list is short. Returns the pages appended to the page table, or None with
   nothing changed when even eviction cannot make room. Idempotent.
 - `commit(kv, n)`: n more positions hold KV (the caller wrote, or scheduled, them in order);
   `uncommit(kv, n)` takes back the last n of them (a speculative round's rejected drafts).
 - `cache_unfinished(kv, ids)`: ids = the tokens [0, committed_len) (or fewer); their whole
-  pages enter the tree. The row is unchanged (the runner mirrors it).
+  pages enter the tree. The page table is unchanged (the runner mirrors it).
 - `release(kv, ids)`: finish (ids = tokens [0, keep_len) worth keeping, inserted
-  page-aligned) or abort / retract (ids None). Every page the row still owns is freed (the
+  page-aligned) or abort / retract (ids None). Every page the page table still owns is freed (the
   partial last page included), the lock is dropped, the slot is freed.
 - `trim(kv, keep_len)`: seed 001's page-aligned tail free, for a slot that lives on.
 
-Who owns a row's pages: the request (HELD) or the tree (TREE, kept alive by the request's lock
-on `kv.node`, whose root path holds those pages at the same indices). A live row is
+Who owns a page table's pages: the request (HELD) or the tree (TREE, kept alive by the request's lock
+on `kv.node`, whose root path holds those pages at the same indices). A live page table is
 append-only: where the tree already holds a prefix under other pages, the request keeps its own.
 """
 
@@ -69,7 +69,7 @@ class KVCache:
         return ReqKV(slot, m.node, extra_key, m.length, m.length, m.length)
 
     def pages(self, kv: ReqKV) -> np.ndarray:
-        """The row's page ids (a view: copy it to keep it)."""
+        """The page table's page ids (a view: copy it to keep it)."""
         return self.slots.pages(kv.slot)
 
     def reserve(self, kv: ReqKV, extend_len: int) -> np.ndarray | None:
@@ -109,14 +109,14 @@ class KVCache:
         """Between prefill chunks (or once the prompt is done): cache the written KV.
 
         The page-aligned part of `token_ids` is inserted. Pages the tree adopts become
-        tree-owned in the row. A prefix has one path in the tree, so the inserted node's path
-        holds every tree-owned page of the row it spans; the lock moves there when that is all
+        tree-owned in the page table. A prefix has one path in the tree, so the inserted node's path
+        holds every tree-owned page of the page table it spans; the lock moves there when that is all
         of them (a shorter insert adopts nothing and keeps the lock where it is)."""
         assert len(token_ids) <= kv.committed_len, (
             f"slot {kv.slot}: caching {len(token_ids)} tokens, committed_len={kv.committed_len}"
         )
         n_pages = len(token_ids) // self.page_size
-        res = self._adopt_row(kv, token_ids)
+        res = self._adopt_table(kv, token_ids)
         shared = np.flatnonzero(~self.slots.owned_mask(kv.slot))
         if res.node is not kv.node and (shared.size == 0 or shared[-1] < n_pages):
             self.tree.inc_lock_ref(res.node)
@@ -131,7 +131,7 @@ class KVCache:
             f"slot {kv.slot}: keeping {len(token_ids)} tokens, committed_len={kv.committed_len}"
         )
         if token_ids is not None and len(token_ids) >= self.page_size:
-            self._adopt_row(kv, token_ids)
+            self._adopt_table(kv, token_ids)
         with self.allocator.free_group():
             self.slots.free_tail(kv.slot, 0)
         self.tree.dec_lock_ref(kv.node)
@@ -152,9 +152,9 @@ class KVCache:
         kv.cached_len = min(kv.cached_len, kv.committed_len)
         return freed
 
-    def _adopt_row(self, kv: ReqKV, token_ids: np.ndarray) -> InsertResult:
-        """Insert the row's page-aligned prefix of `token_ids`; the pages the tree takes from
-        the row stop being the request's (the row itself is unchanged)."""
+    def _adopt_table(self, kv: ReqKV, token_ids: np.ndarray) -> InsertResult:
+        """Insert the page table's page-aligned prefix of `token_ids`; the pages the tree takes from
+        the page table stop being the request's (the page table itself is unchanged)."""
         n_pages = len(token_ids) // self.page_size
         res = self.tree.insert(
             np.asarray(token_ids[: n_pages * self.page_size], np.int32),

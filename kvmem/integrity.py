@@ -3,8 +3,8 @@
 Pages: every page but the sink is exactly one of
     free  (allocator state FREE, on the free stack or pending in a free group, once)
     tree  (state TREE, in exactly one node)
-    held  (state HELD, owned by exactly one live row: a running request or a session's kept slot)
-and free + tree + held == capacity. A row's tree-owned pages are the pages its locked node's
+    held  (state HELD, owned by exactly one live page table: a running request or a session's kept slot)
+and free + tree + held == capacity. A page table's tree-owned pages are the pages its locked node's
 root path holds at the same index. Slots: the live slots are exactly the holders' slots.
 Locks: lock_ref(node) == locks held on it directly + the children's lock_refs, and the direct
 locks are exactly the holders' nodes plus `locks`. Tree sizes match the counters.
@@ -127,7 +127,7 @@ def _check_rows(
     direct: dict[int, tuple[TreeNode, int]],
     locks: list[TreeNode],
 ) -> int:
-    """Checks every holder's row; returns the number of held pages."""
+    """Checks every holder's page table; returns the number of held pages."""
     page = slots.page_size
     by_slot: dict[int, ReqKV] = {}
     owned_parts = []
@@ -150,22 +150,22 @@ def _check_rows(
             _fail(f"slot {s} locks {kv.node}, which was evicted")
         if kv.node is not tree.root:
             wanted[kv.node.id] += 1
-        row, own = slots.pages(s), slots.owned_mask(s)
-        if (row == 0).any():
-            _fail(f"slot {s}: the sink page 0 is in its row at index {_first(row == 0)}")
+        table, own = slots.pages(s), slots.owned_mask(s)
+        if (table == 0).any():
+            _fail(f"slot {s}: the sink page 0 is in its page table at index {_first(table == 0)}")
         shared = np.flatnonzero(~own)
         if shared.size:
             path = tree.path_pages(kv.node)
             bad = (
-                shared[(shared >= len(path)) | (path[np.minimum(shared, len(path) - 1)] != row[shared])]
+                shared[(shared >= len(path)) | (path[np.minimum(shared, len(path) - 1)] != table[shared])]
                 if len(path)
                 else shared
             )
             if bad.size:
                 i = int(bad[0])
-                _fail(f"slot {s}: page {int(row[i])} at row index {i} is marked tree-owned but its locked path "
+                _fail(f"slot {s}: page {int(table[i])} at table index {i} is marked tree-owned but its locked path "
                       f"({kv.node}) does not hold it there")  # fmt: skip
-        owned_parts.append(row[own])
+        owned_parts.append(table[own])
     extra = np.flatnonzero(slots.live & ~np.isin(np.arange(slots.max_slots), list(by_slot)))
     if extra.size:
         _fail(f"slot {int(extra[0])} is allocated but no live request or session holds it")
@@ -179,7 +179,7 @@ def _check_rows(
     if (counts > 1).any():
         p = _first(counts > 1)
         _fail(
-            f"page {p} is held by two rows: slots {[s for s, kv in by_slot.items() if p in slots.pages(s)]}"
+            f"page {p} is held by two page tables: slots {[s for s, kv in by_slot.items() if p in slots.pages(s)]}"
         )
     if (state[owned] != HELD).any():
         p = int(owned[state[owned] != HELD][0])

@@ -8,7 +8,7 @@ never share a prefix; deeper children are keyed by their first page's tokens.
 Ownership and locks (the contract):
 - Pages inside the tree are in allocator state TREE. `insert` adopts only the caller's pages
   past the prefix the tree already holds; for that prefix the caller keeps its own pages (if
-  they differ, they stay the caller's to free): a live request's row is never rewritten.
+  they differ, they stay the caller's to free): a live request's page table is never rewritten.
 - `inc_lock_ref(node)` protects `node` and every ancestor; `lock_ref(n)` is the number of
   locks held on `n` or any descendant, so locked nodes are never evicted and a node is never
   locked while its parent is not. Decrementing a lock below zero raises naming the node.

@@ -1,6 +1,6 @@
 """Streaming sessions: a finished turn's slot is kept, trimmed, for the session's next turn.
 
-A layer over `KVCache` (which knows nothing of sessions). A turn's row when it finishes
+A layer over `KVCache` (which knows nothing of sessions). A turn's page table when it finishes
 (O = origin_len, F = finished_len, T = O + F). A round that accepts several tokens at once
 (speculative decoding) can commit past T ("overshoot"), and the round planned after it
 (overlap) can reserve even further:
@@ -41,11 +41,11 @@ class SessionSlots:
         self.kept: dict[str, KeptSlot] = {}
 
     def records(self) -> list[ReqKV]:
-        """The kept slots' records (they count as live rows for the integrity check)."""
+        """The kept slots' records (they count as live page tables for the integrity check)."""
         return [k.kv for k in self.kept.values()]
 
     def check_integrity(self, live: Iterable[ReqKV], locks: Iterable[TreeNode] = ()) -> None:
-        """The cache's check, with the kept slots among the live rows."""
+        """The cache's check, with the kept slots among the live page tables."""
         self.cache.check_integrity([*live, *self.records()], locks)
 
     def start_turn(self, session_id: str, token_ids: np.ndarray, extra_key: str | None = None) -> ReqKV | None:
@@ -53,7 +53,7 @@ class SessionSlots:
 
         With a kept slot (of the same `extra_key`): it is reused, granting the longest prefix
         that `token_ids` repeats, capped at the kept committed_len and at len(token_ids) - 1
-        (one token is computed); the rest of the row is cut page-aligned. Without: a fresh
+        (one token is computed); the rest of the page table is cut page-aligned. Without: a fresh
         `admit` (tree prefix). None when no slot is free."""
         token_ids = np.asarray(token_ids, np.int32)
         kept = self.kept.pop(session_id, None)

@@ -1,20 +1,20 @@
-"""The slot pool (SGLang's req_to_token): one row of KV page ids per live request.
+"""The slot pool (SGLang's req_to_token): one page table of KV page ids per live request.
 
-A slot's row, in tokens (`page_size` tokens per page):
+A slot's page table, in tokens (`page_size` tokens per page):
 
     0          cached_len         committed_len        allocated_len     n_pages * page_size
     [ tree prefix | KV written this turn | reserved, not written | page padding ]
-    |<------------------------- row[:n_pages] (page ids) ------------------------>|
+    |<----------------------- table[:n_pages] (page ids) ----------------------->|
 
 - cached_len    : prefix granted at admission (tree match or a session's kept slot)
 - committed_len : positions whose KV is written (or scheduled to be, in stream order)
 - allocated_len : positions reserved; n_pages == ceil(allocated_len / page_size)
 
-Each page of a row is either OWNED by the request (allocator state HELD; freed when the
+Each page of a page table is either OWNED by the request (allocator state HELD; freed when the
 request lets go of it) or owned by the radix tree (state TREE; kept alive by the lock the
 request holds on `ReqKV.node`, whose root path holds that very page at the same index).
-A live row only grows at its end or is cut at its end (`free_tail`): pages already in it are
-never replaced or reordered, because the runner mirrors rows incrementally. A row is a
+A live page table only grows at its end or is cut at its end (`free_tail`): pages already in it are
+never replaced or reordered, because the runner mirrors page tables incrementally. A page table is a
 *request slot*; a page id times page_size plus an offset is a *token location*.
 """
 
@@ -32,7 +32,7 @@ class SlotPool:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.max_slots = max_slots
-        self.max_width = allocator.capacity  # a row can at most hold the whole pool
+        self.max_width = allocator.capacity  # a page table can at most hold the whole pool
         width = max(1, min(initial_width, self.max_width))
         self.table = np.zeros((max_slots, width), np.int32)  # page ids; unused cells are 0 (sink)
         self.owned = np.zeros((max_slots, width), bool)
@@ -69,9 +69,9 @@ class SlotPool:
             raise KVUsageError(f"slot pool reset while slot {int(np.flatnonzero(self.live)[0])} is live")
         self._free = list(range(self.max_slots - 1, -1, -1))
 
-    # ---- rows -------------------------------------------------------------------------------
+    # ---- page tables ---------------------------------------------------------------------------
     def pages(self, slot: int) -> np.ndarray:
-        """The row's page ids (a view: copy it to keep it)."""
+        """The page table's page ids (a view: copy it to keep it)."""
         return self.table[slot, : self.n_pages[slot]]
 
     def owned_mask(self, slot: int) -> np.ndarray:
@@ -87,12 +87,12 @@ class SlotPool:
         self.n_pages[slot] = n + k
 
     def disown(self, slot: int, start: int, stop: int) -> None:
-        """Pages [start, stop) of the row now belong to the tree (the caller adopted them)."""
+        """Pages [start, stop) of the page table now belong to the tree (the caller adopted them)."""
         assert self.owned[slot, start:stop].all(), f"slot {slot}: disown of pages it does not own"
         self.owned[slot, start:stop] = False
 
     def free_tail(self, slot: int, keep_len: int) -> int:
-        """Cut the row after the page holding token `keep_len - 1`: pages wholly past
+        """Cut the page table after the page holding token `keep_len - 1`: pages wholly past
         ceil(keep_len / page_size) leave it (owned ones are freed, tree ones only dropped).
         A partially kept page is never freed. Returns the number of pages freed."""
         self._check_live(slot, "free_tail")
@@ -119,7 +119,7 @@ class SlotPool:
 
     def _grow(self, need: int) -> None:
         if need > self.max_width:
-            raise KVUsageError(f"a row of {need} pages exceeds the pool ({self.max_width} pages)")
+            raise KVUsageError(f"a page table of {need} pages exceeds the pool ({self.max_width} pages)")
         width = min(self.max_width, max(need, 2 * self.table.shape[1]))
         table = np.zeros((self.max_slots, width), np.int32)
         owned = np.zeros((self.max_slots, width), bool)

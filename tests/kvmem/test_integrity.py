@@ -44,7 +44,7 @@ def test_page_in_two_rows():
     c, a, b = healthy()
     c.slots.append(b.slot, np.array([6], np.int32), owned=True)
     b.allocated_len = 6
-    with pytest.raises(IntegrityError, match=r"page 6 is held by two rows: slots \[0, 1\]"):
+    with pytest.raises(IntegrityError, match=r"page 6 is held by two page tables: slots \[0, 1\]"):
         c.check_integrity([a, b])
 
 
@@ -66,7 +66,7 @@ def test_tree_owned_page_not_on_the_locked_path():
     c, a, b = healthy()
     c.slots.table[a.slot, 1] = 3
     with pytest.raises(
-        IntegrityError, match="slot 0: page 3 at row index 1 is marked tree-owned but its locked path"
+        IntegrityError, match="slot 0: page 3 at table index 1 is marked tree-owned but its locked path"
     ):
         c.check_integrity([a, b])
 

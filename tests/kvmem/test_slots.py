@@ -49,7 +49,7 @@ def test_rows_grow_past_their_initial_width():
     for _ in range(5):
         s.append(slot, a.alloc(7), owned=True)
     assert s.pages(slot).tolist() == list(range(1, 36)) and s.table.shape[1] == 56  # 2, 7, 14, 28, 56
-    with pytest.raises(KVUsageError, match="a row of 65 pages exceeds the pool"):
+    with pytest.raises(KVUsageError, match="a page table of 65 pages exceeds the pool"):
         s.append(slot, np.arange(30, dtype=np.int32), True)
 
 
