@@ -54,13 +54,13 @@ def retract_order(running: list[Req]) -> list[Req]:
     return sorted(running, key=lambda r: (len(r.output_ids), -r.origin_len, -r.arrival))
 
 
-def prepare_decode(kv: KVCache, running: list[Req], retract: Callable[[Req], None],
+def prepare_decode(cache: KVCache, running: list[Req], retract: Callable[[Req], None],
                    spare: Callable[[], bool] | None = None, defer_last: bool = False,
                    reclaim: Callable[[], bool] | None = None, need: int = 1) -> dict[int, np.ndarray]:  # fmt: skip
     """Reserve `need` more tokens (1, or a verify round's k + 1) for every running request;
     returns {id(req): pages appended to its table} for the requests that decode this step.
 
-    `kv.reserve` is idempotent, so survivors that got a page before a retraction keep it
+    `cache.reserve` is idempotent, so survivors that got a page before a retraction keep it
     (recorded once) and simply get nothing more on the retry. `retract(req)` frees a victim's
     KV and requeues it (the scheduler's one retract path). Before any request is retracted,
     `reclaim()` may give back memory nobody runs on (a session's kept slot): True, retry.
@@ -77,7 +77,7 @@ def prepare_decode(kv: KVCache, running: list[Req], retract: Callable[[Req], Non
         short = None
         for r in keep:
             assert r.kv is not None, f"running request {r.rid} holds no KV"
-            pages = kv.reserve(r.kv, need)
+            pages = cache.reserve(r.kv, need)
             if pages is None:
                 short = r
                 break

@@ -29,15 +29,15 @@ class AddResult(enum.Enum):
 class PrefillAdder:
     def __init__(
         self,
-        kv: KVCache,
+        cache: KVCache,
         *,
         reserved_decode: float,
         max_prefill_tokens: int,
         chunk_size: int | None,
         new_token_ratio: float,
     ):
-        self.kv = kv
-        self.page = kv.page_size
+        self.cache = cache
+        self.page = cache.page_size
         self.reserved_decode = reserved_decode
         self.planned_kv = 0.0  # KV this batch will take: its extends' new pages + decode reserves
         self.rem_input = max_prefill_tokens
@@ -49,7 +49,7 @@ class PrefillAdder:
     def rem_total(self) -> float:
         """KV tokens left for this batch. Read live, as admitting a request locks its cached
         prefix, which then stops counting as evictable room (SGLang's `_lock_node`)."""
-        return self.kv.available_tokens() - self.reserved_decode - self.planned_kv
+        return self.cache.available_tokens() - self.reserved_decode - self.planned_kv
 
     def _paged(self, req: Req, n: int) -> int:
         """Tokens of the whole pages `n` more tokens past committed_len take from the pool."""
