@@ -92,7 +92,7 @@ def ringserve_step(ex, kind: str, b: int, n: int, repeat: int) -> float:
             rows.append(DeviceRow(rng.integers(3, 1000, n).astype(np.int32), 0, table))
 
     def step():
-        out, _ = ex.run(rows)
+        out, _, _ = ex.run(rows)
         out.tokens.block_until_ready()
 
     return timed(step, repeat)

@@ -71,7 +71,7 @@ def test_decode_step_ringserve(benchmark, record, executor, batch):
     segs = _decode_rows(ex, batch)
 
     def step():
-        out, _ = ex.run(segs)
+        out, _, _ = ex.run(segs)
         out.tokens.block_until_ready()
 
     benchmark.pedantic(step, rounds=20, warmup_rounds=2)
@@ -108,7 +108,7 @@ def test_extend_512_ringserve(benchmark, record, executor):
     ]
 
     def step():
-        out, _ = ex.run(seg)
+        out, _, _ = ex.run(seg)
         out.tokens.block_until_ready()
 
     benchmark.pedantic(step, rounds=5, warmup_rounds=1)
