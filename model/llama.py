@@ -157,6 +157,9 @@ class CausalLM:
 
     The Decoder is built abstractly (`nnx.eval_shape`: no weights allocated); `abstract` holds
     its state as ShapeDtypeStructs, `specs` each Param's PartitionSpec, both keyed like `params`.
+    The state travels as plain arrays, not as `nnx.State` of Variables: a compiled program
+    flattens its arguments on every call, and Variables flatten in Python with their metadata
+    (SmolLM2's 272 leaves: 332 us a call, against 123 us as a dict; measured).
     """
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
