@@ -1,6 +1,7 @@
-"""`ModelExecutor`: the facade the runner calls. It owns the parameters (sharded over the `tp`
-mesh), the KV cache (its attention backend's arrays) and the FutureMap on device, and the
-compiled step programs (model/programs.py) of the traced step (model/step.py).
+"""`ModelExecutor`: the facade the runner calls. It owns the model's state (the Decoder module's
+`nnx.Param`s, model/params.py, each on its `tp` sharding), the KV cache (its attention backend's
+arrays) and the FutureMap on device, and the compiled step programs (model/programs.py) of the
+traced step (model/step.py), which take the state as their first argument.
 
     ex = ModelExecutor(path, ExecutorConfig(...))     load, place, compile (progress bar)
     out, rows = ex.run(device_rows)                   one step (model/step_inputs.py DeviceRows)
@@ -31,8 +32,8 @@ from model.attention import AttentionBackend, AttnGeometry, make_backend, resolv
 from model.checkpoints.weights import load_checkpoint
 from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
-from model.mesh import make_mesh, param_spec, replicated
-from model.params import build_host_tree, unstack_layers
+from model.mesh import make_mesh, replicated
+from model.params import build_host_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import SampleOut
 from model.step import make_logits, make_step
@@ -110,11 +111,12 @@ class ModelExecutor:
         )  # fmt: skip
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
         self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform)
-        self.model = CausalLM(mc, self.attn, cfg.layer_unroll, cfg.deterministic, logits_vocab_major=self.platform == "cpu")
+        self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
+                              cfg.deterministic, logits_vocab_major=self.platform == "cpu")  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
-        self.params = self._build(tensors)
+        self.params = self._build(tensors)  # the Decoder's state (model/params.py), what every program takes first
         self.params_avals = _avals(self.params)  # what every compiled program takes (updates must match it)
         self.new_kv()
         self.kv_avals = _avals((self.kv, self.future))  # programs compile against these
@@ -136,22 +138,14 @@ class ModelExecutor:
 
     # ---- weights ------------------------------------------------------------------------------
     def _build(self, tensors: dict[str, np.ndarray]) -> Any:
-        """The parameter tree from HF-named host arrays (model/params.py; per-layer weights when
-        the layers run unrolled), each leaf placed on its `tp` sharding. Raises ValueError
-        naming a missing or misshapen tensor."""
-        host = build_host_tree(self.model_config, tensors, DTYPES[self.cfg.dtype])
-        if self.layer_loop == "unrolled":
-            host = unstack_layers(host)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(host)
-        placed = []
-        for path, leaf in flat:
-            names = tuple(str(getattr(k, "key", k)) for k in path)
-            spec = param_spec(names, np.shape(leaf), self.model_config, self.cfg.tp_size)
-            placed.append(jax.device_put(leaf, NamedSharding(self.mesh, spec)))
-        return jax.tree_util.tree_unflatten(treedef, placed)
+        """The Decoder's state from HF-named host arrays (model/params.py; per-layer weights when
+        the layers run unrolled), each Param on its `tp` sharding. Raises ValueError naming a
+        missing or misshapen tensor."""
+        host = build_host_state(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan")
+        return self.model.place(host, self.mesh)
 
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
-        """A new parameter tree beside the served one (same structure, avals and shardings)."""
+        """A new state beside the served one (same structure, avals and shardings)."""
         params = self._build(tensors)
         want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), self.params_avals)
         got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), params)

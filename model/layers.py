@@ -1,6 +1,8 @@
-"""Building blocks shared by the model families, as pure functions of arrays: RMSNorm, the
-gated MLP, rotary embedding. Weights come from the parameter tree (model/params.py); linear
-weights are `[in, out]`, so every projection is `x @ w`.
+"""Building blocks shared by the model families: `flax.nnx` modules (RMSNorm, Linear, Embedding,
+the gated MLP) over the pure functions they compute (and rotary embedding's). Linear weights are
+`[in, out]` (HF's `[out, in]` transposed at load, model/params.py), so every projection is
+`x @ w`. Each parameter is an `nnx.Param` annotated with its `tp` sharding (`out_sharding`,
+model/mesh.py); the loader places it so (model/llama.py: `CausalLM.place`), nothing shards eagerly.
 """
 
 from __future__ import annotations
@@ -10,8 +12,72 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from model.checkpoints.config import RopeConfig
+
+Sharding = tuple[str | None, ...]  # an `out_sharding`: mesh axis (or None) per dimension; () = replicated
+
+
+def param(shape: tuple[int, ...], dtype, sharding: Sharding = ()) -> nnx.Param:
+    """A parameter of `shape` with its `tp` sharding annotation. Zeros: modules are built
+    abstractly (`nnx.eval_shape`) and filled from the checkpoint."""
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=sharding, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis of x [T, ...]; weight [dim], replicated. Batch-invariant
+    (`rowwise`) in the deterministic mode."""
+
+    def __init__(self, dim: int, eps: float, dtype, deterministic: bool = False):
+        self.weight = param((dim,), dtype)
+        self.eps = eps
+        self.deterministic = deterministic
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w, eps = self.weight[...], self.eps
+        if not self.deterministic:
+            return rms_norm(x, w, eps)
+        flat = x.reshape(-1, x.shape[-1])
+        return rowwise(lambda a: rms_norm(a, w, eps), flat).reshape(x.shape)
+
+
+class Linear(nnx.Module):
+    """x [T, in] @ weight [in, out] (+ bias [out], which shares the weight's output split).
+    `sharding` of the weight: (None, "tp") column-parallel, ("tp", None) row-parallel, ()."""
+
+    def __init__(self, n_in: int, n_out: int, dtype, sharding: Sharding = (), bias: bool = False,
+                 deterministic: bool = False):  # fmt: skip
+        self.weight = param((n_in, n_out), dtype, sharding)
+        self.bias = param((n_out,), dtype, sharding[1:]) if bias else None
+        self.deterministic = deterministic
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = matmul(x, self.weight[...], self.deterministic)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class Embedding(nnx.Module):
+    """Token embedding, weight [V, H] (replicated); a tied checkpoint's LM head reads it too."""
+
+    def __init__(self, vocab: int, hidden: int, dtype):
+        self.weight = param((vocab, hidden), dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class GatedMLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)), the Llama/Qwen/Mistral MLP: gate/up column-parallel, down
+    row-parallel (each replicated if `tp` does not divide the intermediate size)."""
+
+    def __init__(self, hidden: int, inter: int, dtype, column: Sharding, row: Sharding, deterministic: bool = False):
+        self.gate_proj = Linear(hidden, inter, dtype, column, deterministic=deterministic)
+        self.up_proj = Linear(hidden, inter, dtype, column, deterministic=deterministic)
+        self.down_proj = Linear(inter, hidden, dtype, row, deterministic=deterministic)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -19,11 +85,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return w * xf.astype(x.dtype)
-
-
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, mm=jnp.matmul) -> jax.Array:
-    """down(silu(gate(x)) * up(x)), the Llama/Qwen/Mistral MLP."""
-    return mm(jax.nn.silu(mm(x, w_gate)) * mm(x, w_up), w_down)
 
 
 INVARIANT_ROWS = 64
@@ -46,6 +107,11 @@ def rowwise(f, x: jax.Array) -> jax.Array:
 def invariant_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, K] @ w [K, N], batch-invariant (see `rowwise`)."""
     return rowwise(lambda a: a @ w, x)
+
+
+def matmul(x: jax.Array, w: jax.Array, deterministic: bool) -> jax.Array:
+    """x @ w; batch-invariant in the deterministic mode (every projection and the LM head)."""
+    return invariant_matmul(x, w) if deterministic else jnp.matmul(x, w)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

@@ -1,13 +1,27 @@
 """The decoder-only families: Llama (incl. llama3 RoPE, tied embeddings), Qwen2 (qkv bias),
-Qwen3 (q/k RMSNorm), Mistral (optional sliding window). One forward, switched by config.
+Qwen3 (q/k RMSNorm), Mistral (optional sliding window). One `flax.nnx` module tree, switched
+by config, and `CausalLM`, its functional face for the step programs.
 
-`forward` runs one step over the densely packed new tokens of every row (model/step_inputs.py):
-matmuls see the flat [T, hidden] tokens, attention goes through the backend's interface
-(model/attention/base.py). The decoder layers run under one `lax.scan` over the stacked
-parameter tree (model/params.py), carrying the hidden states and the whole KV cache, so XLA
-compiles one layer body and updates the cache in place; on CPU, where a scanned layer's weights
-are copied out of the stack every step, the tree holds per-layer weights and the layers are
-traced one after another (model/executor.py: resolve_layer_loop).
+    Decoder                         embed_tokens, layers, norm, lm_head (untied checkpoints)
+      layers: DecoderLayer          input_layernorm, self_attn, post_attention_layernorm, mlp
+        self_attn: Attention        q/k/v/o_proj (Linear), q_norm/k_norm (qk_norm only)
+        mlp: GatedMLP               gate/up/down_proj
+
+`Decoder.__call__` runs one step over the densely packed new tokens of every row
+(model/step_inputs.py): matmuls see the flat [T, hidden] tokens, attention goes through the
+backend's interface (model/attention/base.py: `write`, `attend`; a plain object the Attention
+module holds). Two layouts of the layers (model/executor.py: resolve_layer_loop):
+
+    "scan"      one DecoderLayer whose Params carry a leading L axis; one `lax.scan` over its
+                state carries the hidden states and the whole KV cache, so XLA compiles one
+                layer body and updates the cache in place (accelerators)
+    "unrolled"  an nnx.List of L DecoderLayers, each layer's weights in buffers of their own,
+                traced one after another (CPU: a scanned layer's weights are copied out of the
+                stack every step there)
+
+Every compiled program takes the Decoder's state (model/params.py) as its first argument and
+rebuilds the module inside the trace (`CausalLM.forward` / `logits`: `nnx.merge`), so jit sees
+pytrees of arrays and new weights of the same shapes and shardings never recompile.
 """
 
 from __future__ import annotations
@@ -16,83 +30,166 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model.attention.base import AttentionBackend
 from model.checkpoints.config import ModelConfig
 from model.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
     apply_rope,
-    gated_mlp,
-    invariant_matmul,
-    rms_norm,
+    matmul,
     rope_inv_freq,
     rope_tables,
-    rowwise,
 )
+from model.mesh import tp_split
 
 
-class CausalLM:
-    """The model's static description; parameters and KV cache are passed to every call."""
+class Attention(nnx.Module):
+    """q/k/v projections (column-parallel by heads), q/k RMSNorm (Qwen3), RoPE, the backend's
+    KV write and attention, and the row-parallel output projection."""
 
-    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False):  # fmt: skip
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, deterministic: bool):
+        h, q, kv, det = cfg.hidden_size, cfg.q_size, cfg.kv_size, deterministic
+        col_q, col_kv = tp_split(2, 1, cfg.num_heads, tp), tp_split(2, 1, cfg.num_kv_heads, tp)
+        self.q_proj = Linear(h, q, dtype, col_q, cfg.qkv_bias, det)
+        self.k_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, det)
+        self.v_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, det)
+        self.o_proj = Linear(q, h, dtype, tp_split(2, 0, q, tp), deterministic=det)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, det) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, det) if cfg.qk_norm else None
         self.cfg = cfg
-        self.logits_vocab_major = logits_vocab_major and not deterministic
-        self.mm = invariant_matmul if deterministic else jnp.matmul  # every projection and the LM head
-        self.deterministic = deterministic
-        self.attn = attn
-        self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        self.backend = backend
+
+    def __call__(self, x, cos, sin, kv, layer, fb) -> tuple[jax.Array, Any]:
+        """x [T, H] (normed) -> attention output [T, H], and the KV cache with layer `layer`'s
+        new keys and values written."""
+        cfg, t = self.cfg, x.shape[0]
+        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv = self.backend.write(kv, layer, k, v, fb)
+        o = self.backend.attend(q, kv, layer, fb)
+        return self.o_proj(o.reshape(t, cfg.q_size)), kv
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and gated MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, deterministic: bool):
+        h, i, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype, deterministic)
+        self.self_attn = Attention(cfg, backend, dtype, tp, deterministic)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, deterministic)
+        self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), deterministic)
+
+    def __call__(self, x, cos, sin, kv, layer, fb) -> tuple[jax.Array, Any]:
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Decoder(nnx.Module):
+    """The whole model: token embedding, the decoder layers (either layout), final norm, LM head
+    (vocab-parallel; tied checkpoints reuse the embedding instead)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype=jnp.float32, tp: int = 1,
+                 layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
+                 logits_vocab_major: bool = False):  # fmt: skip
+        def layer() -> DecoderLayer:
+            return DecoderLayer(cfg, backend, dtype, tp, deterministic)
+
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers: nnx.List[DecoderLayer] | DecoderLayer
+        if layer_loop == "unrolled":
+            self.layers = nnx.List([layer() for _ in range(cfg.num_layers)])
+        else:  # one layer's modules, every Param [L, ...]; the sharding gains a None for L
+            stack = nnx.vmap(layer, in_axes=None, out_axes=0, axis_size=cfg.num_layers,
+                             transform_metadata={nnx.PARTITION_NAME: None})  # fmt: skip
+            self.layers = stack()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, deterministic)
+        v, h = cfg.vocab_size, cfg.hidden_size
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(h, v, dtype, tp_split(2, 1, v, tp))
+        self.cfg = cfg
         self.layer_unroll = layer_unroll
+        self.deterministic = deterministic
+        self.logits_vocab_major = logits_vocab_major and not deterministic
 
-    def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        """RMSNorm of x [T, ...] over its last axis (batch-invariant in the deterministic mode)."""
-        eps = self.cfg.rms_norm_eps
-        if not self.deterministic:
-            return rms_norm(x, w, eps)
-        flat = x.reshape(-1, x.shape[-1])
-        return rowwise(lambda a: rms_norm(a, w, eps), flat).reshape(x.shape)
-
-    def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, ids: jax.Array, fb: Any, kv: Any) -> tuple[jax.Array, Any]:
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache."""
-        cfg, attn, mm = self.cfg, self.attn, self.mm
-        t = ids.shape[0]
-        cos, sin = rope_tables(fb.positions, self.inv_freq)
-        x = jnp.take(params["embed"], ids, axis=0)
-
-        def layer(carry, lp):
-            x, kv, i = carry
-            h = self.norm(x, lp["attn_norm"])
-            q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
-            if cfg.qkv_bias:
-                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = self.norm(q, lp["q_norm"])
-                k = self.norm(k, lp["k_norm"])
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kv = attn.write(kv, i, k, v, fb)
-            o = attn.attend(q, kv, i, fb)
-            x = x + mm(o.reshape(t, cfg.q_size), lp["wo"])
-            h = self.norm(x, lp["mlp_norm"])
-            x = x + gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], mm)
-            return (x, kv, i + 1), None
-
-        if isinstance(params["layers"], list):  # per-layer weights (model/params.py: unstack_layers)
-            carry = (x, kv, 0)
-            for lp in params["layers"]:
-                carry, _ = layer(carry, lp)
-            x, kv, _ = carry
+        cos, sin = rope_tables(fb.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
+        x = self.embed_tokens(ids)
+        if isinstance(self.layers, nnx.List):
+            for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
+                x, kv = layer(x, cos, sin, kv, i, fb)
         else:
-            (x, kv, _), _ = jax.lax.scan(layer, (x, kv, jnp.int32(0)), params["layers"], unroll=self.layer_unroll)
-        return self.norm(x, params["final_norm"]), kv
+            graphdef, stacked = nnx.split(self.layers)
 
-    def logits(self, params: dict, h: jax.Array) -> jax.Array:
+            def body(carry, state):
+                x, kv, i = carry
+                x, kv = nnx.merge(graphdef, state)(x, cos, sin, kv, i, fb)
+                return (x, kv, i + 1), None
+
+            (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), stacked, unroll=self.layer_unroll)
+        return self.norm(x), kv
+
+    def logits(self, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
-        w = params["lm_head"].T if "lm_head" in params else params["embed"]  # [V, H]
+        w = self.lm_head.weight[...].T if self.lm_head is not None else self.embed_tokens.weight[...]  # [V, H]
         if self.logits_vocab_major:
             # [V, S] then transposed: XLA:CPU runs the [V, H] x [H, S] form 1.5-3.5x faster for a
             # few rows (SmolLM2's 49,152 x 576 head, 32 rows: 28.5 ms against 41.7 as h @ embed.T
             # and 102 as h @ lm_head; the same from 64 rows up)
             return jax.lax.dot_general(w, h, (((1,), (1,)), ((), ()))).T.astype(jnp.float32)
-        return self.mm(h, w.T).astype(jnp.float32)
+        return matmul(h, w.T, self.deterministic).astype(jnp.float32)
+
+
+class CausalLM:
+    """The functional face of a `Decoder`: its graphdef, and the calls the step programs make
+    (model/step.py), each taking the Decoder's state `params` (model/params.py: a pure dict of
+    arrays, the shape of `nnx.split`'s state) and rebuilding the module inside the trace.
+
+    The Decoder is built abstractly (`nnx.eval_shape`: no weights allocated); `abstract` holds
+    its state as ShapeDtypeStructs, `specs` each Param's PartitionSpec, both keyed like `params`.
+    The state travels as plain arrays, not as `nnx.State` of Variables: a compiled program
+    flattens its arguments on every call, and Variables flatten in Python with their metadata
+    (SmolLM2's 272 leaves: 332 us a call, against 123 us as a dict; measured).
+    """
+
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
+                 layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
+                 logits_vocab_major: bool = False):  # fmt: skip
+        self.cfg = cfg
+        self.attn = attn
+        decoder = nnx.eval_shape(lambda: Decoder(cfg, attn, dtype, tp, layer_loop, layer_unroll, deterministic,
+                                                 logits_vocab_major))  # fmt: skip
+        self.graphdef, state = nnx.split(decoder)
+        self.abstract: dict = nnx.to_pure_dict(state)
+        self.specs: dict = nnx.to_pure_dict(nnx.get_partition_spec(state))
+
+    def bind(self, params: dict) -> Decoder:
+        """The Decoder over `params` (inside a trace: over its tracers)."""
+        return nnx.merge(self.graphdef, params)
+
+    def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any) -> tuple[jax.Array, Any]:
+        """Final hidden states [T, H] of the step's tokens, and the updated KV cache."""
+        return self.bind(params)(ids, fb, kv)
+
+    def logits(self, params: dict, h: jax.Array) -> jax.Array:
+        """f32 logits [S, V] of hidden states h [S, H]."""
+        return self.bind(params).logits(h)
+
+    def place(self, host: dict, mesh: Mesh) -> dict:
+        """Host arrays of the state (model/params.py: build_host_state) on the devices, each on
+        its Param's `tp` sharding."""
+        want = jax.tree.map(lambda a: (a.shape, a.dtype), self.abstract)
+        got = jax.tree.map(lambda a: (a.shape, a.dtype), host)
+        assert got == want, "the host state does not match the Decoder's (model/params.py: hf_layout)"
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+        return jax.device_put(host, shardings)

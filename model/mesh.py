@@ -1,15 +1,17 @@
 """Device mesh and the tensor-parallel sharding of parameters (the KV cache's is its backend's).
 
 One mesh axis, `tp`, with Auto axis type (a default `jax.make_mesh` has Explicit axes, under
-which a plain jit of sharded matmuls fails to type-check). Megatron-style layout over the
-stacked parameter tree (model/params.py; the leading L axis is never split):
+which a plain jit of sharded matmuls fails to type-check). Megatron-style layout; each
+`nnx.Param` of the model's modules (model/layers.py, model/llama.py) carries its own as
+`out_sharding`, built here by `tp_split`:
 
-    wq/wk/wv, w_gate/w_up  [L, in, out]  column-parallel  P(None, None, "tp")  (q/k/v by heads)
-    bq/bk/bv               [L, out]                       P(None, "tp")
-    wo, w_down             [L, in, out]  row-parallel     P(None, "tp", None)
-    lm_head                [H, V]        vocab-parallel   P(None, "tp")
-    embed, norms                         replicated
-    KV cache               split by KV head (model/attention/base.py)
+    q/k/v_proj, gate/up_proj   weight [in, out]  column-parallel  (None, "tp")  (q/k/v by heads)
+    q/k/v_proj bias            [out]                              ("tp",)
+    o_proj, down_proj          weight [in, out]  row-parallel     ("tp", None)
+    lm_head                    weight [H, V]     vocab-parallel   (None, "tp")
+    embed_tokens, norms                          replicated       ()
+    stacked layers (scan)      [L, ...]          the same, after a None: the layer axis is never split
+    KV cache                   split by KV head (model/attention/base.py)
 
 A dimension that `tp` does not divide (e.g. 2 KV heads on 4 devices) stays replicated: the
 program is still correct, XLA just does that part redundantly.
@@ -20,8 +22,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-
-from model.checkpoints.config import ModelConfig
 
 
 def make_mesh(tp_size: int) -> Mesh:
@@ -34,25 +34,12 @@ def make_mesh(tp_size: int) -> Mesh:
     return Mesh(np.array(devices[:tp_size]), ("tp",), axis_types=(AxisType.Auto,))
 
 
-def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> PartitionSpec:
-    """PartitionSpec of one leaf of the parameter tree, from its path (e.g. ("layers", "wq"))."""
-    name = path[-1]
-
-    def split(dim: int) -> PartitionSpec:
-        if tp == 1 or shape[dim] % tp:
-            return PartitionSpec()
-        return PartitionSpec(*[("tp" if i == dim else None) for i in range(len(shape))])
-
-    heads_ok = cfg.num_heads % tp == 0 if name in ("wq", "bq") else cfg.num_kv_heads % tp == 0
-    if name in ("wq", "wk", "wv", "bq", "bk", "bv"):
-        return split(len(shape) - 1) if heads_ok else PartitionSpec()
-    if name in ("w_gate", "w_up"):
-        return split(len(shape) - 1)
-    if name in ("wo", "w_down"):
-        return split(len(shape) - 2)  # the input dim: [L, in, out] stacked, [in, out] per layer
-    if name == "lm_head":
-        return split(1)
-    return PartitionSpec()
+def tp_split(ndim: int, axis: int, units: int, tp: int) -> tuple[str | None, ...]:
+    """The `out_sharding` of an ndim-parameter split over `tp` along `axis` when tp divides
+    `units` (the heads that axis holds, or its length); otherwise () -- replicated."""
+    if tp == 1 or units % tp:
+        return ()
+    return tuple("tp" if i == axis else None for i in range(ndim))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,27 +1,35 @@
-"""The parameter tree: every decoder layer's weights stacked along a leading layer axis.
+"""The model's state: the `nnx.Param`s of the Decoder module (model/llama.py) as a pure dict of
+arrays, keyed by module attribute the way `nnx.split` lays them out (HF's names, less the
+"model." prefix). Two layouts of the layers (model/executor.py: resolve_layer_loop):
 
     params = {
-      "embed":      [V, H]                     token embedding (tied checkpoints: also the LM head)
-      "final_norm": [H]
-      "lm_head":    [H, V]                     only when the checkpoint does not tie embeddings
-      "layers": {                              each [L, ...]: index l is decoder layer l
-        "attn_norm": [L, H]      "mlp_norm": [L, H]
-        "wq": [L, H, Hq*D]   "wk": [L, H, Hkv*D]   "wv": [L, H, Hkv*D]   "wo": [L, Hq*D, H]
-        "bq": [L, Hq*D]      "bk": [L, Hkv*D]      "bv": [L, Hkv*D]           (qkv_bias only)
-        "q_norm": [L, D]     "k_norm": [L, D]                                (qk_norm only)
-        "w_gate": [L, H, I]  "w_up": [L, H, I]     "w_down": [L, I, H]
+      "embed_tokens": {"weight": [V, H]}         token embedding (tied checkpoints: also the LM head)
+      "norm":         {"weight": [H]}
+      "lm_head":      {"weight": [H, V]}         only when the checkpoint does not tie embeddings
+      "layers": {                                "unrolled": {0: layer, 1: layer, ...}, each as below
+                                                 "scan": one layer, every leaf [L, ...] (index l: layer l)
+        "input_layernorm":          {"weight": [H]}
+        "self_attn": {
+          "q_proj": {"weight": [H, Hq*D], "bias": [Hq*D]}      bias: qkv_bias only
+          "k_proj": {"weight": [H, Hkv*D], "bias": [Hkv*D]}
+          "v_proj": {"weight": [H, Hkv*D], "bias": [Hkv*D]}
+          "o_proj": {"weight": [Hq*D, H]}
+          "q_norm": {"weight": [D]}   "k_norm": {"weight": [D]}  qk_norm only
+        }
+        "post_attention_layernorm": {"weight": [H]}
+        "mlp": {"gate_proj": {"weight": [H, I]}, "up_proj": {"weight": [H, I]}, "down_proj": {"weight": [I, H]}}
       }
     }
 
 Linear weights are `[in, out]` (the transpose of HF's `[out, in]`), so every projection is
 `x @ w`. The stacked layout lets the forward run the layers under one `jax.lax.scan` (one
-layer body to compile) and passes a dozen buffers per step instead of ~10 per layer. On CPU
-the executor unstacks it (`unstack_layers`: "layers" becomes a list of per-layer dicts of the
-same names, each [...] without the L axis), since XLA:CPU copies a scanned layer's slice.
+layer body to compile) and passes a dozen buffers per step instead of ~10 per layer; on CPU,
+where XLA copies a scanned layer's slice, each layer's weights are buffers of their own.
 
-`hf_layout(cfg)` is THE map from HF tensor names to tree positions: loading uses it, and a
-weight update by HF name places one tensor with `to_tree_layout` at `Placement.path` (and at
-`Placement.layer` along the layer axis) without touching the compiled programs.
+`hf_layout(cfg)` is THE map from HF tensor names to places in the state: loading uses it
+(`build_host_state`), and so does a weight update by HF name (model/weight_sync.py), which
+builds a whole new state the same way; the compiled programs take the state as an argument,
+so nothing recompiles.
 """
 
 from __future__ import annotations
@@ -33,65 +41,70 @@ import numpy as np
 
 from model.checkpoints.config import ModelConfig
 
-Tree = dict[str, Any]
+Tree = dict[Any, Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Placement:
-    """Where one HF tensor lives in the parameter tree."""
+    """Where one HF tensor lives in the state."""
 
-    path: tuple[str, ...]  # keys from the root, e.g. ("layers", "wq")
-    layer: int | None  # index along the stacked layer axis; None for unstacked leaves
+    path: tuple[str, ...]  # module attributes from the Decoder, e.g. ("layers", "self_attn", "q_proj", "weight")
+    layer: int | None  # decoder layer (None: not a layer's); see `state_path`
     transpose: bool  # HF [out, in] -> ours [in, out]
     hf_shape: tuple[int, ...]  # the shape the checkpoint must have (from config.json)
+
+    def state_path(self, stacked: bool) -> tuple[Any, ...]:
+        """Keys from the root of the state: per-layer layout ("layers", l, ...); the stacked one
+        keeps `path`, and the tensor is index `layer` of its leading axis."""
+        if self.layer is None or stacked:
+            return self.path
+        return (self.path[0], self.layer, *self.path[1:])
 
 
 def hf_layout(cfg: ModelConfig) -> dict[str, Placement]:
     """HF tensor name -> Placement, for every tensor the model needs."""
     h, d, v, i = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
     out = {
-        "model.embed_tokens.weight": Placement(("embed",), None, False, (v, h)),
-        "model.norm.weight": Placement(("final_norm",), None, False, (h,)),
+        "model.embed_tokens.weight": Placement(("embed_tokens", "weight"), None, False, (v, h)),
+        "model.norm.weight": Placement(("norm", "weight"), None, False, (h,)),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = Placement(("lm_head",), None, True, (v, h))
+        out["lm_head.weight"] = Placement(("lm_head", "weight"), None, True, (v, h))
     per_layer = {
-        "input_layernorm.weight": ("attn_norm", False, (h,)),
-        "post_attention_layernorm.weight": ("mlp_norm", False, (h,)),
-        "self_attn.q_proj.weight": ("wq", True, (cfg.q_size, h)),
-        "self_attn.k_proj.weight": ("wk", True, (cfg.kv_size, h)),
-        "self_attn.v_proj.weight": ("wv", True, (cfg.kv_size, h)),
-        "self_attn.o_proj.weight": ("wo", True, (h, cfg.q_size)),
-        "mlp.gate_proj.weight": ("w_gate", True, (i, h)),
-        "mlp.up_proj.weight": ("w_up", True, (i, h)),
-        "mlp.down_proj.weight": ("w_down", True, (h, i)),
+        "input_layernorm.weight": (False, (h,)),
+        "post_attention_layernorm.weight": (False, (h,)),
+        "self_attn.q_proj.weight": (True, (cfg.q_size, h)),
+        "self_attn.k_proj.weight": (True, (cfg.kv_size, h)),
+        "self_attn.v_proj.weight": (True, (cfg.kv_size, h)),
+        "self_attn.o_proj.weight": (True, (h, cfg.q_size)),
+        "mlp.gate_proj.weight": (True, (i, h)),
+        "mlp.up_proj.weight": (True, (i, h)),
+        "mlp.down_proj.weight": (True, (h, i)),
     }
     if cfg.qkv_bias:
         per_layer |= {
-            "self_attn.q_proj.bias": ("bq", False, (cfg.q_size,)),
-            "self_attn.k_proj.bias": ("bk", False, (cfg.kv_size,)),
-            "self_attn.v_proj.bias": ("bv", False, (cfg.kv_size,)),
+            "self_attn.q_proj.bias": (False, (cfg.q_size,)),
+            "self_attn.k_proj.bias": (False, (cfg.kv_size,)),
+            "self_attn.v_proj.bias": (False, (cfg.kv_size,)),
         }
     if cfg.qk_norm:
-        per_layer |= {
-            "self_attn.q_norm.weight": ("q_norm", False, (d,)),
-            "self_attn.k_norm.weight": ("k_norm", False, (d,)),
-        }
+        per_layer |= {"self_attn.q_norm.weight": (False, (d,)), "self_attn.k_norm.weight": (False, (d,))}
     for layer in range(cfg.num_layers):
-        for suffix, (key, transpose, shape) in per_layer.items():
-            out[f"model.layers.{layer}.{suffix}"] = Placement(("layers", key), layer, transpose, shape)
+        for suffix, (transpose, shape) in per_layer.items():
+            path = ("layers", *suffix.split("."))
+            out[f"model.layers.{layer}.{suffix}"] = Placement(path, layer, transpose, shape)
     return out
 
 
 def to_tree_layout(place: Placement, a: np.ndarray, dtype) -> np.ndarray:
-    """One HF tensor as its tree slot holds it: transposed to [in, out] if a projection, cast."""
+    """One HF tensor as its Param holds it: transposed to [in, out] if a projection, cast."""
     a = np.asarray(a)
     return np.ascontiguousarray((a.T if place.transpose else a).astype(dtype))
 
 
-def build_host_tree(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Tree:
-    """The parameter tree as host (NumPy) arrays. Raises ValueError naming a missing tensor or
-    one whose shape disagrees with config.json."""
+def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool) -> Tree:
+    """The state as host (NumPy) arrays, layers stacked or per layer. Raises ValueError naming a
+    missing tensor or one whose shape disagrees with config.json."""
     layout = hf_layout(cfg)
     missing = [n for n in layout if n not in tensors]
     if missing:
@@ -100,28 +113,26 @@ def build_host_tree(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> 
         shape = tuple(np.shape(tensors[name]))
         if shape != place.hf_shape:
             raise ValueError(f"tensor {name!r} has shape {shape}, but config.json implies {place.hf_shape}")
-    tree: Tree = {"layers": {}}
+    tree: Tree = {}
     for name, place in layout.items():
         a = to_tree_layout(place, tensors[name], dtype)
+        *parents, key = place.path
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
         if place.layer is None:
-            tree[place.path[0]] = a
-            continue
-        stacked = tree["layers"].get(place.path[1])
-        if stacked is None:
-            stacked = tree["layers"][place.path[1]] = np.empty((cfg.num_layers, *a.shape), a.dtype)
-        stacked[place.layer] = a
+            node[key] = a
+        else:
+            if key not in node:
+                node[key] = np.empty((cfg.num_layers, *a.shape), a.dtype)
+            node[key][place.layer] = a
+    if not stacked:
+        # per layer as views of the stacked arrays: one host allocation per weight name. Freed
+        # per-layer arrays of a few MB stay in the process's heap (SmolLM2: 311 MB more RSS
+        # after loading, measured); one large array per name goes back to the OS.
+        tree["layers"] = {layer: _layer_view(tree["layers"], layer) for layer in range(cfg.num_layers)}
     return tree
 
 
-def unstack_layers(tree: Tree) -> Tree:
-    """The tree with `layers` as a list of per-layer dicts (views of the stacked arrays), for a
-    forward that runs its layers unrolled (model/executor.py: resolve_layer_loop)."""
-    stacked = tree["layers"]
-    n = len(next(iter(stacked.values())))
-    return {**tree, "layers": [{k: v[i] for k, v in stacked.items()} for i in range(n)]}
-
-
-def leaf_at(tree: Tree, path: tuple[str, ...]) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
+def _layer_view(node: Tree, layer: int) -> Tree:
+    return {k: _layer_view(v, layer) if isinstance(v, dict) else v[layer] for k, v in node.items()}

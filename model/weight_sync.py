@@ -1,11 +1,11 @@
 """Weights while serving (the RL loop): update, read back, release and resume device memory.
 
 The executor keeps the HF-named host tensors it serves (`ex.host_tensors`: memory-mapped for a
-safetensors checkpoint). An update builds a whole new parameter tree beside the old one, with
-the start-up builder (`ex.build_params`: the same conversion, module tree and shardings), and
-swaps only once every tensor arrived and checked out; anything wrong leaves the old weights
-serving. The compiled step programs take the parameters as arguments with the same shapes,
-dtypes and shardings, so nothing recompiles.
+safetensors checkpoint). An update builds a whole new state of the Decoder module beside the
+old one, with the start-up builder (`ex.build_params`: the same HF-name map, model/params.py,
+and each Param's sharding), and swaps only once every tensor arrived and checked out; anything
+wrong leaves the old weights serving. The compiled step programs take the state as their first
+argument with the same structure, shapes, dtypes and shardings, so nothing recompiles.
 
 Checks, each an error naming the tensor: an unknown name, a missing one (full updates), a
 shape other than the model's, a dtype that is not floating point, and for a checkpoint on disk

@@ -1,0 +1,77 @@
+"""The Decoder's nnx modules against the HF map: every Param is placed by exactly one HF tensor
+(model/params.py: hf_layout) in both layer layouts, and carries the `tp` sharding model/mesh.py
+states. (Loading and running them: test_hf_parity, test_step's TP test; weight updates:
+tests/engine/test_rl_loop.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from model.attention.base import AttnGeometry, NoAttention
+from model.checkpoints.config import ModelConfig
+from model.checkpoints.tiny import FAMILIES
+from model.llama import CausalLM
+from model.params import hf_layout
+
+
+def model(cfg: ModelConfig, tp: int, layer_loop: str) -> CausalLM:
+    geo = AttnGeometry(cfg.num_layers, 8, 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4, np.float32)
+    return CausalLM(cfg, NoAttention(geo), tp=tp, layer_loop=layer_loop)
+
+
+def flat(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
+    out: dict[tuple, object] = {}
+    for k, v in tree.items():
+        out |= flat(v, (*prefix, k)) if isinstance(v, dict) else {(*prefix, k): v}
+    return out
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_layout_places_every_param_once_with_its_shape(tiny_dir, family, layer_loop):
+    cfg = ModelConfig.from_dict(json.loads((tiny_dir(family) / "config.json").read_text()))
+    state = flat(model(cfg, 1, layer_loop).abstract)
+    stacked = layer_loop == "scan"
+    placed: dict[tuple, list] = {}
+    for place in hf_layout(cfg).values():
+        shape = place.hf_shape[::-1] if place.transpose else place.hf_shape
+        placed.setdefault(place.state_path(stacked), []).append((place.layer, shape))
+    assert set(placed) == set(state)
+    for path, entries in placed.items():
+        layers = [layer for layer, _ in entries]
+        shape = {s for _, s in entries}.pop()
+        if stacked and layers != [None]:
+            assert layers == list(range(cfg.num_layers)), path  # index l of the stack is layer l
+            assert state[path].shape == (cfg.num_layers, *shape), path
+        else:
+            assert len(entries) == 1 and state[path].shape == shape, path
+
+
+def test_params_carry_their_tp_sharding(tiny_dir):
+    cfg = ModelConfig.from_dict(json.loads((tiny_dir("qwen2") / "config.json").read_text()))
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size) == (8, 4, 640, 2048)
+    col, row, rep = PartitionSpec(None, "tp"), PartitionSpec("tp", None), PartitionSpec()
+    specs = flat(model(cfg, 4, "unrolled").specs)
+    assert specs["layers", 0, "self_attn", "q_proj", "weight"] == col
+    assert specs["layers", 3, "self_attn", "k_proj", "weight"] == col
+    assert specs["layers", 0, "self_attn", "v_proj", "bias"] == PartitionSpec("tp")
+    assert specs["layers", 0, "self_attn", "o_proj", "weight"] == row
+    assert specs["layers", 0, "mlp", "gate_proj", "weight"] == col
+    assert specs["layers", 0, "mlp", "down_proj", "weight"] == row
+    assert specs["lm_head", "weight"] == col
+    assert specs["embed_tokens", "weight"] == specs["norm", "weight"] == rep
+    assert specs["layers", 0, "input_layernorm", "weight"] == rep
+    # 8 devices: 4 KV heads do not split, so k/v stay replicated; q (8 heads) still splits
+    specs8 = flat(model(cfg, 8, "unrolled").specs)
+    assert specs8["layers", 0, "self_attn", "k_proj", "weight"] == specs8["layers", 0, "self_attn", "k_proj", "bias"] == rep
+    assert specs8["layers", 0, "self_attn", "q_proj", "weight"] == col
+    # stacked: the same after a None for the layer axis
+    stacked = flat(model(cfg, 4, "scan").specs)
+    assert stacked["layers", "self_attn", "q_proj", "weight"] == PartitionSpec(None, None, "tp")
+    assert stacked["layers", "mlp", "down_proj", "weight"] == PartitionSpec(None, "tp", None)
+    assert stacked["layers", "post_attention_layernorm", "weight"] == rep
+    assert set(flat(model(cfg, 1, "scan").specs).values()) == {rep}  # one device: nothing split
