@@ -89,8 +89,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
         for k in ("stop", "stop_token_ids", "sampling_seed", *CONSTRAINTS):
             if k in d and d[k] is None:
                 del d[k]
-        for k in ("json_schema", "structural_tag"):  # given as an object: its JSON text
-            if isinstance(d.get(k), dict):
+        for k in ("json_schema", "structural_tag"):  # given as an object (a schema also as a bool): its JSON
+            if isinstance(d.get(k), dict) or (k == "json_schema" and isinstance(d.get(k), bool)):
                 d[k] = json.dumps(d[k])
         try:
             p = msgspec.convert({k: _plain(v) for k, v in d.items()}, cls)
