@@ -122,9 +122,8 @@ def run(lltok, reqs: list[Req], **kw) -> tuple[dict[str, list[int]], SchedulerCo
 def test_json_outputs_validate_and_are_identical_across_overlap_speculation_and_retract(lltok, tok):
     want, core = run(lltok, workload(), overlap=False)
     assert len(want) == 12
-    for i, (rid, ids) in enumerate(sorted(want.items(), key=lambda kv: int(kv[0][1:]))):
-        assert ids[-1] != EOS or len(ids) > 1
-        jsonschema.validate(json.loads(text(tok, ids)), SCHEMAS[i % len(SCHEMAS)])
+    for i in range(12):
+        jsonschema.validate(json.loads(text(tok, want[f"r{i}"])), SCHEMAS[i % len(SCHEMAS)])
     assert core.stats.grammar_steps > 0
     assert run(lltok, workload(), overlap=True)[0] == want
     spec_out, spec_core = run(lltok, workload(), overlap=True, spec=True)
