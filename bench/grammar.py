@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--constrained-share", type=float, default=0.5, help="share of the requests constrained")
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the two workloads this many times per engine")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     from actors import Engine
@@ -100,18 +101,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.wait_compiled()
             ids = prompts(n, engine.vocab_size)
             engine.generate(input_ids=ids[:4], sampling_params=constrained[:4])  # warm: compile + first masks
-            results[f"overlap {overlap}, unconstrained"] = run(engine, ids, [plain] * n)
-            results[f"overlap {overlap}, {sum('json_schema' in s for s in constrained)}/{n} constrained"] = run(
-                engine, ids, constrained)  # fmt: skip
+            for k in range(a.repeat):
+                tag = f" #{k + 1}" if a.repeat > 1 else ""
+                results[f"overlap {overlap}, unconstrained{tag}"] = run(engine, ids, [plain] * n)
+                results[f"overlap {overlap}, {sum('json_schema' in s for s in constrained)}/{n} constrained{tag}"] = run(
+                    engine, ids, constrained)  # fmt: skip
     print(f"\n{n} requests x {a.max_new} greedy tokens, model {a.model}", file=sys.stderr)
     cols = ("tok_s", "steps", "wall_ms_per_step", "forward_ms_per_step", "host_ms_per_step", "mask_ms_per_grammar_step")
-    print(f"{'run':34s} " + " ".join(f"{c:>16s}" for c in cols))
+    print(f"{'run':38s} " + " ".join(f"{c:>16s}" for c in cols))
     for name, r in results.items():
-        print(f"{name:34s} " + " ".join(f"{r[c]:16.2f}" for c in cols))
+        print(f"{name:38s} " + " ".join(f"{r[c]:16.2f}" for c in cols))
     names = list(results)
-    base = results[names[0]]
-    for name in names[1:]:
-        print(f"{name} / {names[0]}: {results[name]['tok_s'] / base['tok_s']:.3f}x")
+    for plain_run, con_run in zip(names[::2], names[1::2], strict=True):  # each constrained run against the run before it
+        print(f"{con_run} / {plain_run}: {results[con_run]['tok_s'] / results[plain_run]['tok_s']:.3f}x")
+    if len(names) > 2:
+        print(f"{names[2]} / {names[0]}: {results[names[2]]['tok_s'] / results[names[0]]['tok_s']:.3f}x")
     out = {k: {m: v for m, v in r.items() if m != "outputs"} for k, r in results.items()}
     if a.output_json:
         with open(a.output_json, "w") as f:
