@@ -83,6 +83,12 @@ class ServerArgs:
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")
     seed: int = _opt(0, "default sampling seed of requests that give none")
     stream_interval: int = _opt(1, "tokens between streamed chunks")
+    constrained_json_whitespace_pattern: str | None = _opt(
+        None, "regex of the whitespace a json_schema-constrained output may put between tokens (None: any)"
+    )
+    constrained_json_disable_any_whitespace: bool = _opt(
+        False, "json_schema-constrained outputs are compact: no whitespace between tokens"
+    )
     # processes and I/O
     host: str = _opt("127.0.0.1", "HTTP bind address (localhost by default)")
     port: int = _opt(30000, "HTTP port (0: any free port)")
@@ -165,6 +171,16 @@ class ServerArgs:
             not (self.speculative and self.enable_mixed_chunk),
             "speculative decoding and enable_mixed_chunk cannot be combined (a verify round is a step of its own)",
         )
+        need(
+            not (self.constrained_json_disable_any_whitespace and self.constrained_json_whitespace_pattern),
+            "constrained_json_whitespace_pattern and constrained_json_disable_any_whitespace cannot be combined",
+        )
+        if self.constrained_json_whitespace_pattern is not None:
+            from llguidance import LLMatcher
+
+            g = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=typing.cast(Any, self.json_options))
+            err = LLMatcher.validate_grammar(g)
+            need(not err, f"constrained_json_whitespace_pattern={self.constrained_json_whitespace_pattern!r}: {err}")
         need(self.step_trace >= 0, f"step_trace={self.step_trace}: must be >= 0 (0: off)")
         need(0 <= self.port <= 65535, f"port={self.port}: must be in [0, 65535] (0: any free port)")
 
@@ -180,6 +196,15 @@ class ServerArgs:
     @property
     def enable_overlap(self) -> bool:
         return not self.disable_overlap_schedule
+
+    @property
+    def json_options(self) -> dict[str, Any]:
+        """llguidance's JSON compile options from the constrained_json_* flags."""
+        if self.constrained_json_disable_any_whitespace:
+            return {"whitespace_flexible": False}
+        if self.constrained_json_whitespace_pattern is not None:
+            return {"whitespace_pattern": self.constrained_json_whitespace_pattern}
+        return {}
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

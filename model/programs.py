@@ -44,8 +44,10 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path:
     return p
 
 
-def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any) -> tuple[ForwardBatch, RowSampling]:
-    """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device)."""
+def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any,
+               mask_words: int) -> tuple[ForwardBatch, RowSampling]:  # fmt: skip
+    """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device);
+    every program takes a grammar mask of `mask_words` (ceil(V / 32)) words per sample."""
 
     def spec(shp: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shp, dtype, sharding=sharding)
@@ -61,6 +63,7 @@ def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sha
     smp = RowSampling(
         temperature=spec((r,), f32), top_k=spec((r,), i32), top_p=spec((r,), f32), min_p=spec((r,), f32),
         seed=spec((r,), jnp.uint32), any_random=spec((), jnp.bool_), any_filter=spec((), jnp.bool_),
+        mask=spec((r * k1, mask_words), i32), any_mask=spec((), jnp.bool_),
     )  # fmt: skip
     return fwd, smp
 

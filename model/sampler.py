@@ -21,6 +21,12 @@ on ties).
 
 Logprobs are of the raw model distribution (log_softmax of the logits, before temperature and
 filtering), like SGLang's default `output_token_logprobs`.
+
+A grammar's mask comes first, before every path (greedy, filters, seeded draws) and before the
+logprobs (as SGLang applies its vocab mask to the logits): a token the mask does not allow gets
+logit -inf. The mask is an input of every program ([S, W] int32 packed bits, bit t % 32 of word
+t // 32 allows token t), applied under `lax.cond(any_mask)`, so unconstrained steps skip it and
+no program is added for it.
 """
 
 from __future__ import annotations
@@ -181,9 +187,22 @@ def _first_max(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == x.max(-1, keepdims=True), ids, x.shape[-1] - 1), axis=-1)
 
 
-def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
-    """Sample one token per row of logits [S, V] (f32)."""
+def allowed_only(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [S, V] with every token a row's mask [S, W] does not allow at -inf. A row allowing
+    nothing (never sent: a matcher with nothing left finishes its request) is left as it is."""
     s, v = logits.shape
+    assert mask.shape[1] * 32 >= v, f"mask of {mask.shape[1]} words for a vocabulary of {v}"
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32], token w * 32 + b
+    allowed = bits.reshape(s, -1)[:, :v].astype(bool)
+    allowed = allowed | ~allowed.any(axis=-1, keepdims=True)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
+    """Sample one token per row of logits [S, V] (f32), within each row's mask."""
+    s, v = logits.shape
+    if sp.mask is not None:
+        logits = jax.lax.cond(sp.any_mask, lambda: allowed_only(logits, sp.mask), lambda: logits)
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -225,14 +244,14 @@ def sample_rows(
     if fixed is not None:
         pad = -r % fixed
         hs = jnp.pad(hs, ((0, pad), (0, 0)))
-        sp = SamplingBatch(*(x if x.ndim == 0 else jnp.pad(x, (0, pad)) for x in sp))
+        sp = SamplingBatch(*(_pad_rows(x, pad) for x in sp))
         out = sample_rows(logits_fn, hs, sp, top_n, n_rows, fixed)
         return SampleOut(*(a[:r] for a in out))
     if group is None or r <= group or r % group:
         return sample(logits_fn(hs), sp, top_n)
 
     def cut(x, lo):
-        return x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, lo, group)
+        return x if x is None or jnp.ndim(x) == 0 else jax.lax.dynamic_slice_in_dim(x, lo, group)
 
     def body(i, outs):
         lo = i * group
@@ -244,3 +263,10 @@ def sample_rows(
         jnp.zeros((r, top_n), jnp.int32), jnp.zeros((r, top_n), jnp.float32),
     )  # fmt: skip
     return jax.lax.fori_loop(0, (n_rows + group - 1) // group, body, init)
+
+
+def _pad_rows(x: Any, pad: int) -> Any:
+    """x with `pad` zero rows more (scalars and None as they are)."""
+    if x is None or jnp.ndim(x) == 0:
+        return x
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (jnp.ndim(x) - 1))

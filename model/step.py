@@ -84,13 +84,14 @@ def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> For
 
 
 def per_sample(rs: RowSampling, position: jax.Array, k1: int) -> SamplingBatch:
-    """The sampler's input: each row's parameters for each of its k1 sampled tokens."""
+    """The sampler's input: each row's parameters for each of its k1 sampled tokens (the mask
+    is per sampled token already)."""
 
     def each(x: jax.Array) -> jax.Array:
         return x if k1 == 1 else jnp.repeat(x, k1)
 
     return SamplingBatch(each(rs.temperature), each(rs.top_k), each(rs.top_p), each(rs.min_p), each(rs.seed),
-                         position, rs.any_random, rs.any_filter)  # fmt: skip
+                         position, rs.any_random, rs.any_filter, rs.mask, rs.any_mask)  # fmt: skip
 
 
 def make_logits(model: CausalLM) -> Callable[..., tuple[Any, jax.Array]]:

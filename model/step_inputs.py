@@ -28,6 +28,11 @@ max_batch rows over T packed tokens (query block = extend_block, the attention t
 A verify round's `committed_len` is the scheduler's bound on the slot's length (its rounds in
 flight counted as all accepted); the device moves positions, token locations and kv_len down to
 the FutureMap's true position before the layers run (model/step.py).
+
+A row a grammar constrains carries `mask` ([k1, W] int32 packed bits, W = ceil(V / 32), one
+mask per sampled position); the step's `RowSampling.mask` is [R * k1, W], every other sample's
+mask all ones, or None when no row is constrained (the executor then passes its all-ones array
+already on device; `any_mask` False makes the sampler skip the masking).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class DeviceRow:
     pages: np.ndarray  # int32 page table covering committed_len + extend_len tokens
     sampling: DeviceSampling = DeviceSampling()
     future_slot: int = -1  # request slot whose future entry receives the sampled token; -1: sink
+    mask: np.ndarray | None = None  # [k1, W] int32 allowed tokens of each sampled position (a grammar)
 
     @property
     def extend_len(self) -> int:
@@ -103,6 +109,8 @@ class RowSampling(NamedTuple):
     seed: Arr  # [R] u32
     any_random: Arr  # [] bool: some row has temperature > 0
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
+    mask: Arr = None  # [R * k1, W] int32 allowed tokens per sample (packed bits); None: no row constrained
+    any_mask: Arr = False  # [] bool: some row is constrained
 
 
 class SamplingBatch(NamedTuple):
@@ -116,6 +124,8 @@ class SamplingBatch(NamedTuple):
     position: Arr  # [S] i32 position of the token being sampled (its seed's counter)
     any_random: Arr  # [] bool: some row has temperature > 0
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
+    mask: Arr = None  # [S, W] int32 allowed tokens (packed bits, all ones: any); None: none compiled in
+    any_mask: Arr = False  # [] bool: some sample is constrained (else the mask is not applied)
 
 
 def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
@@ -277,5 +287,22 @@ def build_batch(
     random = temp > 0
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
     fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {})
-    smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()))
+    mask = _masks(rows, nr, k1)
+    smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
+                      np.bool_(mask is not None))  # fmt: skip
     return HostBatch(shape, fwd, smp, n * k1)
+
+
+def _masks(rows: list[DeviceRow], nr: int, k1: int) -> np.ndarray | None:
+    """[nr * k1, W] int32: each constrained row's k1 masks at its samples, all ones elsewhere;
+    None when no row is constrained."""
+    masked = [(i, r.mask) for i, r in enumerate(rows) if r.mask is not None]
+    if not masked:
+        return None
+    w = masked[0][1].shape[-1]
+    out = np.full((nr * k1, w), -1, np.int32)
+    for i, m in masked:
+        if m.shape != (k1, w):
+            raise ValueError(f"row {i}: mask of shape {m.shape}, expected {(k1, w)} (one per sampled token)")
+        out[i * k1 : (i + 1) * k1] = m
+    return out

@@ -37,12 +37,13 @@ def xla_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def shared_engine(tmp_path_factory):
     """One tiny-model engine (page 16, small shapes) for the API, seed-000 and front-door tests;
-    a test that changes its weights or state restores them (the `engine` fixtures check)."""
+    a test that changes its weights or state restores them (the `engine` fixtures check). Its JSON
+    outputs are compact: the random model would otherwise fill them with whitespace."""
     from actors import Engine
     from model.checkpoints.tiny import make_tiny_model
     from tests.engine.conftest import SMALL
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-shared"), "llama", seed=0)
-    e = Engine(str(model), page_size=16, **SMALL)
+    e = Engine(str(model), page_size=16, constrained_json_disable_any_whitespace=True, **SMALL)
     yield e
     e.shutdown()

@@ -7,10 +7,16 @@ shapes: `text_completion` / `chat.completion` objects, or SSE chunks (`text_comp
 `chat.completion.chunk`; for chat a role chunk, content deltas, then a finish chunk per
 choice), an optional usage chunk, and `data: [DONE]`. As in SGLang, ids are the request ids,
 each choice carries `matched_stop`, and `usage` counts each distinct prompt once.
+
+Structured outputs on both routes: OpenAI's `response_format` (`text`, `json_object`: any JSON
+object, `json_schema`: its `schema`, constrained whether `strict` or not, as SGLang does; and
+SGLang's `structural_tag`) and SGLang's extras `regex` and `ebnf`, each one sampling parameter
+(actors/transport/constraint.py); two at once are refused there.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -49,6 +55,10 @@ class _Common(msgspec.Struct, **_S):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    # structured outputs (OpenAI's response_format; SGLang's regex and ebnf)
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_Common, **_S):
@@ -74,7 +84,6 @@ class ChatRequest(_Common, **_S):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
@@ -98,7 +107,33 @@ def _sampling(r: _Common, max_new_tokens: int | None) -> dict[str, Any]:
             sp[name] = value
     if r.seed is not None:
         sp["sampling_seed"] = r.seed
+    for name in ("regex", "ebnf"):
+        if getattr(r, name) is not None:
+            sp[name] = getattr(r, name)
+    if r.response_format is not None:
+        sp.update(_response_format(r.response_format))
     return sp
+
+
+def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format as a constraint sampling parameter ({} for plain text)."""
+    kind = rf.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+            raise ValueError("response_format.json_schema.schema: a JSON schema is required")
+        if not isinstance(spec.get("strict", False), bool):
+            raise ValueError("response_format.json_schema.strict: expected a boolean")
+        return {"json_schema": json.dumps(spec["schema"])}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps({k: v for k, v in rf.items() if k != "type"})}
+    raise ValueError(
+        f"response_format.type={kind!r}: choose one of ['text', 'json_object', 'json_schema', 'structural_tag']"
+    )
 
 
 def completion_args(r: CompletionRequest) -> GenerateArgs:
@@ -124,7 +159,7 @@ def completion_args(r: CompletionRequest) -> GenerateArgs:
 def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> GenerateArgs:
     """The generate call of a /v1/chat/completions request; `render(messages)` is the model's
     chat template, tokenized."""
-    _refuse_unsupported(r, {"tools": (r.tools, None), "response_format": (r.response_format, None)})
+    _refuse_unsupported(r, {"tools": (r.tools, None)})
     if not r.messages:
         raise ValueError("messages: cannot be empty")
     messages = []

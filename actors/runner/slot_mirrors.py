@@ -10,6 +10,9 @@ executor runs.
 Messages are applied in order: released slots first, then started slots, then rows. A mismatch
 between the scheduler's committed length and the mirror's is a protocol bug and fails loudly.
 
+A row a grammar constrains also gets its masks (one per sampled position) from the message's
+mask columns; every other row samples unmasked.
+
 A verify round (speculative decoding) leaves the slot's length known on the device only (the
 FutureMap's position: how many drafts were accepted is decided there); its committed length is
 the scheduler's bound. The mirror then marks the slot UNKNOWN and takes the scheduler's length
@@ -53,6 +56,7 @@ class SlotMirrors:
         page_counts, pages = as_i32(msg.page_counts), as_i32(msg.pages)
         keep = as_u8(msg.keep)
         t_end, p_end = np.cumsum(counts).tolist(), np.cumsum(page_counts).tolist()
+        masks = self._masks(msg, len(slots))
         rows = []
         for r, slot in enumerate(slots.tolist()):
             s = self.slots.get(slot)
@@ -68,7 +72,21 @@ class SlotMirrors:
             if page_counts[r]:
                 s.pages = np.concatenate([s.pages, pages[p_end[r] - page_counts[r] : p_end[r]]])
             ids = tokens[t_end[r] - counts[r] : t_end[r]]
-            rows.append(DeviceRow(ids, c, s.pages, s.sampling, future_slot=slot if keep[r] else -1))
+            rows.append(DeviceRow(ids, c, s.pages, s.sampling, future_slot=slot if keep[r] else -1, mask=masks.get(r)))
             if s.committed_len != UNKNOWN:
                 s.committed_len += len(ids)
         return rows
+
+    @staticmethod
+    def _masks(msg: StepMsg, n_rows: int) -> dict[int, np.ndarray]:
+        """row -> its [1 + drafts, W] grammar masks (views into the message)."""
+        rows = as_i32(msg.mask_rows)
+        if not len(rows):
+            return {}
+        if rows.min() < 0 or rows.max() >= n_rows:
+            raise ValueError(f"mask rows {rows.tolist()} outside the step's {n_rows} rows")
+        bits = as_i32(msg.masks)
+        k1 = 1 + msg.drafts
+        if len(bits) % (len(rows) * k1):
+            raise ValueError(f"{len(bits)} mask words do not split into {len(rows)} rows of {k1} masks")
+        return dict(zip(rows.tolist(), bits.reshape(len(rows), k1, -1), strict=True))

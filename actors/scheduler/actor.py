@@ -7,7 +7,9 @@
 Normal mode waits for batch N's tokens before planning N+1. Overlap mode (default) sends
 N+1 first, then processes N: the runner computes N+1 while the host books N's tokens; where
 N+1 needs a token N has not returned yet it reads the runner's FutureMap (see core.py).
-At most two batches are ever in flight.
+At most two batches are ever in flight. A batch with grammar-constrained rows is the exception
+(SGLang #13425's choice): the next mask needs its tokens, so it is booked before the next batch
+is planned; unconstrained traffic keeps the overlap.
 
 Control requests (pause, continue, flush, info) are answered through the detokenizer, so a
 reply arrives at the frontend after every output sent before it. Pause and flush first finish
@@ -27,6 +29,7 @@ from collections.abc import Callable
 
 from actors.scheduler.batch import ScheduledBatch, StepResult
 from actors.scheduler.core import ReqOutput, SchedulerCore
+from actors.scheduler.grammar import Grammars
 from actors.scheduler.output import step_msg, token_out
 from actors.scheduler.report import load, server_info
 from actors.scheduler.req import Req
@@ -38,6 +41,7 @@ from kvmem import KVCache
 log = logging.getLogger("ringserve.scheduler")
 
 IDLE_WAIT_S = 0.5  # longest blocking wait for a request while idle (then `stopping` is checked)
+GRAMMAR_WAIT_S = 0.002  # wait for a request while nothing runs but a grammar compiles
 
 
 def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
@@ -47,11 +51,11 @@ def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
 
 class SchedulerActor:
     def __init__(self, args: ServerArgs, eos_ids: list[int], decode_tail: Callable[[list[int]], str],
-                 inbox, to_runner, from_runner, to_detok):  # fmt: skip
+                 inbox, to_runner, from_runner, to_detok, grammars: Grammars | None = None):  # fmt: skip
         self.args = args
         self.eos = frozenset(eos_ids)
         cache = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache)
-        self.core = SchedulerCore(args, cache, decode_tail)
+        self.core = SchedulerCore(args, cache, decode_tail, grammars)
         self.stats = self.core.stats
         self.inbox, self.to_runner, self.from_runner, self.to_detok = inbox, to_runner, from_runner, to_detok
         self.in_flight: collections.deque[ScheduledBatch] = collections.deque()
@@ -65,7 +69,10 @@ class SchedulerActor:
         overlap = self.args.enable_overlap
         while not stopping():
             t_loop = time.perf_counter()
-            self._recv_requests(block=not self.in_flight and self.core.stalled)
+            self._recv_requests(self._recv_timeout())
+            self._emit(self.core.grammar_failures())
+            if any(b.masked for b in self.in_flight):
+                self._drain()  # the next masks need these tokens (their matchers advance first)
             t0 = time.perf_counter()
             batch = self.core.get_next_batch()
             if batch is not None:
@@ -78,8 +85,17 @@ class SchedulerActor:
             if batch is None and not self.in_flight:
                 self._on_idle()
 
-    def _recv_requests(self, block: bool) -> None:
-        raw = self.inbox.recv(timeout=IDLE_WAIT_S if block else 0)
+    def _recv_timeout(self) -> float:
+        """How long to wait for a request: long when nothing can run, a moment while a grammar
+        compiles with nothing else to do (its request then becomes ready), else not at all."""
+        if self.in_flight:
+            return 0
+        if self.core.stalled:
+            return IDLE_WAIT_S
+        return GRAMMAR_WAIT_S if self.core.compiling else 0
+
+    def _recv_requests(self, timeout: float) -> None:
+        raw = self.inbox.recv(timeout=timeout)
         while raw is not None:
             try:
                 msg = m.to_scheduler.decode(raw)
@@ -262,9 +278,14 @@ def run(ctx) -> None:
     def decode_tail(ids: list[int]) -> str:
         return str(tok.decode(ids, skip_special_tokens=True))
 
+    def ll_tokenizer():  # the vocabulary mapped once, for every grammar (ids past the tokenizer's: never)
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(tok, n_vocab=max(cfg.vocab_size, len(tok)), eos_token=sorted(cfg.eos_ids) or None)
+
     spin = args.spin_us
     actor = SchedulerActor(
-        args, cfg.eos_ids, decode_tail,
+        args, cfg.eos_ids, decode_tail, grammars=Grammars(ll_tokenizer, cfg.vocab_size, args.json_options),
         inbox=Ring.attach(ctx.rings["inbox"], spin_us=spin),
         to_runner=BroadcastRing.attach(ctx.rings["to_runner"], reader=None, spin_us=spin),  # the writer
         from_runner=Ring.attach(ctx.rings["from_runner"], spin_us=spin),

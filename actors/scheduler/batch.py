@@ -14,6 +14,7 @@ carries only what the runner cannot know yet:
 
     new slot   : the slot, the pages of its cached prefix, its sampling params   (once)
     every row  : slot, committed_len, tokens, pages newly appended to the slot's table
+    constrained: the grammar's masks of its sampled positions (actors/scheduler/grammar.py)
     batch      : slots released since the previous batch
 
 so a decode step costs a fixed number of bytes per row, whatever the context length.
@@ -46,6 +47,7 @@ class Row:
     new_pages: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 pages appended this step
     prefix_pages: np.ndarray | None = None  # int32 whole table at (re)admission, else None
     drafts: int = 0  # a verify round: the k tokens after FUTURE(slot) are drafts (NO_DRAFT pads)
+    mask: np.ndarray | None = None  # a grammar's [1 + drafts, W] int32 allowed tokens per sampled position
 
     @classmethod
     def extend(cls, req: Req, extend_len: int, *, last_chunk: bool) -> Row:
@@ -96,6 +98,11 @@ class ScheduledBatch:
     def drafts(self) -> int:
         """k when the batch's rows are verify rounds of 1 + k tokens (a verify step), else 0."""
         return self.rows[0].drafts if self.rows else 0
+
+    @property
+    def masked(self) -> bool:
+        """Some row's samples are constrained by a grammar."""
+        return any(r.mask is not None for r in self.rows)
 
 
 @dataclasses.dataclass(slots=True)

@@ -24,6 +24,12 @@ Every row takes one path (actors/scheduler/batch.py): a row of a verify step acc
 device accepted (0 for a plain row) and appends accepted + 1 tokens. Speculation's per-request
 state is `req.spec` (actors/scheduler/spec.py).
 
+Output constraints are a part (`self.grammars`, actors/scheduler/grammar.py): a constrained
+request waits until its grammar is compiled (others are admitted past it), every planned batch
+asks it for the masks of its constrained rows, each booked token advances the request's matcher
+(`req.grammar`), and a matcher that stopped finishes its request (`Req.stop_reason`). The actor
+books every batch with a mask before planning the next (no overlap for constrained requests).
+
 KV memory is kvmem's `KVCache` (`self.cache`); a request's KV record (`req.kv`) is the one owner
 of its lengths. A request lets go of its KV in one place (`_release_kv`), finishes in one place
 (`_finish`) and is retracted in one place (`_retract`).
@@ -37,6 +43,7 @@ from collections.abc import Callable
 
 from actors.scheduler.batch import Row, ScheduledBatch, StepResult
 from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
+from actors.scheduler.grammar import Grammars
 from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
@@ -60,10 +67,12 @@ class ReqOutput:
 
 
 class SchedulerCore:
-    def __init__(self, args: ServerArgs, cache: KVCache, decode_tail: Callable[[list[int]], str]):
+    def __init__(self, args: ServerArgs, cache: KVCache, decode_tail: Callable[[list[int]], str],
+                 grammars: Grammars | None = None):  # fmt: skip
         self.args = args
         self.cache = cache
         self.decode_tail = decode_tail
+        self.grammars = grammars  # None: this scheduler refuses constrained requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # the running batch (decoding), in admission order
         self.chunked: Req | None = None  # the one request whose extend is scheduled in chunks
@@ -84,6 +93,10 @@ class SchedulerCore:
     def add_request(self, req: Req) -> None:
         if req.rid in self.by_rid:
             raise ValueError(f"rid {req.rid!r} is already in use by a live request")
+        if req.sampling.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("this scheduler serves no output constraints (no grammar backend)")
+            self.grammars.attach(req)
         req.arrival = self._arrivals
         self._arrivals += 1
         if self.args.speculative:
@@ -165,9 +178,24 @@ class SchedulerCore:
             )
         self.sessions.drop_all()  # sessions stay open; their next turn starts cold
         self.cache.flush()
+        if self.grammars is not None:
+            self.grammars.flush()  # (sglang-jax #425: its grammar cache outlived a flush)
         self.ratio.reset()
         self.stats.forward_ct_decode = 0  # as SGLang's flush_cache
         return True, "cache flushed"
+
+    def grammar_failures(self) -> list[ReqOutput]:
+        """Finish (abort) the waiting requests whose grammar failed to compile; their outputs."""
+        failed = self.grammars.take_failed() if self.grammars is not None else set()
+        if not failed:
+            return []
+        return [self._finish(r, FinishReason("abort", message=r.grammar.error))
+                for r in list(self.waiting) if r.grammar is not None and r.grammar.key in failed]  # fmt: skip
+
+    @property
+    def compiling(self) -> bool:
+        """Some grammar is compiling (a request may become ready without any other event)."""
+        return self.grammars is not None and self.grammars.compiling > 0
 
     @property
     def idle(self) -> bool:
@@ -190,6 +218,11 @@ class SchedulerCore:
         if batch is None and self.running:
             batch = self._decode_batch()
         if batch is not None:
+            if self.grammars is not None:
+                t0 = time.perf_counter()
+                if self.grammars.fill(batch.rows, 1 + batch.drafts):
+                    self.stats.grammar_steps += 1
+                    self.stats.grammar_mask_s += time.perf_counter() - t0
             self.step_id += 1
             batch.step_id = self.step_id
             batch.released_slots, self.released_slots = self.released_slots, []
@@ -226,6 +259,8 @@ class SchedulerCore:
                 break
             if self.cache.num_free_slots == 0 and self.sessions.evict_oldest() is None:
                 break  # (a session's kept slot is given back first)
+            if req.grammar is not None and not req.grammar.ready:
+                continue  # its grammar is still compiling: the others go first
             if shared.defer(req, self._match_len(req)):
                 continue
             req.kv = self._admit(req)
@@ -305,7 +340,8 @@ class SchedulerCore:
         for r in reqs:
             if id(r) in grants:
                 assert r.kv is not None
-                drafts = r.spec.scheduled(r.fill_ids(0, r.fill_len)) if r.spec is not None else None
+                valid = r.grammar.valid_drafts if r.grammar is not None else None
+                drafts = r.spec.scheduled(r.fill_ids(0, r.fill_len), valid) if r.spec is not None else None
                 rows.append(Row.decode(r, grants[id(r)], drafts))
                 self.cache.commit(r.kv, need)
         return rows
@@ -353,6 +389,8 @@ class SchedulerCore:
         if req.weight_version != self.weight_version:
             req.weight_spans.append((self.weight_version, len(req.output_ids)))
         req.output_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)
         if req.return_logprob and result.logprobs is not None:
             req.output_logprobs.append(float(result.logprobs[j]))
             if req.top_logprobs_num and result.top_ids is not None and result.top_logprobs is not None:

@@ -7,6 +7,7 @@ actors/runner/slot_mirrors.py), one columnar encoding for every row:
     every row : slot, committed_len, tokens (ids; FUTURE(slot) for the last sample), pages
                 appended this step, keep (0: a middle prefill chunk)
     every step: slots released since the previous step; drafts = k for a verify step
+    constrained rows only: their row index and grammar masks (1 + drafts per row, V / 8 bytes each)
 
 A decode row costs 21 bytes (5 columns of int32 and one of uint8) plus its page when it starts
 one. Rows keep the batch's order; the scheduler core puts every extend row before the decode
@@ -28,6 +29,7 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
     assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
     starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device()) for r in rows if r.prefix_pages is not None]
     pages = [r.new_pages for r in rows]
+    masks = {i: r.mask for i, r in enumerate(rows) if r.mask is not None}
     return StepMsg(
         batch.step_id,
         released=i32(batch.released_slots) if batch.released_slots else b"",
@@ -40,6 +42,8 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
         pages=i32(np.concatenate(pages)) if rows else b"",
         keep=u8([r.sample for r in rows]),
         drafts=k,
+        mask_rows=i32(list(masks)) if masks else b"",
+        masks=i32(np.stack(list(masks.values()))) if masks else b"",
     )
 
 

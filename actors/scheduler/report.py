@@ -26,6 +26,7 @@ def server_info(core: SchedulerCore) -> dict:
         "req_to_token_pool_used": a.max_running_requests - c.num_free_slots,
         "new_token_ratio": round(core.ratio.value, 4),
         "sessions_keeping_kv": len(core.sessions.kept),
+        "grammar_cache_size": len(core.grammars.cache) if core.grammars is not None else 0,
         "kept_sessions": {  # what each session keeps between turns (seed 001's postcondition)
             sid: {"committed_len": k.kv.committed_len, "allocated_len": k.kv.allocated_len,
                   "pages": int(c.slots.n_pages[k.kv.slot])}

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from actors.scheduler.grammar import ReqGrammar
 from actors.scheduler.spec import SpecState
 from actors.transport.sampling import SamplingParams, find_stop
 from kvmem import ReqKV
@@ -76,6 +77,7 @@ class Req:
     first_token_at: float = 0.0  # time.perf_counter() when its first token was processed
     weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
     spec: SpecState | None = None  # speculative decoding's state (actors/scheduler/spec.py), when on
+    grammar: ReqGrammar | None = None  # its output constraint's matcher (actors/scheduler/grammar.py)
 
     # ---- KV (read from kvmem's record) --------------------------------------------------------
     @property
@@ -133,14 +135,21 @@ class Req:
         return self.fill_ids(0, self.fill_len - 1)
 
     def stop_reason(self, decode_tail: Callable[[list[int]], str]) -> FinishReason | None:
-        """Why the request finishes after its newest token (EOS, stop ids, stop strings,
-        length), or None. `decode_tail(ids) -> str` is called only when stop strings are set."""
+        """Why the request finishes after its newest token (EOS, stop ids, its grammar stopped
+        or failed, stop strings, length), or None. `decode_tail(ids) -> str` is called only
+        when stop strings are set."""
         last = self.output_ids[-1]
         sp = self.sampling
         if not sp.ignore_eos and last in self.eos_ids:
             return FinishReason("stop", matched=last)
         if last in sp.stop_token_ids:
             return FinishReason("stop", matched=last)
+        if self.grammar is not None:
+            error = self.grammar.error
+            if error is not None:
+                return FinishReason("abort", message=error)
+            if self.grammar.terminated:  # nothing but EOS can follow
+                return FinishReason("stop", matched=last)
         if sp.stop:
             # Every token is checked as it arrives, so a stop string can only newly end inside
             # the last token: decoding a tail that can hold the longest stop string suffices

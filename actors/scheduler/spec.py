@@ -14,6 +14,7 @@ wrong guess only costs acceptance: every draft is checked against the target mod
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,13 +54,16 @@ class SpecState:
     verify_ct: int = 0  # verify rounds processed
     accepted: int = 0  # drafts they accepted
 
-    def scheduled(self, context: np.ndarray | None) -> np.ndarray | None:
+    def scheduled(self, context: np.ndarray | None, valid: Callable[[np.ndarray], int] | None = None) -> np.ndarray | None:
         """A sampling step of the request was planned: the last prefill chunk (context None: it
-        yields one token) or a verify round, whose k drafts (padded) are returned."""
+        yields one token) or a verify round, whose k drafts (padded) are returned. `valid(drafts)`
+        (a grammar's) says how many leading drafts may be kept; the rest are never proposed."""
         if context is None:
             self.in_flight.append(1)
             return None
         drafts = propose(context, self.k, sum(self.in_flight), self.max_n)
+        if valid is not None:
+            drafts = drafts[: valid(drafts)]
         self.in_flight.append(len(drafts) + 1)  # what the round yields if all are accepted
         return padded(drafts, self.k)
 

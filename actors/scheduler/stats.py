@@ -23,6 +23,8 @@ class SchedulerStats:
     process_s: float = 0.0  # host time booking results
     wait_runner_s: float = 0.0  # time blocked on the runner's results
     runner_forward_s: float = 0.0  # device time as the runner saw it
+    grammar_steps: int = 0  # steps with constrained rows (their masks filled on the host)
+    grammar_mask_s: float = 0.0  # host time filling those masks
 
     def __post_init__(self) -> None:
         self.spec_accept_histogram = [0] * (self.k + 1)
@@ -45,4 +47,6 @@ class SchedulerStats:
             "integrity_errors": list(self.integrity_errors),
             "host_s_per_step": (self.schedule_s + self.process_s) / steps if steps else 0.0,
             "forward_s_per_step": self.runner_forward_s / steps if steps else 0.0,
+            "grammar_steps": self.grammar_steps,
+            "grammar_mask_s_per_step": self.grammar_mask_s / self.grammar_steps if self.grammar_steps else 0.0,
         }

@@ -164,7 +164,12 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     (`drafts` = k > 0: every row of the step is one) is [FUTURE, k drafts] with NO_DRAFT (-1)
     pads; its committed length is the scheduler's bound (its rounds in flight counted as all
     accepted), and every one of its positions is sampled. `keep[r]` = 0: a middle prefill chunk,
-    whose sample is discarded. Result rows come back in this order."""
+    whose sample is discarded. Result rows come back in this order.
+
+    Grammar masks travel only for constrained rows (M of them; k1 = 1 + drafts masks each, one
+    per sampled position; W = ceil(V / 32) int32 words, bit t % 32 of word t // 32 allows token t):
+
+        masked row m:  row mask_rows[m], masks[m * k1 * W : (m + 1) * k1 * W] as [k1, W]"""
 
     step_id: int
     released: bytes = b""  # int32 slots freed since the previous step (applied first)
@@ -177,6 +182,8 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     pages: bytes = b""  # int32 [sum of page_counts]
     keep: bytes = b""  # uint8 [R]: 1 = the row's sample is kept (0: a middle prefill chunk)
     drafts: int = 0  # k: the rows are verify rounds of 1 + k tokens; 0: plain rows
+    mask_rows: bytes = b""  # int32 [M] rows whose samples a grammar constrains (ascending)
+    masks: bytes = b""  # int32 [M, 1 + drafts, W] their allowed tokens, packed bits
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):

@@ -10,16 +10,23 @@ scheduler's `Req`. The fields the device needs leave it as `model.step_inputs.De
 that names the field, the value and the limit, raised before the request reaches the
 scheduler, so a bad request never disturbs the others. On the wire `sampling_seed` is always
 set (the frontend draws one for requests that give none).
+
+An output constraint (`json_schema`, `regex`, `ebnf`, `structural_tag`: at most one) travels as
+its text; `from_dict` takes a JSON schema or structural tag as a dict too, and `validate`
+compiles it once (actors/transport/constraint.py), so one that does not compile is refused here.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from typing import Any
 
 import msgspec
 
+from actors.transport.constraint import KINDS as CONSTRAINTS
+from actors.transport.constraint import check as check_constraint
 from model.step_inputs import DeviceSampling
 
 # Aliases other frameworks send (verl sends max_tokens; OpenAI clients send seed).
@@ -43,6 +50,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    # the output constraint, at most one (actors/transport/constraint.py)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(
@@ -74,9 +86,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                 d["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
-        for k in ("stop", "stop_token_ids", "sampling_seed"):
+        for k in ("stop", "stop_token_ids", "sampling_seed", *CONSTRAINTS):
             if k in d and d[k] is None:
                 del d[k]
+        for k in ("json_schema", "structural_tag"):  # given as an object (a schema also as a bool): its JSON
+            if isinstance(d.get(k), dict) or (k == "json_schema" and isinstance(d.get(k), bool)):
+                d[k] = json.dumps(d[k])
         try:
             p = msgspec.convert({k: _plain(v) for k, v in d.items()}, cls)
         except msgspec.ValidationError as e:
@@ -125,9 +140,26 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
             self.sampling_seed is None or 0 <= self.sampling_seed < 2**63,
             f"sampling_seed={self.sampling_seed!r} must be an integer in [0, 2**63)",
         )
+        given = [k for k in CONSTRAINTS if getattr(self, k) is not None]
+        need(len(given) <= 1, f"give at most one of {list(CONSTRAINTS)} (got {given})")
+        if given:
+            need(bool(getattr(self, given[0])), f"{given[0]} must be a non-empty string")
+            try:
+                check_constraint(given[0], getattr(self, given[0]))
+            except ValueError as e:
+                need(False, str(e))
 
     def with_seed(self, seed: int) -> SamplingParams:
         return msgspec.structs.replace(self, sampling_seed=seed)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, or None (also the compiled grammar's cache key)."""
+        for k in CONSTRAINTS:
+            text = getattr(self, k)
+            if text is not None:
+                return k, text
+        return None
 
     @property
     def is_greedy(self) -> bool:

@@ -58,3 +58,13 @@ def test_bad_options_name_the_field_and_limit(kwargs, message):
 
 def test_num_pages_rounds_down():
     assert ServerArgs(max_total_tokens=1000, page_size=16, context_length=512).num_pages == 62
+
+
+def test_constrained_json_whitespace_flags():
+    assert ServerArgs().json_options == {}
+    assert parse(["--constrained-json-disable-any-whitespace"]).json_options == {"whitespace_flexible": False}
+    assert parse(["--constrained-json-whitespace-pattern", "[ ]{0,2}"]).json_options == {"whitespace_pattern": "[ ]{0,2}"}
+    with pytest.raises(ValueError, match="cannot be combined"):
+        ServerArgs(constrained_json_disable_any_whitespace=True, constrained_json_whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="(?s)constrained_json_whitespace_pattern='\\[ '.*unclosed character class"):
+        ServerArgs(constrained_json_whitespace_pattern="[ ")

@@ -105,3 +105,18 @@ def test_runner_core_returns_the_real_rows_samples_row_after_row():
     assert m.as_i32(res.tokens).tolist() == list(range(100, 106))  # 2 rounds x 3 samples
     assert m.as_i32(res.accepted).tolist() == [7, 7]
     assert core.ex.calls == [0, 3]  # type: ignore[attr-defined]
+
+
+def test_grammar_masks_reach_only_their_rows():
+    """A step's mask columns (rows ascending, [1 + drafts, W] each) become those rows'
+    DeviceRow.mask; the other rows sample unmasked."""
+    mirrors = SlotMirrors(4)
+    mirrors.apply(step(1, [(0, 0, [5, 6], [1], True), (1, 0, [7, 8], [2], True), (3, 0, [9], [3], True)],
+                       starts=[(0, []), (1, []), (3, [])]))  # fmt: skip
+    masks = np.arange(2 * 2 * 3, dtype=np.int32).reshape(2, 2, 3)  # rows 0 and 2, k1 = 2, W = 3
+    msg = step(2, [(0, 2, [-1, 4], [], True), (1, 2, [-2, -1], [], True), (3, 1, [-4, 6], [], True)], drafts=1)
+    msg = m.to_runner.decode(m.encode(m.msgspec.structs.replace(msg, mask_rows=m.i32([0, 2]), masks=m.i32(masks))))
+    rows = mirrors.apply(msg)
+    assert np.array_equal(rows[0].mask, masks[0]) and rows[1].mask is None and np.array_equal(rows[2].mask, masks[1])
+    with pytest.raises(ValueError, match="outside the step's 3 rows"):
+        mirrors.apply(m.msgspec.structs.replace(msg, step_id=3, mask_rows=m.i32([3]), masks=m.i32(masks[:1])))

@@ -5,6 +5,9 @@ reads the request's context back THROUGH ITS PAGE TABLE, so a wrong page, a wron
 grant, a wrong position or a stale future token changes the output: comparing against
 `reference()` (the same function applied to the true token sequence) checks the scheduler's
 memory books end to end.
+
+A row with grammar masks samples within them (`within`: the model's token if allowed, else an
+allowed one picked by it), and its drafts must each be allowed by the mask before them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def reference(prompt: list[int], n: int, vocab: int, eos: int | None = None, mod
         if t == eos:
             break
     return out
+
+
+def within(mask: np.ndarray, t: int) -> int:
+    """Token t if the packed mask (bit t % 32 of word t // 32) allows it, else the allowed token
+    at t modulo their count."""
+    allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+    return t if t in allowed else int(allowed[t % len(allowed)])
 
 
 @dataclasses.dataclass
@@ -104,6 +114,10 @@ class FakeRunner:
             for j in range(k1):  # the last k1 positions are sampled
                 ctx = [self.kv[self.loc(m, p)] for p in range(end - k1 + j + 1)]
                 toks[i, j] = self.model(ctx, self.vocab)
+                if row.mask is not None:
+                    toks[i, j] = within(row.mask[j], int(toks[i, j]))
+                    draft = row.token_ids[1 + j] if j < row.drafts else -1
+                    assert draft < 0 or within(row.mask[j], int(draft)) == draft, f"draft {draft} outside the grammar"
             a = 0
             while a < row.drafts and row.token_ids[1 + a] == toks[i, a]:
                 a += 1
