@@ -28,6 +28,7 @@ from actors.frontend.bridge import LoopThread
 from actors.frontend.core import FrontendCore, ReqState, generate_req
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
+from actors.frontend.limits import bytes_per_token
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -46,7 +47,7 @@ class TokenizerManager:
         self.from_detok = from_detok
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
-        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num)
+        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer))
         self.replies: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self.dead: BaseException | None = None
         self.closing = False

@@ -8,9 +8,10 @@ enter and then set to 0600, so no other user can ever connect. Closing removes t
 One task per connection reads frames; every call runs as its own task, so a slow stream never
 holds up another call. A frame whose announced length passes the limit, or whose body is not
 one of the client union's structs, is answered with a `Failed` (id 0) and the connection is
-closed (the stream cannot be resynchronised). A connection that closes, cleanly or not,
-cancels its calls: their requests are aborted and their KV freed, like a caller that leaves an
-Engine stream.
+closed (the stream cannot be resynchronised); a frame nested deeper than the decoder goes is
+answered `Failed` with its call's id and the connection goes on. A connection that closes,
+cleanly or not, cancels its calls: their requests are aborted and their KV freed, like a
+caller that leaves an Engine stream.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import msgspec
 from actors.frontend import protocol as p
 from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
+from actors.frontend.limits import too_deep
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.ipc")
@@ -122,13 +124,21 @@ class _Connection:
             while True:
                 try:
                     n = p.body_length(await self.reader.readexactly(p.HEADER.size), self.server.max_frame)
-                    msg = p.client_decoder.decode(await self.reader.readexactly(n))
+                    body = await self.reader.readexactly(n)
+                    msg = p.client_decoder.decode(body)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # closed, cleanly or mid-frame
                 except (p.FrameTooLarge, msgspec.DecodeError) as e:
                     text = str(e) if isinstance(e, p.FrameTooLarge) else f"malformed frame: {e}"
                     await self.send(p.Failed(0, "ValueError", text))
                     return
+                except RecursionError:  # nested deeper than msgspec decodes (far past MAX_DEPTH)
+                    head = p.peek(body)
+                    if head is None:
+                        await self.send(p.Failed(0, "ValueError", f"malformed frame: {too_deep('frame')}"))
+                        return
+                    await self.send(p.Failed(head[0], "ValueError", too_deep(head[1])))
+                    continue
                 self._dispatch(msg)
         finally:
             self.close()
