@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
@@ -189,47 +189,13 @@ class TokenizerManager:
             yield chunk
 
     async def stream_states(self, states: list[ReqState], batched: bool) -> AsyncGenerator[dict, None]:
-        """`generate_stream` of requests already submitted (aborted if the caller leaves)."""
-        queue: asyncio.Queue[tuple[int, dict | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, st: ReqState) -> None:
-            try:
-                async for out in self.stream(st):
-                    queue.put_nowait((i, out, None))
-                queue.put_nowait((i, None, None))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
-                queue.put_nowait((i, None, e))
-
-        pumps = [asyncio.create_task(pump(i, st)) for i, st in enumerate(states)]
+        """`generate_stream` of requests already submitted (aborted if the caller leaves). A
+        caller that lags costs one chunk, not one per output (`FrontendCore.chunks`)."""
         try:
-            left = len(states)
-            while left:
-                i, out, err = await queue.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    left -= 1
-                    continue
-                if batched:
-                    out["index"] = i
+            async for out in self.core.chunks(states, batched):
                 yield out
         finally:
-            for p in pumps:
-                p.cancel()
             self.abort_unfinished(states)
-
-    async def stream(self, st: ReqState) -> AsyncIterator[dict]:
-        """Yields the result so far each time new output arrives; the last one is finished."""
-        while True:
-            await st.changed.wait()
-            st.changed.clear()
-            if st.error is not None:
-                raise EngineDead(f"request {st.spec.rid} lost: the engine is down: {st.error}")
-            yield self.core.result(st)
-            if st.finished:
-                return
 
     async def wait(self, st: ReqState) -> dict:
         """The finished result (no intermediate results are built)."""

@@ -12,6 +12,13 @@ closed (the stream cannot be resynchronised); a frame nested deeper than the dec
 answered `Failed` with its call's id and the connection goes on. A connection that closes,
 cleanly or not, cancels its calls: their requests are aborted and their KV freed, like a
 caller that leaves an Engine stream.
+
+Back-pressure: a connection has at most `max_calls` calls in flight, and no new frame is read
+from it while its replies wait for it to read them (the socket's buffer is full). A client that
+sends and never reads so costs the server a bounded amount (its calls' replies), and the
+kernel's socket buffer then stops the client; one that reads again is read again. A stream's
+chunks are the latest state of its requests when the socket takes the next one (core.py
+`FrontendCore.chunks`), so a reader that lags costs one chunk, not one per output.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -36,6 +44,8 @@ from actors.frontend.verbs import Verb, call_verb
 log = logging.getLogger("ringserve.ipc")
 
 ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
+MAX_CALLS_PER_CONNECTION = 1024  # calls in flight on one connection before it is no longer read
+HANGUP_POLL_S = 0.5  # how often a connection that is not read is checked for a client that left
 
 
 def private_socket_path() -> tuple[str, str]:
@@ -49,10 +59,11 @@ def private_socket_path() -> tuple[str, str]:
 
 class IPCServer:
     def __init__(self, tm: TokenizerManager, verbs: dict[str, Verb], path: str | None = None,
-                 max_frame: int = p.DEFAULT_MAX_FRAME):  # fmt: skip
+                 max_frame: int = p.DEFAULT_MAX_FRAME, max_calls: int = MAX_CALLS_PER_CONNECTION):  # fmt: skip
         self.tm = tm
         self.verbs = verbs
         self.max_frame = max_frame
+        self.max_calls = max_calls
         self._made_dir: str | None = None
         if path is None:
             path, self._made_dir = private_socket_path()
@@ -99,6 +110,15 @@ class IPCServer:
         return len(self._conns)
 
 
+def _hung_up(sock: Any) -> bool:
+    """Whether the peer closed its end (unread data may still wait in the socket)."""
+    if sock is None:
+        return True
+    poll = select.poll()
+    poll.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poll.poll(0))
+
+
 def _listening(path: str) -> bool:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -117,11 +137,14 @@ class _Connection:
         self.reader, self.writer = reader, writer
         self.calls: dict[int, asyncio.Task] = {}
         self.write_lock = asyncio.Lock()
+        self.room = asyncio.Event()  # set whenever a call ends or a reply leaves: read again?
         self.closed = False
 
     async def run(self) -> None:
         try:
             while True:
+                if not await self._wait_for_room():
+                    return  # the client left while its calls filled the connection
                 try:
                     n = p.body_length(await self.reader.readexactly(p.HEADER.size), self.server.max_frame)
                     body = await self.reader.readexactly(n)
@@ -142,6 +165,21 @@ class _Connection:
                 self._dispatch(msg)
         finally:
             self.close()
+
+    async def _wait_for_room(self) -> bool:
+        """Back-pressure: read no frame while `max_calls` calls are in flight or replies wait in
+        a full socket buffer (the client is not reading them). False if the client hung up
+        meanwhile (seen without reading: the socket's POLLRDHUP), so its calls are cancelled at
+        once as when it hangs up on a connection that is read."""
+        transport = self.writer.transport
+        high = transport.get_write_buffer_limits()[1]
+        while len(self.calls) >= self.server.max_calls or transport.get_write_buffer_size() > high:
+            if transport.is_closing() or _hung_up(transport.get_extra_info("socket")):
+                return False
+            self.room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.room.wait(), HANGUP_POLL_S)
+        return True
 
     def _dispatch(self, msg: p.ClientMsg) -> None:
         if isinstance(msg, p.Cancel):
@@ -175,6 +213,7 @@ class _Connection:
         finally:
             if self.calls.get(msg.id) is asyncio.current_task():
                 del self.calls[msg.id]
+            self.room.set()
 
     async def _generate(self, c: p.Generate) -> None:
         if c.args.text is None:
@@ -205,6 +244,7 @@ class _Connection:
         async with self.write_lock:
             self.writer.write(data)
             await self.writer.drain()
+        self.room.set()
 
     def close(self) -> None:
         if self.closed:
