@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
@@ -54,6 +54,7 @@ class TokenizerManager:
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
+        self.on_close: list[Callable[[], None]] = []  # run first by close() (the servers' stop)
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
@@ -305,8 +306,16 @@ class TokenizerManager:
 
     # ---- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Fail whatever is still pending (callers get EngineDead, nobody hangs), stop threads."""
-        if not self.closing and self.loop.is_running():
+        """Stop the servers on this frontend, fail whatever is still pending (callers get
+        EngineDead, nobody hangs), stop threads. Never waits on a loop that cannot run (at
+        interpreter exit)."""
+        for stop in self.on_close:
+            try:
+                stop()
+            except Exception:
+                log.exception("frontend: closing")
+        self.on_close.clear()
+        if not self.closing and self.lt.usable and not self.lt.on_loop:
 
             async def fail() -> None:
                 self.fail_all(EngineDead("the engine was shut down"))

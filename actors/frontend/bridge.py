@@ -8,6 +8,9 @@ consumer, so one that lags holds up its producer (whose outputs are cumulative: 
 one that keeps up gets every item. They cross with their cancellation: when the consumer stops
 early (break, close, an error, a cancelled task), the producing async iterator is closed on its
 own loop, so its `finally` runs there (e.g. aborting the requests it was streaming).
+
+A loop thread is a daemon: at interpreter exit it is frozen wherever it is, so nothing may wait
+on it then (`LoopThread.usable`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -34,28 +38,41 @@ class LoopThread:
         self.thread.start()
         self.closed = False
 
+    @property
+    def usable(self) -> bool:
+        """Whether a coroutine submitted now will run: the loop is up and the interpreter is not
+        finalizing (daemon threads stop for good then)."""
+        return not self.closed and self.loop.is_running() and not sys.is_finalizing()
+
+    @property
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self.thread
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule a coroutine on the loop from any thread."""
-        if self.closed:
+        if self.closed or self.loop.is_closed():
             coro.close()
             raise LoopClosed("the event loop is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine on the loop and wait for it (from a thread that is not the loop's)."""
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the loop and wait for it (from a thread that is not the loop's).
+        TimeoutError after `timeout` seconds (the coroutine is cancelled)."""
         fut = self.submit(coro)
         try:
-            return fut.result()
+            return fut.result(timeout)
         except BaseException:
-            fut.cancel()  # KeyboardInterrupt while waiting: stop the coroutine too
+            fut.cancel()  # KeyboardInterrupt or a timeout while waiting: stop the coroutine too
             raise
 
     def stop(self, timeout: float = 2.0) -> None:
         if self.closed:
             return
         self.closed = True
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout)
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if not self.on_loop and timeout > 0 and not sys.is_finalizing():
+            self.thread.join(timeout)
 
 
 STREAM_AHEAD = 16  # items a stream's producer may run ahead of its consumer

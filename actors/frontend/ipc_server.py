@@ -69,6 +69,7 @@ class IPCServer:
             path, self._made_dir = private_socket_path()
         self.path = path
         self._server: asyncio.AbstractServer | None = None
+        self._bound = False  # the socket file at `path` is ours
         self._conns: set[_Connection] = set()
 
     async def start(self) -> str:
@@ -79,6 +80,7 @@ class IPCServer:
         # a deep accept queue: a burst of clients past the default 100 would see their connection
         # reset while it waits to be accepted (1,000 at once: 899 lost with the default)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 16, backlog=ACCEPT_BACKLOG)
+        self._bound = True
         os.chmod(self.path, 0o600)
         return self.path
 
@@ -100,8 +102,13 @@ class IPCServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             self._server = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the socket file and the directory made for it (any thread, any time, again)."""
+        if self._bound:  # never bound: the path may be another server's (a refused second server)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         if self._made_dir is not None:
             shutil.rmtree(self._made_dir, ignore_errors=True)
 
