@@ -136,7 +136,7 @@ def _readable(e: msgspec.ValidationError) -> str:
     text = str(e)
     msg, _, where = text.partition(" - at `$")
     field = where.rstrip("`").lstrip(".")
-    return f"{field}: {msg}" if field else msg
+    return f"{field or 'request body'}: {msg}"
 
 
 def _json(obj: Any, status: int = 200) -> Response:

@@ -59,6 +59,8 @@ HTTP_CASES = [
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, ["temperature"]),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1e999}]}]}',
      400, ["messages[0].content[0]"]),
+    ("/generate", b'[{"text": "a"}]', 400, ["request body: Expected `object`, got `array`"]),
+    ("/open_session", b'"x"', 400, ["request body: Expected `object`, got `str`"]),
 ]
 
 
