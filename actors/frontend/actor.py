@@ -21,13 +21,14 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
 from actors.frontend.core import FrontendCore, ReqState, generate_req
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
+from actors.frontend.limits import bytes_per_token
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -46,13 +47,14 @@ class TokenizerManager:
         self.from_detok = from_detok
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
-        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num)
+        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer))
         self.replies: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self.dead: BaseException | None = None
         self.closing = False
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
+        self.on_close: list[Callable[[], None]] = []  # run first by close() (the servers' stop)
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
@@ -188,47 +190,13 @@ class TokenizerManager:
             yield chunk
 
     async def stream_states(self, states: list[ReqState], batched: bool) -> AsyncGenerator[dict, None]:
-        """`generate_stream` of requests already submitted (aborted if the caller leaves)."""
-        queue: asyncio.Queue[tuple[int, dict | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, st: ReqState) -> None:
-            try:
-                async for out in self.stream(st):
-                    queue.put_nowait((i, out, None))
-                queue.put_nowait((i, None, None))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
-                queue.put_nowait((i, None, e))
-
-        pumps = [asyncio.create_task(pump(i, st)) for i, st in enumerate(states)]
+        """`generate_stream` of requests already submitted (aborted if the caller leaves). A
+        caller that lags costs one chunk, not one per output (`FrontendCore.chunks`)."""
         try:
-            left = len(states)
-            while left:
-                i, out, err = await queue.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    left -= 1
-                    continue
-                if batched:
-                    out["index"] = i
+            async for out in self.core.chunks(states, batched):
                 yield out
         finally:
-            for p in pumps:
-                p.cancel()
             self.abort_unfinished(states)
-
-    async def stream(self, st: ReqState) -> AsyncIterator[dict]:
-        """Yields the result so far each time new output arrives; the last one is finished."""
-        while True:
-            await st.changed.wait()
-            st.changed.clear()
-            if st.error is not None:
-                raise EngineDead(f"request {st.spec.rid} lost: the engine is down: {st.error}")
-            yield self.core.result(st)
-            if st.finished:
-                return
 
     async def wait(self, st: ReqState) -> dict:
         """The finished result (no intermediate results are built)."""
@@ -337,8 +305,16 @@ class TokenizerManager:
 
     # ---- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Fail whatever is still pending (callers get EngineDead, nobody hangs), stop threads."""
-        if not self.closing and self.loop.is_running():
+        """Stop the servers on this frontend, fail whatever is still pending (callers get
+        EngineDead, nobody hangs), stop threads. Never waits on a loop that cannot run (at
+        interpreter exit)."""
+        for stop in self.on_close:
+            try:
+                stop()
+            except Exception:
+                log.exception("frontend: closing")
+        self.on_close.clear()
+        if not self.closing and self.lt.usable and not self.lt.on_loop:
 
             async def fail() -> None:
                 self.fail_all(EngineDead("the engine was shut down"))

@@ -15,8 +15,11 @@ server is down or the connection is lost. Leaving a stream early cancels it on t
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -26,7 +29,17 @@ from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs
 
 CLIENT_MAX_FRAME = 1 << 30  # replies can be large (a batch with top logprobs)
+CLOSE_TIMEOUT_S = 5.0  # a sync client's close waits this long for its connection to close
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "EngineDead": EngineDead}
+_open: weakref.WeakSet[Client | AsyncClient] = weakref.WeakSet()  # clients not closed yet
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Clients left open at exit (e.g. made at module level): atexit runs before daemon threads
+    are stopped, so a Client's loop can still close its connection now; later it cannot."""
+    for c in list(_open):
+        c._left_open()
 
 
 def _error(f: p.Failed) -> Exception:
@@ -43,6 +56,8 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._lost: Exception | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     # ---- connection -------------------------------------------------------------------------
     async def connect(self) -> None:
@@ -55,6 +70,9 @@ class AsyncClient:
                 self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 16)
             except OSError as e:
                 raise EngineDead(f"cannot connect to {self.socket_path}: {e}") from None
+            self._loop = asyncio.get_running_loop()
+            self._closed = False
+            _open.add(self)
             self._task = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -75,6 +93,8 @@ class AsyncClient:
                 q.put_nowait(lost)
 
     async def close(self) -> None:
+        self._closed = True
+        _open.discard(self)
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(Exception):
@@ -88,6 +108,22 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
         return self
+
+    def _left_open(self) -> None:
+        """Found open (garbage collected, or at exit): warn, and close the connection if its loop
+        still runs (without waiting: this may be any thread, the loop may never run again)."""
+        if self._closed or self._writer is None:
+            return
+        self._closed = True
+        _open.discard(self)
+        warnings.warn(f"unclosed AsyncClient({self.socket_path!r})", ResourceWarning, stacklevel=2)
+        loop, writer = self._loop, self._writer
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(writer.close)
+
+    def __del__(self) -> None:
+        self._left_open()
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
@@ -241,6 +277,8 @@ class Client:
         except BaseException:
             self._lt.stop()
             raise
+        _open.discard(self._ac)  # the Client answers for its AsyncClient
+        _open.add(self)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
@@ -301,10 +339,26 @@ class Client:
         return self._lt.run(self._ac.resume_memory_occupation(tags))
 
     def close(self) -> None:
-        if not self._lt.closed:
+        """Close the connection (its calls are cancelled on the server) and the loop thread.
+        Never waits on a loop that cannot run (stopped, or the interpreter finalizing)."""
+        _open.discard(self)
+        lt = self._lt
+        if lt.closed:
+            return
+        self._ac._closed = True
+        if lt.usable and not lt.on_loop:
             with contextlib.suppress(Exception):
-                self._lt.run(self._ac.close())
-            self._lt.stop()
+                lt.run(self._ac.close(), timeout=CLOSE_TIMEOUT_S)
+        elif lt.usable:  # dropped on its own loop thread: close there, without waiting
+            writer = self._ac._writer
+            if writer is not None:
+                writer.close()
+        lt.stop()
+
+    def _left_open(self) -> None:
+        if not self._lt.closed:
+            warnings.warn(f"unclosed Client({self.socket_path!r})", ResourceWarning, stacklevel=2)
+            self.close()
 
     def __enter__(self) -> Client:
         return self
@@ -314,4 +368,4 @@ class Client:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.close()
+            self._left_open()

@@ -4,7 +4,9 @@ A request's state (`ReqState`) lives here from submit to its finished output. Th
 (actors/frontend/actor.py) adds a state per validated `RequestSpec`, sends `generate_req(spec)`
 to the scheduler, and hands every `BatchStrOut` from the detokenizer to `apply`, which appends
 each output to its request (outputs of different requests come interleaved, in any order),
-finishes it (its session turn too) and wakes its waiters through `ReqState.changed`. `result`
+finishes it (its session turn too) and wakes its waiters (`ReqState.changed`, and the stream
+that listens to it: `ReqState.listener`). `chunks` is a stream's chunks, the latest state of
+each request when the caller asks (a caller that lags costs one chunk). `result`
 builds the SGLang-shaped dict from a state (streamed chunks carry the text and ids so far):
 
     {"text": str, "output_ids": [int],
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import RequestSpec
 from actors.frontend.metrics import FrontendMetrics
 from actors.frontend.sessions import Sessions
@@ -41,8 +45,14 @@ class ReqState:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished: bool = False
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    listener: Callable[[], None] | None = None  # called on each change (a stream of this request)
     error: BaseException | None = None
     last_output: float = 0.0  # when the latest tokens arrived (inter-token latency)
+
+    def notify(self) -> None:
+        self.changed.set()
+        if self.listener is not None:
+            self.listener()
 
 
 def generate_req(spec: RequestSpec) -> m.GenerateReq:
@@ -90,7 +100,7 @@ class FrontendCore:
         """Every live request ends with `err` (its waiters raise); the table is emptied."""
         for st in self.states.values():
             st.error = err
-            st.changed.set()
+            st.notify()
         self.states.clear()
 
     # ---- outputs ----------------------------------------------------------------------------
@@ -110,7 +120,7 @@ class FrontendCore:
                 st.meta["e2e_latency"] = now - st.created
                 self.metrics.finished(st.meta, now - st.created)
                 del self.states[o.rid]
-            st.changed.set()
+            st.notify()
 
     def _append(self, st: ReqState, o: m.TokenOut, text: str, now: float) -> None:
         new = m.as_i32(o.new_ids).tolist()
@@ -143,6 +153,51 @@ class FrontendCore:
             st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,
                            spec_draft_token_num=o.spec_verify_ct * k,
                            spec_accept_length=round(o.completion_tokens / o.spec_verify_ct, 4))  # fmt: skip
+
+    # ---- streams ----------------------------------------------------------------------------
+    async def chunks(self, states: list[ReqState], batched: bool) -> AsyncIterator[dict]:
+        """One stream's chunks: each the `result` of a request that changed since its last chunk
+        (with "index" when batched), built when the caller asks for the next one; each request's
+        last chunk is finished. EngineDead if a request is lost.
+
+        Outputs are cumulative, so the latest state is all a caller needs: one that keeps up gets
+        a chunk per output (every `stream_interval` tokens), one that lags gets the newest state
+        when it asks, and costs one chunk however far behind it is, never a queue of snapshots."""
+        news: dict[int, None] = {}  # requests changed since their last chunk, in order of change
+        woken = asyncio.Event()
+
+        def listener(i: int) -> Callable[[], None]:
+            def changed() -> None:
+                news[i] = None
+                woken.set()
+
+            return changed
+
+        for i, st in enumerate(states):
+            st.listener = listener(i)
+            if st.changed.is_set():  # outputs that came before the stream began
+                news[i] = None
+        try:
+            left = len(states)
+            while left:
+                if not news:
+                    woken.clear()
+                    await woken.wait()
+                    continue
+                i = next(iter(news))
+                del news[i]
+                st = states[i]
+                st.changed.clear()
+                if st.error is not None:
+                    raise EngineDead(f"request {st.spec.rid} lost: the engine is down: {st.error}")
+                out = self.result(st)
+                if batched:
+                    out["index"] = i
+                left -= st.finished
+                yield out
+        finally:
+            for st in states:
+                st.listener = None
 
     # ---- results ----------------------------------------------------------------------------
     def result(self, st: ReqState) -> dict:

@@ -7,9 +7,10 @@ refused), GET /get_server_info, /get_model_info, /get_load, /v1/loads, /health,
 /v1/chat/completions.
 
 Bodies are decoded with msgspec into typed structs (/generate's into `GenerateBody`, which
-yields the one `GenerateArgs` every surface builds): malformed JSON, a wrong type or an unknown
-field is a 400 naming the field; a body past `max_request_bytes` is a 413; bad generate
-arguments are the Engine's ValueError text as a 400. Errors are `{"error": {"message"}}` on
+yields the one `GenerateArgs` every surface builds): malformed JSON, a wrong type, an unknown
+field or nesting past `MAX_DEPTH` (actors/frontend/limits.py, checked before decoding) is a 400
+naming the field; a body past `max_request_bytes` is a 413; bad generate arguments are the
+Engine's ValueError text as a 400. Errors are `{"error": {"message"}}` on
 native routes and OpenAI's `{"object": "error", "message", "type", "param", "code"}` on /v1.
 With an API key every route but /health needs `Authorization: Bearer <key>` (401 otherwise).
 A client that disconnects mid-stream has its requests aborted.
@@ -32,6 +33,7 @@ from actors.frontend import openai_api as oai
 from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs
+from actors.frontend.limits import json_too_deep, too_deep
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.http")
@@ -95,9 +97,14 @@ class EmptyBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 T = Any
+_decoders: dict[Any, msgspec.json.Decoder] = {}
 
 
 async def read_body(request: Request, typ: type[T], limit: int) -> T:
+    """The body decoded into `typ`. 413 past `limit` bytes; 400 naming the field for malformed
+    JSON, a wrong type, or nesting past MAX_DEPTH (checked before decoding: limits.py). A number
+    too large for a float is inf (a 400 from the check that knows the field), not a range error
+    naming no field."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
@@ -108,19 +115,28 @@ async def read_body(request: Request, typ: type[T], limit: int) -> T:
             raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
     if not body.strip():
         body = bytearray(b"{}")
+    data = bytes(body)
+    deep = json_too_deep(data)
+    if deep is not None:
+        raise HTTPError(400, deep)
+    decoder = _decoders.get(typ)
+    if decoder is None:
+        decoder = _decoders[typ] = msgspec.json.Decoder(typ, float_hook=float)
     try:
-        return msgspec.json.decode(bytes(body), type=typ)
+        return decoder.decode(data)
     except msgspec.ValidationError as e:
         raise HTTPError(400, f"invalid request: {_readable(e)}") from None
     except msgspec.DecodeError as e:
         raise HTTPError(400, f"malformed JSON: {e}") from None
+    except RecursionError:  # cannot happen past json_too_deep; kept as the last line of defence
+        raise HTTPError(400, too_deep("request body")) from None
 
 
 def _readable(e: msgspec.ValidationError) -> str:
     text = str(e)
     msg, _, where = text.partition(" - at `$")
     field = where.rstrip("`").lstrip(".")
-    return f"{field}: {msg}" if field else msg
+    return f"{field or 'request body'}: {msg}"
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -245,6 +261,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         if not tm.tok.chat_template:
             raise ValueError("messages: this model has no chat template (use /v1/completions)")
         text = tm.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        tm.limits.check_text("messages", text)  # a conversation that cannot fit is not tokenized
         return tm.tok.encode(text, add_special_tokens=False)
 
     @app.get("/v1/models")

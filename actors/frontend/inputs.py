@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import reprlib
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from actors.frontend.limits import check_depth
 from actors.frontend.sessions import Plan, Sessions
 from actors.transport.sampling import SamplingParams
+from kvmem.allocator import cdiv
 
 
 class GenerateArgs(msgspec.Struct, omit_defaults=True):
@@ -50,6 +53,20 @@ class Limits:
     vocab_size: int
     context_length: int
     max_top_logprobs_num: int
+    bytes_per_token: int | None = None  # most text bytes one token stands for, if certain (limits.py)
+
+    def check_text(self, where: str, text: str) -> None:
+        """ValueError if `text` certainly cannot fit the context, before it is tokenized: it is
+        at least ceil(bytes / bytes_per_token) tokens."""
+        if self.bytes_per_token is None or len(text) < self.context_length:
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        least = cdiv(size, self.bytes_per_token)
+        if least >= self.context_length:
+            raise ValueError(
+                f"{where}: a text of {size:,} bytes is at least {least:,} tokens, which does not fit the context "
+                f"length {self.context_length} (the tokenizer's tokens are at most {self.bytes_per_token} bytes)"
+            )
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,8 +91,9 @@ def _per_prompt(value: Any, n: int) -> list:
     return value if isinstance(value, list) else [value] * n
 
 
-def _prompts(args: GenerateArgs, encode: Callable[[str], list[int]]) -> tuple[list[Any], bool]:
-    """(each prompt's token ids as given, batched): batched=False for a single prompt."""
+def _prompts(args: GenerateArgs, encode: Callable[[str], list[int]], limits: Limits) -> tuple[list[Any], bool]:
+    """(each prompt's token ids as given, batched): batched=False for a single prompt. A text
+    that cannot fit is refused before any text is tokenized."""
     text, input_ids = args.text, args.input_ids
     if (text is None) == (input_ids is None):
         raise ValueError("generate: give exactly one of 'prompt' or 'input_ids'")
@@ -85,6 +103,7 @@ def _prompts(args: GenerateArgs, encode: Callable[[str], list[int]]) -> tuple[li
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise ValueError(f"prompt[{i}]: expected a string, got {type(t).__name__}")
+            limits.check_text(f"prompt[{i}]" if batched else "prompt", t)
         return [encode(t) for t in texts], batched
     assert input_ids is not None
     batched = bool(input_ids) and isinstance(input_ids[0], list)
@@ -94,20 +113,25 @@ def _prompts(args: GenerateArgs, encode: Callable[[str], list[int]]) -> tuple[li
 def _token_ids(where: str, ids: list[Any], limits: Limits) -> list[int]:
     if not ids:
         raise ValueError(f"{where}: the prompt is empty (it needs at least one token)")
+    if len(ids) >= limits.context_length:  # before looking at each id: a long prompt is refused at once
+        raise ValueError(
+            f"{where}: prompt of {len(ids)} tokens does not fit the context length {limits.context_length} (it needs room for one output token)"
+        )
     out: list[int] = []
     for j, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ValueError(f"{where}: token id {t!r} at position {j} is not an integer")
+            raise ValueError(f"{where}: token id {_short(t)} at position {j} is not an integer")
         if not 0 <= int(t) < limits.vocab_size:
             raise ValueError(
                 f"{where}: token id {t!r} at position {j} is outside the vocabulary [0, {limits.vocab_size})"
             )
         out.append(int(t))
-    if len(out) >= limits.context_length:
-        raise ValueError(
-            f"{where}: prompt of {len(out)} tokens does not fit the context length {limits.context_length} (it needs room for one output token)"
-        )
     return out
+
+
+def _short(value: Any) -> str:
+    """repr, bounded in depth and length (a caller's value may nest arbitrarily deep)."""
+    return reprlib.repr(value)
 
 
 def normalize_generate(
@@ -122,7 +146,9 @@ def normalize_generate(
     """Returns (specs, batched): batched=False when a single prompt was given (one result).
     With `session_params`, each prompt's tokens are put behind its session's earlier turns
     (`sessions.plan`, nothing changed yet) and its spec carries that plan."""
-    raw, batched = _prompts(args, encode)
+    check_depth(args.sampling_params, "sampling_params")
+    check_depth(args.session_params, "session_params")
+    raw, batched = _prompts(args, encode, limits)
     n_prompts = len(raw)
     if n_prompts == 0:
         raise ValueError("generate: empty batch (no prompts)")
@@ -141,7 +167,7 @@ def normalize_generate(
         raise ValueError(f"rid: {len(rids)} given for {n_prompts} prompts")
     for i, r in enumerate(rids):
         if r is not None and not (isinstance(r, str) and r):
-            raise ValueError(f"rid[{i}]={r!r}: a request id must be a non-empty string")
+            raise ValueError(f"rid[{i}]={_short(r)}: a request id must be a non-empty string")
     lp = _per_prompt(args.return_logprob, n_prompts)
     tl = _per_prompt(args.top_logprobs_num, n_prompts)
     if len(lp) != n_prompts or len(tl) != n_prompts:
@@ -164,7 +190,7 @@ def normalize_generate(
         )
         if not isinstance(tl[i], int) or not 0 <= tl[i] <= limits.max_top_logprobs_num:
             raise ValueError(
-                f"top_logprobs_num={tl[i]!r} must be in [0, {limits.max_top_logprobs_num}] (server max_top_logprobs_num)"
+                f"top_logprobs_num={_short(tl[i])} must be in [0, {limits.max_top_logprobs_num}] (server max_top_logprobs_num)"
             )
         if plan is not None and sp.n > 1:
             raise ValueError("session_params: n > 1 samples cannot share one session turn")

@@ -8,9 +8,17 @@ enter and then set to 0600, so no other user can ever connect. Closing removes t
 One task per connection reads frames; every call runs as its own task, so a slow stream never
 holds up another call. A frame whose announced length passes the limit, or whose body is not
 one of the client union's structs, is answered with a `Failed` (id 0) and the connection is
-closed (the stream cannot be resynchronised). A connection that closes, cleanly or not,
-cancels its calls: their requests are aborted and their KV freed, like a caller that leaves an
-Engine stream.
+closed (the stream cannot be resynchronised); a frame nested deeper than the decoder goes is
+answered `Failed` with its call's id and the connection goes on. A connection that closes,
+cleanly or not, cancels its calls: their requests are aborted and their KV freed, like a
+caller that leaves an Engine stream.
+
+Back-pressure: a connection has at most `max_calls` calls in flight, and no new frame is read
+from it while its replies wait for it to read them (the socket's buffer is full). A client that
+sends and never reads so costs the server a bounded amount (its calls' replies), and the
+kernel's socket buffer then stops the client; one that reads again is read again. A stream's
+chunks are the latest state of its requests when the socket takes the next one (core.py
+`FrontendCore.chunks`), so a reader that lags costs one chunk, not one per output.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -29,11 +38,14 @@ import msgspec
 from actors.frontend import protocol as p
 from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
+from actors.frontend.limits import too_deep
 from actors.frontend.verbs import Verb, call_verb
 
 log = logging.getLogger("ringserve.ipc")
 
 ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
+MAX_CALLS_PER_CONNECTION = 1024  # calls in flight on one connection before it is no longer read
+HANGUP_POLL_S = 0.5  # how often a connection that is not read is checked for a client that left
 
 
 def private_socket_path() -> tuple[str, str]:
@@ -47,15 +59,17 @@ def private_socket_path() -> tuple[str, str]:
 
 class IPCServer:
     def __init__(self, tm: TokenizerManager, verbs: dict[str, Verb], path: str | None = None,
-                 max_frame: int = p.DEFAULT_MAX_FRAME):  # fmt: skip
+                 max_frame: int = p.DEFAULT_MAX_FRAME, max_calls: int = MAX_CALLS_PER_CONNECTION):  # fmt: skip
         self.tm = tm
         self.verbs = verbs
         self.max_frame = max_frame
+        self.max_calls = max_calls
         self._made_dir: str | None = None
         if path is None:
             path, self._made_dir = private_socket_path()
         self.path = path
         self._server: asyncio.AbstractServer | None = None
+        self._bound = False  # the socket file at `path` is ours
         self._conns: set[_Connection] = set()
 
     async def start(self) -> str:
@@ -66,6 +80,7 @@ class IPCServer:
         # a deep accept queue: a burst of clients past the default 100 would see their connection
         # reset while it waits to be accepted (1,000 at once: 899 lost with the default)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 16, backlog=ACCEPT_BACKLOG)
+        self._bound = True
         os.chmod(self.path, 0o600)
         return self.path
 
@@ -87,14 +102,28 @@ class IPCServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             self._server = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the socket file and the directory made for it (any thread, any time, again)."""
+        if self._bound:  # never bound: the path may be another server's (a refused second server)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         if self._made_dir is not None:
             shutil.rmtree(self._made_dir, ignore_errors=True)
 
     @property
     def num_connections(self) -> int:
         return len(self._conns)
+
+
+def _hung_up(sock: Any) -> bool:
+    """Whether the peer closed its end (unread data may still wait in the socket)."""
+    if sock is None:
+        return True
+    poll = select.poll()
+    poll.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poll.poll(0))
 
 
 def _listening(path: str) -> bool:
@@ -115,23 +144,49 @@ class _Connection:
         self.reader, self.writer = reader, writer
         self.calls: dict[int, asyncio.Task] = {}
         self.write_lock = asyncio.Lock()
+        self.room = asyncio.Event()  # set whenever a call ends or a reply leaves: read again?
         self.closed = False
 
     async def run(self) -> None:
         try:
             while True:
+                if not await self._wait_for_room():
+                    return  # the client left while its calls filled the connection
                 try:
                     n = p.body_length(await self.reader.readexactly(p.HEADER.size), self.server.max_frame)
-                    msg = p.client_decoder.decode(await self.reader.readexactly(n))
+                    body = await self.reader.readexactly(n)
+                    msg = p.client_decoder.decode(body)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # closed, cleanly or mid-frame
                 except (p.FrameTooLarge, msgspec.DecodeError) as e:
                     text = str(e) if isinstance(e, p.FrameTooLarge) else f"malformed frame: {e}"
                     await self.send(p.Failed(0, "ValueError", text))
                     return
+                except RecursionError:  # nested deeper than msgspec decodes (far past MAX_DEPTH)
+                    head = p.peek(body)
+                    if head is None:
+                        await self.send(p.Failed(0, "ValueError", f"malformed frame: {too_deep('frame')}"))
+                        return
+                    await self.send(p.Failed(head[0], "ValueError", too_deep(head[1])))
+                    continue
                 self._dispatch(msg)
         finally:
             self.close()
+
+    async def _wait_for_room(self) -> bool:
+        """Back-pressure: read no frame while `max_calls` calls are in flight or replies wait in
+        a full socket buffer (the client is not reading them). False if the client hung up
+        meanwhile (seen without reading: the socket's POLLRDHUP), so its calls are cancelled at
+        once as when it hangs up on a connection that is read."""
+        transport = self.writer.transport
+        high = transport.get_write_buffer_limits()[1]
+        while len(self.calls) >= self.server.max_calls or transport.get_write_buffer_size() > high:
+            if transport.is_closing() or _hung_up(transport.get_extra_info("socket")):
+                return False
+            self.room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.room.wait(), HANGUP_POLL_S)
+        return True
 
     def _dispatch(self, msg: p.ClientMsg) -> None:
         if isinstance(msg, p.Cancel):
@@ -165,6 +220,7 @@ class _Connection:
         finally:
             if self.calls.get(msg.id) is asyncio.current_task():
                 del self.calls[msg.id]
+            self.room.set()
 
     async def _generate(self, c: p.Generate) -> None:
         if c.args.text is None:
@@ -195,6 +251,7 @@ class _Connection:
         async with self.write_lock:
             self.writer.write(data)
             await self.writer.drain()
+        self.room.set()
 
     def close(self) -> None:
         if self.closed:

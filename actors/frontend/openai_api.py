@@ -2,7 +2,9 @@
 
 Requests are decoded with msgspec into the structs below (unknown fields are refused, naming
 the field; OpenAI options ringserve does not implement are refused unless left at their
-default), turned into one `GenerateArgs` (actors/frontend/inputs.py), and answered in OpenAI's
+default; a chat role must be one of OpenAI's `ROLES`, and `developer` reaches the chat template
+as `system`; a conversation the template refuses is a 400 naming messages), turned into one
+`GenerateArgs` (actors/frontend/inputs.py), and answered in OpenAI's
 shapes: `text_completion` / `chat.completion` objects, or SSE chunks (`text_completion` /
 `chat.completion.chunk`; for chat a role chunk, content deltas, then a finish chunk per
 choice), an optional usage chunk, and `data: [DONE]`. As in SGLang, ids are the request ids,
@@ -70,10 +72,15 @@ class CompletionRequest(_Common, **_S):
     suffix: str | None = None
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's chat roles
+_TEMPLATE_ROLE = {"developer": "system"}  # OpenAI's newer name for system; chat templates know system
+
+
 class ChatMessage(msgspec.Struct, **_S):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message's answer to a call (passed to the template)
 
 
 class ChatRequest(_Common, **_S):
@@ -164,24 +171,43 @@ def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]
         raise ValueError("messages: cannot be empty")
     messages = []
     for i, msg in enumerate(r.messages):
+        if msg.role not in ROLES:
+            raise ValueError(f"messages[{i}].role={msg.role!r}: expected one of {list(ROLES)}")
         content = msg.content
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported")
+                extra = sorted(set(part) - {"type", "text"})
+                if extra:
+                    raise ValueError(f"messages[{i}].content[{j}]: unknown field(s) {extra} in a text part")
                 parts.append(part["text"])
             content = "".join(parts)
-        messages.append({"role": msg.role, "content": content or ""})
+        m: dict[str, Any] = {"role": _TEMPLATE_ROLE.get(msg.role, msg.role), "content": content or ""}
+        if msg.tool_call_id is not None:
+            m["tool_call_id"] = msg.tool_call_id
+        messages.append(m)
     max_new = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_new is not None and max_new < 1:
         raise ValueError(f"max_completion_tokens={max_new} must be >= 1")
     if r.top_logprobs is not None and not r.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
     return GenerateArgs(
-        input_ids=render(messages), sampling_params=_sampling(r, max_new), rid=r.rid,
+        input_ids=_render(render, messages), sampling_params=_sampling(r, max_new), rid=r.rid,
         return_logprob=r.logprobs, top_logprobs_num=(r.top_logprobs or 0) if r.logprobs else 0, stream=r.stream,
     )  # fmt: skip
+
+
+def _render(render: Callable[[list[dict[str, Any]]], list[int]], messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template's tokens; a template that refuses the conversation (e.g. roles that do
+    not alternate, a system message it does not take) is a ValueError naming messages."""
+    from jinja2 import TemplateError
+
+    try:
+        return render(messages)
+    except TemplateError as e:
+        raise ValueError(f"messages: the model's chat template refused them: {e}") from None
 
 
 # ---- responses ---------------------------------------------------------------------------------

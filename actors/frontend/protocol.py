@@ -11,6 +11,9 @@ server aborts what it still runs. Closing the connection cancels every call on i
 
 The server checks a frame's length before reading its body, and decodes every frame with the
 typed decoder of its direction: nothing is pickled, and a frame of another shape is refused.
+A frame nested too deep for the decoder is answered `Failed` with its call's id (`peek` reads
+the id and the field from the frame's head) and the connection goes on: the frame was read
+whole, so the stream is still in step.
 A generate call carries the caller's `GenerateArgs` (actors/frontend/inputs.py) unchecked; the
 frontend validates it exactly as it validates the Engine's.
 """
@@ -100,3 +103,54 @@ def body_length(header: bytes, limit: int) -> int:
     if n > limit:
         raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {limit} bytes")
     return n
+
+
+# ---- a frame the decoder gave up on ----------------------------------------------------------
+_INT = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+_STR = {0xD9: ">B", 0xDA: ">H", 0xDB: ">I"}
+_CONTAINER = {*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF}  # fixmap, fixarray, array16/32, map16/32
+
+
+def peek(body: bytes) -> tuple[int, str] | None:
+    """(call id, the first top-level field holding a list or map) of a client frame, read by hand
+    from its head without descending into any value; None if the head is not a call's map."""
+    try:
+        t, i = body[0], 1
+        if 0x80 <= t <= 0x8F:
+            n = t & 0x0F
+        elif t in (0xDE, 0xDF):
+            size = 2 if t == 0xDE else 4
+            n, i = int.from_bytes(body[1 : 1 + size], "big"), 1 + size
+        else:
+            return None
+        cid, field = None, "frame"
+        for _ in range(n):
+            key, i = _scalar(body, i)
+            if body[i] in _CONTAINER:
+                field = str(key)
+                break
+            value, i = _scalar(body, i)
+            if key == "id":
+                cid = value
+    except (IndexError, ValueError, struct.error):
+        return None
+    return (cid, field) if isinstance(cid, int) and not isinstance(cid, bool) else None
+
+
+def _scalar(b: bytes, i: int) -> tuple[Any, int]:
+    """The msgpack int, str, nil or bool at b[i] and the index after it (ValueError otherwise)."""
+    t = b[i]
+    if t <= 0x7F or t >= 0xE0:  # positive / negative fixint
+        return (t if t <= 0x7F else t - 0x100), i + 1
+    if 0xA0 <= t <= 0xBF or t in _STR:
+        if t in _STR:
+            head = struct.calcsize(_STR[t])
+            (n,), i = struct.unpack_from(_STR[t], b, i + 1), i + 1 + head
+        else:
+            n, i = t & 0x1F, i + 1
+        return b[i : i + n].decode(), i + n
+    if t in _INT:
+        return struct.unpack_from(_INT[t], b, i + 1)[0], i + 1 + struct.calcsize(_INT[t])
+    if t in (0xC0, 0xC2, 0xC3):
+        return {0xC0: None, 0xC2: False, 0xC3: True}[t], i + 1
+    raise ValueError(f"msgpack type 0x{t:02x} in a frame's head")

@@ -7,6 +7,10 @@
 new calls on open connections, abort what runs (callers get their partial output with finish
 reason abort), give the answers a moment to leave, then close every connection and remove the
 socket file.
+
+The socket file (and the private directory made for it) goes however things end: `stop()` after
+an actor died (the engine refuses calls, the servers still close), `start()` failing half way
+(the port taken), or the engine shut down under servers never stopped (it stops them first).
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ from actors.frontend.ipc_server import IPCServer
 from actors.frontend.verbs import HTTP_VERBS, verb_table
 
 log = logging.getLogger("ringserve.server")
+
+STOP_TIMEOUT_S = 15.0  # closing the connections and the HTTP server, past the drain
+
+
+async def _serve(server: Any) -> None:
+    """uvicorn's serve(); it raises SystemExit when it cannot bind, which would end the frontend's
+    loop thread: an OSError instead."""
+    try:
+        await server.serve()
+    except SystemExit as e:
+        raise OSError(f"the HTTP server exited (status {e.code})") from None
 
 
 class Servers:
@@ -49,7 +64,18 @@ class Servers:
         return f"http://{self.host}:{self.port}" if self._http is not None else None
 
     def start(self) -> Servers:
-        self.tm.run_sync(self._start())
+        self.tm.on_close.append(self.stop)  # an engine shut down first takes its servers with it
+        try:
+            self.tm.run_sync(self._start())
+        except BaseException:  # close what did start; the engine serves on (its other servers too)
+            self.stopped = True
+            try:
+                if self.tm.lt.usable:
+                    self.tm.lt.run(self._close(), timeout=STOP_TIMEOUT_S)
+            finally:
+                if self.ipc is not None:
+                    self.ipc.remove_files()
+            raise
         return self
 
     async def _start(self) -> None:
@@ -64,7 +90,7 @@ class Servers:
                                     lifespan="off", timeout_graceful_shutdown=3)  # fmt: skip
             server = uvicorn.Server(config)
             self._http = server
-            self._http_task = asyncio.create_task(server.serve())
+            self._http_task = asyncio.create_task(_serve(server))
             while not server.started:
                 if self._http_task.done():  # e.g. the port is taken: uvicorn logged it and returned
                     exc = self._http_task.exception()
@@ -76,10 +102,15 @@ class Servers:
         if self.stopped:
             return
         self.stopped = True
+        lt = self.tm.lt
         try:
-            self.tm.run_sync(self._stop(drain_s))
+            if lt.usable and not lt.on_loop:  # also when the engine is dead: the servers still close
+                lt.run(self._stop(drain_s), timeout=drain_s + STOP_TIMEOUT_S)
         except Exception:
             log.exception("stopping the servers")
+        finally:
+            if self.ipc is not None:
+                self.ipc.remove_files()
 
     async def _stop(self, drain_s: float) -> None:
         if self._http is not None:
@@ -92,8 +123,13 @@ class Servers:
         while self.tm.core.states and time.monotonic() < deadline:  # aborted outputs on their way out
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)  # let the last answers reach their sockets
+        await self._close()
+
+    async def _close(self) -> None:
         if self.ipc is not None:
             await self.ipc.close()
+        if self._http is not None:
+            self._http.should_exit = True
         if self._http_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._http_task, 5.0)

@@ -2,7 +2,8 @@
 
 One explicit table (no dispatch by attribute name): a name maps to a coroutine function of the
 frontend. Arguments are bound against its signature first, so a wrong or missing argument is a
-ValueError naming the verb and the argument, never a TypeError from inside.
+ValueError naming the verb and the argument, never a TypeError from inside; an argument nested
+past MAX_DEPTH (actors/frontend/limits.py) is refused the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.frontend.actor import TokenizerManager
+from actors.frontend.limits import check_depth
 
 Verb = Callable[..., Awaitable[Any]]
 
@@ -46,6 +48,8 @@ async def call_verb(table: dict[str, Verb], name: str, kwargs: dict[str, Any]) -
     verb = table.get(name)
     if verb is None:
         raise ValueError(f"unknown verb {name!r}; known: {sorted(table)}")
+    for key, value in kwargs.items():
+        check_depth(value, f"{name}: {key}")
     try:
         inspect.signature(verb).bind(**kwargs)
     except TypeError as e:

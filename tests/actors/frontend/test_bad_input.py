@@ -48,6 +48,19 @@ HTTP_CASES = [
     ("/v1/chat/completions", b'{"messages": []}', 400, ["messages", "empty"]),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "colour": "red"}', 400, ["unknown field `colour`"]),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": "high"}', 400, ["top_p", "got `str`"]),
+    # issue 28, failure 4: an unknown role was rendered and answered 200
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "a"}]}', 400,
+     ["messages[0].role='wizard'", "system", "user", "assistant", "tool", "developer"]),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}, {"role": ""}]}', 400, ["messages[1].role=''"]),
+    # issue 28, failure 5: a number out of range named no field (`sampling_params[...]`)
+    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": 1e999}}', 400, ["temperature=inf", "[0, 1e4]"]),
+    ("/generate", b'{"text": "hi", "sampling_params": [{"max_new_tokens": -1e999}]}', 400, ["max_new_tokens", "expected int"]),
+    ("/generate", b'{"input_ids": [5, 1e999]}', 400, ["input_ids", "position 1"]),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, ["temperature"]),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1e999}]}]}',
+     400, ["messages[0].content[0]"]),
+    ("/generate", b'[{"text": "a"}]', 400, ["request body: Expected `object`, got `array`"]),
+    ("/open_session", b'"x"', 400, ["request body: Expected `object`, got `str`"]),
 ]
 
 

@@ -3,6 +3,7 @@ interleaved and in any order, and each request's result is exactly its own outpu
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,73 @@ def test_the_frontend_imports_no_jax():
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
+
+
+# ---- streams: the latest state when the caller asks (issue 28, failure 7) ------------------------
+def _stream_core(n: int) -> tuple[FrontendCore, list]:
+    core = FrontendCore(Tok())
+    return core, [core.add(spec(f"S{i}", stream=True), now=0.0) for i in range(n)]
+
+
+def _built(core: FrontendCore) -> list[int]:
+    """Counts the chunks `core` builds (each a `result`)."""
+    calls: list[int] = []
+    result = core.result
+    core.result = lambda st: calls.append(1) or result(st)  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_stream_that_keeps_up_gets_a_chunk_per_output():
+    async def main() -> list[list[int]]:
+        core, (st,) = _stream_core(1)
+        stream = core.chunks([st], batched=False)
+        got = []
+        for k in range(1, 11):
+            core.apply(m.BatchStrOut(outs=[out("S0", [k], k, finished=k == 10, finish_reason={"type": "length"})],
+                                     texts=[str(k)]), now=float(k))  # fmt: skip
+            got.append((await anext(stream))["output_ids"])
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return got
+
+    assert asyncio.run(main()) == [list(range(1, k + 1)) for k in range(1, 11)]
+
+
+def test_a_stream_that_lags_costs_one_chunk_of_the_newest_state():
+    async def main() -> None:
+        core, (a, b) = _stream_core(2)
+        built = _built(core)
+        stream = core.chunks([a, b], batched=True)
+        for k in range(1, 501):  # 500 outputs each, nobody reading
+            core.apply(m.BatchStrOut(outs=[out("S0", [k], k), out("S1", [k], k)], texts=["a", "b"]), now=float(k))
+        assert built == []  # nothing was built for a caller who did not ask
+        first, second = await anext(stream), await anext(stream)
+        assert [first["index"], second["index"]] == [0, 1]
+        assert first["output_ids"] == second["output_ids"] == list(range(1, 501))
+        assert first["text"] == "a" * 500 and len(built) == 2
+        core.apply(m.BatchStrOut(outs=[out("S1", [0], 501, finished=True, finish_reason={"type": "abort"}),
+                                       out("S0", [0], 501, finished=True, finish_reason={"type": "length"})],
+                                 texts=["", ""]), now=600.0)  # fmt: skip
+        last = [await anext(stream), await anext(stream)]
+        assert [c["index"] for c in last] == [1, 0]  # in the order they changed
+        assert [c["meta_info"]["finish_reason"]["type"] for c in last] == ["abort", "length"]
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        assert len(built) == 4 and a.listener is None and b.listener is None
+
+    asyncio.run(main())
+
+
+def test_a_stream_begun_after_its_outputs_and_one_whose_engine_dies():
+    from actors.frontend.errors import EngineDead
+
+    async def main() -> None:
+        core, (st,) = _stream_core(1)
+        core.apply(m.BatchStrOut(outs=[out("S0", [4, 5], 2)], texts=["45"]), now=1.0)
+        stream = core.chunks([st], batched=False)
+        assert (await anext(stream))["output_ids"] == [4, 5]
+        core.fail_all(RuntimeError("runner died"))
+        with pytest.raises(EngineDead, match="request S0 lost: the engine is down: runner died"):
+            await anext(stream)
+
+    asyncio.run(main())

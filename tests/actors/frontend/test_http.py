@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import msgspec
 import pytest
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -199,3 +200,36 @@ def test_generate_body_builds_the_generate_args():
                          (b'{"text": "a", "logprob_start_len": [0]}', "logprob_start_len: only -1")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             msgspec.json.decode(bad, type=GenerateBody).args()
+
+
+def test_chat_roles_are_openais(engine, servers):
+    """system, user, assistant, tool and developer are served (developer is OpenAI's newer name
+    for system: the template sees system); a tool message may carry its tool_call_id."""
+    sp = {"temperature": 0, "max_tokens": 3}
+    url = servers.url + "/v1/chat/completions"
+
+    def ask(messages: list[dict]) -> dict:
+        r = httpx.post(url, json={"messages": messages, **sp})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    for role in ("system", "user", "assistant", "tool", "developer"):
+        ask([{"role": role, "content": "a"}])
+    ask([{"role": "user", "content": "a"}, {"role": "tool", "content": "42", "tool_call_id": "call-1"}])
+    as_system = ask([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    as_developer = ask([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert as_developer["choices"][0]["message"] == as_system["choices"][0]["message"]
+    assert as_developer["usage"] == as_system["usage"]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
+    import jinja2
+
+    from actors.frontend.openai_api import ChatMessage, ChatRequest, chat_args
+
+    def render(messages: list[dict]) -> list[int]:
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    r = ChatRequest(messages=[msgspec.convert({"role": "user", "content": "a"}, type=ChatMessage)] * 2)
+    with pytest.raises(ValueError, match="messages: the model's chat template refused them: Conversation roles"):
+        chat_args(r, render)
