@@ -33,6 +33,19 @@ A row a grammar constrains carries `mask` ([k1, W] int32 packed bits, W = ceil(V
 mask per sampled position); the step's `RowSampling.mask` is [R * k1, W], every other sample's
 mask all ones, or None when no row is constrained (the executor then passes its all-ones array
 already on device; `any_mask` False makes the sampler skip the masking).
+
+Prompt logprobs are computed by the extend steps that already run, from the same hidden states
+(no second pass): a row may want the logprob of the token that follows some of its positions
+(`logprob_start`, `logprob_targets`: row tokens [start, start + n) and the token after each,
+which for a middle chunk's last position is the next chunk's first token). The step gathers
+those positions into `LogprobBatch` (flat token index, target, row), P = T entries padded; the
+device computes them `count` at a time in a loop whose trip count is the real positions, so a
+step that wants none pays nothing. A row's `logprob_ids` (token_ids_logprob, at most K) get
+their logprobs at every sampled token and every wanted prompt position.
+
+    row a (extend, tokens a0..a5, logprob_start 2, targets [a3 a4 a5 x]):
+    token:     a0 a1 a2 a3 a4 a5 b0 --
+    index:           2  3  4  5        target: a3 a4 a5 x   row: 0 0 0 0   count: 4
 """
 
 from __future__ import annotations
@@ -78,6 +91,9 @@ class DeviceRow:
     sampling: DeviceSampling = DeviceSampling()
     future_slot: int = -1  # request slot whose future entry receives the sampled token; -1: sink
     mask: np.ndarray | None = None  # [k1, W] int32 allowed tokens of each sampled position (a grammar)
+    logprob_start: int = 0  # first of the row's tokens whose next token's logprob is wanted (prompt logprobs)
+    logprob_targets: np.ndarray | None = None  # int32 [n]: the token after each of tokens [start, start + n)
+    logprob_ids: np.ndarray | None = None  # int32 [<= K] token_ids_logprob of the request
 
     @property
     def extend_len(self) -> int:
@@ -113,6 +129,16 @@ class RowSampling(NamedTuple):
     any_mask: Arr = False  # [] bool: some row is constrained
 
 
+class LogprobBatch(NamedTuple):
+    """What the step computes logprobs of beyond the samples (see the module docstring)."""
+
+    ids: Arr  # [R, K] int32 each row's token_ids_logprob (padding: 0; K compiled, may be 0)
+    index: Arr  # [P] int32 flat token index of each wanted prompt position (P = T; padding: 0)
+    target: Arr  # [P] int32 the token whose logprob is wanted there
+    row: Arr  # [P] int32 the position's row (its token_ids_logprob)
+    count: Arr  # [] int32 real positions (the first `count` entries)
+
+
 class SamplingBatch(NamedTuple):
     """The sampler's input: one entry per sampled token (model/sampler.py)."""
 
@@ -126,6 +152,7 @@ class SamplingBatch(NamedTuple):
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
     mask: Arr = None  # [S, W] int32 allowed tokens (packed bits, all ones: any); None: none compiled in
     any_mask: Arr = False  # [] bool: some sample is constrained (else the mask is not applied)
+    logprob_ids: Arr = None  # [S, K] int32 token ids whose logprobs each sample reports; None: K = 0
 
 
 def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
@@ -218,6 +245,8 @@ class HostBatch:
     forward: ForwardBatch  # NumPy arrays (attn filled in by the executor's backend)
     sampling: RowSampling  # NumPy arrays
     num_samples: int  # real samples: rows * k1, row after row (the first entries of the step's samples)
+    logprob: LogprobBatch  # NumPy arrays
+    num_positions: int = 0  # real prompt-logprob positions (row after row, each row's in order)
 
     @property
     def max_kv_len(self) -> int:
@@ -232,9 +261,11 @@ def build_batch(
     sink_slot: int,
     verify: int = 0,
     ok: Callable[[StepShape], bool] | None = None,
+    logprob_ids: int = 0,
 ) -> HostBatch:
     """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each);
-    `ok`: which shapes may be picked (default: any)."""
+    `ok`: which shapes may be picked (default: any); `logprob_ids`: K, the token_ids_logprob
+    columns compiled in."""
     if not rows:
         raise ValueError("empty batch")
     ext = np.fromiter((r.extend_len for r in rows), np.int64, len(rows))
@@ -290,7 +321,31 @@ def build_batch(
     mask = _masks(rows, nr, k1)
     smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
                       np.bool_(mask is not None))  # fmt: skip
-    return HostBatch(shape, fwd, smp, n * k1)
+    lb, n_pos = _logprob_batch(rows, start, t, nr, logprob_ids)
+    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos)
+
+
+def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, t: int, nr: int, k: int) -> tuple[LogprobBatch, int]:
+    """The rows' token_ids_logprob ([nr, k]) and their wanted prompt positions, packed row after
+    row into [t] (t >= every row's tokens, so they always fit)."""
+    ids = np.zeros((nr, k), np.int32)
+    index, target, row = np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32)
+    n = 0
+    for i, r in enumerate(rows):
+        if r.logprob_ids is not None and len(r.logprob_ids):
+            if len(r.logprob_ids) > k:
+                raise ValueError(f"row {i}: {len(r.logprob_ids)} token_ids_logprob, the programs take {k}")
+            ids[i, : len(r.logprob_ids)] = r.logprob_ids
+        if r.logprob_targets is None or not len(r.logprob_targets):
+            continue
+        m = len(r.logprob_targets)
+        if not 0 <= r.logprob_start <= r.extend_len - m:
+            raise ValueError(f"row {i}: logprobs of tokens [{r.logprob_start}, {r.logprob_start + m}) outside its {r.extend_len}")
+        index[n : n + m] = start[i] + r.logprob_start + np.arange(m)
+        target[n : n + m] = r.logprob_targets
+        row[n : n + m] = i
+        n += m
+    return LogprobBatch(ids, index, target, row, np.int32(n)), n
 
 
 def _masks(rows: list[DeviceRow], nr: int, k1: int) -> np.ndarray | None:

@@ -27,10 +27,12 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
     rows = batch.rows
     k = batch.drafts
     assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
-    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device()) for r in rows if r.prefix_pages is not None]
+    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device(), _ids(r.req.token_ids_logprob))
+              for r in rows if r.prefix_pages is not None]  # fmt: skip
     pages = [r.new_pages for r in rows]
     masks = {i: r.mask for i, r in enumerate(rows) if r.mask is not None}
-    return StepMsg(
+    spans = [(i, r) for i, r in enumerate(rows) if r.logprob_span is not None]
+    msg = StepMsg(
         batch.step_id,
         released=i32(batch.released_slots) if batch.released_slots else b"",
         starts=starts,
@@ -45,6 +47,17 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
         mask_rows=i32(list(masks)) if masks else b"",
         masks=i32(np.stack(list(masks.values()))) if masks else b"",
     )
+    if spans:  # prompt logprobs: each span's positions and the token after each (prompt tokens)
+        msg.lp_rows = i32([i for i, _ in spans])
+        msg.lp_starts = i32([r.logprob_span[0] - r.committed_len for _, r in spans])  # type: ignore[index]
+        msg.lp_counts = i32([r.logprob_span[1] for _, r in spans])  # type: ignore[index]
+        msg.lp_targets = i32(np.concatenate([r.req.fill_ids(a + 1, a + n + 1) for _, r in spans
+                                             for a, n in [r.logprob_span]]))  # type: ignore[misc]  # fmt: skip
+    return msg
+
+
+def _ids(ids: np.ndarray | None) -> bytes:
+    return i32(ids) if ids is not None and len(ids) else b""
 
 
 def token_out(o: ReqOutput) -> TokenOut:
@@ -74,4 +87,15 @@ def token_out(o: ReqOutput) -> TokenOut:
             out.top_n = req.top_logprobs_num
             out.top_logprobs = f32([[lp for lp, _ in t] for t in tops])
             out.top_ids = i32([[tid for _, tid in t] for t in tops])
+        if req.token_ids_logprob is not None:
+            out.ids_logprobs = f32(req.output_ids_logprobs[done - n : done])
+    lp = req.prompt_lp
+    if o.inputs and lp is not None and lp.logprobs:
+        out.top_n = req.top_logprobs_num
+        out.input_logprobs = f32(lp.logprobs)
+        if req.top_logprobs_num:
+            out.input_top_logprobs = f32([[x for x, _ in t] for t in lp.top])
+            out.input_top_ids = i32([[tid for _, tid in t] for t in lp.top])
+        if req.token_ids_logprob is not None:
+            out.input_ids_logprobs = f32(lp.ids)
     return out

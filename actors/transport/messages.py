@@ -70,6 +70,8 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     sampling: SamplingParams  # validated by the frontend; sampling_seed always set
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this prompt position (-1: none; needs return_logprob)
+    token_ids_logprob: bytes = b""  # int32 token ids whose logprobs every position reports
     stream: bool = False  # outputs every stream_interval tokens; else only the finished one
     session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
 
@@ -151,6 +153,7 @@ class SlotStart(msgspec.Struct, **_S):
     slot: int
     prefix_pages: bytes  # int32
     sampling: DeviceSampling
+    logprob_ids: bytes = b""  # int32 the request's token_ids_logprob (logprobs at every position)
 
 
 class StepMsg(msgspec.Struct, tag="step", **_S):
@@ -169,7 +172,12 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     Grammar masks travel only for constrained rows (M of them; k1 = 1 + drafts masks each, one
     per sampled position; W = ceil(V / 32) int32 words, bit t % 32 of word t // 32 allows token t):
 
-        masked row m:  row mask_rows[m], masks[m * k1 * W : (m + 1) * k1 * W] as [k1, W]"""
+        masked row m:  row mask_rows[m], masks[m * k1 * W : (m + 1) * k1 * W] as [k1, W]
+
+    Prompt logprobs travel only for the extend rows that want them (L of them): the logprob of
+    the token after each of the row's tokens [start, start + count), those tokens given:
+
+        row lp_rows[l]: tokens [lp_starts[l], lp_starts[l] + lp_counts[l]), targets lp_targets[cs[l]:cs[l+1]]"""
 
     step_id: int
     released: bytes = b""  # int32 slots freed since the previous step (applied first)
@@ -184,6 +192,10 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     drafts: int = 0  # k: the rows are verify rounds of 1 + k tokens; 0: plain rows
     mask_rows: bytes = b""  # int32 [M] rows whose samples a grammar constrains (ascending)
     masks: bytes = b""  # int32 [M, 1 + drafts, W] their allowed tokens, packed bits
+    lp_rows: bytes = b""  # int32 [L] rows that want prompt logprobs (ascending)
+    lp_starts: bytes = b""  # int32 [L] the first of their tokens whose next token's logprob is wanted
+    lp_counts: bytes = b""  # int32 [L] how many
+    lp_targets: bytes = b""  # int32 [sum of lp_counts] the token after each
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
@@ -220,6 +232,12 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     top_logprobs: bytes = b""  # f32 [tokens, top_n]
     top_n: int = 0
     accepted: bytes = b""  # a verify step: int32 [R] drafts accepted per round (tokens: [R * (k + 1)] targets)
+    ids_n: int = 0  # K: token_ids_logprob columns (when some row asked for them)
+    ids_logprobs: bytes = b""  # f32 [tokens, K]
+    input_logprobs: bytes = b""  # f32 [P] prompt positions' logprobs, the step's lp rows in order
+    input_top_ids: bytes = b""  # int32 [P, top_n]
+    input_top_logprobs: bytes = b""  # f32 [P, top_n]
+    input_ids_logprobs: bytes = b""  # f32 [P, K]
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
     programs_compiled: int = 0  # step programs compiled so far (others may compile in the background)
@@ -253,6 +271,11 @@ class TokenOut(msgspec.Struct, **_S):
     top_ids: bytes = b""  # int32 [new, top_n]
     top_logprobs: bytes = b""  # f32 [new, top_n]
     top_n: int = 0
+    ids_logprobs: bytes = b""  # f32 [new, len(token_ids_logprob)]
+    input_logprobs: bytes = b""  # prompt logprobs (once, on the output after the prompt): f32 [n]
+    input_top_ids: bytes = b""  # int32 [n, top_n]
+    input_top_logprobs: bytes = b""  # f32 [n, top_n]
+    input_ids_logprobs: bytes = b""  # f32 [n, len(token_ids_logprob)]
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)

@@ -15,7 +15,7 @@ import pytest
 
 from model.executor import ExecutorConfig, ModelExecutor
 from model.step_inputs import DeviceRow
-from tests.hf_ref import hf_greedy, hf_logits
+from tests.hf_ref import hf_greedy, hf_logits, hf_logprobs
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 PAGE = 16
@@ -93,3 +93,52 @@ def test_greedy_32_tokens_match_hf_with_cached_prefix(tiny_dir, family):
     ref = hf_greedy(path, prompts, 32)
     assert ours == ref
     assert all(len(set(r)) > 3 for r in ref), "degenerate reference: the test would prove little"
+
+
+def prompt_logprobs(ex: ModelExecutor, prompt: list[int], chunk: int | None, ids: list[int]):
+    """The prompt's logprobs as the extend steps compute them, the prompt in rows of `chunk`
+    tokens (None: one row): (logprob of token p + 1 at each position p < len - 1, [len - 1, 3]
+    top (logprob, id), [len - 1, len(ids)] token_ids_logprob), and the first output's own."""
+    p, n = np.asarray(prompt, np.int32), len(prompt)
+    pages, step = np.arange(1, 1 + -(-n // PAGE), dtype=np.int32), chunk or n
+    lps, tops, tids, id_lps = [], [], [], []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        want = min(hi, n - 1) - lo  # positions of this row with a prompt token after them
+        so = ex.run_step([DeviceRow(p[lo:hi], lo, pages, logprob_start=0, logprob_targets=p[lo + 1 : lo + 1 + want],
+                                    logprob_ids=np.asarray(ids, np.int32))])  # fmt: skip
+        assert so.num_positions == want
+        pl = so.prompt
+        lps.append(np.asarray(pl.logprobs)[:want])
+        tops.append(np.asarray(pl.top_logprobs)[:want])
+        tids.append(np.asarray(pl.top_ids)[:want])
+        id_lps.append(np.asarray(pl.ids_logprobs)[:want, : len(ids)])
+    first = float(np.asarray(so.out.logprobs)[0]), int(np.asarray(so.out.tokens)[0])
+    return np.concatenate(lps), np.concatenate(tops), np.concatenate(tids), np.concatenate(id_lps), first
+
+
+def check_prompt_logprobs(path, ex: ModelExecutor, prompt: list[int], chunk: int | None) -> None:
+    """Prompt logprobs, top-3 and token_ids_logprob equal HF's log-softmax within float32 error
+    (1e-5 of the logit scale, as the logits above)."""
+    ids = [0, 5, 17, len(prompt) * 3]
+    lp, top, top_ids, id_lp, (first_lp, first) = prompt_logprobs(ex, prompt, chunk, ids)
+    ref = hf_logprobs(path, prompt)
+    tol = 1e-5 * np.abs(hf_logits(path, prompt)).max()
+    pos = np.arange(len(prompt) - 1)
+    assert np.abs(lp - ref[pos, prompt[1:]]).max() <= tol
+    assert np.abs(id_lp - ref[:-1][:, ids]).max() <= tol
+    assert np.abs(top - np.sort(ref[:-1], axis=-1)[:, ::-1][:, :3]).max() <= tol
+    np.testing.assert_array_equal(top_ids[:, 0], ref[:-1].argmax(-1))
+    assert first == ref[-1].argmax() and abs(first_lp - ref[-1, first]) <= tol
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_match_hf_chunked_and_not(tiny_dir, family):
+    """The logprob of every prompt token given the ones before it, computed by the extend steps
+    that run anyway, chunked at 16 or in one row, equals HF's log-softmax; so do the top-3 and
+    the logprobs of given token ids at each position."""
+    path = tiny_dir(family)
+    ex = ModelExecutor(path, dataclasses.replace(CFG, top_logprobs_num=3, token_ids_logprob_num=4))
+    prompt = np.random.default_rng(11).integers(3, 2000, 45).tolist()
+    for chunk in (16, None):
+        check_prompt_logprobs(path, ex, prompt, chunk)
