@@ -39,7 +39,7 @@ from model.params import build_host_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
-from model.step_inputs import Buckets, DeviceRow, HostBatch, build_batch
+from model.step_inputs import Buckets, DeviceRow, HostBatch, LogprobBatch, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,11 @@ class ModelExecutor:
         self.kv_avals = _avals((self.kv, self.future))  # programs compile against these
         self.trace_count = 0
         # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
-        step = make_step(self.model, 16 if self.platform == "cpu" else None, INVARIANT_ROWS if cfg.deterministic else None)
+        # Prompt positions' logprobs (extend programs) likewise, in groups: 16 on CPU, 128 on
+        # accelerators (where each iteration of a runtime-count loop costs a host round trip).
+        cpu = self.platform == "cpu"
+        step = make_step(self.model, 16 if cpu else None, INVARIANT_ROWS if cfg.deterministic else None,
+                         16 if cpu else 128)  # fmt: skip
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -200,7 +204,8 @@ class ModelExecutor:
     def _compile(self, key: Key) -> Any:
         shape, top_n = key
         fwd, smp, lb = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages, replicated(self.mesh),
-                                  self.mask_words, self.cfg.token_ids_logprob_num)  # fmt: skip
+                                  self.mask_words, self.cfg.token_ids_logprob_num,
+                                  self.buckets.positions(shape))  # fmt: skip
         kv, future = self.kv_avals
         return self._jitted.lower(self.params_avals, kv, future, fwd, smp, lb, top_n, shape.verify).compile()
 
@@ -267,7 +272,7 @@ class ModelExecutor:
         # shardings in one batched transfer (CPU, 17 arrays: 0.2 ms, against 1.5 ms for a
         # jax.device_put of the same tree first).
         self.kv, self.future, out, accepted, prompt = prog(self.params, self.kv, self.future, hb.forward,
-                                                           self._with_mask(hb), hb.logprob)  # fmt: skip
+                                                           self._with_mask(hb), self._with_logprob(hb))  # fmt: skip
         return out, accepted, prompt
 
     @functools.cached_property
@@ -288,6 +293,29 @@ class ModelExecutor:
             ones = self._all_allowed[n] = jax.device_put(np.full((n, self.mask_words), -1, np.int32),
                                                          replicated(self.mesh))  # fmt: skip
         return smp._replace(mask=ones)
+
+    @functools.cached_property
+    def _zeros(self) -> dict[tuple[int, ...], jax.Array]:
+        """Shape -> int32 zeros on device (the logprob inputs of steps that want none)."""
+        return {}
+
+    def _zeros_of(self, *shape: int) -> jax.Array:
+        z = self._zeros.get(shape)
+        if z is None:
+            z = self._zeros[shape] = jax.device_put(np.zeros(shape, np.int32), replicated(self.mesh))
+        return z
+
+    def _with_logprob(self, hb: HostBatch) -> LogprobBatch:
+        """The step's logprob inputs (model/step_inputs.py LogprobBatch): the rows', or where no
+        row wants token_ids_logprob or prompt positions, zeros kept on device (never sent again),
+        so a step without them moves nothing more to the device."""
+        lb, r, p = hb.logprob, hb.shape.rows, self.buckets.positions(hb.shape)
+        if lb.ids is None:
+            lb = lb._replace(ids=self._zeros_of(r, self.cfg.token_ids_logprob_num))
+        if p and lb.index is None:
+            z = self._zeros_of(p)
+            lb = lb._replace(index=z, target=z, row=z, count=self._zeros_of())
+        return lb
 
     def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
         """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).

@@ -245,13 +245,18 @@ def _read_logprobs(logprobs_all: jax.Array, tokens: jax.Array, top_n: int, ids: 
 
 
 def position_logprobs(logits_fn: Callable[[jax.Array], jax.Array], h: jax.Array, lb: Any, top_n: int,
-                      group: int) -> PositionLogprobs:  # fmt: skip
+                      group: int, fixed: bool = False) -> PositionLogprobs:  # fmt: skip
     """Logprobs at the wanted positions of hidden states h [T, H] (`lb`: model/step_inputs.py
-    LogprobBatch): `group` positions per iteration of a loop that runs ceil(count / group)
-    times, so a step that wants none computes nothing. Every position goes through one shape
-    ([group, H]) whatever the step, so its bits do not depend on the others (deterministic
-    mode: the LM head is batch-invariant as well)."""
-    p, k = lb.index.shape[0], lb.ids.shape[1]
+    LogprobBatch): `group` positions (at most P, unless `fixed`) per iteration of a loop that
+    runs ceil(count / group) times, so a step that wants none computes nothing. `fixed`: always
+    `group` (padded), so every position goes through one shape whatever the program and its
+    bits do not depend on the others (the deterministic mode, whose LM head is batch-invariant)."""
+    k = lb.ids.shape[1]
+    if lb.index is None:  # a program that takes no prompt positions
+        return PositionLogprobs(jnp.zeros((0,), jnp.float32), jnp.zeros((0, top_n), jnp.int32),
+                                jnp.zeros((0, top_n), jnp.float32), jnp.zeros((0, k), jnp.float32))  # fmt: skip
+    p = lb.index.shape[0]
+    group = group if fixed else min(group, p)
     pad = -p % group
     index, target, row = (jnp.pad(x, (0, pad)) for x in (lb.index, lb.target, lb.row))
 

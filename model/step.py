@@ -31,13 +31,13 @@ from model.sampler import position_logprobs, sample_rows
 from model.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingBatch
 
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any]]
-POSITION_GROUP = 16  # prompt positions whose logprobs one loop iteration computes
 
 
-def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None) -> StepFn:
+def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 16) -> StepFn:
     """The step function of `model`. Extend programs sample their (few real) rows `sample_group`
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
-    deterministic mode). Prompt positions' logprobs are computed POSITION_GROUP at a time."""
+    deterministic mode). Prompt positions' logprobs are computed `position_group` at a time
+    (in the deterministic mode always that many, padded: one shape whatever the program)."""
 
     def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, top_n: int, verify: int):
         """kv and the FutureMap (token, position per slot) in, updated, out, with the samples
@@ -60,7 +60,8 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None)
         accepted = jnp.where(jnp.arange(r) < n, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
         tok = tok.at[fb.sample_slot].set(jnp.take_along_axis(targets, accepted[:, None], axis=1)[:, 0])
         pos = pos.at[fb.sample_slot].set(fb.kv_len - (k1 - 1) + accepted)
-        prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, POSITION_GROUP)
+        prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, position_group,
+                                   fixed=fixed_rows is not None)  # fmt: skip
         return kv, (tok, pos), out, accepted, prompt
 
     return step

@@ -145,15 +145,8 @@ class FrontendCore:
             st.logprobs += m.as_f32(o.logprobs).tolist()
         if o.top_n:
             st.top += _pairs(o.top_logprobs, o.top_ids, o.top_n)
-        k = len(st.spec.token_ids_logprob or ())
-        if o.ids_logprobs:
-            st.ids_logprobs += m.as_f32(o.ids_logprobs).reshape(-1, k).tolist()
-        if o.input_logprobs:  # once: the prompt's logprobs
-            st.input_logprobs = m.as_f32(o.input_logprobs).tolist()
-            if o.top_n:
-                st.input_top = _pairs(o.input_top_logprobs, o.input_top_ids, o.top_n)
-            if o.input_ids_logprobs:
-                st.input_ids_logprobs = m.as_f32(o.input_ids_logprobs).reshape(-1, k).tolist()
+        if o.more is not None:
+            self._append_more(st, o.more)
         st.meta.update(
             prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens
         )
@@ -169,6 +162,19 @@ class FrontendCore:
             st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,
                            spec_draft_token_num=o.spec_verify_ct * k,
                            spec_accept_length=round(o.completion_tokens / o.spec_verify_ct, 4))  # fmt: skip
+
+    @staticmethod
+    def _append_more(st: ReqState, more: m.MoreLogprobs) -> None:
+        """token_ids_logprob of the new outputs and, once, the prompt's logprobs."""
+        k, top_n = more.ids_n, st.spec.top_logprobs_num
+        if more.ids_logprobs:
+            st.ids_logprobs += m.as_f32(more.ids_logprobs).reshape(-1, k).tolist()
+        if more.input_logprobs:
+            st.input_logprobs = m.as_f32(more.input_logprobs).tolist()
+            if top_n and more.input_top_ids:
+                st.input_top = _pairs(more.input_top_logprobs, more.input_top_ids, top_n)
+            if more.input_ids_logprobs:
+                st.input_ids_logprobs = m.as_f32(more.input_ids_logprobs).reshape(-1, k).tolist()
 
     # ---- streams ----------------------------------------------------------------------------
     async def chunks(self, states: list[ReqState], batched: bool) -> AsyncIterator[dict]:

@@ -40,7 +40,8 @@ log = logging.getLogger("ringserve.http")
 
 MAX_REQUEST_BYTES = 64 << 20
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
-    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
+    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
+    "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
 }  # fmt: skip
 
 
@@ -60,6 +61,7 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
+    lora_path: Any = None
     custom_logit_processor: Any = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False

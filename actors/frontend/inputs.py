@@ -44,9 +44,8 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     top_logprobs_num: int | list[int] = 0
     stream: bool = False
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    logprob_start_len: int | list[int] = -1  # prompt logprobs from this position (-1: output logprobs only)
+    logprob_start_len: int | list[int] | None = -1  # prompt logprobs from this position (-1: the last token)
     token_ids_logprob: list[Any] | None = None  # token ids (or one list per prompt) whose logprobs to report
-    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (or one per prompt)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,15 +135,18 @@ def _token_ids(where: str, ids: list[Any], limits: Limits) -> list[int]:
 
 
 def _logprob_start(s: Any, n: int, return_logprob: bool) -> int:
-    """The checked logprob_start_len of a prompt of n tokens (-1 without return_logprob: SGLang
-    reads it only then)."""
+    """The checked logprob_start_len of a prompt of n tokens: as SGLang, read only with
+    return_logprob (else -1), and -1 (or None) means the last prompt token (n - 1: its entry
+    has no logprob, so nothing is computed)."""
+    if s is None:
+        s = -1
     if isinstance(s, bool) or not isinstance(s, int):
         raise ValueError(f"logprob_start_len={_short(s)} must be an integer (-1: output logprobs only)")
     if not return_logprob:
         return -1
     if not -1 <= s < n:
         raise ValueError(f"logprob_start_len={s} must be -1 or in [0, {n}) (the prompt has {n} tokens)")
-    return s
+    return n - 1 if s == -1 else s
 
 
 def _token_ids_logprob(value: Any, n_prompts: int, return_logprob: list, limits: Limits) -> list[list[int] | None]:
@@ -218,8 +220,6 @@ def normalize_generate(
         raise ValueError(
             f"return_logprob / top_logprobs_num: {len(lp)} / {len(tl)} given for {n_prompts} prompts"
         )
-    if args.lora_path is not None and any(x is not None for x in _per_prompt(args.lora_path, n_prompts)):
-        raise ValueError("lora_path: no LoRA adapter is loaded (start the engine with enable_lora)")
     starts = _per_prompt(args.logprob_start_len, n_prompts)
     if len(starts) != n_prompts:
         raise ValueError(f"logprob_start_len: {len(starts)} given for {n_prompts} prompts")
@@ -245,8 +245,9 @@ def normalize_generate(
         if plan is not None and sp.n > 1:
             raise ValueError("session_params: n > 1 samples cannot share one session turn")
         start = _logprob_start(starts[i], len(ids), bool(lp[i]))
-        if start >= 0 and plan is not None:
-            raise ValueError("logprob_start_len: prompt logprobs of a session turn are not supported (its earlier turns' KV is reused)")
+        if plan is not None and 0 <= start < len(ids) - 1:
+            raise ValueError("logprob_start_len: prompt logprobs of a session turn are not supported "
+                             "(its earlier turns' KV is reused)")  # fmt: skip
         base_rid = rids[i] or uuid.uuid4().hex
         # no seed given: a fresh one per prompt, so equal prompts sample differently (GRPO groups)
         base_seed = sp.sampling_seed if sp.sampling_seed is not None else next_seed()

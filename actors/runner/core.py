@@ -127,6 +127,24 @@ class RunnerCore:
         want_ids = any(r.logprob_ids is not None for r in dev_rows)
         return Pending(msg.step_id, so, len(dev_rows), k1, t0, self.top_n > 0, want_ids)
 
+    def _more(self, p: Pending, n: int) -> m.MoreLogprobs | None:
+        """The step's token_ids_logprob (of its n samples) and prompt positions' logprobs, when
+        some row wanted them (the host knows which: nothing is read back otherwise)."""
+        npos, out, prompt = p.so.num_positions, p.so.out, p.so.prompt
+        if not p.want_ids and not npos:
+            return None
+        more = m.MoreLogprobs(ids_n=out.ids_logprobs.shape[1] if p.want_ids else 0)
+        if p.want_ids:
+            more.ids_logprobs = m.f32(np.asarray(out.ids_logprobs)[:n])
+        if npos:
+            more.input_logprobs = m.f32(np.asarray(prompt.logprobs)[:npos])
+            if p.want_top:
+                more.input_top_ids = m.i32(np.asarray(prompt.top_ids)[:npos])
+                more.input_top_logprobs = m.f32(np.asarray(prompt.top_logprobs)[:npos])
+            if p.want_ids:
+                more.input_ids_logprobs = m.f32(np.asarray(prompt.ids_logprobs)[:npos])
+        return more
+
     def result(self, p: Pending) -> m.StepResultMsg:
         """The real rows' samples (the first rows * k1, row after row), for a verify step the
         drafts each round accepted, and the logprobs at the prompt positions the step wanted."""
@@ -141,17 +159,7 @@ class RunnerCore:
             res.top_n = self.top_n
             res.top_ids = m.i32(np.asarray(out.top_ids)[:n])
             res.top_logprobs = m.f32(np.asarray(out.top_logprobs)[:n])
-        if p.want_ids:
-            res.ids_n = out.ids_logprobs.shape[1]
-            res.ids_logprobs = m.f32(np.asarray(out.ids_logprobs)[:n])
-        npos, prompt = p.so.num_positions, p.so.prompt
-        if npos:
-            res.input_logprobs = m.f32(np.asarray(prompt.logprobs)[:npos])
-            if p.want_top:
-                res.input_top_ids = m.i32(np.asarray(prompt.top_ids)[:npos])
-                res.input_top_logprobs = m.f32(np.asarray(prompt.top_logprobs)[:npos])
-            if p.want_ids:
-                res.input_ids_logprobs = m.f32(np.asarray(prompt.ids_logprobs)[:npos])
+        res.more = self._more(p, n)
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
         res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.programs.pending

@@ -85,15 +85,16 @@ class SlotMirrors:
 
     @staticmethod
     def _spans(msg: StepMsg, n_rows: int) -> dict[int, tuple[int, np.ndarray]]:
-        """row -> (first token, targets) of its wanted prompt logprobs (views into the message)."""
-        rows = as_i32(msg.lp_rows)
-        if not len(rows):
+        """row -> (first of its tokens, targets) of its wanted prompt logprobs (views into the
+        message)."""
+        pp = msg.prompt
+        if pp is None:
             return {}
+        rows, starts, counts, targets = as_i32(pp.rows), as_i32(pp.starts), as_i32(pp.counts), as_i32(pp.targets)
+        if not len(rows) or len(starts) != len(rows) or len(counts) != len(rows) or int(counts.sum()) != len(targets):
+            raise ValueError("prompt logprob columns disagree in length")
         if rows.min() < 0 or rows.max() >= n_rows:
             raise ValueError(f"prompt logprob rows {rows.tolist()} outside the step's {n_rows} rows")
-        starts, counts, targets = as_i32(msg.lp_starts), as_i32(msg.lp_counts), as_i32(msg.lp_targets)
-        if len(starts) != len(rows) or len(counts) != len(rows) or int(counts.sum()) != len(targets):
-            raise ValueError("prompt logprob columns disagree in length")
         ends = np.cumsum(counts).tolist()
         return {int(r): (int(starts[i]), targets[ends[i] - counts[i] : ends[i]]) for i, r in enumerate(rows.tolist())}
 

@@ -64,15 +64,18 @@ def step_result(res: m.StepResultMsg) -> StepResult:
         top_lp = m.as_f32(res.top_logprobs).reshape(len(tokens), res.top_n)
     result = StepResult(res.step_id, tokens, m.as_f32(res.logprobs) if res.logprobs else None, top_ids, top_lp,
                         m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
-    if res.ids_n and res.ids_logprobs:
-        result.ids_logprobs = m.as_f32(res.ids_logprobs).reshape(len(tokens), res.ids_n)
-    if res.input_logprobs:
-        result.input_logprobs = lp = m.as_f32(res.input_logprobs)
-        if res.top_n and res.input_top_ids:
-            result.input_top_ids = m.as_i32(res.input_top_ids).reshape(len(lp), res.top_n)
-            result.input_top_logprobs = m.as_f32(res.input_top_logprobs).reshape(len(lp), res.top_n)
-        if res.ids_n and res.input_ids_logprobs:
-            result.input_ids_logprobs = m.as_f32(res.input_ids_logprobs).reshape(len(lp), res.ids_n)
+    more = res.more
+    if more is None:
+        return result
+    if more.ids_logprobs:
+        result.ids_logprobs = m.as_f32(more.ids_logprobs).reshape(len(tokens), more.ids_n)
+    if more.input_logprobs:
+        result.input_logprobs = lp = m.as_f32(more.input_logprobs)
+        if res.top_n and more.input_top_ids:
+            result.input_top_ids = m.as_i32(more.input_top_ids).reshape(len(lp), res.top_n)
+            result.input_top_logprobs = m.as_f32(more.input_top_logprobs).reshape(len(lp), res.top_n)
+        if more.input_ids_logprobs:
+            result.input_ids_logprobs = m.as_f32(more.input_ids_logprobs).reshape(len(lp), more.ids_n)
     return result
 
 

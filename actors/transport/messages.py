@@ -156,6 +156,20 @@ class SlotStart(msgspec.Struct, **_S):
     logprob_ids: bytes = b""  # int32 the request's token_ids_logprob (logprobs at every position)
 
 
+class PromptPositions(msgspec.Struct, **_S):
+    """The prompt positions a step's extend rows want logprobs at (L rows want some): the
+    logprob of the token after each of row `rows[l]`'s tokens [starts[l], starts[l] + counts[l])
+    (offsets into the row's tokens), those next tokens given (prompt tokens, known on the host):
+
+        row rows[l]:  tokens [starts[l], starts[l] + counts[l]), targets[cs[l] : cs[l + 1]]
+                      (cs: running sums of counts)"""
+
+    rows: bytes  # int32 [L] ascending
+    starts: bytes  # int32 [L]
+    counts: bytes  # int32 [L]
+    targets: bytes  # int32 [sum of counts]
+
+
 class StepMsg(msgspec.Struct, tag="step", **_S):
     """One batch of R rows, columnar; applied in order: released slots, started slots, rows.
 
@@ -174,10 +188,8 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
 
         masked row m:  row mask_rows[m], masks[m * k1 * W : (m + 1) * k1 * W] as [k1, W]
 
-    Prompt logprobs travel only for the extend rows that want them (L of them): the logprob of
-    the token after each of the row's tokens [start, start + count), those tokens given:
-
-        row lp_rows[l]: tokens [lp_starts[l], lp_starts[l] + lp_counts[l]), targets lp_targets[cs[l]:cs[l+1]]"""
+    Prompt logprobs travel only in a step with extend rows that want them (`prompt`, else None:
+    one byte; see PromptPositions)."""
 
     step_id: int
     released: bytes = b""  # int32 slots freed since the previous step (applied first)
@@ -192,10 +204,7 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     drafts: int = 0  # k: the rows are verify rounds of 1 + k tokens; 0: plain rows
     mask_rows: bytes = b""  # int32 [M] rows whose samples a grammar constrains (ascending)
     masks: bytes = b""  # int32 [M, 1 + drafts, W] their allowed tokens, packed bits
-    lp_rows: bytes = b""  # int32 [L] rows that want prompt logprobs (ascending)
-    lp_starts: bytes = b""  # int32 [L] the first of their tokens whose next token's logprob is wanted
-    lp_counts: bytes = b""  # int32 [L] how many
-    lp_targets: bytes = b""  # int32 [sum of lp_counts] the token after each
+    prompt: PromptPositions | None = None  # the prompt positions whose logprobs rows want
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
@@ -224,6 +233,27 @@ ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerM
 
 
 # ---- runner -> scheduler ---------------------------------------------------------------------
+class MoreLogprobs(msgspec.Struct, **_S):
+    """Logprobs beyond the sampled tokens' own and their top-n, present only where a request asked
+    (a StepResultMsg: the step's; a TokenOut: one request's):
+
+        ids_logprobs        f32 [tokens, ids_n]  token_ids_logprob at each sampled (output) token
+        input_logprobs      f32 [P]              prompt positions: the logprob of the next token
+        input_top_ids       int32 [P, top_n]     (top_n: the enclosing message's)
+        input_top_logprobs  f32 [P, top_n]
+        input_ids_logprobs  f32 [P, ids_n]       token_ids_logprob at each prompt position
+
+    In a result the P positions are the step's PromptPositions, row after row; in a TokenOut
+    they are the request's positions from logprob_start_len on, sent once."""
+
+    ids_n: int = 0  # token_ids_logprob columns (the program's K in a result; the request's in a TokenOut)
+    ids_logprobs: bytes = b""
+    input_logprobs: bytes = b""
+    input_top_ids: bytes = b""
+    input_top_logprobs: bytes = b""
+    input_ids_logprobs: bytes = b""
+
+
 class StepResultMsg(msgspec.Struct, tag="result", **_S):
     step_id: int
     tokens: bytes  # int32 [rows * k1], row after row (k1 = 1 + the step's drafts)
@@ -232,12 +262,7 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     top_logprobs: bytes = b""  # f32 [tokens, top_n]
     top_n: int = 0
     accepted: bytes = b""  # a verify step: int32 [R] drafts accepted per round (tokens: [R * (k + 1)] targets)
-    ids_n: int = 0  # K: token_ids_logprob columns (when some row asked for them)
-    ids_logprobs: bytes = b""  # f32 [tokens, K]
-    input_logprobs: bytes = b""  # f32 [P] prompt positions' logprobs, the step's lp rows in order
-    input_top_ids: bytes = b""  # int32 [P, top_n]
-    input_top_logprobs: bytes = b""  # f32 [P, top_n]
-    input_ids_logprobs: bytes = b""  # f32 [P, K]
+    more: MoreLogprobs | None = None  # token_ids_logprob / prompt positions, when some row wanted them
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
     programs_compiled: int = 0  # step programs compiled so far (others may compile in the background)
@@ -271,11 +296,7 @@ class TokenOut(msgspec.Struct, **_S):
     top_ids: bytes = b""  # int32 [new, top_n]
     top_logprobs: bytes = b""  # f32 [new, top_n]
     top_n: int = 0
-    ids_logprobs: bytes = b""  # f32 [new, len(token_ids_logprob)]
-    input_logprobs: bytes = b""  # prompt logprobs (once, on the output after the prompt): f32 [n]
-    input_top_ids: bytes = b""  # int32 [n, top_n]
-    input_top_logprobs: bytes = b""  # f32 [n, top_n]
-    input_ids_logprobs: bytes = b""  # f32 [n, len(token_ids_logprob)]
+    more: MoreLogprobs | None = None  # the request's token_ids_logprob / prompt logprobs, if asked
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
