@@ -52,7 +52,7 @@ def engine_part(model: str, lens: list[int], batch: int, repeat: int, vocab: int
         engine.wait_compiled()
         for n in lens:
             prompts = [rng.integers(3, vocab, n).tolist() for _ in range(batch)]
-            for name, kw in CASES.items():  # warm: every program these requests use
+            for kw in CASES.values():  # warm: every program these requests use
                 engine.generate(input_ids=prompts, sampling_params=SP, **kw)
             for label, ids in (("1 request", prompts[0]), (f"{batch} requests", prompts)):
                 times: dict[str, list[float]] = {name: [] for name in CASES}

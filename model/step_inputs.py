@@ -352,18 +352,19 @@ def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, p: int, nr: int, k:
                 if len(r.logprob_ids) > k:
                     raise ValueError(f"row {i}: {len(r.logprob_ids)} token_ids_logprob, the programs take {k}")
                 ids[i, : len(r.logprob_ids)] = r.logprob_ids
-    wanting = [(i, r) for i, r in enumerate(rows) if r.logprob_targets is not None and len(r.logprob_targets)]
+    wanting = [(i, r, r.logprob_targets) for i, r in enumerate(rows) if r.logprob_targets is not None]
+    wanting = [(i, r, t) for i, r, t in wanting if len(t)]
     if not wanting:
         return LogprobBatch(ids), 0
     index, target, row = np.zeros(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
     n = 0
-    for i, r in wanting:
-        m = len(r.logprob_targets)
+    for i, r, t in wanting:
+        m = len(t)
         if not 0 <= r.logprob_start <= r.extend_len - m:
             raise ValueError(f"row {i}: logprobs of tokens [{r.logprob_start}, {r.logprob_start + m}) outside its "
                              f"{r.extend_len}")  # fmt: skip
         index[n : n + m] = start[i] + r.logprob_start + np.arange(m)
-        target[n : n + m] = r.logprob_targets
+        target[n : n + m] = t
         row[n : n + m] = i
         n += m
     return LogprobBatch(ids, index, target, row, np.int32(n)), n

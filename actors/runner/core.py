@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import numpy as np
 

@@ -21,7 +21,16 @@ import numpy as np
 
 from actors.scheduler.batch import Row, ScheduledBatch
 from actors.scheduler.core import ReqOutput
-from actors.transport.messages import MoreLogprobs, PromptPositions, SlotStart, StepMsg, TokenOut, f32, i32, u8
+from actors.transport.messages import (
+    MoreLogprobs,
+    PromptPositions,
+    SlotStart,
+    StepMsg,
+    TokenOut,
+    f32,
+    i32,
+    u8,
+)
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:

@@ -66,7 +66,7 @@ def test_a_cached_prefix_is_bypassed_up_to_the_first_wanted_position(overlap):
         "tail": with_logprobs(books_tests.req("tail", prompt, 2), 201),  # one position: 192 granted
     }
     out: dict[str, list[int]] = {}
-    for rid, r in reqs.items():  # one at a time: the grant depends on the tree only
+    for r in reqs.values():  # one at a time: the grant depends on the tree only
         core.add_request(r)
         books_tests.drive(core, runner, books, overlap, outputs=out)
     assert {rid: r.cached_tokens for rid, r in reqs.items()} == {"plain": 192, "zero": 0, "late": 96, "tail": 192}
