@@ -50,6 +50,7 @@ class ReqState:
     input_logprobs: list[float] = dataclasses.field(default_factory=list)  # prompt positions start + 1, ...
     input_top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     input_ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+    input_meta: dict[str, list] | None = None  # the prompt's logprob fields, built once (`_input_logprobs`)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished: bool = False
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -230,14 +231,11 @@ class FrontendCore:
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
     def _logprobs(self, st: ReqState) -> dict[str, Any]:
-        """SGLang's logprob fields: (logprob, token id, text) triples of the output tokens and,
-        when logprob_start_len was given, of the prompt from there (its first entry has no
-        logprob: None, as SGLang's); token_ids_logprob's per position likewise."""
+        """SGLang's logprob fields: (logprob, token id, text) triples of the output tokens and of
+        the prompt from logprob_start_len (its first entry has no logprob: None, as SGLang's);
+        top_logprobs_num's and token_ids_logprob's per position likewise."""
         spec = st.spec
-        prompt = spec.input_ids[spec.logprob_start_len :][: 1 + len(st.input_logprobs)] if spec.logprob_start_len >= 0 else []
-        tops = st.input_top + st.top
-        texts = self.token_texts(st.output_ids + prompt + [t for row in tops for _, t in row]
-                                 + list(spec.token_ids_logprob or ()))  # fmt: skip
+        texts = self.token_texts(st.output_ids + [t for row in st.top for _, t in row] + list(spec.token_ids_logprob or ()))
 
         def triples(lps: list, ids: list[int]) -> list:
             return [(lp, t, texts[t]) for lp, t in zip(lps, ids, strict=True)]
@@ -245,16 +243,29 @@ class FrontendCore:
         out: dict[str, Any] = {"output_token_logprobs": triples(st.logprobs[: len(st.output_ids)], st.output_ids)}
         if spec.top_logprobs_num:
             out["output_top_logprobs"] = [triples([lp for lp, _ in row], [t for _, t in row]) for row in st.top]
-        ids = spec.token_ids_logprob
-        if ids:
-            out["output_token_ids_logprobs"] = [triples(row, ids) for row in st.ids_logprobs]
+        if spec.token_ids_logprob:
+            out["output_token_ids_logprobs"] = [triples(row, spec.token_ids_logprob) for row in st.ids_logprobs]
         if spec.logprob_start_len >= 0:
-            out["input_token_logprobs"] = triples([None, *st.input_logprobs][: len(prompt)], prompt)
-            if spec.top_logprobs_num:
-                out["input_top_logprobs"] = [None] + [triples([lp for lp, _ in row], [t for _, t in row])
-                                                      for row in st.input_top]  # fmt: skip
-            if ids:
-                out["input_token_ids_logprobs"] = [None] + [triples(row, ids) for row in st.input_ids_logprobs]
+            if st.input_meta is None or len(st.input_meta["input_token_logprobs"]) < 1 + len(st.input_logprobs):
+                st.input_meta = self._input_logprobs(st)  # built once the prompt's logprobs are in
+            out.update({k: list(v) for k, v in st.input_meta.items()})
+        return out
+
+    def _input_logprobs(self, st: ReqState) -> dict[str, list]:
+        """The prompt's part of `_logprobs` (the logprobs that came so far: all, or none yet)."""
+        spec = st.spec
+        prompt = spec.input_ids[spec.logprob_start_len :][: 1 + len(st.input_logprobs)]
+        ids = spec.token_ids_logprob or []
+        texts = self.token_texts(prompt + [t for row in st.input_top for _, t in row] + ids)
+
+        def triples(lps: list, toks: list[int]) -> list:
+            return [(lp, t, texts[t]) for lp, t in zip(lps, toks, strict=True)]
+
+        out: dict[str, list] = {"input_token_logprobs": triples([None, *st.input_logprobs][: len(prompt)], prompt)}
+        if spec.top_logprobs_num:
+            out["input_top_logprobs"] = [None] + [triples([lp for lp, _ in row], [t for _, t in row]) for row in st.input_top]
+        if ids:
+            out["input_token_ids_logprobs"] = [None] + [triples(row, ids) for row in st.input_ids_logprobs]
         return out
 
     def token_texts(self, ids: list[int]) -> dict[int, str]:
