@@ -81,6 +81,9 @@ class ServerArgs:
     )
     # sampling / outputs
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")
+    max_token_ids_logprob: int = _opt(
+        16, "token ids a request's token_ids_logprob may name (their logprobs are read in every step)"
+    )
     seed: int = _opt(0, "default sampling seed of requests that give none")
     stream_interval: int = _opt(1, "tokens between streamed chunks")
     constrained_json_whitespace_pattern: str | None = _opt(
@@ -158,6 +161,10 @@ class ServerArgs:
         need(
             0 <= self.max_top_logprobs_num <= 64,
             f"max_top_logprobs_num={self.max_top_logprobs_num}: must be in [0, 64]",
+        )
+        need(
+            0 <= self.max_token_ids_logprob <= 256,
+            f"max_token_ids_logprob={self.max_token_ids_logprob}: must be in [0, 256]",
         )
         need(
             1 <= self.speculative_num_draft_tokens <= 16,

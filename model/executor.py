@@ -4,7 +4,8 @@ arrays) and the FutureMap on device, and the compiled step programs (model/progr
 traced step (model/step.py), which take the state as their first argument.
 
     ex = ModelExecutor(path, ExecutorConfig(...))     load, place, compile (progress bar)
-    out, rows = ex.run(device_rows)                   one step (model/step_inputs.py DeviceRows)
+    out, rows, accepted = ex.run(device_rows)         one step (model/step_inputs.py DeviceRows)
+    so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
     ex.build_params / swap_params / drop_params       weights while serving (model/weight_sync.py)
     ex.new_kv / drop_kv                               device memory (release / resume)
 
@@ -21,7 +22,7 @@ import dataclasses
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,9 @@ from model.llama import CausalLM
 from model.mesh import make_mesh, replicated
 from model.params import build_host_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
-from model.sampler import SampleOut
+from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
-from model.step_inputs import Buckets, DeviceRow, HostBatch, build_batch
+from model.step_inputs import Buckets, DeviceRow, HostBatch, LogprobBatch, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class ExecutorConfig:
     dtype: str = "float32"
     tp_size: int = 1
     top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
+    token_ids_logprob_num: int = 0  # K: token_ids_logprob a row may ask for (every step takes K per row)
     attention_backend: str = "auto"
     attention_interpret: bool = False  # run Pallas kernels in their interpreter (tests on CPU)
     attn_chunk_tokens: int = 64  # native attention: keys per work item
@@ -71,6 +73,17 @@ class ExecutorConfig:
     def max_pages(self) -> int:
         """Page-table width: pages of the longest context."""
         return cdiv(self.max_context_len, self.page_size)
+
+
+class StepOut(NamedTuple):
+    """One step's device outputs (`ModelExecutor.run_step`); JAX dispatch is asynchronous, so
+    reading them waits for the step."""
+
+    out: SampleOut  # the samples: the first `num_samples`, row after row
+    accepted: jax.Array  # [R] int32 drafts each row accepted (0 for a plain row)
+    prompt: PositionLogprobs  # logprobs at the wanted prompt positions: the first `num_positions`
+    num_samples: int
+    num_positions: int
 
 
 def resolve_layer_loop(layer_loop: str, platform: str) -> str:
@@ -123,13 +136,17 @@ class ModelExecutor:
         self.kv_avals = _avals((self.kv, self.future))  # programs compile against these
         self.trace_count = 0
         # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
-        step = make_step(self.model, 16 if self.platform == "cpu" else None, INVARIANT_ROWS if cfg.deterministic else None)
+        # Prompt positions' logprobs (extend programs) likewise, in groups: 16 on CPU, 128 on
+        # accelerators (where each iteration of a runtime-count loop costs a host round trip).
+        cpu = self.platform == "cpu"
+        step = make_step(self.model, 16 if cpu else None, INVARIANT_ROWS if cfg.deterministic else None,
+                         16 if cpu else 128)  # fmt: skip
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
             return step(*args)
 
-        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(5, 6))
+        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(6, 7))
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num)
@@ -186,10 +203,11 @@ class ModelExecutor:
     # ---- programs -----------------------------------------------------------------------------
     def _compile(self, key: Key) -> Any:
         shape, top_n = key
-        fwd, smp = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages, replicated(self.mesh),
-                              self.mask_words)  # fmt: skip
+        fwd, smp, lb = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages, replicated(self.mesh),
+                                  self.mask_words, self.cfg.token_ids_logprob_num,
+                                  self.buckets.positions(shape))  # fmt: skip
         kv, future = self.kv_avals
-        return self._jitted.lower(self.params_avals, kv, future, fwd, smp, top_n, shape.verify).compile()
+        return self._jitted.lower(self.params_avals, kv, future, fwd, smp, lb, top_n, shape.verify).compile()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""
@@ -224,7 +242,8 @@ class ModelExecutor:
                 pass
             else:
                 ok = lambda s: self.programs.smallest_context(s, top_n, need) is not None  # noqa: E731
-        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok)
+        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
+                         self.cfg.token_ids_logprob_num)  # fmt: skip
         ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)
         assert ctx is not None  # `ok` accepted this shape for that reason
         hb.shape = hb.shape._replace(context=ctx)
@@ -235,11 +254,16 @@ class ModelExecutor:
         """One step over `rows` (with `verify` = k + 1: verify rounds of that many tokens at the
         scheduler's bounds). Returns the (device) sample output, where each row's samples sit
         in it (row after row: k1 = max(1, verify) each) and the drafts each row accepted."""
-        hb = self.prepare(rows, verify)
-        out, accepted = self.run_host_batch(hb)
-        return out, list(range(hb.num_samples)), accepted
+        so = self.run_step(rows, verify)
+        return so.out, list(range(so.num_samples)), so.accepted
 
-    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array]:
+    def run_step(self, rows: list[DeviceRow], verify: int = 0) -> StepOut:
+        """`run`, with the logprobs at the rows' wanted prompt positions (`StepOut`)."""
+        hb = self.prepare(rows, verify)
+        out, accepted, prompt = self.run_host_batch(hb)
+        return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions)
+
+    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs]:
         key = (hb.shape, self.cfg.top_logprobs_num)
         if key not in self.programs.compiled and self.cfg.precompile:
             raise RuntimeError(f"program {key} was not compiled at start-up")
@@ -247,9 +271,9 @@ class ModelExecutor:
         # The host arrays go to the compiled program as they are: it moves them to its input
         # shardings in one batched transfer (CPU, 17 arrays: 0.2 ms, against 1.5 ms for a
         # jax.device_put of the same tree first).
-        self.kv, self.future, out, accepted = prog(self.params, self.kv, self.future, hb.forward,
-                                                   self._with_mask(hb))  # fmt: skip
-        return out, accepted
+        self.kv, self.future, out, accepted, prompt = prog(self.params, self.kv, self.future, hb.forward,
+                                                           self._with_mask(hb), self._with_logprob(hb))  # fmt: skip
+        return out, accepted, prompt
 
     @functools.cached_property
     def _all_allowed(self) -> dict[int, jax.Array]:
@@ -269,6 +293,29 @@ class ModelExecutor:
             ones = self._all_allowed[n] = jax.device_put(np.full((n, self.mask_words), -1, np.int32),
                                                          replicated(self.mesh))  # fmt: skip
         return smp._replace(mask=ones)
+
+    @functools.cached_property
+    def _zeros(self) -> dict[tuple[int, ...], jax.Array]:
+        """Shape -> int32 zeros on device (the logprob inputs of steps that want none)."""
+        return {}
+
+    def _zeros_of(self, *shape: int) -> jax.Array:
+        z = self._zeros.get(shape)
+        if z is None:
+            z = self._zeros[shape] = jax.device_put(np.zeros(shape, np.int32), replicated(self.mesh))
+        return z
+
+    def _with_logprob(self, hb: HostBatch) -> LogprobBatch:
+        """The step's logprob inputs (model/step_inputs.py LogprobBatch): the rows', or where no
+        row wants token_ids_logprob or prompt positions, zeros kept on device (never sent again),
+        so a step without them moves nothing more to the device."""
+        lb, r, p = hb.logprob, hb.shape.rows, self.buckets.positions(hb.shape)
+        if lb.ids is None:
+            lb = lb._replace(ids=self._zeros_of(r, self.cfg.token_ids_logprob_num))
+        if p and lb.index is None:
+            z = self._zeros_of(p)
+            lb = lb._replace(index=z, target=z, row=z, count=self._zeros_of())
+        return lb
 
     def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
         """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model.step_inputs import Buckets, ForwardBatch, RowSampling, StepShape
+from model.step_inputs import Buckets, ForwardBatch, LogprobBatch, RowSampling, StepShape
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,12 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path:
 
 
 def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any,
-               mask_words: int) -> tuple[ForwardBatch, RowSampling]:  # fmt: skip
+               mask_words: int, logprob_ids: int = 0,
+               positions: int = 0) -> tuple[ForwardBatch, RowSampling, LogprobBatch]:  # fmt: skip
     """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device);
-    every program takes a grammar mask of `mask_words` (ceil(V / 32)) words per sample."""
+    every program takes a grammar mask of `mask_words` (ceil(V / 32)) words per sample and
+    `logprob_ids` (K) token_ids_logprob per row; an extend program also takes `positions` (P,
+    `Buckets.positions`) prompt positions to read logprobs at."""
 
     def spec(shp: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shp, dtype, sharding=sharding)
@@ -65,7 +68,11 @@ def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sha
         seed=spec((r,), jnp.uint32), any_random=spec((), jnp.bool_), any_filter=spec((), jnp.bool_),
         mask=spec((r * k1, mask_words), i32), any_mask=spec((), jnp.bool_),
     )  # fmt: skip
-    return fwd, smp
+    lb = LogprobBatch(spec((r, logprob_ids), i32))
+    if positions:
+        lb = lb._replace(index=spec((positions,), i32), target=spec((positions,), i32), row=spec((positions,), i32),
+                         count=spec((), i32))  # fmt: skip
+    return fwd, smp, lb
 
 
 def program_keys(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int) -> list[Key]:

@@ -20,7 +20,9 @@ neighbours or the batch size. temperature == 0 is greedy (argmax of the raw logi
 on ties).
 
 Logprobs are of the raw model distribution (log_softmax of the logits, before temperature and
-filtering), like SGLang's default `output_token_logprobs`.
+filtering), like SGLang's default `output_token_logprobs`; so are a request's token_ids_logprob
+(`logprob_ids`, K per sample) and the prompt positions' logprobs (`position_logprobs`: the
+log-softmax of the logits at a prompt position, read at the token that follows it).
 
 A grammar's mask comes first, before every path (greedy, filters, seeded draws) and before the
 logprobs (as SGLang applies its vocab mask to the logits): a token the mask does not allow gets
@@ -50,6 +52,16 @@ class SampleOut(NamedTuple):
     logprobs: jax.Array  # [S] f32 logprob of the chosen token
     top_ids: jax.Array  # [S, N] int32 (N = top_logprobs_num compiled in; may be 0)
     top_logprobs: jax.Array  # [S, N] f32
+    ids_logprobs: jax.Array  # [S, K] f32 logprobs of each sample's token_ids_logprob (K may be 0)
+
+
+class PositionLogprobs(NamedTuple):
+    """Logprobs at wanted prompt positions (model/step_inputs.py LogprobBatch), P entries."""
+
+    logprobs: jax.Array  # [P] f32 of the token that follows the position
+    top_ids: jax.Array  # [P, N] int32
+    top_logprobs: jax.Array  # [P, N] f32
+    ids_logprobs: jax.Array  # [P, K] f32 of the row's token_ids_logprob
 
 
 def _bisect_bits(pred: Callable[[jax.Array], jax.Array], shape: tuple[int, ...]) -> jax.Array:
@@ -214,12 +226,52 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(sp.any_random, draw, lambda _: greedy, None)
-    chosen_lp = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    return SampleOut(tokens, *_read_logprobs(logprobs_all, tokens, top_n, sp.logprob_ids))
+
+
+def _read_logprobs(logprobs_all: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Array | None):
+    """(logprob of `tokens`, top-n ids, top-n logprobs, logprobs of `ids`) of rows [S, V]."""
+    s, v = logprobs_all.shape
+    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     if top_n > 0:
         top_lp, top_ids = jax.lax.top_k(logprobs_all, top_n)
     else:
         top_lp, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
-    return SampleOut(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp)
+    if ids is None:
+        ids_lp = jnp.zeros((s, 0), jnp.float32)
+    else:
+        ids_lp = jnp.take_along_axis(logprobs_all, jnp.clip(ids, 0, v - 1), axis=-1)
+    return chosen, top_ids.astype(jnp.int32), top_lp, ids_lp
+
+
+def position_logprobs(logits_fn: Callable[[jax.Array], jax.Array], h: jax.Array, lb: Any, top_n: int,
+                      group: int, fixed: bool = False) -> PositionLogprobs:  # fmt: skip
+    """Logprobs at the wanted positions of hidden states h [T, H] (`lb`: model/step_inputs.py
+    LogprobBatch): `group` positions (at most P, unless `fixed`) per iteration of a loop that
+    runs ceil(count / group) times, so a step that wants none computes nothing. `fixed`: always
+    `group` (padded), so every position goes through one shape whatever the program and its
+    bits do not depend on the others (the deterministic mode, whose LM head is batch-invariant)."""
+    k = lb.ids.shape[1]
+    if lb.index is None:  # a program that takes no prompt positions
+        return PositionLogprobs(jnp.zeros((0,), jnp.float32), jnp.zeros((0, top_n), jnp.int32),
+                                jnp.zeros((0, top_n), jnp.float32), jnp.zeros((0, k), jnp.float32))  # fmt: skip
+    p = lb.index.shape[0]
+    group = group if fixed else min(group, p)
+    pad = -p % group
+    index, target, row = (jnp.pad(x, (0, pad)) for x in (lb.index, lb.target, lb.row))
+
+    def body(i, outs):
+        lo = i * group
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, group)  # noqa: E731
+        logprobs_all = jax.nn.log_softmax(logits_fn(h[cut(index)]), axis=-1)
+        o = _read_logprobs(logprobs_all, cut(target), top_n, lb.ids[cut(row)] if k else None)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True))
+
+    n = p + pad
+    init = (jnp.zeros((n,), jnp.float32), jnp.zeros((n, top_n), jnp.int32), jnp.zeros((n, top_n), jnp.float32),
+            jnp.zeros((n, k), jnp.float32))  # fmt: skip
+    outs = jax.lax.fori_loop(0, (lb.count + group - 1) // group, body, init)
+    return PositionLogprobs(*(a[:p] for a in outs))
 
 
 def sample_rows(
@@ -258,9 +310,10 @@ def sample_rows(
         o = sample(logits_fn(cut(hs, lo)), SamplingBatch(*(cut(x, lo) for x in sp)), top_n)
         return SampleOut(*(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True)))
 
+    k = 0 if sp.logprob_ids is None else sp.logprob_ids.shape[1]
     init = SampleOut(
         jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.float32),
-        jnp.zeros((r, top_n), jnp.int32), jnp.zeros((r, top_n), jnp.float32),
+        jnp.zeros((r, top_n), jnp.int32), jnp.zeros((r, top_n), jnp.float32), jnp.zeros((r, k), jnp.float32),
     )  # fmt: skip
     return jax.lax.fori_loop(0, (n_rows + group - 1) // group, body, init)
 

@@ -1,11 +1,12 @@
 """The traced step: forward + sample over the paged KV cache, as pure functions of their inputs.
 
-    step(params, kv, future, fb, rs, top_n, verify) -> kv, future, SampleOut, accepted
+    step(params, kv, future, fb, rs, lb, top_n, verify) -> kv, future, SampleOut, accepted, PositionLogprobs
 
 `params` is the parameter tree, `kv` the attention backend's cache arrays and `future` the
 FutureMap, all three passed in and (kv, future) returned updated: the executor donates them, so
-the update is in place (model/executor.py). `fb` / `rs` are one step's padded inputs
-(model/step_inputs.py); `top_n` and `verify` are static (part of the program's key).
+the update is in place (model/executor.py). `fb` / `rs` / `lb` are one step's padded inputs
+(model/step_inputs.py: forward, sampling, and the logprobs asked beyond the samples: prompt
+positions and token_ids_logprob); `top_n` and `verify` are static (part of the program's key).
 
 One path for every row (model/step_inputs.py): inputs `-(slot + 1)` read the FutureMap, each row
 samples its last k1 = max(1, verify) tokens, and a row accepts its leading drafts (the tokens
@@ -26,20 +27,22 @@ import jax
 import jax.numpy as jnp
 
 from model.llama import CausalLM
-from model.sampler import sample_rows
-from model.step_inputs import ForwardBatch, RowSampling, SamplingBatch
+from model.sampler import position_logprobs, sample_rows
+from model.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingBatch
 
-StepFn = Callable[..., tuple[Any, Any, Any, jax.Array]]
+StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any]]
 
 
-def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None) -> StepFn:
+def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 16) -> StepFn:
     """The step function of `model`. Extend programs sample their (few real) rows `sample_group`
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
-    deterministic mode)."""
+    deterministic mode). Prompt positions' logprobs are computed `position_group` at a time
+    (in the deterministic mode always that many, padded: one shape whatever the program)."""
 
-    def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, top_n: int, verify: int):
+    def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, top_n: int, verify: int):
         """kv and the FutureMap (token, position per slot) in, updated, out, with the samples
-        ([R * k1], row after row) and the drafts each row accepted ([R] int32)."""
+        ([R * k1], row after row), the drafts each row accepted ([R] int32) and the logprobs
+        at the wanted prompt positions ([P])."""
         k1 = max(1, verify)
         tok, pos = future
         ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
@@ -47,7 +50,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None)
             fb = at_true_positions(model, fb, pos)
         h, kv = model.forward(params, ids, fb, kv)
         r, n = fb.kv_len.shape[0], fb.num_rows[0]
-        sp = per_sample(rs, fb.positions[fb.sample_idx] + 1, k1)  # each token's seed at its position
+        sp = per_sample(rs, lb.ids, fb.positions[fb.sample_idx] + 1, k1)  # each token's seed at its position
         group = sample_group if fb.input_ids.shape[0] != r else None  # not a decode program
         out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx], sp, top_n, n * k1, group,
                           fixed_rows)  # fmt: skip
@@ -57,7 +60,9 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None)
         accepted = jnp.where(jnp.arange(r) < n, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
         tok = tok.at[fb.sample_slot].set(jnp.take_along_axis(targets, accepted[:, None], axis=1)[:, 0])
         pos = pos.at[fb.sample_slot].set(fb.kv_len - (k1 - 1) + accepted)
-        return kv, (tok, pos), out, accepted
+        prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, position_group,
+                                   fixed=fixed_rows is not None)  # fmt: skip
+        return kv, (tok, pos), out, accepted, prompt
 
     return step
 
@@ -83,15 +88,16 @@ def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> For
     )  # fmt: skip
 
 
-def per_sample(rs: RowSampling, position: jax.Array, k1: int) -> SamplingBatch:
-    """The sampler's input: each row's parameters for each of its k1 sampled tokens (the mask
-    is per sampled token already)."""
+def per_sample(rs: RowSampling, ids: jax.Array, position: jax.Array, k1: int) -> SamplingBatch:
+    """The sampler's input: each row's parameters (and token_ids_logprob `ids` [R, K]) for each
+    of its k1 sampled tokens (the mask is per sampled token already)."""
 
     def each(x: jax.Array) -> jax.Array:
-        return x if k1 == 1 else jnp.repeat(x, k1)
+        return x if k1 == 1 else jnp.repeat(x, k1, axis=0)
 
     return SamplingBatch(each(rs.temperature), each(rs.top_k), each(rs.top_p), each(rs.min_p), each(rs.seed),
-                         position, rs.any_random, rs.any_filter, rs.mask, rs.any_mask)  # fmt: skip
+                         position, rs.any_random, rs.any_filter, rs.mask, rs.any_mask,
+                         each(ids) if ids.shape[1] else None)  # fmt: skip
 
 
 def make_logits(model: CausalLM) -> Callable[..., tuple[Any, jax.Array]]:

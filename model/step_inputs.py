@@ -33,6 +33,22 @@ A row a grammar constrains carries `mask` ([k1, W] int32 packed bits, W = ceil(V
 mask per sampled position); the step's `RowSampling.mask` is [R * k1, W], every other sample's
 mask all ones, or None when no row is constrained (the executor then passes its all-ones array
 already on device; `any_mask` False makes the sampler skip the masking).
+
+Prompt logprobs are computed by the extend steps that already run, from the same hidden states
+(no second pass): a row may want the logprob of the token that follows some of its tokens
+(`logprob_start`, `logprob_targets`: row tokens [start, start + n) and the token after each;
+for a middle chunk's last token that is the next chunk's first). The step packs those
+positions row after row into `LogprobBatch` (flat token index, target, row), P entries; the
+device computes the first `count` of them in a loop whose trip count is the real positions, so
+an extend step that wants none pays one loop test. P is the program's T for extend programs and
+0 for decode and verify programs (`Buckets.positions`): their rows never carry prompt
+positions (a step of one-token rows that wants some is given an extend program), so their
+LogprobBatch has no position fields at all. A row's `logprob_ids` (token_ids_logprob, at most
+K) get their logprobs at every sampled token and every wanted prompt position.
+
+    row a (extend, tokens a0..a5, logprob_start 2, targets [a3 a4 a5 x]), row b (no logprobs):
+    token:     a0 a1 a2 a3 a4 a5 b0 --
+    index:     2  3  4  5  0  0  0  0     target: a3 a4 a5 x 0 ...   row: 0 0 0 0 0 ...   count: 4
 """
 
 from __future__ import annotations
@@ -78,6 +94,9 @@ class DeviceRow:
     sampling: DeviceSampling = DeviceSampling()
     future_slot: int = -1  # request slot whose future entry receives the sampled token; -1: sink
     mask: np.ndarray | None = None  # [k1, W] int32 allowed tokens of each sampled position (a grammar)
+    logprob_start: int = 0  # first of the row's tokens whose next token's logprob is wanted (prompt logprobs)
+    logprob_targets: np.ndarray | None = None  # int32 [n]: the token after each of tokens [start, start + n)
+    logprob_ids: np.ndarray | None = None  # int32 [<= K] token_ids_logprob of the request
 
     @property
     def extend_len(self) -> int:
@@ -113,6 +132,17 @@ class RowSampling(NamedTuple):
     any_mask: Arr = False  # [] bool: some row is constrained
 
 
+class LogprobBatch(NamedTuple):
+    """What the step computes logprobs of beyond the samples (see the module docstring). The
+    position fields are None in a program that takes no prompt positions (P = 0)."""
+
+    ids: Arr  # [R, K] int32 each row's token_ids_logprob (padding: 0; K compiled, may be 0)
+    index: Arr = None  # [P] int32 flat token index of each wanted prompt position (padding: 0)
+    target: Arr = None  # [P] int32 the token whose logprob is wanted there
+    row: Arr = None  # [P] int32 the position's row (its token_ids_logprob)
+    count: Arr = None  # [] int32 real positions (the first `count` entries)
+
+
 class SamplingBatch(NamedTuple):
     """The sampler's input: one entry per sampled token (model/sampler.py)."""
 
@@ -126,6 +156,7 @@ class SamplingBatch(NamedTuple):
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
     mask: Arr = None  # [S, W] int32 allowed tokens (packed bits, all ones: any); None: none compiled in
     any_mask: Arr = False  # [] bool: some sample is constrained (else the mask is not applied)
+    logprob_ids: Arr = None  # [S, K] int32 token ids whose logprobs each sample reports; None: K = 0
 
 
 def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
@@ -180,6 +211,14 @@ class Buckets:
                     break
         return [f for f in (dec, ext, ver) if f]
 
+    def positions(self, shape: StepShape) -> int:
+        """P: the prompt positions a program of `shape` can compute logprobs at: T for an extend
+        program, 0 for decode and verify programs (with extend_block 1 a decode shape may be an
+        extend one: then every program takes them)."""
+        if shape.verify or (shape.block == 1 and self.extend_block != 1):
+            return 0
+        return shape.tokens
+
     def pick(
         self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0, ok: Callable[[StepShape], bool] | None = None
     ) -> StepShape:
@@ -218,6 +257,8 @@ class HostBatch:
     forward: ForwardBatch  # NumPy arrays (attn filled in by the executor's backend)
     sampling: RowSampling  # NumPy arrays
     num_samples: int  # real samples: rows * k1, row after row (the first entries of the step's samples)
+    logprob: LogprobBatch  # NumPy arrays; None fields where the executor passes its zeros on device
+    num_positions: int = 0  # real prompt-logprob positions (row after row, each row's in order)
 
     @property
     def max_kv_len(self) -> int:
@@ -232,9 +273,11 @@ def build_batch(
     sink_slot: int,
     verify: int = 0,
     ok: Callable[[StepShape], bool] | None = None,
+    logprob_ids: int = 0,
 ) -> HostBatch:
     """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each);
-    `ok`: which shapes may be picked (default: any)."""
+    `ok`: which shapes may be picked (default: any); `logprob_ids`: K, the token_ids_logprob
+    columns compiled in."""
     if not rows:
         raise ValueError("empty batch")
     ext = np.fromiter((r.extend_len for r in rows), np.int64, len(rows))
@@ -242,7 +285,10 @@ def build_batch(
         raise ValueError("every row needs at least one new token")
     if verify and (ext != verify).any():
         raise ValueError(f"a verify step's rows are rounds of {verify} tokens, got {sorted(set(ext.tolist()))}")
-    is_decode = bool((ext == 1).all()) and not verify
+    wants_positions = any(r.logprob_targets is not None and len(r.logprob_targets) for r in rows)
+    if wants_positions and verify:
+        raise ValueError("a verify step's rows carry no prompt positions")
+    is_decode = bool((ext == 1).all()) and not verify and not wants_positions
     shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify, ok)
     t, nr, k1 = shape.tokens, shape.rows, max(1, verify)
     n = len(rows)
@@ -290,7 +336,38 @@ def build_batch(
     mask = _masks(rows, nr, k1)
     smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
                       np.bool_(mask is not None))  # fmt: skip
-    return HostBatch(shape, fwd, smp, n * k1)
+    lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
+    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos)
+
+
+def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, p: int, nr: int, k: int) -> tuple[LogprobBatch, int]:
+    """The rows' token_ids_logprob ([nr, k]; None when no row has any: the executor passes zeros
+    kept on device) and their wanted prompt positions packed row after row into [p] (p = the
+    program's T, which holds every row's tokens; None when no row wants any, likewise)."""
+    ids = None
+    if any(r.logprob_ids is not None and len(r.logprob_ids) for r in rows):
+        ids = np.zeros((nr, k), np.int32)
+        for i, r in enumerate(rows):
+            if r.logprob_ids is not None and len(r.logprob_ids):
+                if len(r.logprob_ids) > k:
+                    raise ValueError(f"row {i}: {len(r.logprob_ids)} token_ids_logprob, the programs take {k}")
+                ids[i, : len(r.logprob_ids)] = r.logprob_ids
+    wanting = [(i, r, r.logprob_targets) for i, r in enumerate(rows) if r.logprob_targets is not None]
+    wanting = [(i, r, t) for i, r, t in wanting if len(t)]
+    if not wanting:
+        return LogprobBatch(ids), 0
+    index, target, row = np.zeros(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
+    n = 0
+    for i, r, t in wanting:
+        m = len(t)
+        if not 0 <= r.logprob_start <= r.extend_len - m:
+            raise ValueError(f"row {i}: logprobs of tokens [{r.logprob_start}, {r.logprob_start + m}) outside its "
+                             f"{r.extend_len}")  # fmt: skip
+        index[n : n + m] = start[i] + r.logprob_start + np.arange(m)
+        target[n : n + m] = t
+        row[n : n + m] = i
+        n += m
+    return LogprobBatch(ids, index, target, row, np.int32(n)), n
 
 
 def _masks(rows: list[DeviceRow], nr: int, k1: int) -> np.ndarray | None:

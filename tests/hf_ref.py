@@ -41,3 +41,10 @@ def hf_logits(path, prompt: list[int]) -> np.ndarray:
     m = hf_model(str(path))
     with torch.no_grad():
         return m(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+def hf_logprobs(path, prompt: list[int]) -> np.ndarray:
+    """Log-softmax [len(prompt), vocab] of HF's float32 logits (taken in float64)."""
+    x = hf_logits(path, prompt).astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))

@@ -47,7 +47,8 @@ class TokenizerManager:
         self.from_detok = from_detok
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
-        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer))
+        self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer),
+                             args.max_token_ids_logprob)  # fmt: skip
         self.replies: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self.dead: BaseException | None = None
         self.closing = False

@@ -176,12 +176,14 @@ class AsyncClient:
     async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                        input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                        top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
-                       stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
+                       stream: bool = False, session_params: dict | list[dict] | None = None,
+                       logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
         """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
         chunks (returned once the server accepted the requests)."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
-                            session_params=session_params)  # fmt: skip
+                            session_params=session_params, logprob_start_len=logprob_start_len,
+                            token_ids_logprob=token_ids_logprob)  # fmt: skip
         return await self._generate(args)
 
     async def _generate(self, args: GenerateArgs) -> Any:
@@ -283,10 +285,12 @@ class Client:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
-                 stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
+                 stream: bool = False, session_params: dict | list[dict] | None = None,
+                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
-                            session_params=session_params)  # fmt: skip
+                            session_params=session_params, logprob_start_len=logprob_start_len,
+                            token_ids_logprob=token_ids_logprob)  # fmt: skip
         out = self._lt.run(self._ac._generate(args))
         return self._iterate(out) if stream else out
 

@@ -13,7 +13,11 @@ builds the SGLang-shaped dict from a state (streamed chunks carry the text and i
      "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", ...} | None,
                    "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
                    "output_token_logprobs": [(logprob, token_id, text)]            (if asked)
-                   "output_top_logprobs": [[(logprob, token_id, text), ...]]}}     (if asked)
+                   "output_top_logprobs": [[(logprob, token_id, text), ...]]       (if asked)
+                   "input_token_logprobs": [(None, id, text), (logprob, id, text), ...]  (from
+                       logprob_start_len, default the last prompt token; with top_logprobs_num
+                       "input_top_logprobs", with token_ids_logprob "input_token_ids_logprobs"
+                       and "output_token_ids_logprobs")}}
 
 plus "weight_version" / "weight_versions" (which weights made which tokens) and, with
 speculative decoding, SGLang's spec_* counters. Times are the caller's `now` (seconds of
@@ -42,6 +46,11 @@ class ReqState:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)  # token_ids_logprob per output
+    input_logprobs: list[float] = dataclasses.field(default_factory=list)  # prompt positions start + 1, ...
+    input_top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    input_ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+    input_meta: dict[str, list] | None = None  # the prompt's logprob fields, built once (`_input_logprobs`)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished: bool = False
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -61,7 +70,8 @@ def generate_req(spec: RequestSpec) -> m.GenerateReq:
     return m.GenerateReq(
         rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
         return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
-        session_id=plan.session.id if plan is not None else None,
+        session_id=plan.session.id if plan is not None else None, logprob_start_len=spec.logprob_start_len,
+        token_ids_logprob=m.i32(spec.token_ids_logprob) if spec.token_ids_logprob else b"",
     )  # fmt: skip
 
 
@@ -135,9 +145,9 @@ class FrontendCore:
         if o.logprobs:
             st.logprobs += m.as_f32(o.logprobs).tolist()
         if o.top_n:
-            ids = m.as_i32(o.top_ids).reshape(-1, o.top_n)
-            lps = m.as_f32(o.top_logprobs).reshape(-1, o.top_n)
-            st.top += [list(zip(lp.tolist(), i.tolist(), strict=True)) for lp, i in zip(lps, ids, strict=True)]
+            st.top += _pairs(o.top_logprobs, o.top_ids, o.top_n)
+        if o.more is not None:
+            self._append_more(st, o.more)
         st.meta.update(
             prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens
         )
@@ -153,6 +163,19 @@ class FrontendCore:
             st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,
                            spec_draft_token_num=o.spec_verify_ct * k,
                            spec_accept_length=round(o.completion_tokens / o.spec_verify_ct, 4))  # fmt: skip
+
+    @staticmethod
+    def _append_more(st: ReqState, more: m.MoreLogprobs) -> None:
+        """token_ids_logprob of the new outputs and, once, the prompt's logprobs."""
+        k, top_n = more.ids_n, st.spec.top_logprobs_num
+        if more.ids_logprobs:
+            st.ids_logprobs += m.as_f32(more.ids_logprobs).reshape(-1, k).tolist()
+        if more.input_logprobs:
+            st.input_logprobs = m.as_f32(more.input_logprobs).tolist()
+            if top_n and more.input_top_ids:
+                st.input_top = _pairs(more.input_top_logprobs, more.input_top_ids, top_n)
+            if more.input_ids_logprobs:
+                st.input_ids_logprobs = m.as_f32(more.input_ids_logprobs).reshape(-1, k).tolist()
 
     # ---- streams ----------------------------------------------------------------------------
     async def chunks(self, states: list[ReqState], batched: bool) -> AsyncIterator[dict]:
@@ -204,14 +227,52 @@ class FrontendCore:
         """The SGLang-shaped result so far (see the module docstring); a fresh dict each call."""
         meta = dict(st.meta)
         if st.spec.return_logprob:
-            texts = self.token_texts(st.output_ids)
-            meta["output_token_logprobs"] = [
-                (lp, t, texts[t]) for lp, t in zip(st.logprobs, st.output_ids, strict=False)
-            ]
-            if st.spec.top_logprobs_num:
-                tops = self.token_texts([t for row in st.top for _, t in row])
-                meta["output_top_logprobs"] = [[(lp, t, tops[t]) for lp, t in row] for row in st.top]
+            meta.update(self._logprobs(st))
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+    def _logprobs(self, st: ReqState) -> dict[str, Any]:
+        """SGLang's logprob fields: (logprob, token id, text) triples of the output tokens and of
+        the prompt from logprob_start_len (its first entry has no logprob: None, as SGLang's);
+        top_logprobs_num's and token_ids_logprob's per position likewise."""
+        spec = st.spec
+        texts = self.token_texts(st.output_ids + [t for row in st.top for _, t in row] + list(spec.token_ids_logprob or ()))
+
+        def triples(lps: list, ids: list[int]) -> list:
+            return [(lp, t, texts[t]) for lp, t in zip(lps, ids, strict=True)]
+
+        out: dict[str, Any] = {"output_token_logprobs": triples(st.logprobs[: len(st.output_ids)], st.output_ids)}
+        if spec.top_logprobs_num:
+            out["output_top_logprobs"] = [triples([lp for lp, _ in row], [t for _, t in row]) for row in st.top]
+        if spec.token_ids_logprob:
+            out["output_token_ids_logprobs"] = [triples(row, spec.token_ids_logprob) for row in st.ids_logprobs]
+        if spec.logprob_start_len >= 0:
+            if st.input_meta is None or len(st.input_meta["input_token_logprobs"]) < 1 + len(st.input_logprobs):
+                st.input_meta = self._input_logprobs(st)  # built once the prompt's logprobs are in
+            out.update({k: list(v) for k, v in st.input_meta.items()})
+        return out
+
+    def _input_logprobs(self, st: ReqState) -> dict[str, list]:
+        """The prompt's part of `_logprobs` (the logprobs that came so far: all, or none yet)."""
+        spec = st.spec
+        prompt = spec.input_ids[spec.logprob_start_len :][: 1 + len(st.input_logprobs)]
+        ids = spec.token_ids_logprob or []
+        texts = self.token_texts(prompt + [t for row in st.input_top for _, t in row] + ids)
+
+        def triples(lps: list, toks: list[int]) -> list:
+            return [(lp, t, texts[t]) for lp, t in zip(lps, toks, strict=True)]
+
+        out: dict[str, list] = {"input_token_logprobs": triples([None, *st.input_logprobs][: len(prompt)], prompt)}
+        if spec.top_logprobs_num:
+            out["input_top_logprobs"] = [None] + [triples([lp for lp, _ in row], [t for _, t in row]) for row in st.input_top]
+        if ids:
+            out["input_token_ids_logprobs"] = [None] + [triples(row, ids) for row in st.input_ids_logprobs]
+        return out
 
     def token_texts(self, ids: list[int]) -> dict[int, str]:
         return {t: self.tok.decode([t]) for t in set(ids)}
+
+
+def _pairs(logprobs: bytes, ids: bytes, n: int) -> list[list[tuple[float, int]]]:
+    """[rows, n] top logprobs and ids as (logprob, id) rows."""
+    lps, tids = m.as_f32(logprobs).reshape(-1, n).tolist(), m.as_i32(ids).reshape(-1, n).tolist()
+    return [list(zip(lp, t, strict=True)) for lp, t in zip(lps, tids, strict=True)]

@@ -77,14 +77,16 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
-                 stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
+                 stream: bool = False, session_params: dict | list[dict] | None = None,
+                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
         aborts its unfinished requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
-                            session_params=session_params)  # fmt: skip
+                            session_params=session_params, logprob_start_len=logprob_start_len,
+                            token_ids_logprob=token_ids_logprob)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -95,12 +97,14 @@ class Engine:
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                              top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
-                             stream: bool = False, session_params: dict | list[dict] | None = None) -> Any:  # fmt: skip
+                             stream: bool = False, session_params: dict | list[dict] | None = None,
+                             logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
-                            session_params=session_params)  # fmt: skip
+                            session_params=session_params, logprob_start_len=logprob_start_len,
+                            token_ids_logprob=token_ids_logprob)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:

@@ -41,8 +41,7 @@ log = logging.getLogger("ringserve.http")
 MAX_REQUEST_BYTES = 64 << 20
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
-    "custom_logit_processor": None, "return_hidden_states": False, "token_ids_logprob": None,
-    "return_routed_experts": False,
+    "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
 }  # fmt: skip
 
 
@@ -56,7 +55,6 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     """/generate's body: SGLang's GenerateReqInput, the GenerateArgs fields and those ringserve
     accepts only at their default (refused otherwise); an unknown field is a 400."""
 
-    logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
     log_metrics: bool = True
     image_data: Any = None
@@ -66,7 +64,6 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     lora_path: Any = None
     custom_logit_processor: Any = None
     return_hidden_states: bool = False
-    token_ids_logprob: Any = None
     return_routed_experts: bool = False
 
     def args(self) -> GenerateArgs:
@@ -74,9 +71,6 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
         for name, default in _NOT_SUPPORTED.items():
             if getattr(self, name) != default:
                 raise ValueError(f"{name} is not supported by ringserve")
-        starts = self.logprob_start_len if isinstance(self.logprob_start_len, list) else [self.logprob_start_len]
-        if any(x not in (-1, None) for x in starts):
-            raise ValueError("logprob_start_len: only -1 (output logprobs) is supported")
         fields = {f.name: getattr(self, f.name) for f in msgspec.structs.fields(GenerateArgs)}
         if self.text is not None and self.input_ids is not None:
             fields["text"] = None  # as SGLang: input_ids win
@@ -283,14 +277,16 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         )
         specs, _ = await _specs(tm, args)
         n = r.n
+        echo = None if chat else oai.echo_texts(r, tm.tok.decode)
         if r.stream:
             states = await tm.submit_all(specs)
             usage = r.stream_options is not None and r.stream_options.include_usage
             return _sse(oai.stream_chunks(tm.stream_states(states, True), chat=chat, model=model_name, n=n,
-                                          include_usage=usage))  # fmt: skip
+                                          include_usage=usage, echo=echo))  # fmt: skip
         results = await tm.generate(specs, True)
-        build = oai.chat_response if chat else oai.completion_response
-        return _json(build(results, n, model_name))
+        if chat:
+            return _json(oai.chat_response(results, n, model_name))
+        return _json(oai.completion_response(results, n, model_name, echo))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -348,10 +344,14 @@ def _native(with_text: bool) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
     def shape(out: dict[str, Any]) -> dict[str, Any]:
         meta = out["meta_info"]
-        if not with_text and "output_token_logprobs" in meta:
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t, _ in meta["output_token_logprobs"]]
-            if "output_top_logprobs" in meta:
-                meta["output_top_logprobs"] = [[(lp, t, None) for lp, t, _ in row] for row in meta["output_top_logprobs"]]
+        if with_text:
+            return out
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if key in meta:
+                meta[key] = [(lp, t, None) for lp, t, _ in meta[key]]
+        for key in ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"):
+            if key in meta:
+                meta[key] = [None if row is None else [(lp, t, None) for lp, t, _ in row] for row in meta[key]]
         return out
 
     return shape

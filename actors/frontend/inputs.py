@@ -44,6 +44,8 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     top_logprobs_num: int | list[int] = 0
     stream: bool = False
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    logprob_start_len: int | list[int] | None = -1  # prompt logprobs from this position (-1: the last token)
+    token_ids_logprob: list[Any] | None = None  # token ids (or one list per prompt) whose logprobs to report
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,6 +56,7 @@ class Limits:
     context_length: int
     max_top_logprobs_num: int
     bytes_per_token: int | None = None  # most text bytes one token stands for, if certain (limits.py)
+    max_token_ids_logprob: int = 16
 
     def check_text(self, where: str, text: str) -> None:
         """ValueError if `text` certainly cannot fit the context, before it is tokenized: it is
@@ -79,6 +82,8 @@ class RequestSpec:
     index: int  # position in the caller's batch (prompt index * n + sample index)
     stream: bool = False  # the caller streams: outputs every stream_interval tokens
     session: Plan | None = None  # a streaming session's turn
+    logprob_start_len: int = -1  # >= 0: prompt logprobs from that position (only with return_logprob)
+    token_ids_logprob: list[int] | None = None  # report these tokens' logprobs at every position
 
     @property
     def seed(self) -> int:
@@ -129,6 +134,47 @@ def _token_ids(where: str, ids: list[Any], limits: Limits) -> list[int]:
     return out
 
 
+def _logprob_start(s: Any, n: int, return_logprob: bool) -> int:
+    """The checked logprob_start_len of a prompt of n tokens: as SGLang, read only with
+    return_logprob (else -1), and -1 (or None) means the last prompt token (n - 1: its entry
+    has no logprob, so nothing is computed)."""
+    if s is None:
+        s = -1
+    if isinstance(s, bool) or not isinstance(s, int):
+        raise ValueError(f"logprob_start_len={_short(s)} must be an integer (-1: output logprobs only)")
+    if not return_logprob:
+        return -1
+    if not -1 <= s < n:
+        raise ValueError(f"logprob_start_len={s} must be -1 or in [0, {n}) (the prompt has {n} tokens)")
+    return n - 1 if s == -1 else s
+
+
+def _token_ids_logprob(value: Any, n_prompts: int, return_logprob: list, limits: Limits) -> list[list[int] | None]:
+    """token_ids_logprob per prompt: one list of ids for every prompt, or a list per prompt."""
+    if value is None:
+        return [None] * n_prompts
+    if not isinstance(value, list):
+        raise ValueError(f"token_ids_logprob={_short(value)}: a list of token ids (or one list per prompt)")
+    per = value if value and isinstance(value[0], list) else [value] * n_prompts
+    if len(per) != n_prompts:
+        raise ValueError(f"token_ids_logprob: {len(per)} lists given for {n_prompts} prompts")
+    out: list[list[int] | None] = []
+    for i, ids in enumerate(per):
+        if ids is None or ids == []:
+            out.append(None)
+            continue
+        if not return_logprob[i]:
+            raise ValueError("token_ids_logprob needs return_logprob=True")
+        if not isinstance(ids, list) or len(ids) > limits.max_token_ids_logprob:
+            raise ValueError(f"token_ids_logprob: at most {limits.max_token_ids_logprob} token ids per prompt "
+                             "(server max_token_ids_logprob)")  # fmt: skip
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < limits.vocab_size:
+                raise ValueError(f"token_ids_logprob: token id {_short(t)} is outside the vocabulary [0, {limits.vocab_size})")
+        out.append([int(t) for t in ids])
+    return out
+
+
 def _short(value: Any) -> str:
     """repr, bounded in depth and length (a caller's value may nest arbitrarily deep)."""
     return reprlib.repr(value)
@@ -174,6 +220,10 @@ def normalize_generate(
         raise ValueError(
             f"return_logprob / top_logprobs_num: {len(lp)} / {len(tl)} given for {n_prompts} prompts"
         )
+    starts = _per_prompt(args.logprob_start_len, n_prompts)
+    if len(starts) != n_prompts:
+        raise ValueError(f"logprob_start_len: {len(starts)} given for {n_prompts} prompts")
+    ids_lp = _token_ids_logprob(args.token_ids_logprob, n_prompts, lp, limits)
     specs: list[RequestSpec] = []
     for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
@@ -194,6 +244,10 @@ def normalize_generate(
             )
         if plan is not None and sp.n > 1:
             raise ValueError("session_params: n > 1 samples cannot share one session turn")
+        start = _logprob_start(starts[i], len(ids), bool(lp[i]))
+        if plan is not None and 0 <= start < len(ids) - 1:
+            raise ValueError("logprob_start_len: prompt logprobs of a session turn are not supported "
+                             "(its earlier turns' KV is reused)")  # fmt: skip
         base_rid = rids[i] or uuid.uuid4().hex
         # no seed given: a fresh one per prompt, so equal prompts sample differently (GRPO groups)
         base_seed = sp.sampling_seed if sp.sampling_seed is not None else next_seed()
@@ -202,7 +256,7 @@ def normalize_generate(
                 rid=base_rid if sp.n == 1 else f"{base_rid}-{k}",
                 input_ids=list(ids), sampling=sp.with_seed((base_seed + k) % (2**63)),
                 return_logprob=bool(lp[i]), top_logprobs_num=int(tl[i]), index=len(specs),
-                stream=args.stream, session=plan,
+                stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

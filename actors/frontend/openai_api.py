@@ -144,8 +144,9 @@ def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
 
 
 def completion_args(r: CompletionRequest) -> GenerateArgs:
-    """The generate call of a /v1/completions request."""
-    _refuse_unsupported(r, {"echo": (r.echo, False), "suffix": (r.suffix, None)})
+    """The generate call of a /v1/completions request. `echo` with `logprobs` asks for the
+    prompt's logprobs too (logprob_start_len 0: computed in its prefill, no second pass)."""
+    _refuse_unsupported(r, {"suffix": (r.suffix, None)})
     if r.best_of is not None and r.best_of != r.n:
         raise ValueError(f"best_of={r.best_of} is not supported (only best_of == n)")
     if r.max_tokens is not None and r.max_tokens < 1:
@@ -160,7 +161,20 @@ def completion_args(r: CompletionRequest) -> GenerateArgs:
         text=prompt if is_text else None, input_ids=None if is_text else prompt,
         sampling_params=_sampling(r, r.max_tokens), rid=r.rid,
         return_logprob=r.logprobs is not None, top_logprobs_num=r.logprobs or 0, stream=r.stream,
+        logprob_start_len=0 if r.echo and r.logprobs is not None else -1,
     )  # fmt: skip
+
+
+def echo_texts(r: CompletionRequest, decode: Callable[[list[int]], str]) -> list[str] | None:
+    """With `echo`: each prompt's text (token prompts decoded), in prompt order; else None."""
+    if not r.echo:
+        return None
+    p: Any = r.prompt
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p[0], str):
+        return list(p)
+    return [decode(x) for x in (p if isinstance(p[0], list) else [p])]
 
 
 def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> GenerateArgs:
@@ -222,15 +236,21 @@ def _usage(results: list[dict[str, Any]], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | None:
+def _completion_logprobs(meta: dict[str, Any], start: int = 0, echo: bool = False) -> dict[str, Any] | None:
+    """OpenAI's completion logprobs of the output tokens from `start`; with `echo`, the prompt's
+    first (its first token has none: null, as OpenAI's)."""
     if "output_token_logprobs" not in meta:
         return None
     toks = meta["output_token_logprobs"][start:]
-    tops = meta.get("output_top_logprobs", [[]] * (len(toks) + start))[start:]
+    tops: list[Any] = meta.get("output_top_logprobs", [[]] * (len(toks) + start))[start:]
+    if echo:
+        prompt = meta["input_token_logprobs"]
+        toks = prompt + toks
+        tops = meta.get("input_top_logprobs", [None] + [[]] * (len(prompt) - 1)) + tops
     return {
         "tokens": [t[2] for t in toks],
         "token_logprobs": [t[0] for t in toks],
-        "top_logprobs": [{e[2]: e[0] for e in row} for row in tops],
+        "top_logprobs": [None if row is None else {e[2]: e[0] for e in row} for row in tops],
         "text_offset": [-1] * len(toks),
     }
 
@@ -247,11 +267,13 @@ def _chat_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | Non
     return {"content": [{**entry(t), "top_logprobs": [entry(e) for e in row]} for t, row in zip(toks, tops, strict=True)]}
 
 
-def completion_response(results: list[dict[str, Any]], n: int, model: str) -> dict[str, Any]:
+def completion_response(results: list[dict[str, Any]], n: int, model: str, echo: list[str] | None = None) -> dict[str, Any]:
+    """`echo`: each prompt's text, put before its choices' text (and its logprobs before theirs)."""
     choices = []
     for i, r in enumerate(results):
         reason, matched = _finish(r["meta_info"])
-        choices.append({"index": i, "text": r["text"], "logprobs": _completion_logprobs(r["meta_info"]),
+        text = r["text"] if echo is None else echo[i // n] + r["text"]
+        choices.append({"index": i, "text": text, "logprobs": _completion_logprobs(r["meta_info"], echo=echo is not None),
                         "finish_reason": reason, "matched_stop": matched})  # fmt: skip
     return {"id": results[0]["meta_info"]["id"], "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(results, n)}  # fmt: skip
@@ -268,8 +290,9 @@ def chat_response(results: list[dict[str, Any]], n: int, model: str) -> dict[str
 
 
 async def stream_chunks(chunks: AsyncIterator[dict[str, Any]], *, chat: bool, model: str, n: int,
-                        include_usage: bool) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
-    """OpenAI chunk objects from the frontend's cumulative chunks (each with "index")."""
+                        include_usage: bool, echo: list[str] | None = None) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+    """OpenAI chunk objects from the frontend's cumulative chunks (each with "index"); `echo`
+    (completions): each choice's first chunk starts with its prompt's text and logprobs."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
     sent_text: dict[int, int] = {}
@@ -289,9 +312,14 @@ async def stream_chunks(chunks: AsyncIterator[dict[str, Any]], *, chat: bool, mo
                         "finish_reason": None, "matched_stop": None})  # fmt: skip
         text = c["text"][sent_text.get(i, 0) :]
         start = sent_tokens.get(i, 0)
+        first = i not in sent_text
         sent_text[i], sent_tokens[i] = len(c["text"]), len(c["output_ids"])
         reason, matched = _finish(meta)
-        logprobs = (_chat_logprobs if chat else _completion_logprobs)(meta, start)
+        echoing = echo is not None and first
+        if echoing:
+            assert echo is not None
+            text = echo[i // n] + text
+        logprobs = _chat_logprobs(meta, start) if chat else _completion_logprobs(meta, start, echoing)
         if text or (logprobs and len(c["output_ids"]) > start) or (reason and not chat):
             if chat:
                 yield wrap({"index": i, "delta": {"content": text}, "logprobs": logprobs,

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import numpy as np
 
 from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from actors.transport.trace import RunnerStamps
-from model.executor import ExecutorConfig, ModelExecutor
-from model.sampler import SampleOut
+from model.executor import ExecutorConfig, ModelExecutor, StepOut
 from model.weight_sync import WeightSync, tensors_from_segments
 
 
@@ -43,6 +41,7 @@ def executor_config(args) -> ExecutorConfig:
         dtype=args.dtype,
         tp_size=args.tp_size,
         top_logprobs_num=args.max_top_logprobs_num,
+        token_ids_logprob_num=args.max_token_ids_logprob,
         attention_backend=args.attention_backend,
         precompile=args.precompile,
         background_compile=args.serve_while_compiling,
@@ -75,11 +74,11 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
 class Pending:
     """A dispatched step whose samples are not fetched yet (JAX dispatch is asynchronous)."""
 
-    __slots__ = ("step_id", "out", "accepted", "rows", "k1", "t0", "want_top")
+    __slots__ = ("step_id", "so", "rows", "k1", "t0", "want_top", "want_ids")
 
-    def __init__(self, step_id: int, out: SampleOut, accepted: Any, rows: int, k1: int, t0: float, want_top: bool):
-        self.step_id, self.out, self.accepted, self.rows, self.k1 = step_id, out, accepted, rows, k1
-        self.t0, self.want_top = t0, want_top
+    def __init__(self, step_id: int, so: StepOut, rows: int, k1: int, t0: float, want_top: bool, want_ids: bool):
+        self.step_id, self.so, self.rows, self.k1 = step_id, so, rows, k1
+        self.t0, self.want_top, self.want_ids = t0, want_top, want_ids
 
 
 class RunnerCore:
@@ -121,25 +120,45 @@ class RunnerCore:
         dev_rows = self.mirrors.apply(msg)
         t_applied = time.perf_counter()
         k1 = 1 + msg.drafts
-        out, _, accepted = self.ex.run(dev_rows, k1 if msg.drafts else 0)
+        so = self.ex.run_step(dev_rows, k1 if msg.drafts else 0)
         if self.stamps is not None:
-            self.stamps.dispatched(msg.step_id, t0, t_applied, out.tokens)
-        return Pending(msg.step_id, out, accepted, len(dev_rows), k1, t0, self.top_n > 0)
+            self.stamps.dispatched(msg.step_id, t0, t_applied, so.out.tokens)
+        want_ids = any(r.logprob_ids is not None for r in dev_rows)
+        return Pending(msg.step_id, so, len(dev_rows), k1, t0, self.top_n > 0, want_ids)
+
+    def _more(self, p: Pending, n: int) -> m.MoreLogprobs | None:
+        """The step's token_ids_logprob (of its n samples) and prompt positions' logprobs, when
+        some row wanted them (the host knows which: nothing is read back otherwise)."""
+        npos, out, prompt = p.so.num_positions, p.so.out, p.so.prompt
+        if not p.want_ids and not npos:
+            return None
+        more = m.MoreLogprobs(ids_n=out.ids_logprobs.shape[1] if p.want_ids else 0)
+        if p.want_ids:
+            more.ids_logprobs = m.f32(np.asarray(out.ids_logprobs)[:n])
+        if npos:
+            more.input_logprobs = m.f32(np.asarray(prompt.logprobs)[:npos])
+            if p.want_top:
+                more.input_top_ids = m.i32(np.asarray(prompt.top_ids)[:npos])
+                more.input_top_logprobs = m.f32(np.asarray(prompt.top_logprobs)[:npos])
+            if p.want_ids:
+                more.input_ids_logprobs = m.f32(np.asarray(prompt.ids_logprobs)[:npos])
+        return more
 
     def result(self, p: Pending) -> m.StepResultMsg:
-        """The real rows' samples (the first rows * k1, row after row) and, for a verify step,
-        the drafts each round accepted."""
+        """The real rows' samples (the first rows * k1, row after row), for a verify step the
+        drafts each round accepted, and the logprobs at the prompt positions the step wanted."""
         if self.stamps is not None:
             self.stamps.fetching(p.step_id)
-        n = p.rows * p.k1
-        tokens = np.asarray(p.out.tokens)[:n]  # blocks until the step is done
-        res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(p.out.logprobs)[:n]))
+        n, out = p.rows * p.k1, p.so.out
+        tokens = np.asarray(out.tokens)[:n]  # blocks until the step is done
+        res = m.StepResultMsg(p.step_id, m.i32(tokens), m.f32(np.asarray(out.logprobs)[:n]))
         if p.k1 > 1:
-            res.accepted = m.i32(np.asarray(p.accepted)[: p.rows])
+            res.accepted = m.i32(np.asarray(p.so.accepted)[: p.rows])
         if p.want_top:
             res.top_n = self.top_n
-            res.top_ids = m.i32(np.asarray(p.out.top_ids)[:n])
-            res.top_logprobs = m.f32(np.asarray(p.out.top_logprobs)[:n])
+            res.top_ids = m.i32(np.asarray(out.top_ids)[:n])
+            res.top_logprobs = m.f32(np.asarray(out.top_logprobs)[:n])
+        res.more = self._more(p, n)
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
         res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.programs.pending

@@ -11,7 +11,8 @@ Messages are applied in order: released slots first, then started slots, then ro
 between the scheduler's committed length and the mirror's is a protocol bug and fails loudly.
 
 A row a grammar constrains also gets its masks (one per sampled position) from the message's
-mask columns; every other row samples unmasked.
+mask columns; every other row samples unmasked. A row that wants prompt logprobs gets its span
+and targets from the lp columns; a slot keeps its request's token_ids_logprob.
 
 A verify round (speculative decoding) leaves the slot's length known on the device only (the
 FutureMap's position: how many drafts were accepted is decided there); its committed length is
@@ -36,6 +37,7 @@ class _Slot:
     pages: np.ndarray  # int32 page table; append-only while the slot lives
     committed_len: int  # KV tokens written (after the steps applied so far)
     sampling: DeviceSampling
+    logprob_ids: np.ndarray | None = None  # int32 token_ids_logprob
 
 
 class SlotMirrors:
@@ -50,13 +52,15 @@ class SlotMirrors:
         for st in msg.starts:
             if not 0 <= st.slot < self.max_slots:
                 raise ValueError(f"slot {st.slot} outside [0, {self.max_slots})")
-            self.slots[st.slot] = _Slot(as_i32(st.prefix_pages).copy(), UNKNOWN, st.sampling)
+            ids = as_i32(st.logprob_ids).copy() if st.logprob_ids else None
+            self.slots[st.slot] = _Slot(as_i32(st.prefix_pages).copy(), UNKNOWN, st.sampling, ids)
         slots, committed = as_i32(msg.slots), as_i32(msg.committed)
         counts, tokens = as_i32(msg.token_counts), as_i32(msg.tokens)
         page_counts, pages = as_i32(msg.page_counts), as_i32(msg.pages)
         keep = as_u8(msg.keep)
         t_end, p_end = np.cumsum(counts).tolist(), np.cumsum(page_counts).tolist()
         masks = self._masks(msg, len(slots))
+        spans = self._spans(msg, len(slots))
         rows = []
         for r, slot in enumerate(slots.tolist()):
             s = self.slots.get(slot)
@@ -72,10 +76,27 @@ class SlotMirrors:
             if page_counts[r]:
                 s.pages = np.concatenate([s.pages, pages[p_end[r] - page_counts[r] : p_end[r]]])
             ids = tokens[t_end[r] - counts[r] : t_end[r]]
-            rows.append(DeviceRow(ids, c, s.pages, s.sampling, future_slot=slot if keep[r] else -1, mask=masks.get(r)))
+            lp_start, lp_targets = spans.get(r, (0, None))
+            rows.append(DeviceRow(ids, c, s.pages, s.sampling, future_slot=slot if keep[r] else -1, mask=masks.get(r),
+                                  logprob_start=lp_start, logprob_targets=lp_targets, logprob_ids=s.logprob_ids))  # fmt: skip
             if s.committed_len != UNKNOWN:
                 s.committed_len += len(ids)
         return rows
+
+    @staticmethod
+    def _spans(msg: StepMsg, n_rows: int) -> dict[int, tuple[int, np.ndarray]]:
+        """row -> (first of its tokens, targets) of its wanted prompt logprobs (views into the
+        message)."""
+        pp = msg.prompt
+        if pp is None:
+            return {}
+        rows, starts, counts, targets = as_i32(pp.rows), as_i32(pp.starts), as_i32(pp.counts), as_i32(pp.targets)
+        if not len(rows) or len(starts) != len(rows) or len(counts) != len(rows) or int(counts.sum()) != len(targets):
+            raise ValueError("prompt logprob columns disagree in length")
+        if rows.min() < 0 or rows.max() >= n_rows:
+            raise ValueError(f"prompt logprob rows {rows.tolist()} outside the step's {n_rows} rows")
+        ends = np.cumsum(counts).tolist()
+        return {int(r): (int(starts[i]), targets[ends[i] - counts[i] : ends[i]]) for i, r in enumerate(rows.tolist())}
 
     @staticmethod
     def _masks(msg: StepMsg, n_rows: int) -> dict[int, np.ndarray]:

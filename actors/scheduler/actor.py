@@ -30,6 +30,7 @@ from collections.abc import Callable
 from actors.scheduler.batch import ScheduledBatch, StepResult
 from actors.scheduler.core import ReqOutput, SchedulerCore
 from actors.scheduler.grammar import Grammars
+from actors.scheduler.logprobs import PromptLogprobs
 from actors.scheduler.output import step_msg, token_out
 from actors.scheduler.report import load, server_info
 from actors.scheduler.req import Req
@@ -45,8 +46,37 @@ GRAMMAR_WAIT_S = 0.002  # wait for a request while nothing runs but a grammar co
 
 
 def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
-    return Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
-               stream=g.stream, session_id=g.session_id)  # fmt: skip
+    ids = m.as_i32(g.input_ids).copy()
+    req = Req(g.rid, ids, g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
+              m.as_i32(g.token_ids_logprob).copy() if g.token_ids_logprob else None,
+              stream=g.stream, session_id=g.session_id)  # fmt: skip
+    if g.return_logprob and 0 <= g.logprob_start_len < len(ids) - 1:  # some prompt position to compute
+        req.prompt_lp = PromptLogprobs(g.logprob_start_len, len(ids))
+    return req
+
+
+def step_result(res: m.StepResultMsg) -> StepResult:
+    """The runner's result message as the core reads it (views into the message, no copies)."""
+    tokens = m.as_i32(res.tokens)
+    top_ids = top_lp = None
+    if res.top_n:
+        top_ids = m.as_i32(res.top_ids).reshape(len(tokens), res.top_n)
+        top_lp = m.as_f32(res.top_logprobs).reshape(len(tokens), res.top_n)
+    result = StepResult(res.step_id, tokens, m.as_f32(res.logprobs) if res.logprobs else None, top_ids, top_lp,
+                        m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
+    more = res.more
+    if more is None:
+        return result
+    if more.ids_logprobs:
+        result.ids_logprobs = m.as_f32(more.ids_logprobs).reshape(len(tokens), more.ids_n)
+    if more.input_logprobs:
+        result.input_logprobs = lp = m.as_f32(more.input_logprobs)
+        if res.top_n and more.input_top_ids:
+            result.input_top_ids = m.as_i32(more.input_top_ids).reshape(len(lp), res.top_n)
+            result.input_top_logprobs = m.as_f32(more.input_top_logprobs).reshape(len(lp), res.top_n)
+        if more.input_ids_logprobs:
+            result.input_ids_logprobs = m.as_f32(more.input_ids_logprobs).reshape(len(lp), more.ids_n)
+    return result
 
 
 class SchedulerActor:
@@ -130,13 +160,7 @@ class SchedulerActor:
             self.compile_status["programs_compiled"] = res.programs_compiled
             self.compile_status["programs_pending"] = res.programs_pending
             self.compile_status["compile_error"] = res.compile_error or None
-        tokens = m.as_i32(res.tokens)
-        top_ids = top_lp = None
-        if res.top_n:
-            top_ids = m.as_i32(res.top_ids).reshape(len(tokens), res.top_n)
-            top_lp = m.as_f32(res.top_logprobs).reshape(len(tokens), res.top_n)
-        result = StepResult(res.step_id, tokens, m.as_f32(res.logprobs) if res.logprobs else None, top_ids, top_lp,
-                            m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
+        result = step_result(res)
         self._emit(self.core.process_result(batch, result))
         self.stats.process_s += time.perf_counter() - t1
         if self.trace is not None:

@@ -15,6 +15,7 @@ carries only what the runner cannot know yet:
     new slot   : the slot, the pages of its cached prefix, its sampling params   (once)
     every row  : slot, committed_len, tokens, pages newly appended to the slot's table
     constrained: the grammar's masks of its sampled positions (actors/scheduler/grammar.py)
+    prompt logprobs: the positions of the row whose logprobs are wanted (actors/scheduler/logprobs.py)
     batch      : slots released since the previous batch
 
 so a decode step costs a fixed number of bytes per row, whatever the context length.
@@ -48,12 +49,15 @@ class Row:
     prefix_pages: np.ndarray | None = None  # int32 whole table at (re)admission, else None
     drafts: int = 0  # a verify round: the k tokens after FUTURE(slot) are drafts (NO_DRAFT pads)
     mask: np.ndarray | None = None  # a grammar's [1 + drafts, W] int32 allowed tokens per sampled position
+    logprob_span: tuple[int, int] | None = None  # (first position, count) of prompt logprobs this row computes
 
     @classmethod
     def extend(cls, req: Req, extend_len: int, *, last_chunk: bool) -> Row:
-        """The next `extend_len` tokens of `req` past its committed_len (pages set when reserved)."""
+        """The next `extend_len` tokens of `req` past its committed_len (pages set when reserved),
+        and the prompt positions among them whose logprobs the request wants."""
         start = req.committed_len
-        return cls(req, start, req.fill_ids(start, start + extend_len), last_chunk, req.retractions)
+        span = req.prompt_lp.span(start, extend_len) if req.prompt_lp is not None else None
+        return cls(req, start, req.fill_ids(start, start + extend_len), last_chunk, req.retractions, logprob_span=span)
 
     @classmethod
     def decode(cls, req: Req, new_pages: np.ndarray, drafts: np.ndarray | None = None) -> Row:
@@ -115,3 +119,8 @@ class StepResult:
     top_ids: np.ndarray | None = None  # int32 [tokens, N]
     top_logprobs: np.ndarray | None = None  # f32 [tokens, N]
     accepted: np.ndarray | None = None  # a verify batch: int32 [rows], drafts accepted per round
+    ids_logprobs: np.ndarray | None = None  # f32 [tokens, K] token_ids_logprob
+    input_logprobs: np.ndarray | None = None  # f32 [P] prompt positions, the batch's spans in row order
+    input_top_ids: np.ndarray | None = None  # int32 [P, N]
+    input_top_logprobs: np.ndarray | None = None  # f32 [P, N]
+    input_ids_logprobs: np.ndarray | None = None  # f32 [P, K]

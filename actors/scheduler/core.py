@@ -64,6 +64,7 @@ class ReqOutput:
     new_ids: list[int]
     finished: bool
     first: bool  # the request's first output: it opens its detokenizer stream
+    inputs: bool = False  # carries the request's prompt logprobs (once: all of them, or all there are at finish)
 
 
 class SchedulerCore:
@@ -352,10 +353,15 @@ class SchedulerCore:
         assert result.step_id == batch.step_id, f"result of step {result.step_id} for batch {batch.step_id}"
         outs: list[ReqOutput] = []
         k1 = 1 + batch.drafts
+        at = 0  # the next row's first prompt position in the result's input_* columns
         for i, row in enumerate(batch.rows):
             req = row.req
             accepted = int(result.accepted[i]) if result.accepted is not None else 0
             current = row.retractions == req.retractions
+            if row.logprob_span is not None:
+                if current and not req.finished:
+                    self._record_prompt_logprobs(req, row.logprob_span, at, result)
+                at += row.logprob_span[1]
             if row.sample and current and req.spec is not None:
                 req.spec.resolved(accepted + 1)  # this step is no longer in flight
             if req.finished or not current or not row.sample:
@@ -382,6 +388,21 @@ class SchedulerCore:
                 outs.append(self._output(req, False))
         return outs
 
+    @staticmethod
+    def _record_prompt_logprobs(req: Req, span: tuple[int, int], at: int, result: StepResult) -> None:
+        """A row's prompt positions' logprobs (result entries [at, at + count)) into its request."""
+        assert req.prompt_lp is not None and result.input_logprobs is not None
+        first, n = span
+        top = None
+        if req.top_logprobs_num and result.input_top_ids is not None and result.input_top_logprobs is not None:
+            k = req.top_logprobs_num
+            lps, ids = result.input_top_logprobs[at : at + n, :k].tolist(), result.input_top_ids[at : at + n, :k].tolist()
+            top = [list(zip(lp, t, strict=True)) for lp, t in zip(lps, ids, strict=True)]
+        ids_lp = None
+        if req.token_ids_logprob is not None and result.input_ids_logprobs is not None:
+            ids_lp = result.input_ids_logprobs[at : at + n, : len(req.token_ids_logprob)]
+        req.prompt_lp.record(first, result.input_logprobs[at : at + n], top, ids_lp)
+
     def _append(self, req: Req, token: int, j: int, result: StepResult) -> FinishReason | None:
         """One output token (result index j for its logprobs); why the request finishes now."""
         if not req.output_ids:
@@ -397,13 +418,20 @@ class SchedulerCore:
                 n = req.top_logprobs_num
                 top = zip(result.top_logprobs[j, :n].tolist(), result.top_ids[j, :n].tolist(), strict=True)
                 req.output_top_logprobs.append(list(top))
+            if req.token_ids_logprob is not None and result.ids_logprobs is not None:
+                req.output_ids_logprobs.append(result.ids_logprobs[j, : len(req.token_ids_logprob)].tolist())
         return req.stop_reason(self.decode_tail)
 
     def _output(self, req: Req, finished: bool) -> ReqOutput:
         new = req.output_ids[req.sent_len :]
         req.sent_len = len(req.output_ids)
         first, req.opened = not req.opened, True
-        return ReqOutput(req, new, finished, first)
+        lp = req.prompt_lp
+        inputs = lp is not None and not lp.sent and (lp.complete or finished)
+        if inputs:
+            assert lp is not None
+            lp.sent = True
+        return ReqOutput(req, new, finished, first, inputs)
 
     # ---- the one release, finish and retract paths ---------------------------------------------
     def _cache_prefix(self, req: Req) -> None:

@@ -8,6 +8,7 @@ actors/runner/slot_mirrors.py), one columnar encoding for every row:
                 appended this step, keep (0: a middle prefill chunk)
     every step: slots released since the previous step; drafts = k for a verify step
     constrained rows only: their row index and grammar masks (1 + drafts per row, V / 8 bytes each)
+    prompt logprobs only: the wanted positions of the rows that want some, the token after each
 
 A decode row costs 21 bytes (5 columns of int32 and one of uint8) plus its page when it starts
 one. Rows keep the batch's order; the scheduler core puts every extend row before the decode
@@ -18,16 +19,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.scheduler.batch import ScheduledBatch
+from actors.scheduler.batch import Row, ScheduledBatch
 from actors.scheduler.core import ReqOutput
-from actors.transport.messages import SlotStart, StepMsg, TokenOut, f32, i32, u8
+from actors.transport.messages import (
+    MoreLogprobs,
+    PromptPositions,
+    SlotStart,
+    StepMsg,
+    TokenOut,
+    f32,
+    i32,
+    u8,
+)
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:
     rows = batch.rows
     k = batch.drafts
     assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
-    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device()) for r in rows if r.prefix_pages is not None]
+    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device(), _ids(r.req.token_ids_logprob))
+              for r in rows if r.prefix_pages is not None]  # fmt: skip
     pages = [r.new_pages for r in rows]
     masks = {i: r.mask for i, r in enumerate(rows) if r.mask is not None}
     return StepMsg(
@@ -44,7 +55,26 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
         drafts=k,
         mask_rows=i32(list(masks)) if masks else b"",
         masks=i32(np.stack(list(masks.values()))) if masks else b"",
+        prompt=_prompt_positions(rows),
     )
+
+
+def _prompt_positions(rows: list[Row]) -> PromptPositions | None:
+    """The rows' wanted prompt positions (offsets into each row's tokens) and the prompt token
+    after each; None when no row wants any."""
+    spans = [(i, r, r.logprob_span) for i, r in enumerate(rows) if r.logprob_span is not None]
+    if not spans:
+        return None
+    return PromptPositions(
+        rows=i32([i for i, _, _ in spans]),
+        starts=i32([first - r.committed_len for _, r, (first, _) in spans]),
+        counts=i32([n for _, _, (_, n) in spans]),
+        targets=i32(np.concatenate([r.req.fill_ids(first + 1, first + n + 1) for _, r, (first, n) in spans])),
+    )
+
+
+def _ids(ids: np.ndarray | None) -> bytes:
+    return i32(ids) if ids is not None and len(ids) else b""
 
 
 def token_out(o: ReqOutput) -> TokenOut:
@@ -74,4 +104,27 @@ def token_out(o: ReqOutput) -> TokenOut:
             out.top_n = req.top_logprobs_num
             out.top_logprobs = f32([[lp for lp, _ in t] for t in tops])
             out.top_ids = i32([[tid for _, tid in t] for t in tops])
+    out.more = _more(o, n, done)
     return out
+
+
+def _more(o: ReqOutput, n: int, done: int) -> MoreLogprobs | None:
+    """The request's token_ids_logprob of its `n` new outputs and, once (`o.inputs`), its prompt
+    logprobs; None when it asked for neither."""
+    req, lp = o.req, o.req.prompt_lp
+    k = len(req.token_ids_logprob) if req.token_ids_logprob is not None else 0
+    inputs = o.inputs and lp is not None and bool(lp.logprobs)
+    if not (req.return_logprob and n and k) and not inputs:
+        return None
+    more = MoreLogprobs(ids_n=k)
+    if req.return_logprob and n and k:
+        more.ids_logprobs = f32(req.output_ids_logprobs[done - n : done])
+    if inputs:
+        assert lp is not None
+        more.input_logprobs = f32(lp.logprobs)
+        if req.top_logprobs_num:
+            more.input_top_logprobs = f32([[x for x, _ in t] for t in lp.top])
+            more.input_top_ids = i32([[tid for _, tid in t] for t in lp.top])
+        if k:
+            more.input_ids_logprobs = f32(lp.ids)
+    return more

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from actors.scheduler.grammar import ReqGrammar
+from actors.scheduler.logprobs import PromptLogprobs
 from actors.scheduler.spec import SpecState
 from actors.transport.sampling import SamplingParams, find_stop
 from kvmem import ReqKV
@@ -60,6 +61,7 @@ class Req:
     eos_ids: frozenset[int] = frozenset()
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    token_ids_logprob: np.ndarray | None = None  # int32: report these tokens' logprobs at every position
     stream: bool = False  # the caller streams: an output every stream_interval tokens
     session_id: str | None = None  # a streaming session's turn: its slot is kept for the next turn
     arrival: int = 0  # admission order (fcfs tiebreak)
@@ -68,6 +70,8 @@ class Req:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    output_ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)  # token_ids_logprob
+    prompt_lp: PromptLogprobs | None = None  # prompt logprobs asked (actors/scheduler/logprobs.py)
     kv: ReqKV | None = None  # kvmem's record while the request holds KV
     cached_tokens: int = 0  # cached_len of the first admission (reported to the user)
     finish_reason: FinishReason | None = None
@@ -131,8 +135,10 @@ class Req:
         return self.weight_spans[-1][0] if self.weight_spans else ""
 
     def prefix_ids(self) -> np.ndarray:
-        """What the prefix cache may grant: every token but the last (one is always computed)."""
-        return self.fill_ids(0, self.fill_len - 1)
+        """What the prefix cache may grant: every token but the last (one is always computed),
+        and none of the prompt positions whose logprobs are still wanted."""
+        cap = self.prompt_lp.cap() if self.prompt_lp is not None else None
+        return self.fill_ids(0, self.fill_len - 1 if cap is None else min(self.fill_len - 1, cap))
 
     def stop_reason(self, decode_tail: Callable[[list[int]], str]) -> FinishReason | None:
         """Why the request finishes after its newest token (EOS, stop ids, its grammar stopped

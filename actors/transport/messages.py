@@ -70,6 +70,8 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     sampling: SamplingParams  # validated by the frontend; sampling_seed always set
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this prompt position (-1: none; needs return_logprob)
+    token_ids_logprob: bytes = b""  # int32 token ids whose logprobs every position reports
     stream: bool = False  # outputs every stream_interval tokens; else only the finished one
     session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
 
@@ -151,6 +153,21 @@ class SlotStart(msgspec.Struct, **_S):
     slot: int
     prefix_pages: bytes  # int32
     sampling: DeviceSampling
+    logprob_ids: bytes = b""  # int32 the request's token_ids_logprob (logprobs at every position)
+
+
+class PromptPositions(msgspec.Struct, **_S):
+    """The prompt positions a step's extend rows want logprobs at (L rows want some): the
+    logprob of the token after each of row `rows[l]`'s tokens [starts[l], starts[l] + counts[l])
+    (offsets into the row's tokens), those next tokens given (prompt tokens, known on the host):
+
+        row rows[l]:  tokens [starts[l], starts[l] + counts[l]), targets[cs[l] : cs[l + 1]]
+                      (cs: running sums of counts)"""
+
+    rows: bytes  # int32 [L] ascending
+    starts: bytes  # int32 [L]
+    counts: bytes  # int32 [L]
+    targets: bytes  # int32 [sum of counts]
 
 
 class StepMsg(msgspec.Struct, tag="step", **_S):
@@ -169,7 +186,10 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     Grammar masks travel only for constrained rows (M of them; k1 = 1 + drafts masks each, one
     per sampled position; W = ceil(V / 32) int32 words, bit t % 32 of word t // 32 allows token t):
 
-        masked row m:  row mask_rows[m], masks[m * k1 * W : (m + 1) * k1 * W] as [k1, W]"""
+        masked row m:  row mask_rows[m], masks[m * k1 * W : (m + 1) * k1 * W] as [k1, W]
+
+    Prompt logprobs travel only in a step with extend rows that want them (`prompt`, else None:
+    one byte; see PromptPositions)."""
 
     step_id: int
     released: bytes = b""  # int32 slots freed since the previous step (applied first)
@@ -184,6 +204,7 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     drafts: int = 0  # k: the rows are verify rounds of 1 + k tokens; 0: plain rows
     mask_rows: bytes = b""  # int32 [M] rows whose samples a grammar constrains (ascending)
     masks: bytes = b""  # int32 [M, 1 + drafts, W] their allowed tokens, packed bits
+    prompt: PromptPositions | None = None  # the prompt positions whose logprobs rows want
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
@@ -212,6 +233,27 @@ ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerM
 
 
 # ---- runner -> scheduler ---------------------------------------------------------------------
+class MoreLogprobs(msgspec.Struct, **_S):
+    """Logprobs beyond the sampled tokens' own and their top-n, present only where a request asked
+    (a StepResultMsg: the step's; a TokenOut: one request's):
+
+        ids_logprobs        f32 [tokens, ids_n]  token_ids_logprob at each sampled (output) token
+        input_logprobs      f32 [P]              prompt positions: the logprob of the next token
+        input_top_ids       int32 [P, top_n]     (top_n: the enclosing message's)
+        input_top_logprobs  f32 [P, top_n]
+        input_ids_logprobs  f32 [P, ids_n]       token_ids_logprob at each prompt position
+
+    In a result the P positions are the step's PromptPositions, row after row; in a TokenOut
+    they are the request's positions from logprob_start_len on, sent once."""
+
+    ids_n: int = 0  # token_ids_logprob columns (the program's K in a result; the request's in a TokenOut)
+    ids_logprobs: bytes = b""
+    input_logprobs: bytes = b""
+    input_top_ids: bytes = b""
+    input_top_logprobs: bytes = b""
+    input_ids_logprobs: bytes = b""
+
+
 class StepResultMsg(msgspec.Struct, tag="result", **_S):
     step_id: int
     tokens: bytes  # int32 [rows * k1], row after row (k1 = 1 + the step's drafts)
@@ -220,6 +262,7 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     top_logprobs: bytes = b""  # f32 [tokens, top_n]
     top_n: int = 0
     accepted: bytes = b""  # a verify step: int32 [R] drafts accepted per round (tokens: [R * (k + 1)] targets)
+    more: MoreLogprobs | None = None  # token_ids_logprob / prompt positions, when some row wanted them
     forward_s: float = 0.0  # device time of this step as the runner saw it
     trace_count: int = 0  # step programs traced so far (constant while serving: nothing recompiles)
     programs_compiled: int = 0  # step programs compiled so far (others may compile in the background)
@@ -253,6 +296,7 @@ class TokenOut(msgspec.Struct, **_S):
     top_ids: bytes = b""  # int32 [new, top_n]
     top_logprobs: bytes = b""  # f32 [new, top_n]
     top_n: int = 0
+    more: MoreLogprobs | None = None  # the request's token_ids_logprob / prompt logprobs, if asked
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)

@@ -77,3 +77,26 @@ def test_retract_and_recompute_gives_the_same_bits(det_engines):
     t.join(120)
     assert box["out"] == want  # the KV of the generated tokens was recomputed by an extend step
     assert_no_leak(a)
+
+
+def test_prompt_logprobs_have_the_same_bits_chunked_differently_and_overlap_on_or_off(det_engines):
+    """Prompt logprobs (from position 0, top-2, token_ids_logprob) computed in chunks of 48 with
+    overlap and of 96 without, in other batches, with a part of the prompt cached: equal as
+    floats (==)."""
+    a, b = det_engines
+    targets = random_prompts(3, seed=74, lo=60, hi=140)
+    others = random_prompts(5, seed=75, lo=2, hi=120)
+    ask = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=[3, 4],
+               sampling_params=SAMPLING[0])  # fmt: skip
+
+    def prompt_part(outs: list[dict]) -> list:
+        return [[o["meta_info"][k] for k in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
+                                             "output_token_logprobs")] for o in outs]  # fmt: skip
+
+    alone = [prompt_part([a.generate(input_ids=t, **ask)])[0] for t in targets]
+    assert all(len(p[0]) == len(t) for p, t in zip(alone, targets, strict=True))
+    a.generate(input_ids=[t[:37] for t in targets], sampling_params={"max_new_tokens": 1})  # cached under another split
+    assert prompt_part(a.generate(input_ids=others[:2] + targets, **ask))[2:] == alone
+    assert prompt_part(b.generate(input_ids=targets[::-1] + others[2:], **ask))[:3] == alone[::-1]
+    assert_no_leak(a)
+    assert_no_leak(b)

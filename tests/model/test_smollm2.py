@@ -121,3 +121,18 @@ def test_smollm2_chat_template(tok, chat_ids):
     )
     assert chat_ids[0][0] == tok.convert_tokens_to_ids("<|im_start|>") == 1
     assert chat_ids[0][-3:] == tok.encode("assistant\n", add_special_tokens=False)
+
+
+def test_smollm2_prompt_logprobs_match_hf_chunked_and_not(smollm2, chat_ids):
+    """SmolLM2's prompt logprobs (and top-3, token_ids_logprob) from its extend steps, two chat
+    prompts side by side, chunked at 16 and in one row, cold and after a cached prefix, equal HF's
+    log-softmax (tests/model/test_hf_parity.py); layers scanned: 4x quicker to compile on CPU
+    than unrolled, the same numbers."""
+    from tests.model.test_hf_parity import check_prompt_logprobs
+
+    cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=256,
+                         precompile=False, top_logprobs_num=3, token_ids_logprob_num=4, layer_loop="scan")  # fmt: skip
+    ex = ModelExecutor(smollm2, cfg)
+    for chunk in (16, None):
+        for cached in (0, 16):
+            check_prompt_logprobs(smollm2, ex, chat_ids[:2], chunk, cached)

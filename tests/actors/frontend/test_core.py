@@ -199,3 +199,35 @@ def test_a_stream_begun_after_its_outputs_and_one_whose_engine_dies():
             await anext(stream)
 
     asyncio.run(main())
+
+
+def test_prompt_logprobs_arrive_once_in_sglangs_shape():
+    """logprob_start_len=1 of the prompt [1, 2, 3, 4]: entries for tokens 2, 3, 4, the first with
+    no logprob; top-1 and token_ids_logprob per position, None first; the output's
+    token_ids_logprob per output token. Before the prompt's logprobs came: the None entry only."""
+    core = FrontendCore(Tok(), num_draft_tokens=4)
+    sp = RequestSpec(rid="A", input_ids=[1, 2, 3, 4], sampling=SamplingParams(sampling_seed=0), return_logprob=True,
+                     top_logprobs_num=1, index=0, stream=True, logprob_start_len=1, token_ids_logprob=[9, 8])  # fmt: skip
+    st = core.add(sp, now=0.0)
+    assert generate_req(sp).logprob_start_len == 1 and m.as_i32(generate_req(sp).token_ids_logprob).tolist() == [9, 8]
+    meta = core.result(st)["meta_info"]
+    assert (meta["input_token_logprobs"], meta["input_top_logprobs"], meta["input_token_ids_logprobs"]) == (
+        [(None, 2, "<2>")], [None], [None])
+    more = m.MoreLogprobs(ids_n=2, ids_logprobs=m.f32([-9.0, -8.0]), input_logprobs=m.f32([-3.0, -4.0]),
+                          input_top_ids=m.i32([3, 5]), input_top_logprobs=m.f32([-3.0, -0.5]),
+                          input_ids_logprobs=m.f32([-9.5, -8.5, -9.25, -8.25]))  # fmt: skip
+    core.apply(m.BatchStrOut(outs=[out("A", [6], 1, logprobs=m.f32([-0.75]), top_ids=m.i32([6]),
+                                       top_logprobs=m.f32([-0.75]), top_n=1, more=more)], texts=["a"]), now=1.0)  # fmt: skip
+    core.apply(m.BatchStrOut(outs=[out("A", [7], 2, logprobs=m.f32([-0.5]), top_ids=m.i32([7]), top_logprobs=m.f32([-0.5]),
+                                       top_n=1, more=m.MoreLogprobs(ids_n=2, ids_logprobs=m.f32([-7.0, -6.0])),
+                                       finished=True, finish_reason={"type": "length", "length": 2})],
+                             texts=["b"]), now=2.0)  # fmt: skip
+    meta = core.result(st)["meta_info"]
+    assert meta["input_token_logprobs"] == [(None, 2, "<2>"), (-3.0, 3, "<3>"), (-4.0, 4, "<4>")]
+    assert meta["input_top_logprobs"] == [None, [(-3.0, 3, "<3>")], [(-0.5, 5, "<5>")]]
+    assert meta["input_token_ids_logprobs"] == [None, [(-9.5, 9, "<9>"), (-8.5, 8, "<8>")],
+                                                [(-9.25, 9, "<9>"), (-8.25, 8, "<8>")]]  # fmt: skip
+    assert meta["output_token_logprobs"] == [(-0.75, 6, "<6>"), (-0.5, 7, "<7>")]
+    assert meta["output_token_ids_logprobs"] == [[(-9.0, 9, "<9>"), (-8.0, 8, "<8>")], [(-7.0, 9, "<9>"), (-6.0, 8, "<8>")]]
+    again = core.result(st)["meta_info"]
+    assert again == meta and again["input_token_logprobs"] is not meta["input_token_logprobs"]  # a fresh dict each call

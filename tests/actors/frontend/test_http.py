@@ -196,8 +196,13 @@ def test_generate_body_builds_the_generate_args():
     body = b'{"text": "a", "input_ids": [1, 2], "rid": "r", "stream": true, "logprob_start_len": -1}'
     args = msgspec.json.decode(body, type=GenerateBody).args()
     assert type(args) is GenerateArgs and args == GenerateArgs(input_ids=[1, 2], rid="r", stream=True)
+    # prompt logprobs are served (issue 27): they pass into GenerateArgs (checked there)
+    body = b'{"text": "a", "logprob_start_len": [0], "token_ids_logprob": [3]}'
+    args = msgspec.json.decode(body, type=GenerateBody).args()
+    assert args == GenerateArgs(text="a", logprob_start_len=[0], token_ids_logprob=[3])
     for bad, message in [(b'{"text": "a", "lora_path": "x"}', "lora_path is not supported by ringserve"),
-                         (b'{"text": "a", "logprob_start_len": [0]}', "logprob_start_len: only -1")]:  # fmt: skip
+                         (b'{"text": "a", "image_data": "x"}', "image_data is not supported by ringserve"),
+                         (b'{"text": "a", "custom_logit_processor": "f"}', "custom_logit_processor is not supported")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             msgspec.json.decode(bad, type=GenerateBody).args()
 

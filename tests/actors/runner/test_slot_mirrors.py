@@ -10,6 +10,7 @@ import pytest
 from actors.runner.core import RunnerCore
 from actors.runner.slot_mirrors import UNKNOWN, SlotMirrors
 from actors.transport import messages as m
+from model.executor import StepOut
 from model.sampler import SampleOut
 from model.step_inputs import DeviceSampling
 
@@ -79,7 +80,7 @@ def test_verify_rounds_leave_the_length_to_the_device():
 
 
 class FakeExecutor:
-    """What RunnerCore calls: `run(rows, verify)` -> (SampleOut of the padded step, idx, accepted)."""
+    """What RunnerCore calls: `run_step(rows, verify)` -> StepOut (the padded step's SampleOut, accepted)."""
 
     def __init__(self) -> None:
         self.trace_count = 0
@@ -87,13 +88,13 @@ class FakeExecutor:
         self.programs = type("P", (), {"pending": 0, "error": None})()
         self.calls: list[int] = []
 
-    def run(self, rows, verify=0):
+    def run_step(self, rows, verify=0):
         k1, padded = max(1, verify), 8
         self.calls.append(verify)
         toks = np.arange(padded * k1, dtype=np.int32) + 100
         out = SampleOut(toks, -toks.astype(np.float32), np.zeros((padded * k1, 0), np.int32),
-                        np.zeros((padded * k1, 0), np.float32))  # fmt: skip
-        return out, list(range(len(rows) * k1)), np.full(padded, 7, np.int32)
+                        np.zeros((padded * k1, 0), np.float32), np.zeros((padded * k1, 0), np.float32))  # fmt: skip
+        return StepOut(out, np.full(padded, 7, np.int32), None, len(rows) * k1, 0)  # type: ignore[arg-type]
 
 
 def test_runner_core_returns_the_real_rows_samples_row_after_row():

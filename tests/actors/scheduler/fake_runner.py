@@ -6,6 +6,10 @@ grant, a wrong position or a stale future token changes the output: comparing ag
 `reference()` (the same function applied to the true token sequence) checks the scheduler's
 memory books end to end.
 
+A row that wants prompt logprobs (`Row.logprob_span`) gets `fake_logprob` of each wanted
+position: a function of the context read back through the page table and the next prompt
+token, so `prompt_reference` checks which positions were computed, and over what KV.
+
 A row with grammar masks samples within them (`within`: the model's token if allowed, else an
 allowed one picked by it), and its drafts must each be allowed by the mask before them.
 """
@@ -26,6 +30,16 @@ def next_token(context: list[int], vocab: int) -> int:
     for i, t in enumerate(tail):
         h = (h * 31 + (i + 7) * t) % 2_147_483_647
     return 4 + h % (vocab - 4)
+
+
+def fake_logprob(context: list[int], target: int, vocab: int) -> float:
+    """The fake model's "logprob" of `target` after `context` (exact in float32)."""
+    return -float((next_token(context, vocab) * 7 + target) % 997) / 8
+
+
+def prompt_reference(prompt: list[int], start: int, vocab: int) -> list[float]:
+    """The prompt logprobs the scheduler should report from `start`: positions [start, len - 1)."""
+    return [fake_logprob(prompt[: p + 1], prompt[p + 1], vocab) for p in range(start, len(prompt) - 1)]
 
 
 def copying(period: int, vocab: int, every: int = 0):
@@ -81,6 +95,7 @@ class FakeRunner:
         self.future: dict[int, int] = {}
         self.future_pos: dict[int, int] = {}  # positions with valid KV per slot (device-resolved)
         self.log: list[list[tuple[int, int]]] = []  # per step: (slot, extend_len) rows
+        self.spans: list[tuple[str, int, int]] = []  # (rid, first, count) of every prompt span computed
 
     def loc(self, m: SlotMirror, pos: int) -> int:
         page = m.pages[pos // self.page]
@@ -93,6 +108,7 @@ class FakeRunner:
         self.log.append([(r.slot, r.extend_len) for r in batch.rows])
         k1 = 1 + batch.drafts
         toks = np.zeros((len(batch.rows), k1), np.int32)
+        positions: list[float] = []  # prompt positions' logprobs, the rows' spans in order
         accepted = np.zeros(len(batch.rows), np.int32)
         for i, row in enumerate(batch.rows):
             if row.prefix_pages is not None:
@@ -111,6 +127,13 @@ class FakeRunner:
             end = base + len(ids)
             if not row.drafts:
                 m.committed = end
+            if row.logprob_span is not None:  # prompt positions: context through the page table
+                first, n = row.logprob_span
+                assert base <= first and first + n <= end, f"span {row.logprob_span} outside the row [{base}, {end})"
+                self.spans.append((row.req.rid, first, n))
+                for p in range(first, first + n):
+                    ctx = [self.kv[self.loc(m, q)] for q in range(p + 1)]
+                    positions.append(fake_logprob(ctx, int(row.req.fill_ids(p + 1, p + 2)[0]), self.vocab))
             for j in range(k1):  # the last k1 positions are sampled
                 ctx = [self.kv[self.loc(m, p)] for p in range(end - k1 + j + 1)]
                 toks[i, j] = self.model(ctx, self.vocab)
@@ -126,5 +149,8 @@ class FakeRunner:
                 self.future[row.slot] = int(toks[i, a])
                 self.future_pos[row.slot] = end - row.drafts + a
         flat = toks.ravel()
-        return StepResult(batch.step_id, flat, logprobs=-np.arange(len(flat), dtype=np.float32),
-                          accepted=accepted if batch.drafts else None)  # fmt: skip
+        result = StepResult(batch.step_id, flat, logprobs=-np.arange(len(flat), dtype=np.float32),
+                            accepted=accepted if batch.drafts else None)  # fmt: skip
+        if positions:
+            result.input_logprobs = np.asarray(positions, np.float32)
+        return result
