@@ -77,11 +77,10 @@ class Staging:
         if dt is None:
             raise WeightError(f"tensor {name!r} has dtype {ref.dtype}; weights must be float32, float16 or bfloat16")
         a = self.arrays.get(name)
-        flat = None if a is None else _as_rows(a)
         if a is None:
             a = self.arrays[name] = np.empty(want, dt)
             self.rows[name] = 0
-        elif self.rows[name] == len(flat):
+        elif self.rows[name] == len(_as_rows(a)):
             raise WeightError(f"tensor {name!r} sent twice in one update")
         elif a.dtype != dt:
             raise WeightError(f"tensor {name!r}: a piece of dtype {ref.dtype} after pieces of {a.dtype.name}")

@@ -285,7 +285,8 @@ class AsyncClient:
                 free = list(range(len(segments)))
                 while True:
                     while not free and not isinstance(msg := await self._next(q), p.Done):
-                        free.append(msg.slot)  # a PushAck: that segment was read
+                        assert isinstance(msg, p.PushAck), msg
+                        free.append(msg.slot)  # that segment was read
                     if isinstance(msg, p.Done):  # refused half way
                         break
                     slot = free.pop(0)

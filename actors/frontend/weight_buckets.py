@@ -297,7 +297,7 @@ def blob_parts(bucket: list[Piece]) -> Iterator[bytes | memoryview]:
     text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
     yield struct.pack("<Q", len(text)) + text
     for pc in bucket:
-        yield memoryview(pc.data())
+        yield pc.data().data
 
 
 def safetensors_stream(named: Mapping[str, Any] | Iterable[tuple[str, Any]],
@@ -325,14 +325,14 @@ def parse_blob_header(raw: bytes, where: str, limit: int) -> tuple[list[TensorPi
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: __metadata__ is not an object of strings")
     pieces, spans = [], []
-    for name, e in header.items():
+    for name, entry in header.items():
         at = f"{where}: tensor {name!r:.80}"
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(f"{at}: an entry has exactly dtype, shape and data_offsets")
-        dtype = SAFETENSORS_DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
-            raise ValueError(f"{at} dtype: {e['dtype']!r:.40} is not one of {list(SAFETENSORS_DTYPES)}")
-        shape, offs = e["shape"], e["data_offsets"]
+            raise ValueError(f"{at} dtype: {entry['dtype']!r:.40} is not one of {list(SAFETENSORS_DTYPES)}")
+        shape, offs = entry["shape"], entry["data_offsets"]
         if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
                 and all(type(d) is int and 0 <= d <= 1 << 40 for d in shape)):  # fmt: skip
             raise ValueError(f"{at} shape: {shape!r:.80} (at most {MAX_DIMS} sizes, each in [0, 2**40])")

@@ -26,7 +26,7 @@ import asyncio
 import os
 import secrets
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from actors.frontend import protocol as p
@@ -39,7 +39,7 @@ from actors.frontend.weight_buckets import (
 )
 from actors.transport import messages as m
 
-Control = Callable[[m.UpdateWeightsReq], Awaitable[dict[str, Any]]]
+Control = Callable[[m.UpdateWeightsReq], Coroutine[Any, Any, dict[str, Any]]]
 MAX_TIMEOUT_S = 3600.0
 _background: set[asyncio.Task] = set()  # abandons sent from close(), kept until they finish
 
