@@ -5,6 +5,9 @@
         out = c.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
         for chunk in c.generate(["a", "b"], stream=True): print(chunk["index"], chunk["text"])
 
+A trainer on the same host pushes its weights with `update_weights_from_tensor` (through
+shared memory the server makes, bucket by bucket: actors/frontend/weight_push.py).
+
 `AsyncClient` multiplexes every call over one connection (calls are told apart by id);
 `Client` runs an AsyncClient on a private loop thread for plain code. Errors arrive as the
 Engine raises them: `ValueError` with the Engine's text for bad input, `EngineDead` when the
