@@ -193,6 +193,20 @@ def test_a_push_while_requests_run_is_refused_and_dropped(restored, servers, che
     assert outputs(engine) == before
 
 
+def test_abort_all_requests_aborts_the_rollout_then_pushes(restored, servers, checkpoints, fresh):
+    from actors import Client
+
+    engine = restored
+    t, box = in_background(engine, PROMPTS, 200)  # not paused: the flag makes it quiet
+    with Client(servers.socket_path) as c:
+        r = c.update_weights_from_tensor(tensors(checkpoints[1]), weight_version="aborted-first",
+                                         bucket_bytes=SMALL_BUCKET, abort_all_requests=True)  # fmt: skip
+    assert r["success"] and r["weight_version"] == "aborted-first", r
+    t.join(60)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in box["out"]] == ["abort"] * len(PROMPTS)
+    assert outputs(engine) == fresh[1]
+
+
 def test_bad_tensors_from_a_client_are_refused_naming_them(restored, servers):
     from actors import Client
 
@@ -329,7 +343,7 @@ def test_http_push_refusals_name_the_tensor_and_field(restored, servers, served_
     assert outputs(engine) == before and push_segments() == []
 
 
-def test_an_http_client_that_disconnects_half_way_leaves_the_old_weights(restored, servers, checkpoints):
+def test_an_http_client_that_stalls_or_disconnects_half_way_leaves_the_old_weights(restored, servers, checkpoints):
     from urllib.parse import urlparse
 
     from actors.frontend.weight_buckets import safetensors_stream
@@ -339,16 +353,24 @@ def test_an_http_client_that_disconnects_half_way_leaves_the_old_weights(restore
     assert engine.pause_generation("retract")["success"]
     body = b"".join(safetensors_stream(tensors(checkpoints[1]), SMALL_BUCKET))
     u = urlparse(servers.url)
-    with socket.create_connection((u.hostname, u.port)) as s:
-        s.sendall(f"POST /update_weights_from_tensor?weight_version=cut HTTP/1.1\r\nHost: x\r\n"
-                  f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode())  # fmt: skip
-        s.sendall(body[: len(body) // 2])
-        deadline = time.monotonic() + 10
-        while not push_segments():  # the server is reading it
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.3)  # some buckets staged
-    wait_no_segments()
-    wait_unlocked(engine)
+    for stall in (True, False):
+        with socket.create_connection((u.hostname, u.port)) as s:
+            query = "weight_version=cut" + ("&timeout=0.5" if stall else "")
+            s.sendall(f"POST /update_weights_from_tensor?{query} HTTP/1.1\r\nHost: x\r\n"
+                      f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode())  # fmt: skip
+            s.sendall(body[: len(body) // 2])
+            deadline = time.monotonic() + 10
+            while not push_segments():  # the server is reading it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            if stall:  # the server gives up on its own while the connection stays open
+                s.settimeout(30)
+                answer = s.recv(65536).decode()
+                assert answer.startswith("HTTP/1.1 400") and "no data for 0.5 s (timeout)" in answer, answer
+                assert push_segments() == []
+            else:
+                time.sleep(0.3)  # some buckets staged, then the client is gone
+        wait_no_segments()
+        wait_unlocked(engine)
     engine.continue_generation()
     assert outputs(engine) == before and engine.get_server_info()["weight_version"] != "cut"
