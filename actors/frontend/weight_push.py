@@ -76,8 +76,7 @@ class Push:
         refs = [m.TensorRef(pc.name, pc.dtype, pc.shape, seg.name, pc.offset, pc.nbytes, pc.start) for pc in pieces]
         req = m.UpdateWeightsReq("tensor", part=self.parts, parts=0, tensors=refs, update=self.id)
         self.parts += 1
-        # shielded: a cancelled push still takes the runner's reply off the reply queue in order
-        out = await asyncio.shield(asyncio.ensure_future(self.control(req)))
+        out = await self._send(req)
         return None if out["success"] else out
 
     async def commit(self, weight_version: str | None) -> dict[str, Any]:
@@ -87,9 +86,16 @@ class Push:
             return {"success": True, "message": "no tensors"}
         req = m.UpdateWeightsReq("tensor", weight_version=weight_version, part=self.parts, parts=self.parts + 1,
                                  update=self.id)  # fmt: skip
-        out = await asyncio.shield(asyncio.ensure_future(self.control(req)))
+        out = await self._send(req)
         self.committed = out["success"]  # refused (e.g. busy): close() drops what is staged
         return out
+
+    async def _send(self, req: m.UpdateWeightsReq) -> dict[str, Any]:
+        """One part, shielded: cancelling the push does not cancel the part's reply, which the
+        frontend still takes off its reply queue in order."""
+        fut = asyncio.ensure_future(self.control(req))
+        fut.add_done_callback(_observed)
+        return await asyncio.shield(fut)
 
     def close(self) -> None:
         """Unlink every segment; drop whatever the runner staged (unless committed). Synchronous,
@@ -101,6 +107,14 @@ class Push:
             task = asyncio.get_running_loop().create_task(self.control(m.UpdateWeightsReq("abandon", update=self.id)))
             _background.add(task)
             task.add_done_callback(_background.discard)
+            task.add_done_callback(_observed)
+
+
+def _observed(fut: asyncio.Future) -> None:
+    """A reply nobody awaits any more (a cancelled push, an abandon): its error (the engine went
+    down) is the callers' news already, not a "never retrieved" warning."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 # ---- the IPC socket: a trainer process on this host ------------------------------------------
