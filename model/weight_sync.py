@@ -10,10 +10,17 @@ argument with the same structure, shapes, dtypes and shardings, so nothing recom
 Checks, each an error naming the tensor: an unknown name, a missing one (full updates), a
 shape other than the model's, a dtype that is not floating point, and for a checkpoint on disk
 an architecture other than the served one (family and every dimension).
+
+An update from tensors arrives in parts (buckets) under one update id: each part's pieces (runs
+of rows along dim 0, actors/frontend/weight_buckets.py) are checked against the served model and
+copied out of their shared-memory segment into host arrays (`Staging`) as they arrive; nothing
+reaches the device until the last part, and then only if every tensor begun is complete. A part
+of another update than the one staged, an abandoned update, or any error drops what was staged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -44,10 +51,64 @@ def check_same_architecture(serving: ModelConfig, new: ModelConfig, source: str)
         raise WeightError(f"{source}: another architecture than the served model ({'; '.join(diffs)})")
 
 
+def _as_rows(a: np.ndarray) -> np.ndarray:
+    """A view of `a` as [rows along dim 0, the rest] (a 0-d array is one row)."""
+    return a.reshape(a.shape[0] if a.ndim else 1, int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+class Staging:
+    """One update from tensors as its parts arrive. Each tensor's rows come in order: `rows[name]`
+    of `arrays[name]` are filled; the update may apply once every begun tensor is full."""
+
+    def __init__(self, update: str, served: dict[str, Any]):
+        self.update = update
+        self.served = served  # the served HF tensors (their shapes)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.rows: dict[str, int] = {}
+
+    def add(self, ref: Any, src: Any) -> None:
+        """Piece `ref` (a TensorRef) from the buffer `src` (its segment): checked, then copied."""
+        name, dt = ref.name, FLOAT_DTYPES.get(ref.dtype)
+        if name not in self.served:
+            raise WeightError(f"tensor {name!r} is not a weight of the served model")
+        want = tuple(np.shape(self.served[name]))
+        if tuple(ref.shape) != want:
+            raise WeightError(f"tensor {name!r} has shape {tuple(ref.shape)}, the served model's is {want}")
+        if dt is None:
+            raise WeightError(f"tensor {name!r} has dtype {ref.dtype}; weights must be float32, float16 or bfloat16")
+        a = self.arrays.get(name)
+        if a is None:
+            a = self.arrays[name] = np.empty(want, dt)
+            self.rows[name] = 0
+        elif self.rows[name] == len(_as_rows(a)):
+            raise WeightError(f"tensor {name!r} sent twice in one update")
+        elif a.dtype != dt:
+            raise WeightError(f"tensor {name!r}: a piece of dtype {ref.dtype} after pieces of {a.dtype.name}")
+        flat = _as_rows(a)
+        row = flat.shape[1] * dt.itemsize
+        have = self.rows[name]
+        n = ref.nbytes // row if row else len(flat) - have
+        if ref.start != have or (row and ref.nbytes % row) or have + n > len(flat):
+            raise WeightError(f"tensor {name!r}: a piece of rows [{ref.start}, {ref.start + n}) after {have} of "
+                              f"{len(flat)} rows (pieces come in order, whole rows)")  # fmt: skip
+        if ref.offset < 0 or ref.offset + ref.nbytes > len(src):
+            raise WeightError(f"tensor {name!r}: {ref.nbytes} bytes at {ref.offset} pass its segment of {len(src)}")
+        flat[have : have + n] = np.frombuffer(src, dt, n * flat.shape[1], ref.offset).reshape(n, -1)
+        self.rows[name] = have + n
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The staged tensors, each complete (WeightError naming the first that is not)."""
+        for name, a in self.arrays.items():
+            total = a.shape[0] if a.ndim else 1
+            if self.rows[name] != total:
+                raise WeightError(f"tensor {name!r} is incomplete: {self.rows[name]} of {total} rows arrived")
+        return self.arrays
+
+
 class WeightSync:
     def __init__(self, ex: ModelExecutor):
         self.ex = ex
-        self.staged: dict[str, np.ndarray] = {}  # parts of an update by tensor, not applied yet
+        self.staging: Staging | None = None  # the update from tensors being received, not applied
 
     # ---- updates -----------------------------------------------------------------------------
     def load_disk(self, path: str) -> str:
@@ -65,24 +126,29 @@ class WeightSync:
         n = self._apply(tensors, full=True)
         return f"loaded {n} tensors from {path}"
 
-    def stage(self, tensors: dict[str, np.ndarray], first: bool, last: bool) -> str:
-        """One part of an update from tensors (the first forgets any earlier unfinished one);
-        the last part applies every staged tensor."""
+    def stage(self, refs: list[Any], update: str, first: bool, last: bool) -> str:
+        """One part of update `update` from tensors in shared memory (the first forgets any
+        other update staged); the last applies every staged tensor, all or nothing. Any error
+        drops the whole update."""
         if first:
-            self.staged.clear()
-        dup = sorted(set(tensors) & set(self.staged))
-        if dup:
-            self.staged.clear()
-            raise WeightError(f"tensor {dup[0]!r} sent twice in one update")
-        self.staged.update(tensors)
-        if not last:
-            return f"staged {len(tensors)} tensors"
-        staged, self.staged = self.staged, {}
-        n = self._apply(staged, full=False)
-        return f"updated {n} tensors"
+            self.staging = Staging(update, self.ex.host_tensors)
+        try:
+            if self.staging is None or self.staging.update != update:
+                raise WeightError(f"part {update!r} of an update that is not staged (abandoned, or its first part was refused)")
+            read_segments(refs, self.staging.add)
+            if not last:
+                return f"staged {len(refs)} pieces"
+            staged = self.staging.tensors()
+            self.staging = None
+            return f"updated {self._apply(staged, full=False)} tensors"
+        except BaseException:
+            self.staging = None
+            raise
 
-    def abandon(self) -> None:
-        self.staged.clear()
+    def abandon(self, update: str | None = None) -> None:
+        """Drop the staged update (`update`'s only, if given)."""
+        if self.staging is not None and update in (None, self.staging.update):
+            self.staging = None
 
     def _apply(self, tensors: dict[str, Any], full: bool) -> int:
         current = self.ex.host_tensors
@@ -134,31 +200,28 @@ class WeightSync:
         return f"resumed {', '.join(tags)}"
 
 
-def tensors_from_segments(refs: list[Any]) -> dict[str, np.ndarray]:
-    """Copy HF-named tensors out of the shared-memory segments that `refs` name."""
+def read_segments(refs: list[Any], take: Callable[[Any, Any], None]) -> None:
+    """Hand each TensorRef and its mapped segment to `take` (each segment mapped once; a segment
+    that is gone, e.g. a push that ended, is a WeightError)."""
     import mmap
 
     import posix_ipc
 
     maps: dict[str, mmap.mmap] = {}
-    out: dict[str, np.ndarray] = {}
     try:
         for r in refs:
-            if r.dtype not in FLOAT_DTYPES:
-                raise WeightError(f"tensor {r.name!r} has dtype {r.dtype}; weights must be float32, float16 or bfloat16")
             mm = maps.get(r.segment)
             if mm is None:
-                shm = posix_ipc.SharedMemory(r.segment)
-                mm = mmap.mmap(shm.fd, shm.size)
-                shm.close_fd()
-                maps[r.segment] = mm
-            dt = FLOAT_DTYPES[r.dtype]
-            n = int(np.prod(r.shape)) if r.shape else 1
-            if n * dt.itemsize != r.nbytes or r.offset + r.nbytes > len(mm):
-                raise WeightError(f"tensor {r.name!r}: {r.nbytes} bytes at {r.offset} do not fit its shape or segment")
-            out[r.name] = np.frombuffer(mm, dt, n, r.offset).reshape(r.shape).copy()
+                try:
+                    shm = posix_ipc.SharedMemory(r.segment)
+                except posix_ipc.ExistentialError:
+                    raise WeightError(f"tensor {r.name!r}: segment {r.segment} is gone (its push ended)") from None
+                try:
+                    mm = maps[r.segment] = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
+                finally:
+                    shm.close_fd()
+            take(r, mm)
     finally:
         for mm in maps.values():
             mm.close()
-    return out
 

@@ -5,6 +5,9 @@
         out = c.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
         for chunk in c.generate(["a", "b"], stream=True): print(chunk["index"], chunk["text"])
 
+A trainer on the same host pushes its weights with `update_weights_from_tensor` (through
+shared memory the server makes, bucket by bucket: actors/frontend/weight_push.py).
+
 `AsyncClient` multiplexes every call over one connection (calls are told apart by id);
 `Client` runs an AsyncClient on a private loop thread for plain code. Errors arrive as the
 Engine raises them: `ValueError` with the Engine's text for bad input, `EngineDead` when the
@@ -20,13 +23,14 @@ import contextlib
 import itertools
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 from actors.frontend import protocol as p
 from actors.frontend.bridge import LoopThread, iterate_in_thread
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs
+from actors.frontend.weight_buckets import BUCKET_BYTES, Segment, buckets, check_bucket_bytes, write_next
 
 CLIENT_MAX_FRAME = 1 << 30  # replies can be large (a batch with top logprobs)
 CLOSE_TIMEOUT_S = 5.0  # a sync client's close waits this long for its connection to close
@@ -151,7 +155,7 @@ class AsyncClient:
         except OSError as e:
             raise EngineDead(f"connection to {self.socket_path} lost ({e!r})") from None
 
-    async def _next(self, q: asyncio.Queue) -> p.Started | p.Chunk | p.Done:
+    async def _next(self, q: asyncio.Queue) -> p.ServerMsg:
         msg = await q.get()
         if isinstance(msg, Exception):
             raise msg
@@ -260,6 +264,55 @@ class AsyncClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return await self.control("get_weights_by_name", name=name, truncate_size=truncate_size)
 
+    async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                                         weight_version: str | None = None, bucket_bytes: int = BUCKET_BYTES,
+                                         flush_cache: bool = True, abort_all_requests: bool = False,
+                                         slots: int = 2, timeout: float = p.PUSH_TIMEOUT_S) -> dict:  # fmt: skip
+        """HF-named NumPy, JAX or torch arrays from this process (a dict, (name, array) pairs, or
+        a generator, read one bucket at a time) into the server's weights through shared memory
+        on this host, in buckets of at most `bucket_bytes`; all or nothing, as the Engine's.
+        The server makes `slots` segments; this process fills one while the runner reads
+        another. Returns {"success", "message", "weight_version"} (a refusal: success False)."""
+        check_bucket_bytes(bucket_bytes)
+        it = iter(buckets(named_tensors, bucket_bytes))
+        loop = asyncio.get_running_loop()
+
+        def make(cid: int) -> p.PushWeights:
+            return p.PushWeights(cid, bucket_bytes, slots, weight_version, flush_cache, abort_all_requests, timeout)
+
+        cid, q = await self._open(make)
+        segments: list[Segment] = []
+        ended = False
+        try:
+            msg = await self._next(q)
+            if isinstance(msg, p.PushReady):
+                segments = [Segment.open(name) for name in msg.segments]
+                free = list(range(len(segments)))
+                while True:
+                    while not free and not isinstance(msg := await self._next(q), p.Done):
+                        assert isinstance(msg, p.PushAck), msg
+                        free.append(msg.slot)  # that segment was read
+                    if isinstance(msg, p.Done):  # refused half way
+                        break
+                    slot = free.pop(0)
+                    bucket = await loop.run_in_executor(None, write_next, it, segments[slot])
+                    if bucket is None:
+                        await self._send(p.PushEnd(cid))
+                        while not isinstance(msg := await self._next(q), p.Done):
+                            pass
+                        break
+                    await self._send(p.PushBucket(cid, slot, [pc.header() for pc in bucket]))
+            assert isinstance(msg, p.Done), msg
+            ended = True
+            return msg.value
+        finally:
+            for seg in segments:
+                seg.close()
+            self._calls.pop(cid, None)
+            if not ended and self._lost is None:  # an error here, or cancelled: the server drops the push
+                with contextlib.suppress(Exception):
+                    await self._send(p.Cancel(cid))
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return await self.control("release_memory_occupation", tags=tags)
 
@@ -335,6 +388,12 @@ class Client:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._lt.run(self._ac.get_weights_by_name(name, truncate_size))
+
+    def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                                   weight_version: str | None = None, bucket_bytes: int = BUCKET_BYTES,
+                                   **kw: Any) -> dict:  # fmt: skip
+        """As `AsyncClient.update_weights_from_tensor`."""
+        return self._lt.run(self._ac.update_weights_from_tensor(named_tensors, weight_version, bucket_bytes, **kw))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return self._lt.run(self._ac.release_memory_occupation(tags))

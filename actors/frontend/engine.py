@@ -162,8 +162,9 @@ class Engine:
         return self.frontend.run_sync(self.frontend.weights.update_weights_from_disk(model_path, weight_version, **kw))
 
     def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None, **kw: Any) -> dict:
-        """HF-named NumPy or JAX arrays (a dict, or (name, array) pairs; a subset is fine),
-        through shared memory in bounded chunks; all or nothing."""
+        """HF-named NumPy, JAX or torch arrays (a dict, (name, array) pairs or a generator of
+        them; a subset is fine), through shared memory in buckets of at most `bucket_bytes`
+        (default 512 MiB); all or nothing. From another process: `Client.update_weights_from_tensor`."""
         return self.frontend.run_sync(self.frontend.weights.update_weights_from_tensor(named_tensors, weight_version, **kw))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:

@@ -14,6 +14,15 @@ Engine's ValueError text as a 400. Errors are `{"error": {"message"}}` on
 native routes and OpenAI's `{"object": "error", "message", "type", "param", "code"}` on /v1.
 With an API key every route but /health needs `Authorization: Bearer <key>` (401 otherwise).
 A client that disconnects mid-stream has its requests aborted.
+
+Weights from a trainer on another host: `POST /update_weights_from_tensor` with
+`Content-Type: application/octet-stream`, a body of safetensors blobs back to back (each a
+bucket of at most `max_push_bucket_bytes` of data; `weight_buckets.safetensors_stream` writes
+one), the arguments in the query (`weight_version`, `flush_cache`, `abort_all_requests`,
+`timeout`). The server reads each blob's data straight into its one shared-memory segment, the
+runner stages it, and the last blob's end applies the update, all or nothing; a bad header,
+name, shape or dtype is a 400 naming the tensor and the field, a refusal a 400 with the reason,
+and a client that disconnects or stalls (`timeout`) leaves the old weights serving.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from actors.frontend import openai_api as oai
 from actors.frontend.actor import TokenizerManager
@@ -39,6 +49,7 @@ from actors.frontend.verbs import Verb, call_verb
 log = logging.getLogger("ringserve.http")
 
 MAX_REQUEST_BYTES = 64 << 20
+MAX_PUSH_BUCKET_BYTES = 1 << 30  # data of one safetensors blob of a weight push (the server's one segment)
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
     "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
@@ -155,7 +166,8 @@ def _sse(events: AsyncIterator[Any]) -> StreamingResponse:
 
 
 def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES, verbs: dict[str, Verb] | None = None) -> FastAPI:  # fmt: skip
+              max_request_bytes: int = MAX_REQUEST_BYTES, verbs: dict[str, Verb] | None = None,
+              max_push_bucket_bytes: int = MAX_PUSH_BUCKET_BYTES) -> FastAPI:  # fmt: skip
     """The FastAPI app over one frontend. `verbs`: extra routes `/<name>` (GET with query
     arguments or POST with a JSON object of keyword arguments) calling the named verb."""
     app = FastAPI(title="ringserve", docs_url=None, redoc_url=None)
@@ -246,6 +258,19 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(tm.core.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Response:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/octet-stream":
+            raise HTTPError(415, f"content-type {ctype!r}: send application/octet-stream, safetensors blobs back to "
+                                 "back (actors.frontend.weight_buckets.safetensors_stream); base64 JSON is not accepted")  # fmt: skip
+        kwargs = _push_query(dict(request.query_params))
+        try:
+            out = await tm.weights.push_from_body(request.stream(), max_push_bucket_bytes, **kwargs)
+        except ClientDisconnect:  # the push is dropped (weight_push.py); nobody reads this answer
+            return Response(status_code=400)
+        return _json(out, 200 if out["success"] else 400)
 
     for name in verbs or {}:
         app.add_api_route(f"/{name}", _verb_route(verbs or {}, name, body), methods=["GET", "POST"])
@@ -363,6 +388,26 @@ async def _mapped(chunks: AsyncIterator[dict[str, Any]], f: Callable[[dict[str, 
             yield f(c)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _push_query(q: dict[str, str]) -> dict[str, Any]:
+    """/update_weights_from_tensor's query arguments (400 naming one that is unknown or bad)."""
+    out: dict[str, Any] = {}
+    for key, value in q.items():
+        if key == "weight_version":
+            out[key] = value
+        elif key in ("flush_cache", "abort_all_requests"):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise HTTPError(400, f"{key}={value!r:.40}: true or false")
+            out[key] = value.lower() in ("true", "1")
+        elif key == "timeout":
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise HTTPError(400, f"timeout={value!r:.40}: a number of seconds") from None
+        else:
+            raise HTTPError(400, f"{key}: unknown argument (weight_version, flush_cache, abort_all_requests, timeout)")
+    return out
 
 
 def _verb_route(verbs: dict[str, Verb], name: str,

@@ -40,6 +40,7 @@ from actors.frontend.actor import TokenizerManager
 from actors.frontend.errors import EngineDead
 from actors.frontend.limits import too_deep
 from actors.frontend.verbs import Verb, call_verb
+from actors.frontend.weight_buckets import MAX_SLOTS
 
 log = logging.getLogger("ringserve.ipc")
 
@@ -143,6 +144,7 @@ class _Connection:
         self.tm = server.tm
         self.reader, self.writer = reader, writer
         self.calls: dict[int, asyncio.Task] = {}
+        self.pushes: dict[int, asyncio.Queue] = {}  # a weight push's frames, by call id
         self.write_lock = asyncio.Lock()
         self.room = asyncio.Event()  # set whenever a call ends or a reply leaves: read again?
         self.closed = False
@@ -189,6 +191,15 @@ class _Connection:
         return True
 
     def _dispatch(self, msg: p.ClientMsg) -> None:
+        if isinstance(msg, p.PushBucket | p.PushEnd):  # a frame of a weight push in progress
+            inbox = self.pushes.get(msg.id)
+            if inbox is None:
+                return  # the push ended (e.g. refused): the frame is moot
+            if inbox.qsize() <= MAX_SLOTS:  # a client has at most `slots` buckets unacknowledged + PushEnd
+                inbox.put_nowait(msg)
+            elif inbox.qsize() == MAX_SLOTS + 1:  # flooding: the push ends with this (later frames dropped)
+                inbox.put_nowait(ValueError(f"weight push: more than {MAX_SLOTS} buckets sent ahead of their acks"))
+            return
         if isinstance(msg, p.Cancel):
             task = self.calls.get(msg.id)
             if task is not None:
@@ -198,10 +209,12 @@ class _Connection:
             self.calls[msg.id].cancel()  # a reused id: the client gave up on the old call
         self.calls[msg.id] = asyncio.create_task(self._call(msg))
 
-    async def _call(self, msg: p.Generate | p.Abort | p.Control) -> None:
+    async def _call(self, msg: p.Generate | p.Abort | p.Control | p.PushWeights) -> None:
         try:
             if isinstance(msg, p.Generate):
                 await self._generate(msg)
+            elif isinstance(msg, p.PushWeights):
+                await self._push(msg)
             elif isinstance(msg, p.Abort):
                 self.tm.abort_request(msg.rid, msg.abort_all)
                 await self.send(p.Done(msg.id))
@@ -240,6 +253,17 @@ class _Connection:
         finally:
             await stream.aclose()
             self.tm.abort_unfinished(states)  # left before the stream started: abort them too
+
+    async def _push(self, c: p.PushWeights) -> None:
+        """A weight push from a process on this host (actors/frontend/weight_push.py): its frames
+        go to the call's inbox; the connection closing cancels it (segments unlinked, staged
+        parts dropped)."""
+        self.pushes[c.id] = asyncio.Queue()
+        try:
+            out = await self.tm.weights.push_from_client(c, self.pushes[c.id], self.send)
+        finally:
+            self.pushes.pop(c.id, None)
+        await self.send(p.Done(c.id, out))
 
     async def _control(self, c: p.Control) -> Any:
         return await call_verb(self.server.verbs, c.verb, c.kwargs)

@@ -16,6 +16,25 @@ the id and the field from the frame's head) and the connection goes on: the fram
 whole, so the stream is still in step.
 A generate call carries the caller's `GenerateArgs` (actors/frontend/inputs.py) unchecked; the
 frontend validates it exactly as it validates the Engine's.
+
+A weight push (`Client.update_weights_from_tensor`, actors/frontend/weight_push.py) is one call
+that talks both ways; the tensor bytes never travel on the socket, only their headers:
+
+    client                                        server
+    PushWeights(id, bucket_bytes, slots, ...) ──►  makes `slots` segments (0600) of bucket_bytes
+                                              ◄──  PushReady(id, segment names)
+    (writes bucket 0 into segment 0)
+    PushBucket(id, slot 0, pieces)            ──►  checks the headers; the runner copies them out
+    (writes bucket 1 into segment 1)                of the segment (nothing reaches the device)
+    PushBucket(id, slot 1, pieces)            ──►
+                                              ◄──  PushAck(id, slot 0): segment 0 is free again
+    ...
+    PushEnd(id)                               ──►  the runner swaps, all or nothing
+                                              ◄──  Done(id, {success, message, weight_version})
+
+A refusal ends the call early with `Done(id, {success: False, ...})`; an error with `Failed`;
+`Cancel`, a closed connection (the pusher killed) or `timeout` seconds without a frame end it
+too. However it ends, the server unlinks its segments and the runner drops what it staged.
 """
 
 from __future__ import annotations
@@ -30,6 +49,7 @@ from actors.frontend.inputs import GenerateArgs
 _S = {"omit_defaults": True, "gc": False}
 HEADER = struct.Struct("<I")
 DEFAULT_MAX_FRAME = 64 << 20  # bytes of one frame's body (a prompt of ~16M tokens)
+PUSH_TIMEOUT_S = 300.0  # default seconds a weight push's server waits for the pusher's next frame
 
 
 class FrameTooLarge(ValueError):
@@ -62,7 +82,41 @@ class Cancel(msgspec.Struct, tag="cancel", **_S):
     id: int  # the call to stop
 
 
-ClientMsg = Generate | Abort | Control | Cancel
+class TensorPiece(msgspec.Struct, array_like=True, **_S):
+    """Rows [start, start + nbytes / row bytes) along dim 0 of the HF-named tensor `name` (of the
+    whole `shape`), at `offset` in a push's segment (actors/frontend/weight_buckets.py)."""
+
+    name: str
+    dtype: str  # float32 | float16 | bfloat16
+    shape: list[int]  # the whole tensor's
+    offset: int
+    nbytes: int
+    start: int = 0  # first row
+
+
+class PushWeights(msgspec.Struct, tag="push_weights", **_S):
+    """Starts a weight push (see the module docstring); checked like the Engine's arguments."""
+
+    id: int
+    bucket_bytes: int
+    slots: int = 2  # segments the client fills in turn (2: it writes one while the runner reads the other)
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    timeout: float = PUSH_TIMEOUT_S  # seconds the server waits for the next frame before it gives up
+
+
+class PushBucket(msgspec.Struct, tag="push_bucket", **_S):
+    id: int
+    slot: int  # the segment the client wrote (free again once acknowledged)
+    tensors: list[TensorPiece]
+
+
+class PushEnd(msgspec.Struct, tag="push_end", **_S):
+    id: int  # every bucket was sent: apply the update
+
+
+ClientMsg = Generate | Abort | Control | Cancel | PushWeights | PushBucket | PushEnd
 
 
 # ---- server -> client ------------------------------------------------------------------------
@@ -86,7 +140,18 @@ class Failed(msgspec.Struct, tag="failed", **_S):
     message: str
 
 
-ServerMsg = Started | Chunk | Done | Failed
+class PushReady(msgspec.Struct, tag="push_ready", **_S):
+    id: int
+    segments: list[str]  # posix shared-memory names (mode 0600), one per slot
+    size: int  # bytes of each
+
+
+class PushAck(msgspec.Struct, tag="push_ack", **_S):
+    id: int
+    slot: int  # its bucket is staged: the client may write this segment again
+
+
+ServerMsg = Started | Chunk | Done | Failed | PushReady | PushAck
 
 _encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(ClientMsg)

@@ -5,29 +5,30 @@
 
 Each is a control message to the scheduler, which refuses it while requests run (unless paused),
 forwards it to the runner(s) after every batch in flight, and answers once they did it. Tensor
-data never travels through a ring or a pickle: `update_weights_from_tensor` writes HF-named
-arrays into shared-memory segments (mode 0600) in chunks of at most `chunk_bytes` (a tensor
-larger than that gets a segment of its own), sends their names, dtypes, shapes and offsets, and
-unlinks each segment once the runner copied it; the runner swaps after the last chunk, all or
-nothing. The new `weight_version` (default: a counter) stamps every later output.
+data never travels through a ring, a socket or a pickle: an update from tensors is a `Push`
+(actors/frontend/weight_push.py) through shared-memory segments the server owns, in buckets of
+at most `bucket_bytes` (actors/frontend/weight_buckets.py), from this process
+(`update_weights_from_tensor`), a trainer's process on this host (`serve_client`, the Client's
+call) or another host (`serve_body`, HTTP); the runner stages every bucket and swaps after the
+last, all or nothing. One update runs at a time. The new `weight_version` (default: a counter)
+stamps every later output.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import mmap
 import os
-import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-import numpy as np
-
+from actors.frontend import protocol as p
+from actors.frontend.weight_buckets import BUCKET_BYTES, buckets, check_bucket_bytes, write_next
+from actors.frontend.weight_push import BodyReader, Push, check_push_args, serve_body, serve_client
 from actors.transport import messages as m
 
-CHUNK_BYTES = 512 << 20
 MEMORY_TAGS = ("kv_cache", "weights")
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class Frontend(Protocol):
@@ -46,6 +47,7 @@ class WeightsAPI:
 
     def __init__(self, tm: Frontend):
         self.tm = tm
+        self._lock = asyncio.Lock()  # one update at a time (a push spans many control messages)
 
     async def _update(self, req: m.UpdateWeightsReq) -> dict[str, Any]:
         r = await self.tm.control(req, "update_weights")
@@ -56,9 +58,12 @@ class WeightsAPI:
             await self.tm.pause_generation("abort")
             await self.tm.continue_generation()
 
-    async def _after(self, ok: bool, flush_cache: bool) -> None:
-        if ok and flush_cache:  # the cached prefixes came from the old weights (refused if KV is held)
+    async def _after(self, out: dict[str, Any], flush_cache: bool) -> dict[str, Any]:
+        if "weight_version" not in out:  # no tensors: nothing was sent, nothing changed
+            return out | await self.get_weight_version()
+        if out["success"] and flush_cache:  # the cached prefixes came from the old weights (refused if KV is held)
             await self.tm.flush_cache()
+        return out
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        load_format: str | None = None, abort_all_requests: bool = False,
@@ -69,34 +74,60 @@ class WeightsAPI:
         _check_version(weight_version)
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format={load_format!r}: only 'auto' (safetensors directory or .gguf)")
-        await self._before(abort_all_requests)
-        out = await self._update(m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version))
-        await self._after(out["success"], flush_cache)
-        return out
+        async with self._lock:
+            await self._before(abort_all_requests)
+            out = await self._update(m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version))
+            return await self._after(out, flush_cache)
+
+    @contextlib.asynccontextmanager
+    async def _push(self, bucket_bytes: int, slots: int, weight_version: str | None, abort_all_requests: bool,
+                    timeout: float = p.PUSH_TIMEOUT_S) -> AsyncIterator[Push]:  # fmt: skip
+        """A push under the update lock; its segments go and its staged parts are dropped
+        however it ends (weight_push.py)."""
+        check_bucket_bytes(bucket_bytes)
+        check_push_args(slots, timeout)
+        _check_version(weight_version)
+        async with self._lock:
+            await self._before(abort_all_requests)
+            push = Push(self._update, bucket_bytes, slots)
+            try:
+                yield push
+            finally:
+                push.close()
 
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, flush_cache: bool = True,
-                                         chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:  # fmt: skip
-        """HF-named NumPy (or JAX) arrays, all of the weights or a subset."""
-        _check_version(weight_version)
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
-        arrays = _arrays(named_tensors)
-        chunks = _chunks(arrays, chunk_bytes)
-        if not chunks:
-            return {"success": True, "message": "no tensors", **await self.get_weight_version()}
-        for i, chunk in enumerate(chunks):
-            name, size = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-w{i}", sum(a.nbytes for _, a in chunk)
-            refs = _write_segment(name, chunk, size)
-            try:
-                req = m.UpdateWeightsReq("tensor", weight_version=weight_version, part=i, parts=len(chunks), tensors=refs)
-                out = await self._update(req)
-            finally:
-                _unlink(name)
-            if not out["success"]:
-                break
-        await self._after(out["success"], flush_cache)
-        return out
+                                         bucket_bytes: int = BUCKET_BYTES,
+                                         abort_all_requests: bool = False) -> dict[str, Any]:  # fmt: skip
+        """HF-named NumPy, JAX or torch arrays (a dict, or (name, array) pairs, or a generator of
+        them), all of the weights or a subset, from this process: each bucket is written into the
+        push's segment here (off the loop), then staged by the runner."""
+        loop = asyncio.get_running_loop()
+        it = iter(buckets(named_tensors, bucket_bytes))
+        async with self._push(bucket_bytes, 1, weight_version, abort_all_requests) as push:
+            while (bucket := await loop.run_in_executor(None, write_next, it, push.segments[0])) is not None:
+                refused = await push.bucket(0, [pc.header() for pc in bucket])
+                if refused is not None:
+                    return refused
+            out = await push.commit(weight_version)
+            return await self._after(out, flush_cache)
+
+    async def push_from_client(self, start: p.PushWeights, inbox: asyncio.Queue,
+                               send: Callable[[Any], Any]) -> dict[str, Any]:  # fmt: skip
+        """`Client.update_weights_from_tensor` from another process (the IPC socket's call)."""
+        async with self._push(start.bucket_bytes, start.slots, start.weight_version, start.abort_all_requests,
+                              start.timeout) as push:  # fmt: skip
+            out = await serve_client(push, start, inbox, send)
+            return await self._after(out, start.flush_cache) if out["success"] else out
+
+    async def push_from_body(self, chunks: AsyncIterator[bytes], max_bucket_bytes: int, weight_version: str | None = None,
+                             flush_cache: bool = True, abort_all_requests: bool = False,
+                             timeout: float = p.PUSH_TIMEOUT_S) -> dict[str, Any]:  # fmt: skip
+        """`POST /update_weights_from_tensor`: safetensors blobs of at most `max_bucket_bytes`
+        of data each, read off the body into one segment."""
+        async with self._push(max_bucket_bytes, 1, weight_version, abort_all_requests, timeout) as push:
+            out = await serve_body(push, BodyReader(chunks, timeout), weight_version)
+            return await self._after(out, flush_cache) if out["success"] else out
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of a weight as the runner serves it (as SGLang's)."""
@@ -136,60 +167,3 @@ def _tags(tags: Any) -> list[str]:
         raise ValueError(f"tags={tags!r}: a list of {list(MEMORY_TAGS)} (None: both)")
     return sorted(set(tags))
 
-
-def _arrays(named: Any) -> list[tuple[str, np.ndarray]]:
-    items = list(named.items()) if isinstance(named, Mapping) else list(named)
-    out = []
-    for i, item in enumerate(items):
-        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
-            raise ValueError(f"named_tensors[{i}]: expected a (name, array) pair")
-        name, a = item
-        a = np.ascontiguousarray(np.asarray(a))  # a JAX array comes to the host here
-        if a.dtype.name not in FLOAT_DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {a.dtype.name}; weights must be one of {list(FLOAT_DTYPES)}")
-        out.append((name, a))
-    if len({n for n, _ in out}) != len(out):
-        raise ValueError("named_tensors: a tensor name appears twice")
-    return out
-
-
-def _chunks(arrays: list[tuple[str, np.ndarray]], limit: int) -> list[list[tuple[str, np.ndarray]]]:
-    chunks: list[list[tuple[str, np.ndarray]]] = []
-    size = 0
-    for item in arrays:
-        if not chunks or size + item[1].nbytes > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(item)
-        size += item[1].nbytes
-    return chunks
-
-
-def _write_segment(name: str, chunk: list[tuple[str, np.ndarray]], size: int) -> list[m.TensorRef]:
-    import posix_ipc
-
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=max(size, 1))
-    try:
-        with mmap.mmap(shm.fd, max(size, 1)) as mm:
-            refs, off = [], 0
-            for tname, a in chunk:
-                dst = np.frombuffer(mm, np.uint8, a.nbytes, off)
-                dst[:] = a.reshape(-1).view(np.uint8)  # one copy, straight into the segment
-                del dst  # release the buffer export before the map closes
-                refs.append(m.TensorRef(tname, a.dtype.name, list(a.shape), name, off, a.nbytes))
-                off += a.nbytes
-    except BaseException:
-        _unlink(name)
-        raise
-    finally:
-        shm.close_fd()
-    return refs
-
-
-def _unlink(name: str) -> None:
-    import posix_ipc
-
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass

@@ -16,7 +16,7 @@ from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from actors.transport.trace import RunnerStamps
 from model.executor import ExecutorConfig, ModelExecutor, StepOut
-from model.weight_sync import WeightSync, tensors_from_segments
+from model.weight_sync import WeightSync
 
 
 def executor_config(args) -> ExecutorConfig:
@@ -100,9 +100,11 @@ class RunnerCore:
                 u = msg.update
                 if u.source == "disk":
                     text = self.weights.load_disk(u.model_path)
+                elif u.source == "abandon":
+                    self.weights.abandon(u.update)
+                    text = f"abandoned {u.update}"
                 else:
-                    tensors = tensors_from_segments(u.tensors)
-                    text = self.weights.stage(tensors, first=u.part == 0, last=u.part == u.parts - 1)
+                    text = self.weights.stage(u.tensors, u.update, first=u.part == 0, last=u.part == u.parts - 1)
                 return m.RunnerReply(True, text)
             if isinstance(msg, m.RunnerGetWeights):
                 a = self.weights.get(msg.request.name, msg.request.truncate_size)

@@ -235,11 +235,11 @@ class SchedulerActor:
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
         """Forward an update (or one part of it) to the runner(s); the reply always carries the
         version serving afterwards (the frontend keeps no copy)."""
-        busy = self.core.busy()
+        busy = None if msg.source == "abandon" else self.core.busy()  # dropping staged parts changes nothing served
         if busy is not None:
             ok, text = False, f"update_weights refused: {busy}"
         else:
-            last = msg.part == msg.parts - 1
+            last = msg.source != "abandon" and msg.part == msg.parts - 1
             if last:  # the final part swaps: version it
                 msg.weight_version = self.core.next_weight_version(msg.weight_version)
             r = self._runner_call(m.RunnerWeights(msg))

@@ -105,27 +105,31 @@ class CloseSessionReq(msgspec.Struct, tag="close_session", **_S):
 
 
 class TensorRef(msgspec.Struct, **_S):
-    """One HF-named tensor in a shared-memory segment the runner maps (never in the ring)."""
+    """Rows [start, start + nbytes / row bytes) along dim 0 of one HF-named tensor of `shape`
+    (all of it, by default), in a shared-memory segment the runner maps (never in the ring)."""
 
     name: str
     dtype: str  # numpy dtype name: float32, float16, bfloat16
-    shape: list[int]
+    shape: list[int]  # the whole tensor's
     segment: str  # posix shared-memory name, mode 0600, unlinked by its creator afterwards
     offset: int
     nbytes: int
+    start: int = 0  # first row
 
 
 class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
     """Load new weights into the runner(s): from a checkpoint on disk, or HF-named tensors in
-    shared memory sent in `parts` bounded chunks (the runner swaps after the last; all or
-    nothing). Allowed while paused or idle."""
+    shared memory sent in bounded parts under one `update` id (the runner swaps after the last;
+    all or nothing); "abandon" drops update `update`'s staged parts (a push that failed half
+    way). Allowed while paused or idle (abandon: always)."""
 
-    source: str  # "disk" | "tensor"
+    source: str  # "disk" | "tensor" | "abandon"
     model_path: str = ""
     weight_version: str | None = None
     part: int = 0
-    parts: int = 1
+    parts: int = 1  # 0 while unknown (a push: its last part is the empty one that says parts)
     tensors: list[TensorRef] = []
+    update: str = ""
 
 
 class GetWeightsReq(msgspec.Struct, tag="get_weights", **_S):

@@ -101,10 +101,10 @@ def test_rl_loop_with_weights_from_tensors_subsets_and_chunks(engine, checkpoint
         new = _tensors(ck)
         layers = {k: v for k, v in new.items() if ".layers." in k}  # a subset: every layer weight
         rest = {k: v for k, v in new.items() if ".layers." not in k}
-        rl_iteration(engine, lambda layers=layers: engine.update_weights_from_tensor(layers, chunk_bytes=1 << 20))
+        rl_iteration(engine, lambda layers=layers: engine.update_weights_from_tensor(layers, bucket_bytes=1 << 20))
         rl_iteration(engine, lambda rest=rest: engine.update_weights_from_tensor(list(rest.items())))
         assert outputs(engine) == fresh[str(ck)]
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"rs-{os.getpid()}-") and "-w" in f]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"rs-{os.getpid()}-") and "-push" in f]
     # a true subset (one layer from s1 over s3) equals a fresh engine on that mixed checkpoint
     mixed = _tensors(checkpoints[3]) | {k: v for k, v in _tensors(checkpoints[1]).items() if ".layers.1." in k}
     d = tmp_path / "mixed"

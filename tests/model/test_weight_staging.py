@@ -1,0 +1,114 @@
+"""The runner's side of an update from tensors, with a fake executor (no device): pieces of
+rows reassemble exactly, nothing is built before the last part, every error or abandon drops
+the whole update, and a part of another update than the one staged is refused."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from actors.frontend.weight_buckets import Segment, buckets
+from actors.transport.messages import TensorRef
+from model.weight_sync import WeightError, WeightSync
+
+
+class FakeExecutor:
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.host_tensors = tensors
+        self.built: list[dict[str, np.ndarray]] = []
+
+    def build_params(self, merged):
+        self.built.append(merged)
+        return "params"
+
+    def swap_params(self, new, merged):
+        self.host_tensors = merged
+
+
+SERVED = {"emb": np.zeros((50, 8), np.float32), "norm": np.zeros(8, np.float32), "w": np.zeros((4, 3), np.float32)}
+
+
+@pytest.fixture
+def sync():
+    return WeightSync(FakeExecutor(dict(SERVED)))
+
+
+@pytest.fixture
+def segment():
+    seg = Segment.create(f"/rs-{os.getpid()}-{secrets.token_hex(4)}-push0", 1 << 16)
+    yield seg
+    seg.close()
+
+
+def parts(named: dict[str, np.ndarray], bucket_bytes: int, seg: Segment) -> Iterator[list[TensorRef]]:
+    """Each bucket's refs, the bucket written into `seg` as its refs are taken (stage each before
+    taking the next: they share the segment)."""
+    for bucket in buckets(named, bucket_bytes):
+        seg.write(bucket)
+        yield [TensorRef(pc.name, pc.array.dtype.name, list(pc.array.shape), seg.name, pc.offset, pc.nbytes, pc.start)
+               for pc in bucket]  # fmt: skip
+
+
+def test_pieces_reassemble_and_nothing_is_built_before_the_last_part(sync, segment):
+    rng = np.random.default_rng(1)
+    new = {"emb": rng.standard_normal((50, 8), dtype=np.float32), "w": rng.standard_normal((4, 3), dtype=np.float32)}
+    n = 0
+    for i, refs in enumerate(parts(new, 256, segment)):  # 8 rows of emb per bucket: emb in 7 pieces
+        assert sync.stage(refs, "u1", first=i == 0, last=False).startswith("staged")
+        n += 1
+    assert n >= 7 and sync.ex.built == []  # nothing built (nothing reaches the device) yet
+    assert sync.stage([], "u1", first=False, last=True) == "updated 2 tensors"
+    assert len(sync.ex.built) == 1 and sync.staging is None
+    np.testing.assert_array_equal(sync.ex.host_tensors["emb"], new["emb"])
+    np.testing.assert_array_equal(sync.ex.host_tensors["w"], new["w"])
+    assert sync.ex.host_tensors["norm"] is SERVED["norm"]  # a subset: the rest is kept
+
+
+def test_an_incomplete_tensor_a_bad_piece_or_an_abandon_drops_the_whole_update(sync, segment):
+    new = {"emb": np.ones((50, 8), np.float32)}
+    first, second, *_ = parts(new, 256, segment)
+    sync.stage(first, "u1", first=True, last=False)
+    with pytest.raises(WeightError, match="'emb' is incomplete: 8 of 50 rows arrived"):
+        sync.stage([], "u1", first=False, last=True)
+    assert sync.staging is None and sync.ex.built == []
+    # a later part of a dropped update is refused (it never merges into another update)
+    with pytest.raises(WeightError, match="not staged"):
+        sync.stage(second, "u1", first=False, last=False)
+    # out of order, unknown, misshapen: refused naming the tensor, the update dropped
+    sync.stage(first, "u2", first=True, last=False)
+    with pytest.raises(WeightError, match=r"'emb': a piece of rows \[0, 8\) after 8 of 50 rows"):
+        sync.stage(first, "u2", first=False, last=False)
+    assert sync.staging is None
+    bad = [TensorRef("nope", "float32", [8], segment.name, 0, 32)]
+    with pytest.raises(WeightError, match="'nope' is not a weight"):
+        sync.stage(bad, "u3", first=True, last=False)
+    bad = [TensorRef("norm", "float32", [9], segment.name, 0, 36)]
+    with pytest.raises(WeightError, match=r"'norm' has shape \(9,\), the served model's is \(8,\)"):
+        sync.stage(bad, "u3", first=True, last=False)
+    whole = [TensorRef("norm", "float32", [8], segment.name, 0, 32)]
+    sync.stage(whole, "u4", first=True, last=False)
+    with pytest.raises(WeightError, match="'norm' sent twice"):
+        sync.stage(whole, "u4", first=False, last=False)
+    # abandon: only the named update's parts go
+    sync.stage(whole, "u5", first=True, last=False)
+    sync.abandon("u4")
+    assert sync.staging is not None and sync.staging.update == "u5"
+    sync.abandon("u5")
+    assert sync.staging is None and sync.ex.built == []
+
+
+def test_a_segment_that_is_gone_is_a_refusal_not_a_crash(sync):
+    ref = TensorRef("norm", "float32", [8], f"/rs-{os.getpid()}-00000000-push7", 0, 32)
+    with pytest.raises(WeightError, match="segment .* is gone"):
+        sync.stage([ref], "u1", first=True, last=True)
+    assert sync.staging is None
+
+
+def test_a_piece_past_its_segment_is_refused(sync, segment):
+    ref = TensorRef("norm", "float32", [8], segment.name, (1 << 16) - 16, 32)
+    with pytest.raises(WeightError, match="pass its segment"):
+        sync.stage([ref], "u1", first=True, last=True)
