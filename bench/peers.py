@@ -134,7 +134,7 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
 
 def format_ratios(rat: dict[str, dict[str, float]], reference: str) -> str:
     if not rat:
-        return f"(no ratios: {reference} has no completed run)"
+        return f"(no ratios: they need a completed run of {reference} and of at least one peer)"
     keys = [(k, label) for k, label, _, _ in HEADLINE]
     lines = [f"{reference} vs each peer, medians over rounds (> 1: {reference} better)",
              f"{'peer':>16s}  " + "  ".join(f"{label:>{max(len(label), 9)}s}" for _, label in keys)]  # fmt: skip

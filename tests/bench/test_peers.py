@@ -97,7 +97,7 @@ def test_main_skips_absent_peers_with_their_reasons(tmp_path, capsys):
     assert set(rep["skipped"]) == {"vllm", "llamacpp"}
     assert json.loads(out.read_text())["skipped"] == rep["skipped"]
     text = capsys.readouterr().out
-    assert "skipped vllm: vLLM for CPU is not installed" in text and "no ratios" in text
+    assert "skipped vllm: vLLM for CPU is not installed" in text and "(no ratios: they need" in text
 
 
 def _tiny_gguf(path: Path) -> dict[str, np.ndarray]:
