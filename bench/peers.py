@@ -128,7 +128,7 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
             cells.append(f"{'-' if v is None else fmt.format(v):>{w}s}")
         cells.append(f"{r.get('load1', 0):5.2f}")
         line = "  ".join(cells)
-        lines.append(line + (f"   error: {r['error'][:120]}" if r.get("error") else ""))
+        lines.append(line + (f"   error: {r['error'][:200]}" if r.get("error") else ""))
     return "\n".join(lines)
 
 
@@ -157,11 +157,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _log_tail(path: Path, n: int = 1500) -> str:
+def _last_line(path: Path) -> str:
+    """The server log's last non-empty line (where a dying server says why)."""
     try:
-        return path.read_text(errors="replace")[-n:]
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
     except FileNotFoundError:
         return ""
+    return lines[-1].strip() if lines else ""
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> str:
@@ -173,7 +175,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> s
     with httpx.Client(base_url=url, timeout=30) as h:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise ServerFailed(f"exited with {proc.returncode} before it was ready: ...{_log_tail(log)}")
+                raise ServerFailed(f"exited with {proc.returncode} before it was ready: {_last_line(log)}")
             try:
                 r = h.get("/v1/models")
                 if r.status_code == 200:
@@ -189,7 +191,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> s
             except (httpx.TransportError, KeyError, IndexError, ValueError):
                 pass
             time.sleep(0.25)
-    raise ServerFailed(f"not ready after {timeout:.0f}s: ...{_log_tail(log)}")
+    raise ServerFailed(f"not ready after {timeout:.0f}s; its log ends: {_last_line(log)}")
 
 
 def wait_compiled(url: str, timeout: float) -> None:

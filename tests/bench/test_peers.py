@@ -164,3 +164,12 @@ def test_tree_sampler_counts_children():
         child.kill()
         child.wait()
     assert tree_pids(child.pid) == []
+
+
+def test_a_server_that_dies_before_ready_fails_with_its_last_log_line(tmp_path):
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", "print('loading'); print('ValueError: no such model')\nraise SystemExit(3)"],
+                                stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    with pytest.raises(peers.ServerFailed, match="exited with 3 before it was ready: ValueError: no such model"):
+        peers.wait_ready(proc, f"http://127.0.0.1:{peers.free_port()}", log, timeout=60)
