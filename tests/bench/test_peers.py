@@ -81,7 +81,7 @@ def test_commands_bind_localhost_with_the_same_limits():
                           "4000", "--no-socket", "--dtype", "bfloat16", "--context-length", "768",
                           "--max-running-requests", "64", "--log-level", "warning", "--page-size", "32"]  # fmt: skip
     v = ps.launch(ps.system("vllm"), d, 4001, lim, layout)
-    assert v.argv == ["/p/vllm/bin/vllm", "serve", "/m/smollm2", "--host", "127.0.0.1", "--port", "4001", "--dtype",
+    assert v.argv == ["/p/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/smollm2", "--host", "127.0.0.1", "--port", "4001", "--dtype",
                       "float32", "--max-model-len", "768", "--max-num-seqs", "64", "--seed", "0"]  # fmt: skip
     assert v.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     g = ps.launch(ps.system("llamacpp-q8_0"), Path("/m/x.gguf"), 4002, lim, layout)
@@ -171,5 +171,7 @@ def test_a_server_that_dies_before_ready_fails_with_its_last_log_line(tmp_path):
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-c", "print('loading'); print('ValueError: no such model')\nraise SystemExit(3)"],
                                 stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
-    with pytest.raises(peers.ServerFailed, match="exited with 3 before it was ready: ValueError: no such model"):
+    with pytest.raises(
+        peers.ServerFailed, match="exited with 3 before it was ready: ValueError: no such model"
+    ):
         peers.wait_ready(proc, f"http://127.0.0.1:{peers.free_port()}", log, timeout=60)
