@@ -5,10 +5,10 @@ the systems alternate over the rounds, every run is printed, then the ratios to 
     python -m bench.peers [--model smollm2] [--systems ringserve vllm vllm-bf16 llamacpp llamacpp-q4_1]
                           [--rounds 2] [--output-json PATH]
 
-Peers come from tools/install_peers.sh (vLLM for CPU; llama.cpp's own llama-server) into
-$RINGSERVE_CACHE/peers/;
-one that is absent, or whose model file cannot be made, is skipped and the report says why
-(bench/peer_systems.py: the systems, their commands and model files).
+Peers come from tools/install_peers.sh (vLLM for CPU; llama.cpp's own llama-server), which puts
+them into $RINGSERVE_CACHE/peers/; one that is absent, or whose model file cannot be made, is
+skipped and the report says why (bench/peer_systems.py: the systems, their commands and model
+files). The report and every server's log go to --output-json's folder.
 
 One run of one system:
 
@@ -48,7 +48,7 @@ from bench.metrics import RequestRecord, compute_metrics
 from bench.proc_tree import TreeSampler, tree_usage
 from bench.workload import FIRST_ID, Request, random_requests
 
-# the headline figure of a run: (key, label, higher is better, format)
+# the headline figures of a run: (key, label, higher is better (None: no ratio), format)
 HEADLINE = (
     ("out_tok_s", "out tok/s", True, "{:.1f}"),
     ("ttft_median_s", "TTFT med (s)", False, "{:.2f}"),
@@ -58,7 +58,7 @@ HEADLINE = (
     ("compiled_s", "compiled (s)", False, "{:.1f}"),
     ("peak_rss_mb", "peak RSS (MB)", False, "{:.0f}"),
     ("peak_pss_mb", "peak PSS (MB)", False, "{:.0f}"),
-    ("cores_busy", "cores busy", True, "{:.2f}"),
+    ("cores_busy", "cores busy", None, "{:.2f}"),  # how, not how well
 )  # fmt: skip
 
 
@@ -109,7 +109,7 @@ def ratios(med: dict[str, dict[str, float]], reference: str = "ringserve") -> di
         out[name] = {}
         for key, _, higher, _ in HEADLINE:
             a, b = ours.get(key), theirs.get(key)
-            if a and b:
+            if a and b and higher is not None:
                 out[name][key] = a / b if higher else b / a
     return out
 
@@ -135,7 +135,7 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
 def format_ratios(rat: dict[str, dict[str, float]], reference: str) -> str:
     if not rat:
         return f"(no ratios: they need a completed run of {reference} and of at least one peer)"
-    keys = [(k, label) for k, label, _, _ in HEADLINE]
+    keys = [(k, label) for k, label, higher, _ in HEADLINE if higher is not None]
     lines = [f"{reference} vs each peer, medians over rounds (> 1: {reference} better)",
              f"{'peer':>16s}  " + "  ".join(f"{label:>{max(len(label), 9)}s}" for _, label in keys)]  # fmt: skip
     for name, r in rat.items():

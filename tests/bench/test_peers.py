@@ -38,18 +38,19 @@ def test_headline_medians_and_ratios():
     assert peers.headline(burst, single) == {"out_tok_s": 100.0, "ttft_median_s": 2.5, "single_itl_ms": 40.0,
                                              "single_ttft_ms": 700.0}  # fmt: skip
     runs = [
-        _run("ringserve", 1, out_tok_s=100.0, single_itl_ms=40.0, peak_rss_mb=1000.0),
-        _run("vllm", 1, out_tok_s=200.0, single_itl_ms=20.0, peak_rss_mb=4000.0),
+        _run("ringserve", 1, out_tok_s=100.0, single_itl_ms=40.0, peak_rss_mb=1000.0, cores_busy=1.5),
+        _run("vllm", 1, out_tok_s=200.0, single_itl_ms=20.0, peak_rss_mb=4000.0, cores_busy=1.8),
         _run("ringserve", 2, out_tok_s=120.0, single_itl_ms=50.0, peak_rss_mb=1200.0),
         _run("vllm", 2, out_tok_s=300.0, single_itl_ms=30.0, error="2 requests failed"),  # not counted
         _run("llamacpp", 1, error="exited with 1 before it was ready"),
     ]
     med = peers.medians(runs)
-    assert med == {"ringserve": {"out_tok_s": 110.0, "single_itl_ms": 45.0, "peak_rss_mb": 1100.0},
-                   "vllm": {"out_tok_s": 200.0, "single_itl_ms": 20.0, "peak_rss_mb": 4000.0},
+    assert med == {"ringserve": {"out_tok_s": 110.0, "single_itl_ms": 45.0, "peak_rss_mb": 1100.0, "cores_busy": 1.5},
+                   "vllm": {"out_tok_s": 200.0, "single_itl_ms": 20.0, "peak_rss_mb": 4000.0, "cores_busy": 1.8},
                    "llamacpp": {}}  # fmt: skip
     rat = peers.ratios(med)
-    # throughput: ours / theirs; latency and memory: theirs / ours (> 1: ringserve better)
+    # throughput: ours / theirs; latency and memory: theirs / ours (> 1: ringserve better);
+    # cores busy is reported, never a ratio
     assert rat == {"vllm": {"out_tok_s": 0.55, "single_itl_ms": 20.0 / 45.0, "peak_rss_mb": 4000.0 / 1100.0},
                    "llamacpp": {}}  # fmt: skip
     assert peers.ratios(med, reference="absent") == {}
