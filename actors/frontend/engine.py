@@ -82,7 +82,12 @@ class Engine:
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
-        aborts its unfinished requests."""
+        aborts its unfinished requests.
+
+        With return_logprob, SGLang's logprob fields: `logprob_start_len` (-1: the last prompt
+        token; 0: the whole prompt) sets where `input_token_logprobs` begins (its first entry's
+        logprob is None), `top_logprobs_num` adds the top-n at each position, `token_ids_logprob`
+        (ids, or one list per prompt) the logprobs of those ids at every prompt and output position."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,

@@ -188,7 +188,12 @@ class Segment:
         except posix_ipc.ExistentialError:
             raise ValueError(f"weight push segment {name} is gone (the server ended the push)") from None
 
+    def _check_open(self) -> None:
+        if self.shm.fd < 0:  # (mmap of fd -1 would be fresh anonymous memory, not the segment)
+            raise ValueError(f"weight push segment {self.name} is closed (the push ended)")
+
     def map(self) -> mmap.mmap:
+        self._check_open()
         if self._mm is None:
             self._mm = mmap.mmap(self.shm.fd, self.size)
         return self._mm
@@ -196,6 +201,7 @@ class Segment:
     def reserve(self, nbytes: int) -> None:
         """Back the first `nbytes` with memory now: a full /dev/shm is an error here, where a
         write into an unbacked page would be a SIGBUS."""
+        self._check_open()
         if nbytes:
             try:
                 os.posix_fallocate(self.shm.fd, 0, nbytes)

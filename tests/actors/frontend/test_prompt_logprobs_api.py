@@ -41,6 +41,15 @@ def test_client_and_generate_route_give_the_engines_prompt_logprobs(engine, serv
         assert r.status_code == 400 and "logprob" in r.json()["error"]["message"]
     with pytest.raises(ValueError, match="token_ids_logprob needs return_logprob=True"):
         engine.generate(input_ids=PROMPT, sampling_params=SP, token_ids_logprob=[5])
+    sid = engine.open_session()
+    try:  # a session turn reuses its earlier turns' KV: no prompt logprobs (the default is fine)
+        with pytest.raises(ValueError, match="logprob_start_len: prompt logprobs of a session turn are not supported"):
+            engine.generate(input_ids=PROMPT, sampling_params=SP, return_logprob=True, logprob_start_len=0,
+                            session_params={"id": sid})  # fmt: skip
+        turn = engine.generate(input_ids=PROMPT, sampling_params=SP, return_logprob=True, session_params={"id": sid})
+        assert turn["meta_info"]["input_token_logprobs"][0][:2] == (None, PROMPT[-1])
+    finally:
+        engine.close_session(sid)
 
 
 def test_openai_completions_echo_puts_the_prompt_and_its_logprobs_first(engine, servers):

@@ -343,23 +343,16 @@ def test_http_push_refusals_name_the_tensor_and_field(restored, servers, served_
     assert outputs(engine) == before and push_segments() == []
 
 
-def _read_answer(s: socket.socket) -> str:
-    """One HTTP answer off a raw socket: its head, then as much body as Content-Length says (the
-    server may send the two in separate packets)."""
+def read_response(s: socket.socket) -> str:
+    """One whole HTTP/1.1 response (head and Content-Length body) off a raw socket."""
+    s.settimeout(30)
     data = b""
     while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        if not chunk:
-            return data.decode()
-        data += chunk
+        data += s.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(body) < length:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        body += chunk
+        body += s.recv(65536)
     return (head + b"\r\n\r\n" + body).decode()
 
 
@@ -384,8 +377,7 @@ def test_an_http_client_that_stalls_or_disconnects_half_way_leaves_the_old_weigh
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             if stall:  # the server gives up on its own while the connection stays open
-                s.settimeout(30)
-                answer = _read_answer(s)
+                answer = read_response(s)
                 assert answer.startswith("HTTP/1.1 400") and "no data for 0.5 s (timeout)" in answer, answer
                 assert push_segments() == []
             else:
