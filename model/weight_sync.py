@@ -70,6 +70,8 @@ class WeightSync:
         the last part applies every staged tensor."""
         if first:
             self.staged.clear()
+        elif not self.staged:  # e.g. the engine restarted between two parts: never a partial swap
+            raise WeightError("a later part of an update whose first part this runner never got; send the update again")
         dup = sorted(set(tensors) & set(self.staged))
         if dup:
             self.staged.clear()

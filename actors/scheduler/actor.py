@@ -45,8 +45,9 @@ GRAMMAR_WAIT_S = 0.002  # wait for a request while nothing runs but a grammar co
 
 
 def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
-    return Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
-               stream=g.stream, session_id=g.session_id)  # fmt: skip
+    req = Req(g.rid, m.as_i32(g.input_ids).copy(), g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
+              stream=g.stream, session_id=g.session_id)  # fmt: skip
+    return req if g.resume is None else req.continuing(g.resume)
 
 
 class SchedulerActor:
@@ -291,5 +292,6 @@ def run(ctx) -> None:
         from_runner=Ring.attach(ctx.rings["from_runner"], spin_us=spin),
         to_detok=Ring.attach(ctx.rings["to_detok"], spin_us=spin),
     )  # fmt: skip
+    actor.core.started_with(cfg.weights)
     ctx.ready()
     actor.serve(ctx.stopping)

@@ -42,7 +42,7 @@ from actors.transport.ring import BroadcastRing, Ring, _RingBase
 if TYPE_CHECKING:
     from actors.server_args import ServerArgs
 
-__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "start_engine"]
+__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "describe_exit", "start_engine"]
 
 log = logging.getLogger("ringserve.launcher")
 OnFailure = Callable[[str, int | None, str], None]
@@ -52,7 +52,7 @@ class ActorFailed(RuntimeError):
     """An actor failed at start-up or died; the message carries its traceback."""
 
     def __init__(self, name: str, exitcode: int | None, traceback_text: str) -> None:
-        super().__init__(f"actor {name!r} failed ({_describe(exitcode)}):\n{traceback_text}")
+        super().__init__(f"actor {name!r} failed ({describe_exit(exitcode)}):\n{traceback_text}")
         self.name, self.exitcode, self.traceback_text = name, exitcode, traceback_text
 
 
@@ -79,7 +79,8 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _describe(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """'exit code N', 'killed by SIGKILL', or 'still running' (None)."""
     if code is None:
         return "still running"
     if code < 0:
@@ -324,7 +325,7 @@ class ActorGroup:
         if a.exitcode == 0:
             text = f"actor {a.name!r} returned (exit code 0) before the group asked it to stop"
         else:
-            text = f"actor {a.name!r} died ({_describe(a.exitcode)}) without sending a traceback"
+            text = f"actor {a.name!r} died ({describe_exit(a.exitcode)}) without sending a traceback"
         if a.logs:
             text += "\nits last log lines:\n" + "\n".join(a.logs)
         return text

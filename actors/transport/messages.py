@@ -54,13 +54,48 @@ def as_u8(b: bytes) -> np.ndarray:
     return np.frombuffer(b, dtype=np.uint8)
 
 
+class TensorRef(msgspec.Struct, **_S):
+    """One HF-named tensor in a shared-memory segment the runner maps (never in the ring)."""
+
+    name: str
+    dtype: str  # numpy dtype name: float32, float16, bfloat16
+    shape: list[int]
+    segment: str  # posix shared-memory name, mode 0600, unlinked by its creator afterwards
+    offset: int
+    nbytes: int
+
+
 # ---- actor configs (the opaque `config` bytes each actor is spawned with) ---------------------
+class StartWeights(msgspec.Struct, **_S):
+    """The weights an engine (re)starts serving (actors/frontend/supervisor.py): the runner loads
+    `ActorConfig.model_dir`, then these tensors over it (all or nothing: a refusal fails its
+    start); the scheduler stamps `version` and counts `updates` from there."""
+
+    version: str = "0"
+    updates: int = 0  # weight updates so far (a default version is this count + 1)
+    tensors: list[TensorRef] = []
+
+
 class ActorConfig(msgspec.Struct, **_S):
     args: ServerArgs
     model_dir: str  # resolved local HF-format directory (or .gguf file for the runner)
     tokenizer_dir: str
     eos_ids: list[int] = []
     vocab_size: int = 0
+    weights: StartWeights = msgspec.field(default_factory=StartWeights)
+
+
+class Resume(msgspec.Struct, **_S):
+    """What the caller of a resubmitted request already has (the actors were started again
+    under it: actors/frontend/supervisor.py). The scheduler takes `output_ids` as the request's
+    output so far, as a retracted request's (max_new_tokens counts them, a stop string may span
+    the seam, a grammar's matcher replays them); the detokenizer decodes them again and goes on
+    after the `text_len` characters already delivered."""
+
+    output_ids: bytes  # int32
+    text_len: int
+    cached_tokens: int = 0  # the first run's, reported as it was
+    weight_spans: list[tuple[str, int]] = []  # (version, first output index) of the tokens delivered
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------
@@ -72,6 +107,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     top_logprobs_num: int = 0
     stream: bool = False  # outputs every stream_interval tokens; else only the finished one
     session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
+    resume: Resume | None = None  # resubmitted after a restart: the output its caller already has
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):
@@ -100,17 +136,6 @@ class LoadReq(msgspec.Struct, tag="load", **_S):
 
 class CloseSessionReq(msgspec.Struct, tag="close_session", **_S):
     session_id: str
-
-
-class TensorRef(msgspec.Struct, **_S):
-    """One HF-named tensor in a shared-memory segment the runner maps (never in the ring)."""
-
-    name: str
-    dtype: str  # numpy dtype name: float32, float16, bfloat16
-    shape: list[int]
-    segment: str  # posix shared-memory name, mode 0600, unlinked by its creator afterwards
-    offset: int
-    nbytes: int
 
 
 class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
@@ -254,6 +279,7 @@ class TokenOut(msgspec.Struct, **_S):
     top_logprobs: bytes = b""  # f32 [new, top_n]
     top_n: int = 0
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
+    resume: Resume | None = None  # with `open`, for a resubmitted request: the text to go on from
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
     weight_version: str = ""  # the weights that produced these tokens

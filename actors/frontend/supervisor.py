@@ -1,0 +1,404 @@
+"""The supervisor: one engine's actors, started again when one of them dies (issue 28).
+
+    Engine ──owns──► Supervisor ──launch(model_dir, weights, on_failure)──► ActorGroup
+                      │                                 (scheduler, runner, detokenizer)
+                      │ ◄── on_failure(name, exitcode, traceback): the group's watcher thread
+                      ├── RestartPolicy   more than max_restarts crashes in restart_window_s:
+                      │                   give up (every caller gets EngineDead, as unsupervised)
+                      ├── Journal         what new actors must be given back, from the control
+                      │                   calls the scheduler confirmed
+                      └── frontend.reattach(rings, journal.restore(), lost_update)
+
+A restart, step by step (on the supervisor's thread; the frontend keeps serving meanwhile):
+
+1. The dead actor's group tears itself down (the launcher: Stop, SIGTERM, SIGKILL, every ring
+   and semaphore unlinked). What the frontend sends meanwhile is dropped; its request table
+   and the control calls waiting for replies are the record. The old reader thread ends once
+   its ring is closed: every output it read is applied before step 4.
+2. The policy counts the crash; past its limit, or when the weights cannot be brought back
+   (`Journal.why_not`), the engine gives up: `fail_all(EngineDead(why))`.
+3. `launch` starts the actors again with the weights the engine serves (`Journal.start_weights`:
+   the checkpoint last loaded whole, the tensors pushed over it since, their version and count);
+   compiled programs come from the XLA cache. An actor that fails to start is one more crash.
+4. `TokenizerManager.reattach` gives the new scheduler the journal's state (device memory given
+   back, the pause), every live request again as prompt + what its caller already has
+   (`FrontendCore.resubmission`: same rid, sampling and seed; the scheduler takes those tokens as
+   the request's output so far, the detokenizer goes on after the text already sent), then the
+   control calls still waiting (a weight update in flight fails: the caller retries it).
+
+What a restart keeps and what it cannot:
+- Requests: every one finishes as an uninterrupted run would (greedy exactly; seeded exactly in
+  deterministic mode: a token's draw depends on its seed and position only), its stream never
+  repeats text, its meta reads as one run. n > 1 samples are requests of their own. An abort
+  asked before or during the restart is asked again of the resubmitted request.
+- Paused: the new engine is paused too; requests paused in place wait as if retracted.
+- Sessions stay open and their turns resubmit; the KV a finished turn kept is gone, so the next
+  turn computes its whole input once.
+- Weights: the version serving and every update since start, from disk or from tensors (the
+  journal keeps a host copy of each tensor pushed since the last full load: at most one model's
+  weights). A checkpoint directory that no longer exists refuses the restart, naming it.
+- The prefix cache starts empty; a non-streamed request had no tokens delivered and is computed
+  again from its prompt.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from actors.frontend.errors import EngineDead
+from actors.transport import messages as m
+from actors.transport.launcher import ActorFailed, ActorGroup, OnFailure, describe_exit
+
+log = logging.getLogger("ringserve.supervisor")
+
+Launch = Callable[[str, m.StartWeights, OnFailure], tuple[ActorGroup, Any, Any]]
+RESTORE_REPLY_TIMEOUT_S = 60.0
+_LIVE: weakref.WeakSet[Supervisor] = weakref.WeakSet()
+
+
+@atexit.register
+def _exiting() -> None:
+    """At interpreter exit multiprocessing terminates the actors (daemons) of engines never shut
+    down: that is no crash to restart from (this hook runs before multiprocessing's)."""
+    for s in list(_LIVE):
+        s.exiting()
+
+
+class RestartPolicy:
+    """More than `max_restarts` crashes within `window_s` seconds: give up (0: never restart)."""
+
+    def __init__(self, max_restarts: int, window_s: float):
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.times: collections.deque[float] = collections.deque()
+
+    def crashed(self, now: float) -> str | None:
+        """Count a crash at `now` (time.monotonic()); why not to restart, or None."""
+        if self.max_restarts == 0:
+            return "the supervisor is off (supervise=False)"
+        self.times.append(now)
+        while self.times and self.times[0] < now - self.window_s:
+            self.times.popleft()
+        if len(self.times) > self.max_restarts:
+            return (f"{len(self.times)} crashes within {self.window_s:g} s (more than max_restarts="
+                    f"{self.max_restarts} in restart_window_s={self.window_s:g}): a crash loop")  # fmt: skip
+        return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tensor:
+    """A pushed tensor's host copy, as it travelled (dtype name, shape, raw bytes)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class Journal:
+    """What actors started anew must be given back, from the control calls the scheduler
+    confirmed (`TokenizerManager.control` tells it each one): the pause, the device memory given
+    back, and the weights: the checkpoint last loaded whole (the model at start, or the latest
+    update_weights_from_disk), the tensors pushed over it since (a host copy of each name's
+    latest value), their version and the count of updates."""
+
+    def __init__(self, model_dir: str):
+        self.paused = False
+        self.released: set[str] = set()
+        self.model_dir = model_dir
+        self.version = "0"
+        self.updates = 0
+        self.tensors: dict[str, Tensor] = {}
+        self._staged: dict[str, Tensor] = {}  # parts of a tensor update not yet confirmed whole
+
+    def confirmed(self, msg: Any, reply: m.ControlReply) -> None:
+        if isinstance(msg, m.UpdateWeightsReq):
+            self._weights(msg, reply)
+        elif not reply.ok:
+            return
+        elif isinstance(msg, m.PauseReq):
+            self.paused = True
+        elif isinstance(msg, m.ContinueReq):
+            self.paused = False
+        elif isinstance(msg, m.MemoryReq):
+            if msg.action == "release":
+                self.released |= set(msg.tags)
+            else:
+                self.released -= set(msg.tags)
+
+    def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
+        if not reply.ok:
+            self._staged.clear()
+            return
+        last = msg.part == msg.parts - 1
+        if msg.source == "disk":
+            self.model_dir, self.tensors = msg.model_path, {}
+        else:
+            if msg.part == 0:
+                self._staged.clear()
+            self._staged.update(_read_tensors(msg.tensors))  # (the segments live until this reply is taken)
+            if last:
+                self.tensors.update(self._staged)
+                self._staged.clear()
+        if last:
+            self.version = json.loads(reply.payload)["weight_version"]
+            self.updates += 1
+
+    def why_not(self) -> str | None:
+        """Why the weights serving cannot be brought back, or None."""
+        if not Path(self.model_dir).exists():
+            return (f"the weights serving (version {self.version}) were loaded from {self.model_dir}, which no "
+                    "longer exists; restart the engine with weights that do")  # fmt: skip
+        return None
+
+    def restore(self) -> list[tuple[str, Any]]:
+        """Control messages that bring the journal's state back to a new scheduler, in order:
+        the device memory given back (while nothing holds KV), then the pause."""
+        msgs: list[tuple[str, Any]] = []
+        if self.released:
+            msgs.append(("memory", m.MemoryReq("release", sorted(self.released))))
+        if self.paused:  # (nothing runs in the new scheduler: the mode does not matter)
+            msgs.append(("pause", m.PauseReq("in_place")))
+        return msgs
+
+    @contextlib.contextmanager
+    def start_weights(self) -> Iterator[m.StartWeights]:
+        """The weights new actors start with; the tensors pushed since the last full load are in
+        one shared-memory segment (mode 0600) until the actors are ready."""
+        if not self.tensors:
+            yield m.StartWeights(self.version, self.updates)
+            return
+        import posix_ipc
+
+        name = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-restore"
+        size = sum(len(t.data) for t in self.tensors.values())
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            refs, off = [], 0
+            with mmap.mmap(shm.fd, size) as mm:
+                for tname, t in self.tensors.items():
+                    mm[off : off + len(t.data)] = t.data
+                    refs.append(m.TensorRef(tname, t.dtype, list(t.shape), name, off, len(t.data)))
+                    off += len(t.data)
+            shm.close_fd()
+            yield m.StartWeights(self.version, self.updates, refs)
+        finally:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(name)
+
+
+def _read_tensors(refs: list[m.TensorRef]) -> dict[str, Tensor]:
+    import posix_ipc
+
+    out: dict[str, Tensor] = {}
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        for r in refs:
+            mm = maps.get(r.segment)
+            if mm is None:
+                shm = posix_ipc.SharedMemory(r.segment)
+                mm = maps[r.segment] = mmap.mmap(shm.fd, shm.size)
+                shm.close_fd()
+            out[r.name] = Tensor(r.dtype, tuple(r.shape), mm[r.offset : r.offset + r.nbytes])
+    finally:
+        for mm in maps.values():
+            mm.close()
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Crash:
+    name: str
+    exitcode: int | None
+    traceback: str
+    at: float  # time.monotonic() when the supervisor heard of it
+
+    def __str__(self) -> str:
+        return f"actor {self.name!r} died ({describe_exit(self.exitcode)}):\n{self.traceback}"
+
+
+class Supervisor:
+    """Owns the engine's actor group (`group`) and starts it again when an actor dies; the
+    Engine asks it for three things: `start()` (the first start; its errors raise), the current
+    `group`, and `close()`. A policy of 0 restarts never restarts (supervise=False): the first
+    crash fails every caller, as an engine without a supervisor does."""
+
+    def __init__(self, frontend: Any, launch: Launch, policy: RestartPolicy, journal: Journal,
+                 ready_timeout: float):  # fmt: skip
+        self.frontend = frontend
+        self.launch = launch
+        self.policy = policy
+        self.journal = journal
+        self.ready_timeout = ready_timeout
+        self.group: ActorGroup | None = None
+        self.ready: dict[str, bytes] = {}  # the actors' ready infos (the runner's: devices, programs)
+        self._gen = 0  # the adopted group's generation; a failure of another one is not ours
+        self._gens = itertools.count(1)
+        self._taken: set[int] = set()  # generations whose failure was taken
+        self._crashes: collections.deque[Crash] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._launching: ActorGroup | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        if policy.max_restarts:
+            frontend.journal = journal
+        _LIVE.add(self)
+
+    # ---- the engine's verbs ------------------------------------------------------------------
+    def start(self) -> dict[str, bytes]:
+        """Start the actors the first time (ActorFailed / TimeoutError raise: nothing is left)."""
+        gen = next(self._gens)
+        group, to_s, from_d, ready = self._start(gen)
+        self.frontend.attach(to_s, from_d)
+        self._adopt(gen, group, ready)
+        return ready
+
+    def close(self) -> None:
+        """Stop the actors (and a restart under way); idempotent."""
+        with self._lock:
+            self._closed = True
+            groups = [g for g in (self._launching, self.group) if g is not None]
+            thread = self._thread
+        for g in groups:
+            g.shutdown()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(RESTORE_REPLY_TIMEOUT_S)
+
+    def exiting(self) -> None:
+        """No more restarts (the interpreter exits; what dies now fails its callers)."""
+        with self._lock:
+            self.policy = RestartPolicy(0, self.policy.window_s)
+
+    # ---- starting a group --------------------------------------------------------------------
+    def _start(self, gen: int) -> tuple[ActorGroup, Any, Any, dict[str, bytes]]:
+        with self.journal.start_weights() as weights:
+            group, to_s, from_d = self.launch(self.journal.model_dir, weights, functools.partial(self._failed, gen))
+            with self._lock:
+                closed = self._closed
+                self._launching = None if closed else group
+            if closed:
+                group.shutdown()
+                raise EngineDead("the engine was shut down")
+            try:
+                ready = group.wait_ready(self.ready_timeout)
+            finally:
+                with self._lock:
+                    self._launching = None
+        return group, to_s, from_d, ready
+
+    def _adopt(self, gen: int, group: ActorGroup, ready: dict[str, bytes]) -> bool:
+        """The started group is the engine's now (False: shut down meanwhile, and so is it)."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._gen, self.group, self.ready = gen, group, ready
+        if closed:
+            group.shutdown()
+            return False
+        f = group.failure  # died between ready and now: its on_failure was not ours yet
+        if f is not None:
+            self._failed(gen, f.name, f.exitcode, f.traceback_text)
+        return True
+
+    # ---- failures (a watcher thread) -----------------------------------------------------------
+    def _failed(self, gen: int, name: str, exitcode: int | None, traceback_text: str) -> None:
+        crash = Crash(name, exitcode, traceback_text, time.monotonic())
+        with self._lock:
+            if gen != self._gen or gen in self._taken or self._closed:
+                return  # a group still starting (its wait_ready raises), or shutting down
+            self._taken.add(gen)
+            why = self.policy.crashed(crash.at)
+            if why is None:
+                self._crashes.append(crash)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._restarts, name="ringserve-supervisor", daemon=True)
+                    self._thread.start()
+        if why is not None:
+            self._give_up(crash, why)
+            return
+        log.warning("%s\nrestarting the actors (%d of %d restarts allowed within %g s)", crash,
+                    len(self.policy.times), self.policy.max_restarts, self.policy.window_s)  # fmt: skip
+
+    def _give_up(self, crash: Crash, why: str) -> None:
+        supervised = self.policy.max_restarts > 0
+        err = EngineDead(f"{crash}\nnot restarted: {why}" if supervised else str(crash))
+        log.error("%s", err)
+        fe = self.frontend
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the engine was shut down
+            fe.loop.call_soon_threadsafe(fe.fail_all, err)
+
+    # ---- restarts (the supervisor's thread) ----------------------------------------------------
+    def _restarts(self) -> None:
+        while True:
+            with self._lock:
+                if not self._crashes or self._closed:
+                    self._thread = None
+                    return
+                crash = self._crashes.popleft()
+            try:
+                self._restart(crash)
+            except Exception as e:  # a bug here must not leave callers waiting forever
+                log.exception("supervisor: the restart failed")
+                self._give_up(crash, f"the restart failed: {e!r}")
+
+    def _restart(self, crash: Crash) -> None:
+        old, reader = self.group, self.frontend.reader
+        assert old is not None
+        old.wait_closed()
+        if reader is not None:
+            reader.join()  # every output it read is on the loop before reattach
+        t_down = time.monotonic()
+        why = self.journal.why_not()
+        while why is None:
+            gen = next(self._gens)
+            try:
+                group, to_s, from_d, ready = self._start(gen)
+                break
+            except ActorFailed as e:  # one more crash, at start-up
+                crash = Crash(e.name, e.exitcode, e.traceback_text, time.monotonic())
+                log.warning("%s\n(while restarting)", crash)
+                with self._lock:
+                    why = self.policy.crashed(crash.at)
+            except (EngineDead, RuntimeError):  # shut down meanwhile
+                return
+        else:
+            self._give_up(crash, why)
+            return
+        fe = self.frontend
+        if not self._adopt(gen, group, ready):
+            return
+        lost = m.ControlReply("update_weights", False,
+                              f"update_weights: the engine restarted while this update was in flight (actor "
+                              f"{crash.name!r} died); the weights serving are version {self.journal.version}; "
+                              "send the update again", json.dumps({"weight_version": self.journal.version}).encode())  # fmt: skip
+        try:
+            futs, resubmitted = fe.lt.run(fe.reattach(to_s, from_d, self.journal.restore(), lost), timeout=RESTORE_REPLY_TIMEOUT_S)
+        except Exception:  # the frontend closed meanwhile
+            if not self._closed:
+                raise
+            return
+        for fut in futs:
+            fut.add_done_callback(_log_refused)
+        seconds = time.monotonic() - crash.at
+        fe.core.metrics.restarted(crash.name, crash.exitcode, seconds, resubmitted)
+        log.warning("supervisor: actors started again %.1f s after %r died (the old ones stopped in %.1f s); "
+                    "%d requests resubmitted", seconds, crash.name, t_down - crash.at, resubmitted)  # fmt: skip
+
+
+def _log_refused(fut: Any) -> None:
+    if not fut.cancelled() and fut.exception() is None and not fut.result().ok:
+        log.error("supervisor: restoring the engine's state was refused: %s", fut.result().message)
