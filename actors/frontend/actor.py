@@ -139,14 +139,20 @@ class TokenizerManager:
                     raise RuntimeError(
                         f"control reply {msg.kind!r} while waiting for {[c.kind for c in self.replies]}"
                     )
-                fut = self.replies.popleft().fut
-                if not fut.done():
-                    fut.set_result(msg)
+                self._replied(self.replies.popleft(), msg)
                 return
             self.core.apply(msg, time.perf_counter())
         except Exception as e:  # a protocol bug: fail loudly rather than leave callers waiting
             log.exception("frontend: bad message from the detokenizer")
             self.fail_all(e)
+
+    def _replied(self, call: Call, reply: m.ControlReply) -> None:
+        """A control call's reply: the journal learns what the scheduler confirmed (even when
+        the caller stopped waiting), then the caller gets it."""
+        if self.journal is not None and not call.restore:
+            self.journal.confirmed(call.msg, reply)
+        if not call.fut.done():
+            call.fut.set_result(reply)
 
     def fail_all(self, err: BaseException) -> None:
         """An actor died: every pending request and control call gets the error."""
@@ -191,7 +197,7 @@ class TokenizerManager:
                 if call.restore:
                     call.fut.cancel()
                 elif call.kind == "update_weights":
-                    call.fut.set_result(lost_update)
+                    self._replied(call, lost_update)
                 else:
                     self.replies.append(call)
                     send(call.msg)
@@ -311,10 +317,7 @@ class TokenizerManager:
         except BaseException:
             self.replies.remove(call)
             raise
-        reply = await call.fut
-        if self.journal is not None:  # what a restart must bring back (pause, memory, weights)
-            self.journal.confirmed(msg, reply)
-        return reply
+        return await call.fut
 
     async def _ok(self, msg: Any, kind: str) -> dict:
         r = await self.control(msg, kind)

@@ -104,7 +104,9 @@ class FrontendCore:
         output ids and text so far, the meta that must read as one run)."""
         if not st.output_ids:
             return generate_req(st.spec)
-        resume = m.Resume(m.i32(st.output_ids), len(st.text), st.meta.get("cached_tokens", 0), list(st.weight_spans))
+        meta = st.meta
+        resume = m.Resume(m.i32(st.output_ids), len(st.text), meta.get("cached_tokens", 0), list(st.weight_spans),
+                          meta.get("spec_verify_ct", 0), meta.get("spec_accept_token_num", 0))  # fmt: skip
         return generate_req(st.spec, resume)
 
     def fail_all(self, err: BaseException) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 from actors.frontend.actor import TokenizerManager
 from actors.frontend.bridge import iterate_across, iterate_in_thread
 from actors.frontend.inputs import GenerateArgs
-from actors.frontend.supervisor import Journal, RestartPolicy, Supervisor
+from actors.frontend.journal import Journal
+from actors.frontend.supervisor import RestartPolicy, Supervisor
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 
@@ -122,7 +123,12 @@ class Engine:
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request (its partial output returns with finish_reason abort), the n
         samples `rid-0 ... rid-(n-1)` of a request made with n > 1, or every request."""
-        self.frontend.abort_request(rid, abort_all)
+        fe = self.frontend
+
+        async def abort() -> None:  # on the loop, which owns the request table
+            fe.abort_request(rid, abort_all)
+
+        fe.run_sync(abort())
 
     def pause_generation(self, mode: str = "abort") -> dict:
         """Returns when the scheduler is quiet: abort (every request finishes with 'abort'),

@@ -3,10 +3,11 @@
     Engine ──owns──► Supervisor ──launch(model_dir, weights, on_failure)──► ActorGroup
                       │                                 (scheduler, runner, detokenizer)
                       │ ◄── on_failure(name, exitcode, traceback): the group's watcher thread
-                      ├── RestartPolicy   more than max_restarts crashes in restart_window_s:
+                      ├── RestartPolicy   more than max_restarts crashes in restart_window_s,
+                      │                   or more than max_restarts failed starts in a row:
                       │                   give up (every caller gets EngineDead, as unsupervised)
                       ├── Journal         what new actors must be given back, from the control
-                      │                   calls the scheduler confirmed
+                      │                   calls the scheduler confirmed (actors/frontend/journal.py)
                       └── frontend.reattach(rings, journal.restore(), lost_update)
 
 A restart, step by step (on the supervisor's thread; the frontend keeps serving meanwhile):
@@ -19,7 +20,8 @@ A restart, step by step (on the supervisor's thread; the frontend keeps serving 
    (`Journal.why_not`), the engine gives up: `fail_all(EngineDead(why))`.
 3. `launch` starts the actors again with the weights the engine serves (`Journal.start_weights`:
    the checkpoint last loaded whole, the tensors pushed over it since, their version and count);
-   compiled programs come from the XLA cache. An actor that fails to start is one more crash.
+   compiled programs come from the XLA cache. An actor that fails to start (or a start that
+   times out) is one more crash.
 4. `TokenizerManager.reattach` gives the new scheduler the journal's state (device memory given
    back, the pause), every live request again as prompt + what its caller already has
    (`FrontendCore.resubmission`: same rid, sampling and seed; the scheduler takes those tokens as
@@ -32,11 +34,13 @@ What a restart keeps and what it cannot:
   repeats text, its meta reads as one run. n > 1 samples are requests of their own. An abort
   asked before or during the restart is asked again of the resubmitted request.
 - Paused: the new engine is paused too; requests paused in place wait as if retracted.
-- Sessions stay open and their turns resubmit; the KV a finished turn kept is gone, so the next
-  turn computes its whole input once.
+- Sessions stay open and their turns resubmit (the choice: a session is the frontend's, its
+  turns' inputs are whole); the KV a finished turn kept is gone, so the next turn computes its
+  whole input once, as after flush_cache.
 - Weights: the version serving and every update since start, from disk or from tensors (the
   journal keeps a host copy of each tensor pushed since the last full load: at most one model's
-  weights). A checkpoint directory that no longer exists refuses the restart, naming it.
+  weights). A checkpoint directory that no longer exists, or pushed tensors that could not be
+  kept, refuse the restart, saying why: never other weights than the ones serving.
 - The prefix cache starts empty; a non-streamed request had no tokens delivered and is computed
   again from its prompt.
 """
@@ -51,17 +55,14 @@ import functools
 import itertools
 import json
 import logging
-import mmap
-import os
-import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from actors.frontend.errors import EngineDead
+from actors.frontend.journal import Journal
 from actors.transport import messages as m
 from actors.transport.launcher import ActorFailed, ActorGroup, OnFailure, describe_exit
 
@@ -80,8 +81,12 @@ def _exiting() -> None:
         s.exiting()
 
 
+
+
 class RestartPolicy:
-    """More than `max_restarts` crashes within `window_s` seconds: give up (0: never restart)."""
+    """When to stop restarting: more than `max_restarts` crashes within `window_s` seconds
+    (`crashed`), or more than `max_restarts` failed starts in a row (the supervisor counts those:
+    a start slower than the window must not spin forever). 0: never restart."""
 
     def __init__(self, max_restarts: int, window_s: float):
         self.max_restarts, self.window_s = max_restarts, window_s
@@ -99,130 +104,16 @@ class RestartPolicy:
                     f"{self.max_restarts} in restart_window_s={self.window_s:g}): a crash loop")  # fmt: skip
         return None
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Tensor:
-    """A pushed tensor's host copy, as it travelled (dtype name, shape, raw bytes)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-
-class Journal:
-    """What actors started anew must be given back, from the control calls the scheduler
-    confirmed (`TokenizerManager.control` tells it each one): the pause, the device memory given
-    back, and the weights: the checkpoint last loaded whole (the model at start, or the latest
-    update_weights_from_disk), the tensors pushed over it since (a host copy of each name's
-    latest value), their version and the count of updates."""
-
-    def __init__(self, model_dir: str):
-        self.paused = False
-        self.released: set[str] = set()
-        self.model_dir = model_dir
-        self.version = "0"
-        self.updates = 0
-        self.tensors: dict[str, Tensor] = {}
-        self._staged: dict[str, Tensor] = {}  # parts of a tensor update not yet confirmed whole
-
-    def confirmed(self, msg: Any, reply: m.ControlReply) -> None:
-        if isinstance(msg, m.UpdateWeightsReq):
-            self._weights(msg, reply)
-        elif not reply.ok:
-            return
-        elif isinstance(msg, m.PauseReq):
-            self.paused = True
-        elif isinstance(msg, m.ContinueReq):
-            self.paused = False
-        elif isinstance(msg, m.MemoryReq):
-            if msg.action == "release":
-                self.released |= set(msg.tags)
-            else:
-                self.released -= set(msg.tags)
-
-    def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
-        if not reply.ok:
-            self._staged.clear()
-            return
-        last = msg.part == msg.parts - 1
-        if msg.source == "disk":
-            self.model_dir, self.tensors = msg.model_path, {}
-        else:
-            if msg.part == 0:
-                self._staged.clear()
-            self._staged.update(_read_tensors(msg.tensors))  # (the segments live until this reply is taken)
-            if last:
-                self.tensors.update(self._staged)
-                self._staged.clear()
-        if last:
-            self.version = json.loads(reply.payload)["weight_version"]
-            self.updates += 1
-
-    def why_not(self) -> str | None:
-        """Why the weights serving cannot be brought back, or None."""
-        if not Path(self.model_dir).exists():
-            return (f"the weights serving (version {self.version}) were loaded from {self.model_dir}, which no "
-                    "longer exists; restart the engine with weights that do")  # fmt: skip
+    def failed_starts(self, n: int) -> str | None:
+        """Why not to try again after `n` failed starts in a row, or None."""
+        if n > self.max_restarts:
+            return f"{n} starts of the actors failed in a row (more than max_restarts={self.max_restarts})"
         return None
-
-    def restore(self) -> list[tuple[str, Any]]:
-        """Control messages that bring the journal's state back to a new scheduler, in order:
-        the device memory given back (while nothing holds KV), then the pause."""
-        msgs: list[tuple[str, Any]] = []
-        if self.released:
-            msgs.append(("memory", m.MemoryReq("release", sorted(self.released))))
-        if self.paused:  # (nothing runs in the new scheduler: the mode does not matter)
-            msgs.append(("pause", m.PauseReq("in_place")))
-        return msgs
-
-    @contextlib.contextmanager
-    def start_weights(self) -> Iterator[m.StartWeights]:
-        """The weights new actors start with; the tensors pushed since the last full load are in
-        one shared-memory segment (mode 0600) until the actors are ready."""
-        if not self.tensors:
-            yield m.StartWeights(self.version, self.updates)
-            return
-        import posix_ipc
-
-        name = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-restore"
-        size = sum(len(t.data) for t in self.tensors.values())
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        try:
-            refs, off = [], 0
-            with mmap.mmap(shm.fd, size) as mm:
-                for tname, t in self.tensors.items():
-                    mm[off : off + len(t.data)] = t.data
-                    refs.append(m.TensorRef(tname, t.dtype, list(t.shape), name, off, len(t.data)))
-                    off += len(t.data)
-            shm.close_fd()
-            yield m.StartWeights(self.version, self.updates, refs)
-        finally:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(name)
-
-
-def _read_tensors(refs: list[m.TensorRef]) -> dict[str, Tensor]:
-    import posix_ipc
-
-    out: dict[str, Tensor] = {}
-    maps: dict[str, mmap.mmap] = {}
-    try:
-        for r in refs:
-            mm = maps.get(r.segment)
-            if mm is None:
-                shm = posix_ipc.SharedMemory(r.segment)
-                mm = maps[r.segment] = mmap.mmap(shm.fd, shm.size)
-                shm.close_fd()
-            out[r.name] = Tensor(r.dtype, tuple(r.shape), mm[r.offset : r.offset + r.nbytes])
-    finally:
-        for mm in maps.values():
-            mm.close()
-    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Crash:
-    name: str
+    name: str  # the actor that died ("start-up": a start that timed out)
     exitcode: int | None
     traceback: str
     at: float  # time.monotonic() when the supervisor heard of it
@@ -235,7 +126,11 @@ class Supervisor:
     """Owns the engine's actor group (`group`) and starts it again when an actor dies; the
     Engine asks it for three things: `start()` (the first start; its errors raise), the current
     `group`, and `close()`. A policy of 0 restarts never restarts (supervise=False): the first
-    crash fails every caller, as an engine without a supervisor does."""
+    crash fails every caller, as an engine without a supervisor does.
+
+    Threads: failures arrive on the group's watcher thread (`_failed`), restarts run on one
+    supervisor thread at a time (`_restarts`), the frontend's state changes on its loop
+    (`reattach`, `fail_all`); `_lock` guards what they share."""
 
     def __init__(self, frontend: Any, launch: Launch, policy: RestartPolicy, journal: Journal,
                  ready_timeout: float):  # fmt: skip
@@ -246,13 +141,15 @@ class Supervisor:
         self.ready_timeout = ready_timeout
         self.group: ActorGroup | None = None
         self.ready: dict[str, bytes] = {}  # the actors' ready infos (the runner's: devices, programs)
+        self.gave_up: str | None = None  # why the engine was given up (it is dead)
         self._gen = 0  # the adopted group's generation; a failure of another one is not ours
         self._gens = itertools.count(1)
-        self._taken: set[int] = set()  # generations whose failure was taken
+        self._taken = 0  # the generation whose failure was taken last
         self._crashes: collections.deque[Crash] = collections.deque()
         self._thread: threading.Thread | None = None
         self._launching: ActorGroup | None = None
         self._closed = False
+        self._exiting = False
         self._lock = threading.Lock()
         if policy.max_restarts:
             frontend.journal = journal
@@ -281,7 +178,7 @@ class Supervisor:
     def exiting(self) -> None:
         """No more restarts (the interpreter exits; what dies now fails its callers)."""
         with self._lock:
-            self.policy = RestartPolicy(0, self.policy.window_s)
+            self._exiting = True
 
     # ---- starting a group --------------------------------------------------------------------
     def _start(self, gen: int) -> tuple[ActorGroup, Any, Any, dict[str, bytes]]:
@@ -318,10 +215,10 @@ class Supervisor:
     def _failed(self, gen: int, name: str, exitcode: int | None, traceback_text: str) -> None:
         crash = Crash(name, exitcode, traceback_text, time.monotonic())
         with self._lock:
-            if gen != self._gen or gen in self._taken or self._closed:
-                return  # a group still starting (its wait_ready raises), or shutting down
-            self._taken.add(gen)
-            why = self.policy.crashed(crash.at)
+            if gen != self._gen or gen == self._taken or self._closed or self.gave_up is not None:
+                return  # a group still starting (its wait_ready raises), shutting down, or given up
+            self._taken = gen
+            why = "the interpreter is exiting" if self._exiting else self.policy.crashed(crash.at)
             if why is None:
                 self._crashes.append(crash)
                 if self._thread is None:
@@ -334,6 +231,11 @@ class Supervisor:
                     len(self.policy.times), self.policy.max_restarts, self.policy.window_s)  # fmt: skip
 
     def _give_up(self, crash: Crash, why: str) -> None:
+        """Every caller gets EngineDead (once); the dead group has torn itself down."""
+        with self._lock:
+            if self.gave_up is not None:
+                return
+            self.gave_up = why
         supervised = self.policy.max_restarts > 0
         err = EngineDead(f"{crash}\nnot restarted: {why}" if supervised else str(crash))
         log.error("%s", err)
@@ -345,7 +247,7 @@ class Supervisor:
     def _restarts(self) -> None:
         while True:
             with self._lock:
-                if not self._crashes or self._closed:
+                if not self._crashes or self._closed or self.gave_up is not None:
                     self._thread = None
                     return
                 crash = self._crashes.popleft()
@@ -362,35 +264,45 @@ class Supervisor:
         if reader is not None:
             reader.join()  # every output it read is on the loop before reattach
         t_down = time.monotonic()
-        why = self.journal.why_not()
-        while why is None:
+        last, failed = crash, 0
+        while True:
+            why = self.journal.why_not() or self.policy.failed_starts(failed)
+            if why is not None:
+                self._give_up(last, why)
+                return
             gen = next(self._gens)
             try:
                 group, to_s, from_d, ready = self._start(gen)
                 break
             except ActorFailed as e:  # one more crash, at start-up
-                crash = Crash(e.name, e.exitcode, e.traceback_text, time.monotonic())
-                log.warning("%s\n(while restarting)", crash)
-                with self._lock:
-                    why = self.policy.crashed(crash.at)
-            except (EngineDead, RuntimeError):  # shut down meanwhile
+                last = Crash(e.name, e.exitcode, e.traceback_text, time.monotonic())
+            except TimeoutError as e:  # (the group is shut down)
+                last = Crash("start-up", None, str(e), time.monotonic())
+            except (EngineDead, RuntimeError):
+                if self._closed:  # shut down meanwhile
+                    return
+                raise
+            failed += 1
+            log.warning("%s\n(while restarting after %r died)", last, crash.name)
+            with self._lock:
+                why = self.policy.crashed(last.at)
+            if why is not None:
+                self._give_up(last, why)
                 return
-        else:
-            self._give_up(crash, why)
-            return
-        fe = self.frontend
         if not self._adopt(gen, group, ready):
             return
+        fe = self.frontend
         lost = m.ControlReply("update_weights", False,
                               f"update_weights: the engine restarted while this update was in flight (actor "
                               f"{crash.name!r} died); the weights serving are version {self.journal.version}; "
                               "send the update again", json.dumps({"weight_version": self.journal.version}).encode())  # fmt: skip
         try:
-            futs, resubmitted = fe.lt.run(fe.reattach(to_s, from_d, self.journal.restore(), lost), timeout=RESTORE_REPLY_TIMEOUT_S)
-        except Exception:  # the frontend closed meanwhile
-            if not self._closed:
-                raise
-            return
+            futs, resubmitted = fe.lt.run(fe.reattach(to_s, from_d, self.journal.restore(), lost),
+                                          timeout=RESTORE_REPLY_TIMEOUT_S)  # fmt: skip
+        except Exception:
+            if self._closed or fe.closing:  # the frontend closed meanwhile
+                return
+            raise
         for fut in futs:
             fut.add_done_callback(_log_refused)
         seconds = time.monotonic() - crash.at

@@ -102,6 +102,8 @@ class SchedulerCore:
         self._arrivals += 1
         if self.args.speculative:
             req.spec = SpecState(self.args.speculative_num_draft_tokens, self.args.speculative_ngram_max_match)
+            if req.resumed is not None:  # resubmitted after a restart: its first run's rounds count
+                req.spec.verify_ct, req.spec.accepted = req.resumed.spec_verify_ct, req.resumed.spec_accepted
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 

@@ -96,6 +96,8 @@ class Resume(msgspec.Struct, **_S):
     text_len: int
     cached_tokens: int = 0  # the first run's, reported as it was
     weight_spans: list[tuple[str, int]] = []  # (version, first output index) of the tokens delivered
+    spec_verify_ct: int = 0  # speculative verify rounds so far and the drafts they accepted
+    spec_accepted: int = 0
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------

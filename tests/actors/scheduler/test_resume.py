@@ -106,3 +106,24 @@ def test_the_resumed_request_is_the_one_from_the_wire():
     r = to_req(wire("a", PROMPT, 9, m.Resume(m.i32([11, 12]), 4)), frozenset())
     assert r.output_ids == [11, 12] and r.sent_len == 2 and r.fill_len == 7
     assert np.array_equal(r.fill_ids(0, 7), PROMPT + [11, 12])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_resumed_speculative_request_gives_the_rest_and_counts_its_first_runs_rounds(overlap):
+    from tests.actors.scheduler import test_spec as sp
+    from tests.actors.scheduler.fake_runner import copying
+
+    model = copying(3, sp.VOCAB, every=4)  # repeats itself: drafts get accepted
+    core, runner, _ = sp.make(overlap=overlap, model=model)
+    core.add_request(sp.req("a", PROMPT, 24))
+    want = sp.drive(core, runner, overlap)["a"]
+    for cut in (1, 9, 23):
+        core, runner, _ = sp.make(overlap=overlap, model=model)
+        w = m.GenerateReq("a", m.i32(PROMPT), SamplingParams(max_new_tokens=24, temperature=0, sampling_seed=0), stream=True,
+                          resume=m.Resume(m.i32(want[:cut]), 0, spec_verify_ct=5, spec_accepted=7))  # fmt: skip
+        r = to_req(w, frozenset())
+        core.add_request(r)
+        assert sp.drive(core, runner, overlap)["a"] == want[cut:], f"cut {cut}"
+        assert r.spec.verify_ct >= 5 and r.spec.accepted >= 7  # the first run's, then this one's
+        if cut == 23:  # one token left, from the prefill: no round of its own
+            assert (r.spec.verify_ct, r.spec.accepted) == (5, 7)
