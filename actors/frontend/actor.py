@@ -70,6 +70,7 @@ class TokenizerManager:
         self.closing = False
         self.journal: Any = None  # told every confirmed control call (the supervisor's Journal), if any
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
+        self.actor_pids: Callable[[], dict[str, int | None]] = dict  # the actors serving now (the Engine's)
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
         self.on_close: list[Callable[[], None]] = []  # run first by close() (the servers' stop)
@@ -357,7 +358,7 @@ class TokenizerManager:
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
         info["frontend_requests"] = len(self.core.states)
-        info.update(self.core.metrics.restart_info())
+        info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids())
         return {**self.static_info, **info}
 
     async def wait_compiled(self, timeout: float = 900.0) -> dict:

@@ -65,6 +65,7 @@ class Engine:
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
         policy = RestartPolicy(args.max_restarts if args.supervise else 0, args.restart_window_s)
         self.supervisor = Supervisor(self.frontend, launch, policy, Journal(str(self.model_dir)), READY_TIMEOUT_S)
+        self.frontend.actor_pids = self.supervisor.pids
         try:
             ready = self.supervisor.start()
             self.runner_info = json.loads(ready.get("runner") or b"{}")

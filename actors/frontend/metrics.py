@@ -64,12 +64,16 @@ class FrontendMetrics:
             self.aborted.inc()
         self.e2e.observe(seconds)
 
-    def restarted(self, actor: str, exitcode: int | None, seconds: float, resubmitted: int) -> None:
-        """The supervisor started the actors again after `actor` died (actors/frontend/supervisor.py)."""
+    def restarted(self, actor: str, exitcode: int | None, seconds: float, resubmitted: int,
+                  phases: dict[str, float] | None = None) -> None:  # fmt: skip
+        """The supervisor started the actors again after `actor` died (actors/frontend/supervisor.py):
+        `seconds` from the death to every request resubmitted (`phases`: how long the old
+        actors took to stop and the new ones to be ready)."""
         self.restarts.labels(actor=actor).inc()
         self.restart_seconds.set(seconds)
         self.restart_counts[actor] = self.restart_counts.get(actor, 0) + 1
-        self.last_restart = {"actor": actor, "exitcode": exitcode, "seconds": round(seconds, 3), "resubmitted": resubmitted}
+        self.last_restart = {"actor": actor, "exitcode": exitcode, "seconds": round(seconds, 3),
+                             "resubmitted": resubmitted, **(phases or {})}  # fmt: skip
 
     def restart_info(self) -> dict[str, Any]:
         """get_server_info's keys: restarts (total), restarts_by_actor, last_restart."""

@@ -175,6 +175,11 @@ class Supervisor:
         if thread is not None and thread is not threading.current_thread():
             thread.join(RESTORE_REPLY_TIMEOUT_S)
 
+    def pids(self) -> dict[str, int | None]:
+        """The process ids of the actors serving now (get_server_info's `actor_pids`)."""
+        group = self.group
+        return group.pids if group is not None else {}
+
     def exiting(self) -> None:
         """No more restarts (the interpreter exits; what dies now fails its callers)."""
         with self._lock:
@@ -273,6 +278,7 @@ class Supervisor:
             gen = next(self._gens)
             try:
                 group, to_s, from_d, ready = self._start(gen)
+                t_ready = time.monotonic()
                 break
             except ActorFailed as e:  # one more crash, at start-up
                 last = Crash(e.name, e.exitcode, e.traceback_text, time.monotonic())
@@ -306,9 +312,11 @@ class Supervisor:
         for fut in futs:
             fut.add_done_callback(_log_refused)
         seconds = time.monotonic() - crash.at
-        fe.core.metrics.restarted(crash.name, crash.exitcode, seconds, resubmitted)
-        log.warning("supervisor: actors started again %.1f s after %r died (the old ones stopped in %.1f s); "
-                    "%d requests resubmitted", seconds, crash.name, t_down - crash.at, resubmitted)  # fmt: skip
+        phases = {"stopped_s": round(t_down - crash.at, 3), "started_s": round(t_ready - t_down, 3)}
+        fe.core.metrics.restarted(crash.name, crash.exitcode, seconds, resubmitted, phases)
+        log.warning("supervisor: actors started again %.1f s after %r died (the old ones stopped in %.1f s, the new "
+                    "ones ready %.1f s later); %d requests resubmitted", seconds, crash.name, phases["stopped_s"],
+                    phases["started_s"], resubmitted)  # fmt: skip
 
 
 def _log_refused(fut: Any) -> None:

@@ -149,6 +149,11 @@ class ActorGroup:
     def ring_names(self) -> list[str]:
         return [r.name for r in self._rings]
 
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """{actor name: process id}."""
+        return {n: a.proc.pid for n, a in self._actors.items()}
+
     def pid(self, name: str) -> int | None:
         """Process id of actor `name` (None before it started)."""
         return self._actors[name].proc.pid
