@@ -281,6 +281,7 @@ class Soak:
              "actors_rss_kib": sum(a["rss_kib"] for a in actors.values()),
              "actors_fds": sum(a["fds"] for a in actors.values()),
              "shm": len([f for f in os.listdir("/dev/shm") if f"rs-{pid}-" in f]),
+             "shm_maps": sum(1 for line in open("/proc/self/maps") if "/dev/shm/" in line),  # (handles of rings)
              "threads": threading.active_count(), "inflight": len(self.inflight)}  # fmt: skip
         self.samples.append(s)
         return s
@@ -301,8 +302,8 @@ class Soak:
         assert self.engine.continue_generation()["success"]
         self.events["flush"] += 1
 
-    def update(self) -> None:
-        s = self.rng.choice([x for x in "ABC" if x != self.version_set[self.current_version()]])
+    def update(self, s: str | None = None) -> None:
+        s = s or self.rng.choice([x for x in "ABC" if x != self.version_set[self.current_version()]])
         assert self.engine.pause_generation(self.rng.choice(["abort", "retract"]))["success"]
         self.load(s, f"v{sum(self.events[k] for k in self.events if k.startswith('update')) + 1}-{s}")
         assert self.engine.continue_generation()["success"]
@@ -321,6 +322,8 @@ class Soak:
     def kill(self) -> None:
         e = self.engine
         actor = self.rng.choice(ACTORS)
+        if self.version_set[self.current_version()] != "B" and self.rng.random() < 0.3:
+            self.update("B")  # a restart must bring back weights pushed from tensors
         paused = self.rng.random() < 0.25
         if paused:
             assert e.pause_generation("retract")["success"]
@@ -380,7 +383,7 @@ class Soak:
             s = self.sample(event.__name__)
             print(f"soak: t={s['t']:7.1f}s {event.__name__:7s} checked={self.counts['checked']} "
                   f"wrong={len(self.wrong)} lost={len(self.lost)} rss={s['rss_kib'] // 1024}MiB fds={s['fds']} "
-                  f"actors={s['actors_rss_kib'] // 1024}MiB/{s['actors_fds']}fds shm={s['shm']}", flush=True)  # fmt: skip
+                  f"actors={s['actors_rss_kib'] // 1024}MiB/{s['actors_fds']}fds shm={s['shm']} maps={s['shm_maps']}", flush=True)  # fmt: skip
         self.stop.set()
         for t in threads:
             t.join(REQUEST_TIMEOUT_S)

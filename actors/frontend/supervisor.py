@@ -197,6 +197,10 @@ class Supervisor:
                 raise EngineDead("the engine was shut down")
             try:
                 ready = group.wait_ready(self.ready_timeout)
+            except BaseException:
+                if group.wait_closed(0):  # (torn down: nobody here holds its rings)
+                    group.release()
+                raise
             finally:
                 with self._lock:
                     self._launching = None
@@ -309,6 +313,7 @@ class Supervisor:
             if self._closed or fe.closing:  # the frontend closed meanwhile
                 return
             raise
+        old.release()  # the frontend sends to the new rings now, and the old reader has ended
         for fut in futs:
             fut.add_done_callback(_log_refused)
         seconds = time.monotonic() - crash.at

@@ -13,8 +13,8 @@ and reaps exits. An exit the group did not ask for (any code, 0 included) is a f
 watcher calls `on_failure(name, exitcode, traceback_text)` once, then tears the group down.
 Teardown (failure or shutdown): Stop to every actor, mark every ring closed (blocked
 send/recv raise RingClosed), wait `grace` s, SIGTERM, wait 1 s, SIGKILL, reap, unlink every
-segment and semaphore. Ring handles stay mapped (a parent thread may still hold one); they are
-freed with the group's ring objects.
+segment and semaphore. Ring handles stay mapped (a parent thread may still hold one) until
+`release()`.
 """
 
 from __future__ import annotations
@@ -220,6 +220,16 @@ class ActorGroup:
             return
         self._closed.wait()
         self._watcher.join()
+
+    def release(self) -> None:
+        """Close this process's handles of the group's rings (maps and semaphores), once the group
+        is torn down and no thread here uses a ring of it any more (a restarted engine's old group:
+        actors/frontend/supervisor.py); otherwise they live as long as the group's ring objects."""
+        assert self._closed.is_set(), "release() before the group was torn down"
+        with self._cond:
+            rings = list(self._rings)
+        for ring in rings:
+            ring.close()
 
     def __enter__(self) -> ActorGroup:
         return self

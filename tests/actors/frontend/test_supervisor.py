@@ -212,6 +212,10 @@ class FakeGroup:
     def shutdown(self) -> None:
         self.down.set()
 
+    def release(self) -> None:
+        assert self.down.is_set()
+        self.released = True
+
     def die(self, name: str = "runner") -> None:
         from actors.transport.launcher import ActorFailed
 
@@ -276,6 +280,7 @@ def test_a_death_restarts_the_group_and_resubmits_every_live_request(bare_tm, tm
     assert [(g.rid, g.resume is not None) for g in sent] == [("A", True), ("B", False)]
     assert m.as_i32(sent[0].resume.output_ids).tolist() == [7, 8] and sent[0].resume.text_len == 2
     assert tm.core.metrics.last_restart["resubmitted"] == 2 and not a.finished and b.error is None
+    assert groups[0].released and not hasattr(groups[1], "released")  # the old rings' handles closed
     sup.close()
 
 
@@ -300,6 +305,7 @@ def test_failed_starts_in_a_row_give_up_even_when_each_is_alone_in_its_window(ba
     wait_for(lambda: a.error is not None)
     assert "3 starts of the actors failed in a row (more than max_restarts=2)" in str(a.error)
     assert "no device" in str(a.error) and len(groups) == 4 and sup._thread is None
+    assert all(g.released for g in groups[1:])  # (the first one's: the frontend's reader held it)
     sup.close()
 
 
