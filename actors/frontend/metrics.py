@@ -65,10 +65,10 @@ class FrontendMetrics:
         self.e2e.observe(seconds)
 
     def restarted(self, actor: str, exitcode: int | None, seconds: float, resubmitted: int,
-                  phases: dict[str, float] | None = None) -> None:  # fmt: skip
+                  phases: dict[str, Any] | None = None) -> None:  # fmt: skip
         """The supervisor started the actors again after `actor` died (actors/frontend/supervisor.py):
         `seconds` from the death to every request resubmitted (`phases`: how long the old
-        actors took to stop and the new ones to be ready)."""
+        actors took to stop, the new ones to be ready, and each of them from its spawn)."""
         self.restarts.labels(actor=actor).inc()
         self.restart_seconds.set(seconds)
         self.restart_counts[actor] = self.restart_counts.get(actor, 0) + 1

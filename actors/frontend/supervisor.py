@@ -317,7 +317,8 @@ class Supervisor:
         for fut in futs:
             fut.add_done_callback(_log_refused)
         seconds = time.monotonic() - crash.at
-        phases = {"stopped_s": round(t_down - crash.at, 3), "started_s": round(t_ready - t_down, 3)}
+        phases = {"stopped_s": round(t_down - crash.at, 3), "started_s": round(t_ready - t_down, 3),
+                  "ready_s": group.ready_seconds}  # fmt: skip
         fe.core.metrics.restarted(crash.name, crash.exitcode, seconds, resubmitted, phases)
         log.warning("supervisor: actors started again %.1f s after %r died (the old ones stopped in %.1f s, the new "
                     "ones ready %.1f s later); %d requests resubmitted", seconds, crash.name, phases["stopped_s"],

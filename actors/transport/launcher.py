@@ -101,6 +101,8 @@ class _Actor:
     exitcode: int | None = None  # set when reaped
     conn_open: bool = True
     logs: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    spawned_at: float = field(default_factory=time.monotonic)
+    ready_s: float | None = None  # from spawn to Ready
 
 
 class ActorGroup:
@@ -153,6 +155,11 @@ class ActorGroup:
     def pids(self) -> dict[str, int | None]:
         """{actor name: process id}."""
         return {n: a.proc.pid for n, a in self._actors.items()}
+
+    @property
+    def ready_seconds(self) -> dict[str, float | None]:
+        """{actor name: seconds from its spawn to its Ready} (None: not ready)."""
+        return {n: None if a.ready_s is None else round(a.ready_s, 3) for n, a in self._actors.items()}
 
     def pid(self, name: str) -> int | None:
         """Process id of actor `name` (None before it started)."""
@@ -301,6 +308,7 @@ class ActorGroup:
             if isinstance(msg, Ready):
                 with self._cond:
                     a.info = msg.info
+                    a.ready_s = time.monotonic() - a.spawned_at
                     self._cond.notify_all()
             elif isinstance(msg, LogLine):
                 self._emit(a, msg)

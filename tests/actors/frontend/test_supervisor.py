@@ -199,6 +199,7 @@ class FakeGroup:
         self.on_failure, self.failure, self.down = on_failure, None, threading.Event()
         self.rings = FakeRing(self.down), FakeRing(self.down)
         self.start_error = ActorFailed("runner", 1, "Traceback: no device") if fail_start else None
+        self.ready_seconds = {"runner": 1.5}
 
     def wait_ready(self, timeout: float) -> dict:
         if self.start_error is not None:
