@@ -98,6 +98,13 @@ class ServerArgs:
     ring_bytes: int = _opt(1 << 22, "data bytes of each shared-memory ring (a power of two)")
     spin_us: int = _opt(50, "microseconds a ring reader spins before sleeping")
     log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "log level of every actor")
+    supervise: bool = _opt(
+        True,
+        "when the scheduler, runner or detokenizer dies, start them again and resubmit every request in flight "
+        "(its caller sees one stream); off: the engine ends and every caller gets EngineDead",
+    )
+    max_restarts: int = _opt(3, "supervise: restarts allowed within restart_window_s; one more crash ends the engine")
+    restart_window_s: float = _opt(60.0, "supervise: the window (seconds) max_restarts counts crashes in")
     step_trace: int = _opt(
         0, "keep timings of the last N steps for get_server_info()['step_trace'] (0: off; `ringserve bench --profile`)"
     )
@@ -188,6 +195,8 @@ class ServerArgs:
             g = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=typing.cast(Any, self.json_options))
             err = LLMatcher.validate_grammar(g)
             need(not err, f"constrained_json_whitespace_pattern={self.constrained_json_whitespace_pattern!r}: {err}")
+        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0")
+        need(self.restart_window_s > 0, f"restart_window_s={self.restart_window_s}: must be > 0 seconds")
         need(self.step_trace >= 0, f"step_trace={self.step_trace}: must be >= 0 (0: off)")
         need(0 <= self.port <= 65535, f"port={self.port}: must be in [0, 65535] (0: any free port)")
 

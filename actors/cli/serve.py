@@ -3,7 +3,9 @@
     ringserve serve --model smollm2 [--socket PATH] [--host H --port P] [--api-key K] [server flags]
 
 On a signal it stops accepting, aborts what runs (callers get finish reason abort), and leaves
-no shared memory or socket file behind. Exit status: 0 after a signal, 1 if an actor died.
+no shared memory or socket file behind. When an actor dies the engine's supervisor starts the
+actors again and every request in flight goes on (actors/frontend/supervisor.py). Exit status:
+0 after a signal, 1 if the engine died (a crash loop, or any crash with --no-supervise).
 """
 
 from __future__ import annotations
@@ -87,5 +89,8 @@ def _banner(engine, servers, seconds: float) -> None:
     if servers.url:
         key = " (API key required)" if servers.api_key else ""
         lines.append(f"  HTTP       {servers.url}{key}   (OpenAI: /v1, SGLang: /generate, Prometheus: /metrics)")
+    if a.supervise:
+        lines.append(f"  supervisor a dead actor is restarted and its requests go on (up to {a.max_restarts} "
+                     f"restarts in {a.restart_window_s:g} s; --no-supervise: it ends the server)")  # fmt: skip
     lines.append("  Ctrl-C or SIGTERM stops it.")
     print("\n".join(lines), flush=True)

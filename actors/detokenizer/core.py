@@ -3,7 +3,8 @@
 
 Each TokenOut carries only the ids produced since the previous one; nothing is resent. A
 request's first TokenOut opens its decoder (its SamplingParams: stop strings, special-token
-options); its last closes it.
+options; for a request resubmitted after a restart, the output and text its caller already has);
+its last closes it.
 
 For a request with stop strings, the last `max(len(stop)) - 1` characters are held back while
 it runs (they might be the start of a stop string the scheduler has not seen complete yet);
@@ -38,9 +39,15 @@ class DetokenizerCore:
         self.dropped: list[str] = []  # rids of outputs for requests never opened (a protocol bug)
 
     def open(self, rid: str, *, stops: tuple[str, ...] = (), no_stop_trim: bool = False,
-             skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:  # fmt: skip
+             skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+             resume: m.Resume | None = None) -> None:  # fmt: skip
+        """A request's decoder. A resumed one (resubmitted after a restart) decodes the output
+        its caller already has again and goes on after the `text_len` characters it was sent."""
         dec = IncrementalDecoder(self.tok, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
-        self.states[rid] = DetokState(dec, stops, no_stop_trim)
+        st = self.states[rid] = DetokState(dec, stops, no_stop_trim)
+        if resume is not None:
+            dec.push(m.as_i32(resume.output_ids).tolist())
+            st.emitted = resume.text_len
 
     def push(self, rid: str, new_ids: list[int], finished: bool, matched_stop: str | None = None) -> str:
         """New text of `rid` (after its new ids); closes the request when finished."""
@@ -72,7 +79,7 @@ class DetokenizerCore:
                 sp = t.open
                 self.open(t.rid, stops=sp.stop, no_stop_trim=sp.no_stop_trim,
                           skip_special_tokens=sp.skip_special_tokens,
-                          spaces_between_special_tokens=sp.spaces_between_special_tokens)  # fmt: skip
+                          spaces_between_special_tokens=sp.spaces_between_special_tokens, resume=t.resume)  # fmt: skip
             if t.rid not in self.states:
                 self.dropped.append(t.rid)
                 continue
@@ -80,6 +87,6 @@ class DetokenizerCore:
             if t.finished and t.finish_reason and isinstance(t.finish_reason.get("matched"), str):
                 matched = t.finish_reason["matched"]
             texts.append(self.push(t.rid, m.as_i32(t.new_ids).tolist(), t.finished, matched))
-            t.open = None  # the frontend has no use for it
+            t.open = t.resume = None  # the frontend has no use for them
             outs.append(t)
         return m.BatchStrOut(outs, texts)

@@ -9,6 +9,13 @@ Threads: one asyncio loop (a LoopThread) holds every request's state; a reader t
 on the detokenizer's ring and hands each message to that loop. Sends to the scheduler's ring
 (single producer) go through one lock, so any thread may send. Results are SGLang's dicts
 (their shape is drawn in core.py).
+
+The frontend's own state is the record of what the scheduler must know: when an actor dies,
+what was sent to the dead actors is lost with them (a send to their closed ring is dropped), and
+once the supervisor has started them again (actors/frontend/supervisor.py) `reattach` gives the
+new scheduler everything again: the request table (each request with what its caller already
+has; an abort asked meanwhile is redone) and the control calls still waiting for their reply.
+If the supervisor gives up, `fail_all` ends them all instead.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import random
@@ -32,6 +40,7 @@ from actors.frontend.limits import bytes_per_token
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from actors.transport.ring import RingClosed
 
 log = logging.getLogger("ringserve.frontend")
 
@@ -39,35 +48,59 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 T = TypeVar("T")
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class Call:
+    """A control call waiting for its reply (replies come in the order the calls were sent)."""
+
+    kind: str
+    fut: asyncio.Future
+    msg: Any  # sent again to actors started anew while it waits (a weight update is not: it fails)
+    restore: bool = False  # sent by `reattach` itself (the next one sends its own)
+
+
 class TokenizerManager:
-    def __init__(self, tokenizer, to_scheduler, from_detok, *, args: ServerArgs, vocab_size: int):
+    def __init__(self, tokenizer, to_scheduler=None, from_detok=None, *, args: ServerArgs, vocab_size: int):
         self.tok = tokenizer
         self.args = args
-        self.to_scheduler = to_scheduler
-        self.from_detok = from_detok
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
         self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer),
                              args.max_token_ids_logprob)  # fmt: skip
-        self.replies: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
+        self.replies: collections.deque[Call] = collections.deque()
         self.dead: BaseException | None = None
         self.closing = False
+        self.journal: Any = None  # told every confirmed control call (the supervisor's Journal), if any
         self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
+        self.actor_pids: Callable[[], dict[str, int | None]] = dict  # the actors serving now (the Engine's)
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
         self.on_close: list[Callable[[], None]] = []  # run first by close() (the servers' stop)
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
-        self.reader = threading.Thread(target=self._read, name="ringserve-frontend-reader", daemon=True)
-        self.reader.start()
+        self.reader: threading.Thread | None = None
+        if to_scheduler is not None:
+            self.attach(to_scheduler, from_detok)
 
     # ---- plumbing ---------------------------------------------------------------------------
+    def attach(self, to_scheduler, from_detok) -> None:
+        """Talk to the actors through these rings (the scheduler's inbox, the detokenizer's
+        outbox); a reader thread per outbox."""
+        self.to_scheduler, self.from_detok = to_scheduler, from_detok
+        self.reader = threading.Thread(target=self._read, args=(from_detok,), name="ringserve-frontend-reader",
+                                       daemon=True)  # fmt: skip
+        self.reader.start()
+
     def send(self, msg: Any) -> None:
+        """To the scheduler. A closed ring (its actors died) drops the message: the request
+        table and the calls waiting are what `reattach` sends again, or `fail_all` fails."""
         if self.dead is not None:
             raise EngineDead(f"the engine is down: {self.dead}")
         with self.send_lock:
-            self.to_scheduler.send(m.encode(msg))
+            try:
+                self.to_scheduler.send(m.encode(msg))
+            except RingClosed:
+                pass
 
     def check_up(self) -> None:
         if self.closing or self.dead is not None:
@@ -87,11 +120,13 @@ class TokenizerManager:
             self.check_up()
         return self.lt.submit(coro)
 
-    def _read(self) -> None:
+    def _read(self, ring) -> None:
         while not self.closing:
             try:
-                raw = self.from_detok.recv(timeout=0.5)
-            except Exception as e:  # the ring is gone: the engine is shutting down or died
+                raw = ring.recv(timeout=0.5)
+            except RingClosed:  # its actors are gone: shut down, or died (the supervisor's to handle)
+                return
+            except Exception as e:
                 if not self.closing:
                     self.loop.call_soon_threadsafe(self.fail_all, e)
                 return
@@ -102,27 +137,73 @@ class TokenizerManager:
         try:
             msg = m.to_frontend.decode(raw)
             if isinstance(msg, m.ControlReply):
-                if not self.replies or self.replies[0][0] != msg.kind:
+                if not self.replies or self.replies[0].kind != msg.kind:
                     raise RuntimeError(
-                        f"control reply {msg.kind!r} while waiting for {[k for k, _ in self.replies]}"
+                        f"control reply {msg.kind!r} while waiting for {[c.kind for c in self.replies]}"
                     )
-                _, fut = self.replies.popleft()
-                if not fut.done():
-                    fut.set_result(msg)
+                self._replied(self.replies.popleft(), msg)
                 return
             self.core.apply(msg, time.perf_counter())
         except Exception as e:  # a protocol bug: fail loudly rather than leave callers waiting
             log.exception("frontend: bad message from the detokenizer")
             self.fail_all(e)
 
+    def _replied(self, call: Call, reply: m.ControlReply) -> None:
+        """A control call's reply: the journal learns what the scheduler confirmed (even when
+        the caller stopped waiting), then the caller gets it."""
+        if self.journal is not None and not call.restore:
+            self.journal.confirmed(call.msg, reply)
+        if not call.fut.done():
+            call.fut.set_result(reply)
+
     def fail_all(self, err: BaseException) -> None:
         """An actor died: every pending request and control call gets the error."""
         self.dead = err
         self.core.fail_all(err)
         while self.replies:
-            _, fut = self.replies.popleft()
+            fut = self.replies.popleft().fut
             if not fut.done():
                 fut.set_exception(EngineDead(f"the engine is down: {err}"))
+
+    async def reattach(self, to_scheduler, from_detok, restore: list[tuple[str, Any]],
+                       lost_update: m.ControlReply) -> tuple[list[asyncio.Future], int]:  # fmt: skip
+        """Run once the old reader has ended (every output it read is applied): the
+        actors were started again; give the new scheduler, in this order, `restore` (control
+        messages that bring back the engine's state: the supervisor's journal), every live
+        request again (`FrontendCore.resubmission`; one whose abort was asked, aborted again),
+        then every control call still waiting, sent again, but a weight update's, which gets
+        `lost_update` (its parts may have reached the dead runner: the caller retries). Returns
+        the futures of the `restore` replies and how many requests were resubmitted."""
+        waiting = [c for c in self.replies if not c.fut.done()]
+        self.replies.clear()
+        futs = []
+
+        def send(msg: Any) -> None:
+            try:
+                to_scheduler.send(m.encode(msg))
+            except RingClosed:  # these actors died too: the next reattach sends it all again
+                pass
+
+        with self.send_lock:
+            self.attach(to_scheduler, from_detok)
+            for kind, msg in restore:
+                futs.append(self.loop.create_future())
+                self.replies.append(Call(kind, futs[-1], msg, restore=True))
+                send(msg)
+            live = list(self.core.states.values())
+            for st in live:
+                send(self.core.resubmission(st))
+                if st.aborted:
+                    send(m.AbortReq(st.spec.rid))
+            for call in waiting:
+                if call.restore:
+                    call.fut.cancel()
+                elif call.kind == "update_weights":
+                    self._replied(call, lost_update)
+                else:
+                    self.replies.append(call)
+                    send(call.msg)
+        return futs, len(live)
 
     # ---- generation -------------------------------------------------------------------------
     def specs(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
@@ -148,9 +229,8 @@ class TokenizerManager:
         except BaseException:
             self.core.drop(spec.rid)
             raise
-        if spec.session is not None:
-            for rid in spec.session.abort:  # `replace` dropped these unfinished turns
-                self.send(m.AbortReq(rid))
+        if spec.session is not None and spec.session.abort:  # `replace` dropped these unfinished turns
+            self.abort(spec.session.abort)
         self.core.metrics.submitted(len(spec.input_ids))
         return st
 
@@ -166,12 +246,22 @@ class TokenizerManager:
         return states
 
     def abort_unfinished(self, states: list[ReqState]) -> None:
+        live = [st.spec.rid for st in states if not st.finished and st.error is None]
+        if live and self.dead is None and not self.closing:
+            try:
+                self.abort(live)
+            except Exception:  # the engine went down meanwhile: nothing left to abort
+                pass
+
+    def abort(self, rids: list[str] | None) -> None:
+        """Ask the scheduler to abort these requests (None: every one). Each is marked first, so
+        an abort that a restart of the actors loses is asked again of its resubmitted request."""
+        states = list(self.core.states.values()) if rids is None else [self.core.states.get(r) for r in rids]
         for st in states:
-            if not st.finished and st.error is None and self.dead is None and not self.closing:
-                try:
-                    self.send(m.AbortReq(st.spec.rid))
-                except Exception:  # the engine went down meanwhile: nothing left to abort
-                    pass
+            if st is not None:
+                st.aborted = True
+        for rid in [None] if rids is None else rids:
+            self.send(m.AbortReq(rid))
 
     async def generate(self, specs: list[RequestSpec], batched: bool) -> Any:
         """Every request's finished result (a list when batched). Cancelling aborts them."""
@@ -214,23 +304,22 @@ class TokenizerManager:
         samples `rid-0 ... rid-(n-1)` of a request made with n > 1, or every request."""
         self.check_up()
         if abort_all:
-            self.send(m.AbortReq(None))
+            self.abort(None)
             return
         if not (isinstance(rid, str) and rid):
             raise ValueError(f"abort_request: rid={rid!r} must be a non-empty string (or pass abort_all=True)")
-        for r in self.core.with_samples(rid):
-            self.send(m.AbortReq(r))
+        self.abort(self.core.with_samples(rid))
 
     async def control(self, msg: Any, kind: str) -> m.ControlReply:
         self.check_up()
-        fut = self.loop.create_future()
-        self.replies.append((kind, fut))
+        call = Call(kind, self.loop.create_future(), msg)
+        self.replies.append(call)
         try:
             self.send(msg)
         except BaseException:
-            self.replies.remove((kind, fut))
+            self.replies.remove(call)
             raise
-        return await fut
+        return await call.fut
 
     async def _ok(self, msg: Any, kind: str) -> dict:
         r = await self.control(msg, kind)
@@ -260,8 +349,9 @@ class TokenizerManager:
     async def close_session(self, session_id: str) -> None:
         """Forget the session: unfinished turns are aborted, its kept KV is freed."""
         self.check_up()
-        for rid in self.core.sessions.close_session(session_id):
-            self.send(m.AbortReq(rid))
+        unfinished = self.core.sessions.close_session(session_id)
+        if unfinished:
+            self.abort(unfinished)
         self.send(m.CloseSessionReq(session_id))
 
     async def get_server_info(self) -> dict:
@@ -269,6 +359,7 @@ class TokenizerManager:
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
         info["frontend_requests"] = len(self.core.states)
+        info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids())
         return {**self.static_info, **info}
 
     async def wait_compiled(self, timeout: float = 900.0) -> dict:
@@ -326,4 +417,5 @@ class TokenizerManager:
                 pass
         self.closing = True
         self.lt.stop()
-        self.reader.join(timeout=2)
+        if self.reader is not None:
+            self.reader.join(timeout=2)

@@ -57,6 +57,8 @@ class ReqState:
     listener: Callable[[], None] | None = None  # called on each change (a stream of this request)
     error: BaseException | None = None
     last_output: float = 0.0  # when the latest tokens arrived (inter-token latency)
+    aborted: bool = False  # an abort was asked (redone on the request resubmitted after a restart)
+    weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
 
     def notify(self) -> None:
         self.changed.set()
@@ -64,14 +66,14 @@ class ReqState:
             self.listener()
 
 
-def generate_req(spec: RequestSpec) -> m.GenerateReq:
-    """The scheduler's message for one validated request."""
+def generate_req(spec: RequestSpec, resume: m.Resume | None = None) -> m.GenerateReq:
+    """The scheduler's message for one validated request (`resume`: resubmitted after a restart)."""
     plan = spec.session
     return m.GenerateReq(
         rid=spec.rid, input_ids=m.i32(spec.input_ids), sampling=spec.sampling,
         return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
         session_id=plan.session.id if plan is not None else None, logprob_start_len=spec.logprob_start_len,
-        token_ids_logprob=m.i32(spec.token_ids_logprob) if spec.token_ids_logprob else b"",
+        token_ids_logprob=m.i32(spec.token_ids_logprob) if spec.token_ids_logprob else b"", resume=resume,
     )  # fmt: skip
 
 
@@ -105,6 +107,17 @@ class FrontendCore:
         """`rid` and the live samples `rid-0 ... rid-(n-1)` of a request made with n > 1."""
         samples = [r for r, st in self.states.items() if r.startswith(rid + "-") and st.spec.sampling.n > 1]
         return [rid] + samples
+
+    def resubmission(self, st: ReqState) -> m.GenerateReq:
+        """The live request `st` again, for actors started anew (actors/frontend/supervisor.py):
+        its prompt, sampling and seed as first sent, plus what its caller already has (the
+        output ids and text so far, the meta that must read as one run)."""
+        if not st.output_ids:
+            return generate_req(st.spec)
+        meta = st.meta
+        resume = m.Resume(m.i32(st.output_ids), len(st.text), meta.get("cached_tokens", 0), list(st.weight_spans),
+                          meta.get("spec_verify_ct", 0), meta.get("spec_accept_token_num", 0))  # fmt: skip
+        return generate_req(st.spec, resume)
 
     def fail_all(self, err: BaseException) -> None:
         """Every live request ends with `err` (its waiters raise); the table is emptied."""
@@ -153,6 +166,8 @@ class FrontendCore:
         )
         if o.weight_version:
             st.meta["weight_version"] = o.weight_version
+            if not st.weight_spans or st.weight_spans[-1][0] != o.weight_version:
+                st.weight_spans.append((o.weight_version, len(st.output_ids) - len(new)))
         if o.weight_versions:  # the tokens came from several weights: which produced which
             ends = [start for _, start in o.weight_versions[1:]] + [o.completion_tokens]
             st.meta["weight_versions"] = [

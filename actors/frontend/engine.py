@@ -12,6 +12,10 @@ tiny Llama, else a model directory or a .gguf file. Every other keyword is a Ser
 Bad input raises ValueError naming the field and the limit before anything is sent, so the
 engine keeps serving every other request. `ringserve serve` puts the IPC socket and HTTP on
 the same frontend (actors/cli/serve.py).
+
+The actor group is the supervisor's (actors/frontend/supervisor.py): when an actor dies it
+starts them again and resubmits every request in flight (`supervise=False`: the engine ends,
+every caller gets EngineDead).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Any
 
 from actors.frontend.actor import TokenizerManager
 from actors.frontend.bridge import iterate_across, iterate_in_thread
-from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs
+from actors.frontend.journal import Journal
+from actors.frontend.supervisor import RestartPolicy, Supervisor
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
 
@@ -51,14 +56,18 @@ class Engine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
         self.served_model_name = args.served_model_name or self.model_dir.name
-        cfg = m.encode(m.ActorConfig(args, str(self.model_dir), str(tok_dir), sorted(eos), self.vocab_size))
+
+        def launch(model_dir: str, weights: m.StartWeights, on_failure):  # the actors, as the supervisor starts them
+            cfg = m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights)
+            return start_engine(args, m.encode(cfg), on_failure)
 
         self.runner_info: dict[str, Any] = {}
-        self.group, to_scheduler, from_detokenizer = start_engine(args, cfg, self._on_failure)
+        self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
+        policy = RestartPolicy(args.max_restarts if args.supervise else 0, args.restart_window_s)
+        self.supervisor = Supervisor(self.frontend, launch, policy, Journal(str(self.model_dir)), READY_TIMEOUT_S)
+        self.frontend.actor_pids = self.supervisor.pids
         try:
-            self.frontend = TokenizerManager(self.tokenizer, to_scheduler, from_detokenizer, args=args,
-                                             vocab_size=self.vocab_size)  # fmt: skip
-            ready = self.group.wait_ready(READY_TIMEOUT_S)
+            ready = self.supervisor.start()
             self.runner_info = json.loads(ready.get("runner") or b"{}")
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "runner": self.runner_info}  # fmt: skip
@@ -66,12 +75,10 @@ class Engine:
             self.shutdown()
             raise
 
-    def _on_failure(self, name: str, exitcode: int | None, traceback_text: str) -> None:
-        err = EngineDead(f"actor {name!r} died (exit code {exitcode}):\n{traceback_text}")
-        log.error("%s", err)
-        fe = getattr(self, "frontend", None)
-        if fe is not None:
-            fe.loop.call_soon_threadsafe(fe.fail_all, err)
+    @property
+    def group(self):
+        """The actor group serving now (the supervisor starts a new one after a crash)."""
+        return self.supervisor.group
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -126,7 +133,12 @@ class Engine:
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request (its partial output returns with finish_reason abort), the n
         samples `rid-0 ... rid-(n-1)` of a request made with n > 1, or every request."""
-        self.frontend.abort_request(rid, abort_all)
+        fe = self.frontend
+
+        async def abort() -> None:  # on the loop, which owns the request table
+            fe.abort_request(rid, abort_all)
+
+        fe.run_sync(abort())
 
     def pause_generation(self, mode: str = "abort") -> dict:
         """Returns when the scheduler is quiet: abort (every request finishes with 'abort'),
@@ -200,9 +212,9 @@ class Engine:
         fe = getattr(self, "frontend", None)
         if fe is not None:
             fe.close()
-        group = getattr(self, "group", None)  # None: start_engine failed (and cleaned up)
-        if group is not None:
-            group.shutdown()
+        supervisor = getattr(self, "supervisor", None)
+        if supervisor is not None:
+            supervisor.close()
 
     def __enter__(self) -> Engine:
         return self

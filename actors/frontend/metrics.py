@@ -1,7 +1,8 @@
 """Prometheus metrics of one engine (served at HTTP `/metrics`), SGLang's set under `ringserve:`.
 
-The frontend records request counters and latency histograms as outputs arrive; the load gauges
-(running, waiting, KV usage) are read from the scheduler when `/metrics` is scraped. Each engine
+The frontend records request counters and latency histograms as outputs arrive, the supervisor
+each restart of the actors; the load gauges (running, waiting, KV usage) are read from the
+scheduler when `/metrics` is scraped. Each engine
 has its own registry, so several engines in one process never mix their series.
 """
 
@@ -36,6 +37,12 @@ class FrontendMetrics:
         self.used_tokens = Gauge(p + "num_used_tokens", "KV tokens held by requests and the prefix cache", registry=r)
         self.total_tokens = Gauge(p + "max_total_num_tokens", "KV pool capacity in tokens", registry=r)
         self.token_usage = Gauge(p + "token_usage", "Share of the KV pool in use", registry=r)
+        self.restarts = Counter(p + "actor_restarts", "Times the actors were started again, by the actor that died",
+                                ["actor"], registry=r)  # fmt: skip
+        self.restart_seconds = Gauge(p + "last_restart_seconds", "From an actor's death to its requests resubmitted",
+                                     registry=r)  # fmt: skip
+        self.restart_counts: dict[str, int] = {}  # (what get_server_info reports; the counter's labels)
+        self.last_restart: dict[str, Any] | None = None
 
     # ---- recorded by the frontend -----------------------------------------------------------
     def submitted(self, prompt_tokens: int) -> None:
@@ -56,6 +63,22 @@ class FrontendMetrics:
         if reason.get("type") == "abort":
             self.aborted.inc()
         self.e2e.observe(seconds)
+
+    def restarted(self, actor: str, exitcode: int | None, seconds: float, resubmitted: int,
+                  phases: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """The supervisor started the actors again after `actor` died (actors/frontend/supervisor.py):
+        `seconds` from the death to every request resubmitted (`phases`: how long the old
+        actors took to stop, the new ones to be ready, and each of them from its spawn)."""
+        self.restarts.labels(actor=actor).inc()
+        self.restart_seconds.set(seconds)
+        self.restart_counts[actor] = self.restart_counts.get(actor, 0) + 1
+        self.last_restart = {"actor": actor, "exitcode": exitcode, "seconds": round(seconds, 3),
+                             "resubmitted": resubmitted, **(phases or {})}  # fmt: skip
+
+    def restart_info(self) -> dict[str, Any]:
+        """get_server_info's keys: restarts (total), restarts_by_actor, last_restart."""
+        return {"restarts": sum(self.restart_counts.values()), "restarts_by_actor": dict(self.restart_counts),
+                "last_restart": self.last_restart}  # fmt: skip
 
     # ---- at scrape time ---------------------------------------------------------------------
     def exposition(self, load: dict[str, Any]) -> bytes:

@@ -73,6 +73,8 @@ def run(ctx) -> None:
     ctx.log.info("model loaded and %d of %d step programs compiled in %.1fs (attention: %s)",
                  ex.num_programs, ex.num_programs_total, load_s, ex.backend)  # fmt: skip
     runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
+    if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded
+        ctx.log.info("%s", runner.start_weights(cfg.weights))
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())

@@ -89,6 +89,11 @@ class RunnerCore:
         self.weights = WeightSync(executor)
         self.stamps = RunnerStamps() if trace else None  # ServerArgs.step_trace (actors/transport/trace.py)
 
+    def start_weights(self, w: m.StartWeights) -> str:
+        """Apply the tensors a restarted engine serves over the checkpoint it loaded (all or
+        nothing; WeightError fails the start, and the supervisor says why)."""
+        return self.weights.stage(w.tensors, "restart", first=True, last=True)
+
     def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory | m.RunnerStatus) -> m.RunnerReply:
         """A weights, memory or status message (every earlier step has been answered): its
         reply. A refusal (WeightError, bad tags) leaves everything as it was."""

@@ -52,7 +52,11 @@ def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
               stream=g.stream, session_id=g.session_id)  # fmt: skip
     if g.return_logprob and 0 <= g.logprob_start_len < len(ids) - 1:  # some prompt position to compute
         req.prompt_lp = PromptLogprobs(g.logprob_start_len, len(ids))
-    return req
+    if g.resume is None:
+        return req
+    if len(g.resume.output_ids):  # the prompt's logprobs went out with the first token already
+        req.prompt_lp = None
+    return req.continuing(g.resume)
 
 
 def step_result(res: m.StepResultMsg) -> StepResult:
@@ -315,5 +319,6 @@ def run(ctx) -> None:
         from_runner=Ring.attach(ctx.rings["from_runner"], spin_us=spin),
         to_detok=Ring.attach(ctx.rings["to_detok"], spin_us=spin),
     )  # fmt: skip
+    actor.core.started_with(cfg.weights)
     ctx.ready()
     actor.serve(ctx.stopping)

@@ -50,6 +50,7 @@ from actors.scheduler.req import FinishReason, Req, ReqStatus
 from actors.scheduler.spec import SpecState
 from actors.scheduler.stats import SchedulerStats
 from actors.server_args import ServerArgs
+from actors.transport.messages import StartWeights
 from kvmem import KVCache, ReqKV, SessionSlots
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -102,6 +103,8 @@ class SchedulerCore:
         self._arrivals += 1
         if self.args.speculative:
             req.spec = SpecState(self.args.speculative_num_draft_tokens, self.args.speculative_ngram_max_match)
+            if req.resumed is not None:  # resubmitted after a restart: its first run's rounds count
+                req.spec.verify_ct, req.spec.accepted = req.resumed.spec_verify_ct, req.resumed.spec_accepted
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 
@@ -130,6 +133,11 @@ class SchedulerCore:
     def next_weight_version(self, given: str | None) -> str:
         """The version a weight update gets: the caller's, or the count of updates so far + 1."""
         return given or str(self.stats.weight_updates + 1)
+
+    def started_with(self, weights: StartWeights) -> None:
+        """A restarted engine: the weights it serves carry this version and update count."""
+        self.weight_version = weights.version
+        self.stats.weight_updates = weights.updates
 
     def new_weights(self, version: str) -> None:
         """The runner serves other weights now: outputs carry `version`; cached prefixes of
@@ -289,7 +297,7 @@ class SchedulerCore:
             assert req.kv is not None
             if id(req) in new:
                 row.prefix_pages = self.cache.pages(req.kv).copy()
-                if req.retractions == 0:
+                if req.retractions == 0 and req.resumed is None:  # (a resumed one reports its first run's)
                     req.cached_tokens = req.cached_len
                 req.status = ReqStatus.RUNNING
                 self.waiting.remove(req)

@@ -8,7 +8,8 @@ loop, and the masks of a batch's sampled positions. The core asks it for three t
 
 and a request's `ReqGrammar` advances with each output token as it is booked (`accept`), trims a
 verify round's drafts to what the grammar allows (`valid_drafts`) and says when it has stopped
-(`terminated`: only EOS is left) or failed (`error`).
+(`terminated`: only EOS is left) or failed (`error`). A request resubmitted after a restart
+(its output so far given back) has its matcher replay that output as soon as it is ready.
 
 The invariant every mask rests on: when a batch is planned, each constrained request's matcher
 has consumed exactly its output_ids (`consumed == len(req.output_ids)`). It holds because the
@@ -67,11 +68,14 @@ class ReqGrammar:
     compiled: concurrent.futures.Future  # the cached template matcher (an exception: it does not compile)
     matcher: Any = None  # llguidance.LLMatcher, this request's own (a copy of the template) once ready
     consumed: int = 0  # output tokens the matcher has consumed
+    replay: list[int] = dataclasses.field(default_factory=list)  # output it starts with (a resumed request)
 
     @property
     def ready(self) -> bool:
         if self.matcher is None and self.compiled.done() and self.compiled.exception() is None:
             self.matcher = self.compiled.result().deep_copy()
+            for t in self.replay:  # (a refused one leaves the matcher in its error state: `error`)
+                self.accept(t)
         return self.matcher is not None
 
     @property
@@ -128,7 +132,7 @@ class Grammars:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
-        req.grammar = ReqGrammar(key, fut)
+        req.grammar = ReqGrammar(key, fut, replay=list(req.output_ids))
 
     def _compile(self, key: Key) -> Any:
         import llguidance as llg

@@ -91,16 +91,17 @@ def token_out(o: ReqOutput) -> TokenOut:
         finished=o.finished,
         finish_reason=req.finish_reason.to_dict() if o.finished and req.finish_reason else None,
         open=req.sampling if o.first else None,
+        resume=req.resumed if o.first else None,
         first_token_at=req.first_token_at if n and done == n else 0.0,
         weight_version=req.weight_version,
         weight_versions=list(req.weight_spans) if o.finished and len(req.weight_spans) > 1 else [],
         spec_verify_ct=spec.verify_ct if spec is not None else 0,
         spec_accepted=spec.accepted if spec is not None else 0,
     )
-    if req.return_logprob and n:
-        out.logprobs = f32(req.output_logprobs[done - n : done])
+    if req.return_logprob and n:  # (the newest n: a resumed request's earlier ones are not here)
+        out.logprobs = f32(req.output_logprobs[-n:])
         if req.top_logprobs_num:
-            tops = req.output_top_logprobs[done - n : done]
+            tops = req.output_top_logprobs[-n:]
             out.top_n = req.top_logprobs_num
             out.top_logprobs = f32([[lp for lp, _ in t] for t in tops])
             out.top_ids = i32([[tid for _, tid in t] for t in tops])

@@ -27,6 +27,7 @@ import numpy as np
 from actors.scheduler.grammar import ReqGrammar
 from actors.scheduler.logprobs import PromptLogprobs
 from actors.scheduler.spec import SpecState
+from actors.transport.messages import Resume
 from actors.transport.sampling import SamplingParams, find_stop
 from kvmem import ReqKV
 
@@ -68,6 +69,8 @@ class Req:
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # the logprobs of the output tokens produced here (a resumed request's earlier ones are its
+    # caller's): the last len(output_logprobs) output tokens'
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     output_ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)  # token_ids_logprob
@@ -82,6 +85,18 @@ class Req:
     weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
     spec: SpecState | None = None  # speculative decoding's state (actors/scheduler/spec.py), when on
     grammar: ReqGrammar | None = None  # its output constraint's matcher (actors/scheduler/grammar.py)
+    resumed: Resume | None = None  # resubmitted after a restart: output_ids began as resumed.output_ids
+
+    def continuing(self, resume: Resume) -> Req:
+        """This request (new, from the wire) taking up the output its caller already has, as a
+        retracted request does: those tokens are prefilled again and never sent again."""
+        assert self.status is ReqStatus.WAITING and not self.output_ids, self.rid
+        self.resumed = resume
+        self.output_ids = np.frombuffer(resume.output_ids, "<i4").tolist()
+        self.sent_len = len(self.output_ids)
+        self.cached_tokens = resume.cached_tokens
+        self.weight_spans = list(resume.weight_spans)
+        return self
 
     # ---- KV (read from kvmem's record) --------------------------------------------------------
     @property

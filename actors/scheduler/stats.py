@@ -44,6 +44,7 @@ class SchedulerStats:
             "spec_accept_histogram": list(hist),
             "avg_spec_accept_length": round(sum((a + 1) * n for a, n in enumerate(hist)) / max(1, sum(hist)), 4),
             "spec_dropped_tokens": self.spec_dropped_tokens,
+            "weight_updates": self.weight_updates,
             "integrity_errors": list(self.integrity_errors),
             "host_s_per_step": (self.schedule_s + self.process_s) / steps if steps else 0.0,
             "forward_s_per_step": self.runner_forward_s / steps if steps else 0.0,

@@ -13,8 +13,8 @@ and reaps exits. An exit the group did not ask for (any code, 0 included) is a f
 watcher calls `on_failure(name, exitcode, traceback_text)` once, then tears the group down.
 Teardown (failure or shutdown): Stop to every actor, mark every ring closed (blocked
 send/recv raise RingClosed), wait `grace` s, SIGTERM, wait 1 s, SIGKILL, reap, unlink every
-segment and semaphore. Ring handles stay mapped (a parent thread may still hold one); they are
-freed with the group's ring objects.
+segment and semaphore. Ring handles stay mapped (a parent thread may still hold one) until
+`release()`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from actors.transport.ring import BroadcastRing, Ring, _RingBase
 if TYPE_CHECKING:
     from actors.server_args import ServerArgs
 
-__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "start_engine"]
+__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "describe_exit", "start_engine"]
 
 log = logging.getLogger("ringserve.launcher")
 OnFailure = Callable[[str, int | None, str], None]
@@ -52,7 +52,7 @@ class ActorFailed(RuntimeError):
     """An actor failed at start-up or died; the message carries its traceback."""
 
     def __init__(self, name: str, exitcode: int | None, traceback_text: str) -> None:
-        super().__init__(f"actor {name!r} failed ({_describe(exitcode)}):\n{traceback_text}")
+        super().__init__(f"actor {name!r} failed ({describe_exit(exitcode)}):\n{traceback_text}")
         self.name, self.exitcode, self.traceback_text = name, exitcode, traceback_text
 
 
@@ -79,7 +79,8 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _describe(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """'exit code N', 'killed by SIGKILL', or 'still running' (None)."""
     if code is None:
         return "still running"
     if code < 0:
@@ -100,6 +101,8 @@ class _Actor:
     exitcode: int | None = None  # set when reaped
     conn_open: bool = True
     logs: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    spawned_at: float = field(default_factory=time.monotonic)
+    ready_s: float | None = None  # from spawn to Ready
 
 
 class ActorGroup:
@@ -147,6 +150,16 @@ class ActorGroup:
     @property
     def ring_names(self) -> list[str]:
         return [r.name for r in self._rings]
+
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """{actor name: process id}."""
+        return {n: a.proc.pid for n, a in self._actors.items()}
+
+    @property
+    def ready_seconds(self) -> dict[str, float | None]:
+        """{actor name: seconds from its spawn to its Ready} (None: not ready)."""
+        return {n: None if a.ready_s is None else round(a.ready_s, 3) for n, a in self._actors.items()}
 
     def pid(self, name: str) -> int | None:
         """Process id of actor `name` (None before it started)."""
@@ -214,6 +227,16 @@ class ActorGroup:
             return
         self._closed.wait()
         self._watcher.join()
+
+    def release(self) -> None:
+        """Close this process's handles of the group's rings (maps and semaphores), once the group
+        is torn down and no thread here uses a ring of it any more (a restarted engine's old group:
+        actors/frontend/supervisor.py); otherwise they live as long as the group's ring objects."""
+        assert self._closed.is_set(), "release() before the group was torn down"
+        with self._cond:
+            rings = list(self._rings)
+        for ring in rings:
+            ring.close()
 
     def __enter__(self) -> ActorGroup:
         return self
@@ -285,6 +308,7 @@ class ActorGroup:
             if isinstance(msg, Ready):
                 with self._cond:
                     a.info = msg.info
+                    a.ready_s = time.monotonic() - a.spawned_at
                     self._cond.notify_all()
             elif isinstance(msg, LogLine):
                 self._emit(a, msg)
@@ -324,7 +348,7 @@ class ActorGroup:
         if a.exitcode == 0:
             text = f"actor {a.name!r} returned (exit code 0) before the group asked it to stop"
         else:
-            text = f"actor {a.name!r} died ({_describe(a.exitcode)}) without sending a traceback"
+            text = f"actor {a.name!r} died ({describe_exit(a.exitcode)}) without sending a traceback"
         if a.logs:
             text += "\nits last log lines:\n" + "\n".join(a.logs)
         return text

@@ -54,13 +54,52 @@ def as_u8(b: bytes) -> np.ndarray:
     return np.frombuffer(b, dtype=np.uint8)
 
 
+class TensorRef(msgspec.Struct, **_S):
+    """Rows [start, start + nbytes / row bytes) along dim 0 of one HF-named tensor of `shape`
+    (all of it, by default), in a shared-memory segment the runner maps (never in the ring)."""
+
+    name: str
+    dtype: str  # numpy dtype name: float32, float16, bfloat16
+    shape: list[int]  # the whole tensor's
+    segment: str  # posix shared-memory name, mode 0600, unlinked by its creator afterwards
+    offset: int
+    nbytes: int
+    start: int = 0  # first row
+
+
 # ---- actor configs (the opaque `config` bytes each actor is spawned with) ---------------------
+class StartWeights(msgspec.Struct, **_S):
+    """The weights an engine (re)starts serving (actors/frontend/supervisor.py): the runner loads
+    `ActorConfig.model_dir`, then these tensors over it (all or nothing: a refusal fails its
+    start); the scheduler stamps `version` and counts `updates` from there."""
+
+    version: str = "0"
+    updates: int = 0  # weight updates so far (a default version is this count + 1)
+    tensors: list[TensorRef] = []
+
+
 class ActorConfig(msgspec.Struct, **_S):
     args: ServerArgs
     model_dir: str  # resolved local HF-format directory (or .gguf file for the runner)
     tokenizer_dir: str
     eos_ids: list[int] = []
     vocab_size: int = 0
+    weights: StartWeights = msgspec.field(default_factory=StartWeights)
+
+
+class Resume(msgspec.Struct, **_S):
+    """What the caller of a resubmitted request already has (the actors were started again
+    under it: actors/frontend/supervisor.py). The scheduler takes `output_ids` as the request's
+    output so far, as a retracted request's (max_new_tokens counts them, a stop string may span
+    the seam, a grammar's matcher replays them); the detokenizer decodes them again and goes on
+    after the `text_len` characters already delivered."""
+
+    output_ids: bytes  # int32
+    text_len: int
+    cached_tokens: int = 0  # the first run's, reported as it was
+    weight_spans: list[tuple[str, int]] = []  # (version, first output index) of the tokens delivered
+    spec_verify_ct: int = 0  # speculative verify rounds so far and the drafts they accepted
+    spec_accepted: int = 0
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------
@@ -74,6 +113,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     token_ids_logprob: bytes = b""  # int32 token ids whose logprobs every position reports
     stream: bool = False  # outputs every stream_interval tokens; else only the finished one
     session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
+    resume: Resume | None = None  # resubmitted after a restart: the output its caller already has
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):
@@ -102,19 +142,6 @@ class LoadReq(msgspec.Struct, tag="load", **_S):
 
 class CloseSessionReq(msgspec.Struct, tag="close_session", **_S):
     session_id: str
-
-
-class TensorRef(msgspec.Struct, **_S):
-    """Rows [start, start + nbytes / row bytes) along dim 0 of one HF-named tensor of `shape`
-    (all of it, by default), in a shared-memory segment the runner maps (never in the ring)."""
-
-    name: str
-    dtype: str  # numpy dtype name: float32, float16, bfloat16
-    shape: list[int]  # the whole tensor's
-    segment: str  # posix shared-memory name, mode 0600, unlinked by its creator afterwards
-    offset: int
-    nbytes: int
-    start: int = 0  # first row
 
 
 class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
@@ -302,6 +329,7 @@ class TokenOut(msgspec.Struct, **_S):
     top_n: int = 0
     more: MoreLogprobs | None = None  # the request's token_ids_logprob / prompt logprobs, if asked
     open: SamplingParams | None = None  # on the request's first output: how to detokenize it
+    resume: Resume | None = None  # with `open`, for a resubmitted request: the text to go on from
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
     weight_version: str = ""  # the weights that produced these tokens

@@ -1,5 +1,6 @@
-"""A dead actor takes the engine down cleanly: pending requests get an error naming the actor,
-new calls are refused, and no shared-memory segment is left behind."""
+"""Without the supervisor (supervise=False), a dead actor takes the engine down cleanly: pending
+requests get an error naming the actor, new calls are refused, and no shared-memory segment is
+left behind. (With it, tests/engine/test_supervisor.py.)"""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
     from actors.frontend.engine import Engine
     from actors.frontend.errors import EngineDead
 
-    engine = Engine(str(tiny_llama), page_size=16, **SMALL)
+    engine = Engine(str(tiny_llama), page_size=16, supervise=False, **SMALL)
     try:
         names = engine.group.ring_names
 

@@ -113,3 +113,38 @@ def test_detokenizer_without_stops_streams_everything(tok):
     core.open("r")
     out = "".join(core.push("r", [t], finished=False) for t in ids[:-1]) + core.push("r", ids[-1:], finished=True)
     assert out == TEXT and "r" not in core.states
+
+
+@pytest.mark.parametrize("stops", [(), ("wörld —", "🚀 ok")], ids=["plain", "stop-strings"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_resumed_request_continues_the_text_exactly_at_every_cut(tok, stops, chunk):
+    """The engine restarted after `cut` ids reached the caller (with the text sent so far): a new
+    detokenizer opened with them (Resume) goes on so that the caller's text is the uninterrupted
+    one, never repeated, whatever the cut (inside a character, inside a held-back stop prefix)."""
+    from actors.detokenizer.core import DetokenizerCore
+    from actors.transport import messages as m
+
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    matched = next((s for s in stops if s in TEXT), None)
+    end = next(i + 1 for i in range(len(ids)) if matched is None or matched in tok.decode(ids[: i + 1])) if stops else len(ids)
+    chunks = [ids[i : min(i + chunk, end)] for i in range(0, end, chunk)]
+
+    def run(core: DetokenizerCore, parts: list[list[int]]) -> str:
+        out = ""
+        for j, p in enumerate(parts):
+            last = j == len(parts) - 1
+            out += core.push("r", p, finished=last, matched_stop=matched if last else None)
+        return out
+
+    whole = DetokenizerCore(tok)
+    whole.open("r", stops=stops)
+    want = run(whole, chunks)
+    assert want == (TEXT[: TEXT.index(matched)] if matched else TEXT)
+    for cut in range(len(chunks)):
+        first = DetokenizerCore(tok)
+        first.open("r", stops=stops)
+        sent = "".join(first.push("r", p, finished=False) for p in chunks[:cut])
+        delivered = [t for p in chunks[:cut] for t in p]
+        again = DetokenizerCore(tok)
+        again.open("r", stops=stops, resume=m.Resume(m.i32(delivered), len(sent)))
+        assert sent + run(again, chunks[cut:]) == want, f"cut after {cut} chunks"

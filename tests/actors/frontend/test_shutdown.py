@@ -23,7 +23,7 @@ from tests.engine.conftest import SMALL
 def test_a_killed_actor_leaves_no_socket_file_or_directory(tiny_dir, actor):
     from actors import Engine, Servers
 
-    engine = Engine(str(tiny_dir("llama")), page_size=16, **SMALL)
+    engine = Engine(str(tiny_dir("llama")), page_size=16, supervise=False, **SMALL)
     try:
         servers = Servers(engine, port=0).start()  # the socket in a private directory made for it
         path, made = servers.socket_path, os.path.dirname(servers.socket_path)

@@ -1,0 +1,183 @@
+"""The supervisor's journal (actors/frontend/supervisor.py): what actors started anew must be
+given back, kept from the control calls the scheduler confirmed (`TokenizerManager._replied`
+tells it each reply, also one whose caller stopped waiting).
+
+    state            recorded from                         given back to new actors as
+    pause            PauseReq / ContinueReq ok             PauseReq("in_place") before any request
+    memory released  MemoryReq release / resume ok         MemoryReq("release", tags)
+    weights          UpdateWeightsReq ok (the last part)   the runner's start (`start_weights`):
+                                                           the checkpoint last loaded whole, then
+                                                           the tensors pushed over it since
+    weight version   the update's reply                    the scheduler's start (version, count)
+
+Weights pushed from tensors are kept as a host copy of each name's latest value (at most one
+model's weights: a full push replaces the previous one), taken while the caller's segment still
+exists (before its reply is handed over). If a copy cannot be taken, or the checkpoint the
+weights were loaded from is gone, the journal says why a restart cannot bring them back
+(`why_not`) and the supervisor refuses to restart instead of serving other weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import mmap
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.transport import messages as m
+
+log = logging.getLogger("ringserve.supervisor")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tensor:
+    """A pushed tensor's host copy, as it travelled (dtype name, shape, raw bytes)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | bytearray
+
+
+class Journal:
+    """The pause, the device memory given back, and the weights: the checkpoint last loaded
+    whole (`model_dir`: the model at start or the latest update_weights_from_disk), the tensors
+    pushed over it since, their version and the count of updates."""
+
+    def __init__(self, model_dir: str):
+        self.paused = False
+        self.released: set[str] = set()
+        self.model_dir = model_dir
+        self.version = "0"
+        self.updates = 0
+        self.tensors: dict[str, Tensor] = {}
+        self.lost: str | None = None  # why the weights serving cannot be rebuilt (a copy failed)
+        self._staged: dict[str, Tensor] = {}  # parts of a tensor update not yet confirmed whole
+
+    def confirmed(self, msg: Any, reply: m.ControlReply) -> None:
+        """The scheduler answered `msg` with `reply` (refused or not). Never raises: a journal
+        that cannot keep something records why instead (`why_not`)."""
+        try:
+            if isinstance(msg, m.UpdateWeightsReq):
+                self._weights(msg, reply)
+            elif not reply.ok:
+                return
+            elif isinstance(msg, m.PauseReq):
+                self.paused = True
+            elif isinstance(msg, m.ContinueReq):
+                self.paused = False
+            elif isinstance(msg, m.MemoryReq):
+                if msg.action == "release":
+                    self.released |= set(msg.tags)
+                else:
+                    self.released -= set(msg.tags)
+        except Exception as e:
+            self._staged.clear()
+            self.lost = f"a weight update from tensors could not be kept for restarts ({e!r})"
+            log.exception("supervisor journal: %s", self.lost)
+
+    def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
+        if not reply.ok:
+            self._staged.clear()
+            return
+        if msg.source == "abandon":  # a push dropped half way: nothing of it serves
+            self._staged.clear()
+            return
+        last = msg.part == msg.parts - 1
+        if msg.source == "disk":
+            self.model_dir, self.tensors, self.lost = msg.model_path, {}, None
+            self._staged.clear()
+        else:
+            if msg.part == 0:
+                self._staged.clear()
+            _read_tensors(msg.tensors, self._staged)  # (the caller unlinks or reuses them after this reply)
+            if last:
+                self.tensors.update(self._staged)
+                self._staged.clear()
+        if last:
+            self.version = json.loads(reply.payload)["weight_version"]
+            self.updates += 1
+
+    def why_not(self) -> str | None:
+        """Why the weights serving cannot be brought back, or None."""
+        if self.lost is not None:
+            return f"the weights serving (version {self.version}) cannot be rebuilt: {self.lost}"
+        if not Path(self.model_dir).exists():
+            return (f"the weights serving (version {self.version}) were loaded from {self.model_dir}, which no "
+                    "longer exists; restart the engine with weights that do")  # fmt: skip
+        return None
+
+    def restore(self) -> list[tuple[str, Any]]:
+        """Control messages that bring the journal's state back to a new scheduler, in order:
+        the device memory given back (while nothing holds KV), then the pause."""
+        msgs: list[tuple[str, Any]] = []
+        if self.released:
+            msgs.append(("memory", m.MemoryReq("release", sorted(self.released))))
+        if self.paused:  # (nothing runs in the new scheduler yet: the mode does not matter)
+            msgs.append(("pause", m.PauseReq("in_place")))
+        return msgs
+
+    @contextlib.contextmanager
+    def start_weights(self) -> Iterator[m.StartWeights]:
+        """The weights new actors start with; the tensors pushed since the last full load are in
+        one shared-memory segment (mode 0600) until the actors are ready."""
+        if not self.tensors:
+            yield m.StartWeights(self.version, self.updates)
+            return
+        import posix_ipc
+
+        name = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-restore"
+        size = sum(len(t.data) for t in self.tensors.values())
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=max(size, 1))
+        try:
+            refs, off = [], 0
+            try:
+                with mmap.mmap(shm.fd, max(size, 1)) as mm:
+                    for tname, t in self.tensors.items():
+                        mm[off : off + len(t.data)] = t.data
+                        refs.append(m.TensorRef(tname, t.dtype, list(t.shape), name, off, len(t.data)))
+                        off += len(t.data)
+            finally:
+                shm.close_fd()
+            yield m.StartWeights(self.version, self.updates, refs)
+        finally:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(name)
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _read_tensors(refs: list[m.TensorRef], into: dict[str, Tensor]) -> None:
+    """Copy the pieces `refs` name (rows [start, ...) of a tensor of `shape`: a tensor larger than
+    a bucket arrives in several) into whole host copies in `into`."""
+    import posix_ipc
+
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        for r in refs:
+            mm = maps.get(r.segment)
+            if mm is None:
+                shm = posix_ipc.SharedMemory(r.segment)
+                try:
+                    mm = maps[r.segment] = mmap.mmap(shm.fd, shm.size)
+                finally:
+                    shm.close_fd()
+            t = into.get(r.name)
+            if t is None or t.dtype != r.dtype or t.shape != tuple(r.shape):
+                n = _ITEMSIZE.get(r.dtype) or np.dtype(r.dtype).itemsize
+                for d in r.shape:
+                    n *= d
+                t = into[r.name] = Tensor(r.dtype, tuple(r.shape), bytearray(n))
+            row = len(t.data) // r.shape[0] if r.shape and r.shape[0] else len(t.data)
+            t.data[r.start * row : r.start * row + r.nbytes] = mm[r.offset : r.offset + r.nbytes]
+    finally:
+        for mm in maps.values():
+            mm.close()

@@ -1,0 +1,329 @@
+"""The supervisor's parts without processes: the crash-loop policy, the journal of what a
+restarted engine must get back (pause, released memory, weights from disk and from tensors; a
+copy that fails refuses restarts), each live request's resubmission (what its caller already
+has), `reattach`'s order (the journal's state, every request again, an aborted one aborted again,
+then the calls that wait; a weight update in flight fails with the reason), and the Supervisor
+itself over fake actor groups: a death restarts and resubmits, a crash loop, failed starts in a
+row and weights that cannot come back give up with EngineDead for every caller. The real kills:
+tests/engine/test_supervisor.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+
+import numpy as np
+import pytest
+
+from actors.frontend.core import FrontendCore
+from actors.frontend.journal import Journal
+from actors.frontend.supervisor import RestartPolicy
+from actors.transport import messages as m
+from tests.actors.frontend.test_core import Tok, out, spec
+
+
+def test_more_than_k_crashes_in_t_seconds_give_up_and_old_ones_are_forgotten():
+    p = RestartPolicy(3, 60.0)
+    assert [p.crashed(t) for t in (0.0, 10.0, 20.0)] == [None, None, None]
+    assert "4 crashes within 60 s (more than max_restarts=3" in (p.crashed(30.0) or "")
+    p = RestartPolicy(3, 60.0)
+    assert all(p.crashed(t) is None for t in (0.0, 50.0, 100.0, 150.0, 200.0))  # never 4 within 60 s
+    assert "supervise=False" in (RestartPolicy(0, 60.0).crashed(0.0) or "")
+    assert RestartPolicy(3, 60.0).failed_starts(3) is None
+    assert "4 starts of the actors failed in a row" in (RestartPolicy(3, 60.0).failed_starts(4) or "")
+
+
+def ok(kind: str, version: str | None = None) -> m.ControlReply:
+    payload = json.dumps({"weight_version": version}).encode() if version else b""
+    return m.ControlReply(kind, True, "", payload)
+
+
+def segment(tensors: dict[str, np.ndarray]) -> list[m.TensorRef]:
+    from actors.frontend.weights import _write_segment
+
+    name = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-test"
+    items = list(tensors.items())
+    return _write_segment(name, items, sum(a.nbytes for _, a in items))
+
+
+def test_the_journal_keeps_what_the_scheduler_confirmed(tmp_path):
+    from actors.frontend.weights import _unlink
+    from model.weight_sync import tensors_from_segments
+
+    j = Journal(str(tmp_path))
+    assert j.restore() == [] and j.why_not() is None
+    j.confirmed(m.PauseReq("retract"), ok("pause"))
+    j.confirmed(m.MemoryReq("release", ["kv_cache", "weights"]), ok("memory"))
+    j.confirmed(m.MemoryReq("resume", ["weights"]), ok("memory"))
+    j.confirmed(m.ContinueReq(), m.ControlReply("continue", False, "refused"))  # a refusal changes nothing
+    assert j.restore() == [("memory", m.MemoryReq("release", ["kv_cache"])), ("pause", m.PauseReq("in_place"))]
+    j.confirmed(m.ContinueReq(), ok("continue"))
+    assert j.restore() == [("memory", m.MemoryReq("release", ["kv_cache"]))]
+
+    a, b, c = (np.full((2, 3), v, np.float32) for v in (1, 2, 3))
+    refs = [segment({"x": a}), segment({"y": b})]
+    try:  # a two-part update: only the whole counts, the latest value of each name
+        j.confirmed(m.UpdateWeightsReq("tensor", part=0, parts=2, tensors=refs[0]), ok("update_weights"))
+        assert j.tensors == {} and j.updates == 0
+        j.confirmed(m.UpdateWeightsReq("tensor", part=1, parts=2, tensors=refs[1]), ok("update_weights", "1"))
+    finally:
+        for r in refs:
+            _unlink(r[0].segment)
+    refs = [segment({"x": c})]
+    try:  # refused: nothing of it is kept
+        j.confirmed(m.UpdateWeightsReq("tensor", tensors=refs[0]), m.ControlReply("update_weights", False, "no"))
+    finally:
+        _unlink(refs[0][0].segment)
+    assert (j.version, j.updates, sorted(j.tensors)) == ("1", 1, ["x", "y"])
+    with j.start_weights() as w:  # what a restarted runner maps: the tensors as pushed
+        assert (w.version, w.updates) == ("1", 1)
+        got = tensors_from_segments(w.tensors)
+        name = w.tensors[0].segment
+    assert got.keys() == {"x", "y"} and (got["x"] == a).all() and (got["y"] == b).all()
+    assert not os.path.exists("/dev/shm" + name)  # unlinked once the actors started
+
+    other = tmp_path / "step7"
+    other.mkdir()
+    j.confirmed(m.UpdateWeightsReq("disk", str(other)), ok("update_weights", "v7"))  # a full load: the base
+    assert (j.model_dir, j.tensors, j.version, j.updates) == (str(other), {}, "v7", 2)
+    with j.start_weights() as w:
+        assert w == m.StartWeights("v7", 2)
+    other.rmdir()
+    assert f"loaded from {other}, which no longer exists" in (j.why_not() or "")
+
+
+def test_a_pushed_update_the_journal_cannot_copy_refuses_restarts_until_a_full_load(tmp_path):
+    from actors.frontend.weights import _unlink
+
+    j = Journal(str(tmp_path))
+    refs = segment({"x": np.ones(4, np.float32)})
+    _unlink(refs[0].segment)  # gone before the reply was taken (its caller was cancelled)
+    j.confirmed(m.UpdateWeightsReq("tensor", tensors=refs), ok("update_weights", "3"))
+    assert "version 0) cannot be rebuilt: a weight update from tensors could not be kept" in (j.why_not() or "")
+    j.confirmed(m.UpdateWeightsReq("disk", str(tmp_path)), ok("update_weights", "4"))
+    assert j.why_not() is None and (j.version, j.tensors) == ("4", {})
+
+
+def test_a_resubmission_carries_what_the_caller_already_has():
+    core = FrontendCore(Tok())
+    st = core.add(spec("A", stream=True), now=0.0)
+    assert core.resubmission(st).resume is None  # nothing delivered: sent again as it was
+    core.apply(m.BatchStrOut([out("A", [7, 8], 2, cached_tokens=2, weight_version="v1")], ["seven"]), now=1.0)
+    core.apply(m.BatchStrOut([out("A", [9], 3, cached_tokens=2, weight_version="v2", spec_verify_ct=2, spec_accepted=1)],
+                             ["!"]), now=2.0)  # fmt: skip
+    g = core.resubmission(st)
+    assert (g.rid, m.as_i32(g.input_ids).tolist(), g.sampling, g.stream) == ("A", [1, 2, 3], st.spec.sampling, True)
+    assert g.resume == m.Resume(m.i32([7, 8, 9]), len("seven!"), 2, [("v1", 0), ("v2", 2)], 2, 1)
+
+
+class FakeRing:
+    """A ring end: what is sent to the scheduler is kept; recv raises RingClosed once `closed`."""
+
+    def __init__(self, closed: threading.Event | None = None) -> None:
+        self.sent: list = []
+        self.closed = closed or threading.Event()
+
+    def send(self, raw: bytes) -> None:
+        from actors.transport.ring import RingClosed
+
+        if self.closed.is_set():
+            raise RingClosed("closed")
+        self.sent.append(m.to_scheduler.decode(raw))
+
+    def recv(self, timeout: float | None = None) -> None:
+        from actors.transport.ring import RingClosed
+
+        if self.closed.wait(timeout or 0):
+            raise RingClosed("closed")
+
+
+@pytest.fixture
+def tm(tiny_dir):
+    from actors.frontend.actor import TokenizerManager
+    from actors.server_args import ServerArgs
+    from model.checkpoints.tokenizer import load_tokenizer
+
+    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), FakeRing(), FakeRing(), args=ServerArgs(), vocab_size=2048)
+    yield t
+    t.close()
+
+
+def test_reattach_sends_the_state_then_every_request_then_the_calls_that_wait(tm):
+    async def scenario():
+        a, b = (tm.core.add(spec(r, stream=True), now=0.0) for r in ("A", "B"))
+        tm.core.apply(m.BatchStrOut([out("A", [7], 1)], ["x"]), now=1.0)
+        b.aborted = True  # its abort was lost with the dead scheduler
+        info = tm.loop.create_task(tm.control(m.InfoReq(), "info"))
+        update = tm.loop.create_task(tm.control(m.UpdateWeightsReq("disk", "/w"), "update_weights"))
+        await asyncio_sleep0()
+        new = FakeRing()
+        lost = m.ControlReply("update_weights", False, "restarted", b'{"weight_version": "0"}')
+        futs, n = await tm.reattach(new, FakeRing(), [("pause", m.PauseReq("in_place"))], lost)
+        assert n == 2 and [c.kind for c in tm.replies] == ["pause", "info"]
+        assert [type(x).__name__ for x in new.sent] == ["PauseReq", "GenerateReq", "GenerateReq", "AbortReq", "InfoReq"]
+        assert new.sent[1].resume is not None and new.sent[2].resume is None and new.sent[3].rid == "B"
+        assert (await update).message == "restarted" and not info.done() and len(futs) == 1
+        info.cancel()
+
+    tm.lt.run(scenario())
+
+
+async def asyncio_sleep0() -> None:
+    import asyncio
+
+    await asyncio.sleep(0)
+
+
+def test_a_reply_whose_caller_stopped_waiting_still_reaches_the_journal(tm, tmp_path):
+    tm.journal = j = Journal(str(tmp_path))
+
+    async def scenario():
+        call = tm.loop.create_task(tm.control(m.PauseReq("retract"), "pause"))
+        await asyncio_sleep0()
+        call.cancel()
+        tm._dispatch(m.encode(ok("pause")))
+
+    tm.lt.run(scenario())
+    assert j.paused and not tm.replies
+
+
+class FakeGroup:
+    """An actor group: ready at once (or failing to start), `die()` as the launcher's watcher
+    reports a death (the group is torn down, its rings closed)."""
+
+    def __init__(self, on_failure, fail_start: bool) -> None:
+        from actors.transport.launcher import ActorFailed
+
+        self.on_failure, self.failure, self.down = on_failure, None, threading.Event()
+        self.rings = FakeRing(self.down), FakeRing(self.down)
+        self.start_error = ActorFailed("runner", 1, "Traceback: no device") if fail_start else None
+        self.ready_seconds = {"runner": 1.5}
+
+    def wait_ready(self, timeout: float) -> dict:
+        if self.start_error is not None:
+            self.down.set()
+            raise self.start_error
+        return {"runner": b"{}"}
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        return self.down.wait(timeout)
+
+    def shutdown(self) -> None:
+        self.down.set()
+
+    def release(self) -> None:
+        assert self.down.is_set()
+        self.released = True
+
+    def die(self, name: str = "runner") -> None:
+        from actors.transport.launcher import ActorFailed
+
+        self.failure = ActorFailed(name, -9, "")
+        self.down.set()
+        self.on_failure(name, -9, "")
+
+
+def supervised(tm, policy: RestartPolicy, journal: Journal, starts: list[bool] | None = None):
+    """A Supervisor over fake groups (`starts`: whether each start after the first fails)."""
+    from actors.frontend.supervisor import Supervisor
+
+    groups: list[FakeGroup] = []
+    plan = iter(starts or [])
+
+    def launch(model_dir, weights, on_failure):
+        g = FakeGroup(on_failure, fail_start=bool(groups) and next(plan, False))
+        groups.append(g)
+        return g, *g.rings
+
+    sup = Supervisor(tm, launch, policy, journal, ready_timeout=5)
+    sup.start()
+    return sup, groups
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def live(tm, *rids: str) -> list:
+    async def add():
+        return [tm.core.add(spec(r, stream=True), now=0.0) for r in rids]
+
+    return tm.lt.run(add())
+
+
+@pytest.fixture
+def bare_tm(tiny_dir):
+    from actors.frontend.actor import TokenizerManager
+    from actors.server_args import ServerArgs
+    from model.checkpoints.tokenizer import load_tokenizer
+
+    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), args=ServerArgs(), vocab_size=2048)
+    yield t
+    t.close()
+
+
+def test_a_death_restarts_the_group_and_resubmits_every_live_request(bare_tm, tmp_path):
+    tm = bare_tm
+    sup, groups = supervised(tm, RestartPolicy(3, 60.0), Journal(str(tmp_path)))
+    a, b = live(tm, "A", "B")
+    tm.lt.run(_apply(tm, m.BatchStrOut([out("A", [7, 8], 2)], ["xy"])))
+    groups[0].die("detokenizer")
+    wait_for(lambda: tm.core.metrics.restart_counts.get("detokenizer") == 1)
+    assert len(groups) == 2 and sup.group is groups[1] and sup._thread is None
+    sent = groups[1].rings[0].sent
+    assert [(g.rid, g.resume is not None) for g in sent] == [("A", True), ("B", False)]
+    assert m.as_i32(sent[0].resume.output_ids).tolist() == [7, 8] and sent[0].resume.text_len == 2
+    assert tm.core.metrics.last_restart["resubmitted"] == 2 and not a.finished and b.error is None
+    assert groups[0].released and not hasattr(groups[1], "released")  # the old rings' handles closed
+    sup.close()
+
+
+def test_a_crash_loop_gives_up_with_engine_dead_for_every_caller(bare_tm, tmp_path):
+    tm = bare_tm
+    sup, groups = supervised(tm, RestartPolicy(2, 60.0), Journal(str(tmp_path)))
+    (a,) = live(tm, "A")
+    for k in range(3):
+        wait_for(lambda k=k: len(groups) == k + 1 and sup.group is groups[k] and sup._thread is None)
+        groups[k].die()
+    wait_for(lambda: a.error is not None)
+    assert "3 crashes within 60 s (more than max_restarts=2" in str(a.error) and tm.dead is not None
+    assert len(groups) == 3 and sup._thread is None and all(g.down.is_set() for g in groups)
+    sup.close()
+
+
+def test_failed_starts_in_a_row_give_up_even_when_each_is_alone_in_its_window(bare_tm, tmp_path):
+    tm = bare_tm
+    sup, groups = supervised(tm, RestartPolicy(2, 1e-9), Journal(str(tmp_path)), starts=[True] * 10)
+    (a,) = live(tm, "A")
+    groups[0].die()
+    wait_for(lambda: a.error is not None)
+    assert "3 starts of the actors failed in a row (more than max_restarts=2)" in str(a.error)
+    assert "no device" in str(a.error) and len(groups) == 4 and sup._thread is None
+    assert all(g.released for g in groups[1:])  # (the first one's: the frontend's reader held it)
+    sup.close()
+
+
+def test_weights_that_cannot_come_back_refuse_the_restart_and_say_why(bare_tm, tmp_path):
+    tm = bare_tm
+    gone = tmp_path / "ckpt"
+    gone.mkdir()
+    sup, groups = supervised(tm, RestartPolicy(3, 60.0), Journal(str(gone)))
+    (a,) = live(tm, "A")
+    gone.rmdir()
+    groups[0].die()
+    wait_for(lambda: a.error is not None)
+    assert f"were loaded from {gone}, which no longer exists" in str(a.error) and len(groups) == 1
+    sup.close()
+
+
+async def _apply(tm, msg) -> None:
+    import time
+
+    tm.core.apply(msg, time.perf_counter())
