@@ -111,7 +111,7 @@ class Streams:
                 raise RuntimeError("the stream ended before its request finished")
             self.final[i] = last
         except Exception as e:
-            self.errors[i] = f"{type(e).__name__}: {e}"[:500]
+            self.errors[i] = f"{type(e).__name__}: {e}"
 
     @staticmethod
     def _http(server: Server, p: list[int], sp: dict):

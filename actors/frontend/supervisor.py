@@ -81,8 +81,6 @@ def _exiting() -> None:
         s.exiting()
 
 
-
-
 class RestartPolicy:
     """When to stop restarting: more than `max_restarts` crashes within `window_s` seconds
     (`crashed`), or more than `max_restarts` failed starts in a row (the supervisor counts those:

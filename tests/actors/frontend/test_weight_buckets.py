@@ -1,7 +1,8 @@
 """Buckets of a weight push without an engine: every byte of every tensor lands in exactly one
 piece, no bucket passes `bucket_bytes`, a tensor larger than a bucket is cut into row runs that
 reassemble exactly; safetensors blobs are the standard format; bad headers are refused naming
-the tensor and the field; a segment is 0600 and gone once closed."""
+the tensor and the field; a segment is 0600 and gone once closed; a push session (with a fake
+scheduler) sends an abandon for whatever it staged unless it committed."""
 
 from __future__ import annotations
 
@@ -197,3 +198,77 @@ def test_blob_parts_copy_nothing():
     [bucket] = list(buckets({"a": a}, 1024, align=1))
     head, data = list(blob_parts(bucket))
     assert isinstance(data, memoryview) and np.shares_memory(np.frombuffer(data, np.float32), a)
+
+
+# ---- the server's push session, with a fake scheduler ----------------------------------------
+def _session(script):
+    """Run `script(push, sent)` on a loop with a Push whose control records every part."""
+    import asyncio
+
+    from actors.frontend.weight_push import Push
+
+    sent: list = []
+
+    async def control(req):
+        sent.append(req)
+        await asyncio.sleep(0.01)
+        ok = not (req.tensors and req.tensors[0].name == "refused")
+        return {"success": ok, "message": "ok" if ok else "refused: busy", "weight_version": "v"}
+
+    async def main():
+        push = Push(control, 4096, 2)
+        names = [s.name for s in push.segments]
+        try:
+            await script(push, sent)
+        finally:
+            push.close()
+        await asyncio.sleep(0.05)  # the abandon, if any, is sent from close()
+        return names
+
+    names = asyncio.run(main())
+    assert not [n for n in names if os.path.exists("/dev/shm" + n)]
+    return sent
+
+
+def test_a_push_session_abandons_what_it_staged_unless_committed():
+    import asyncio
+
+    piece = TensorPiece("w", "float32", [4], 0, 16)
+
+    async def committed(push, sent):
+        assert await push.bucket(0, [piece]) is None and await push.bucket(1, [piece]) is None
+        assert (await push.commit("v2"))["success"]
+
+    sent = _session(committed)
+    assert [(r.source, r.part, r.parts, r.weight_version) for r in sent] == [
+        ("tensor", 0, 0, None), ("tensor", 1, 0, None), ("tensor", 2, 3, "v2")]  # fmt: skip
+    assert len({r.update for r in sent}) == 1 and sent[0].tensors[0].segment.endswith("-push0")
+
+    async def died(push, sent):
+        assert await push.bucket(0, [piece]) is None
+        task = asyncio.ensure_future(push.bucket(1, [piece]))
+        await asyncio.sleep(0)
+        task.cancel()  # the pusher went away with a part in flight
+
+    sent = _session(died)
+    assert [r.source for r in sent] == ["tensor", "tensor", "abandon"] and len({r.update for r in sent}) == 1
+
+    async def refused(push, sent):
+        assert await push.bucket(0, [piece]) is None
+        out = await push.bucket(1, [TensorPiece("refused", "float32", [4], 0, 16)])
+        assert out is not None and out["message"] == "refused: busy"
+
+    assert [r.source for r in _session(refused)] == ["tensor", "tensor", "abandon"]
+
+    async def bad_header(push, sent):
+        with pytest.raises(ValueError, match="bucket 0: tensors\\[0\\] \\('w'\\) offset"):
+            await push.bucket(0, [TensorPiece("w", "float32", [4], 4090, 16)])
+        with pytest.raises(ValueError, match="slot=2 is not one of the push's 2 segments"):
+            await push.bucket(2, [piece])
+
+    assert _session(bad_header) == []  # nothing reached the scheduler, nothing to abandon
+
+    async def empty(push, sent):
+        assert await push.commit(None) == {"success": True, "message": "no tensors"}
+
+    assert _session(empty) == []
