@@ -41,17 +41,40 @@ def ok(kind: str, version: str | None = None) -> m.ControlReply:
 
 
 def segment(tensors: dict[str, np.ndarray]) -> list[m.TensorRef]:
-    from actors.frontend.weights import _write_segment
+    """The tensors in one new shared-memory segment (0600), as a push leaves them for the runner."""
+    import mmap
+
+    import posix_ipc
 
     name = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-test"
-    items = list(tensors.items())
-    return _write_segment(name, items, sum(a.nbytes for _, a in items))
+    size = sum(a.nbytes for a in tensors.values())
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    refs, off = [], 0
+    with mmap.mmap(shm.fd, size) as mm:
+        for k, a in tensors.items():
+            mm[off : off + a.nbytes] = a.tobytes()
+            refs.append(m.TensorRef(k, a.dtype.name, list(a.shape), name, off, a.nbytes))
+            off += a.nbytes
+    shm.close_fd()
+    return refs
+
+
+def _unlink(name: str) -> None:
+    import posix_ipc
+
+    posix_ipc.unlink_shared_memory(name)
+
+
+def read_back(refs: list[m.TensorRef]) -> dict[str, np.ndarray]:
+    """What a restarted runner reads from the journal's segment."""
+    from actors.frontend.journal import _read_tensors
+
+    got: dict = {}
+    _read_tensors(refs, got)
+    return {k: np.frombuffer(bytes(t.data), t.dtype).reshape(t.shape) for k, t in got.items()}
 
 
 def test_the_journal_keeps_what_the_scheduler_confirmed(tmp_path):
-    from actors.frontend.weights import _unlink
-    from model.weight_sync import tensors_from_segments
-
     j = Journal(str(tmp_path))
     assert j.restore() == [] and j.why_not() is None
     j.confirmed(m.PauseReq("retract"), ok("pause"))
@@ -79,7 +102,7 @@ def test_the_journal_keeps_what_the_scheduler_confirmed(tmp_path):
     assert (j.version, j.updates, sorted(j.tensors)) == ("1", 1, ["x", "y"])
     with j.start_weights() as w:  # what a restarted runner maps: the tensors as pushed
         assert (w.version, w.updates) == ("1", 1)
-        got = tensors_from_segments(w.tensors)
+        got = read_back(w.tensors)
         name = w.tensors[0].segment
     assert got.keys() == {"x", "y"} and (got["x"] == a).all() and (got["y"] == b).all()
     assert not os.path.exists("/dev/shm" + name)  # unlinked once the actors started
@@ -95,8 +118,6 @@ def test_the_journal_keeps_what_the_scheduler_confirmed(tmp_path):
 
 
 def test_a_pushed_update_the_journal_cannot_copy_refuses_restarts_until_a_full_load(tmp_path):
-    from actors.frontend.weights import _unlink
-
     j = Journal(str(tmp_path))
     refs = segment({"x": np.ones(4, np.float32)})
     _unlink(refs[0].segment)  # gone before the reply was taken (its caller was cancelled)
@@ -327,3 +348,25 @@ async def _apply(tm, msg) -> None:
     import time
 
     tm.core.apply(msg, time.perf_counter())
+
+
+def test_the_journal_assembles_a_tensor_pushed_in_row_pieces(tmp_path):
+    """A tensor larger than a bucket arrives as row pieces over several parts: the journal keeps
+    it whole (what a restart stages again)."""
+    j = Journal(str(tmp_path))
+    z = np.arange(12, dtype=np.float32).reshape(4, 3)
+    refs = [segment({"z": z[:3]}), segment({"z": z[3:]})]
+    refs[1][0].start = 3  # rows 3.. of the whole tensor
+    for r in refs:
+        r[0].shape = [4, 3]
+    try:
+        j.confirmed(m.UpdateWeightsReq("tensor", part=0, parts=2, tensors=refs[0]), ok("update_weights"))
+        j.confirmed(m.UpdateWeightsReq("tensor", part=1, parts=2, tensors=refs[1]), ok("update_weights", "2"))
+    finally:
+        for r in refs:
+            _unlink(r[0].segment)
+    with j.start_weights() as w:
+        got = read_back(w.tensors)
+    assert list(got) == ["z"] and (got["z"] == z).all()
+    j.confirmed(m.UpdateWeightsReq("abandon"), ok("update_weights"))  # a dropped push changes nothing
+    assert (j.version, j.updates, list(j.tensors)) == ("2", 1, ["z"])
