@@ -43,7 +43,7 @@ class Tensor:
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | bytearray
+    data: bytearray
 
 
 class Journal:
