@@ -33,7 +33,7 @@ from model.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingB
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any]]
 
 
-def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 16) -> StepFn:
+def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 64) -> StepFn:
     """The step function of `model`. Extend programs sample their (few real) rows `sample_group`
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
     deterministic mode). Prompt positions' logprobs are computed `position_group` at a time

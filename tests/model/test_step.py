@@ -18,7 +18,8 @@ PAGE = 16
 
 
 def test_all_buckets_compiled_once_and_never_again(tiny_dir):
-    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, extend_block=16)
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, extend_block=16,
+                         top_logprobs_num=2, token_ids_logprob_num=4)  # fmt: skip
     ex = ModelExecutor(tiny_dir("llama"), cfg)
     # decode NB 2,4 + extend T 16,32,64 (NB 1,2,4 at block 16)
     assert ex.num_programs == 5
@@ -32,6 +33,18 @@ def test_all_buckets_compiled_once_and_never_again(tiny_dir):
             if n_req * -(-n_tok // 16) * 16 > 64:
                 continue
             ex.run(segs)
+    assert ex.trace_count == traced and ex.num_programs == 5
+    # prompt logprobs and token_ids_logprob are inputs of the same programs: nothing is traced
+    # for them, a step of one-token rows that wants a position runs an extend program
+    ids = np.array([1, 2, 3], np.int32)
+    for n_tok in (1, 5, 16, 40):
+        toks = rng.integers(3, 2000, n_tok).astype(np.int32)
+        rows = [DeviceRow(toks, 0, pages[0], logprob_targets=toks[1:] if n_tok > 1 else toks, logprob_ids=ids),
+                DeviceRow(toks[:1], 0, pages[1], logprob_ids=ids)]  # fmt: skip
+        so = ex.run_step(rows)
+        assert so.num_positions == len(rows[0].logprob_targets) and np.asarray(so.out.ids_logprobs).shape[1] == 4
+        assert ex.prepare(rows).shape.block == 16  # an extend program, also for n_tok == 1
+    assert ex.prepare([DeviceRow(ids[:1], 0, pages[0], logprob_ids=ids)]).shape.block == 1  # ids alone: decode
     assert ex.trace_count == traced and ex.num_programs == 5
     with pytest.raises(ValueError, match="largest bucket"):
         ex.run([DeviceRow(np.zeros(1, np.int32), 0, pages[0]) for _ in range(5)])
