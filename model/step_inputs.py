@@ -39,8 +39,8 @@ Prompt logprobs are computed by the extend steps that already run, from the same
 (`logprob_start`, `logprob_targets`: row tokens [start, start + n) and the token after each;
 for a middle chunk's last token that is the next chunk's first). The step packs those
 positions row after row into `LogprobBatch` (flat token index, target, row), P entries; the
-device computes the first `count` of them in a loop whose trip count is the real positions, so
-an extend step that wants none pays one loop test. P is the program's T for extend programs and
+device computes the first `count` of them in a loop whose trip count is the real positions,
+under a conditional, so an extend step that wants none pays one test. P is the program's T for extend programs and
 0 for decode and verify programs (`Buckets.positions`): their rows never carry prompt
 positions (a step of one-token rows that wants some is given an extend program), so their
 LogprobBatch has no position fields at all. A row's `logprob_ids` (token_ids_logprob, at most
