@@ -20,7 +20,6 @@ of another update than the one staged, an abandoned update, or any error drops w
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -28,6 +27,7 @@ import numpy as np
 
 from model.checkpoints.config import ModelConfig
 from model.checkpoints.weights import load_checkpoint
+from model.weight_segments import WeightError, read_segments
 
 if TYPE_CHECKING:
     from model.executor import ModelExecutor
@@ -36,10 +36,6 @@ FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)
                 "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # fmt: skip
 ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "sliding_window")  # fmt: skip
-
-
-class WeightError(ValueError):
-    pass
 
 
 def check_same_architecture(serving: ModelConfig, new: ModelConfig, source: str) -> None:
@@ -198,30 +194,4 @@ class WeightSync:
         if "kv_cache" in tags and self.ex.kv is None:
             self.ex.new_kv()
         return f"resumed {', '.join(tags)}"
-
-
-def read_segments(refs: list[Any], take: Callable[[Any, Any], None]) -> None:
-    """Hand each TensorRef and its mapped segment to `take` (each segment mapped once; a segment
-    that is gone, e.g. a push that ended, is a WeightError)."""
-    import mmap
-
-    import posix_ipc
-
-    maps: dict[str, mmap.mmap] = {}
-    try:
-        for r in refs:
-            mm = maps.get(r.segment)
-            if mm is None:
-                try:
-                    shm = posix_ipc.SharedMemory(r.segment)
-                except posix_ipc.ExistentialError:
-                    raise WeightError(f"tensor {r.name!r}: segment {r.segment} is gone (its push ended)") from None
-                try:
-                    mm = maps[r.segment] = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
-                finally:
-                    shm.close_fd()
-            take(r, mm)
-    finally:
-        for mm in maps.values():
-            mm.close()
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from actors.transport import messages as m
+from model.weight_segments import read_segments
 
 log = logging.getLogger("ringserve.supervisor")
 
@@ -158,26 +159,15 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 def _read_tensors(refs: list[m.TensorRef], into: dict[str, Tensor]) -> None:
     """Copy the pieces `refs` name (rows [start, ...) of a tensor of `shape`: a tensor larger than
     a bucket arrives in several) into whole host copies in `into`."""
-    import posix_ipc
 
-    maps: dict[str, mmap.mmap] = {}
-    try:
-        for r in refs:
-            mm = maps.get(r.segment)
-            if mm is None:
-                shm = posix_ipc.SharedMemory(r.segment)
-                try:
-                    mm = maps[r.segment] = mmap.mmap(shm.fd, shm.size)
-                finally:
-                    shm.close_fd()
-            t = into.get(r.name)
-            if t is None or t.dtype != r.dtype or t.shape != tuple(r.shape):
-                n = _ITEMSIZE.get(r.dtype) or np.dtype(r.dtype).itemsize
-                for d in r.shape:
-                    n *= d
-                t = into[r.name] = Tensor(r.dtype, tuple(r.shape), bytearray(n))
-            row = len(t.data) // r.shape[0] if r.shape and r.shape[0] else len(t.data)
-            t.data[r.start * row : r.start * row + r.nbytes] = mm[r.offset : r.offset + r.nbytes]
-    finally:
-        for mm in maps.values():
-            mm.close()
+    def take(r: m.TensorRef, mm: Any) -> None:
+        t = into.get(r.name)
+        if t is None or t.dtype != r.dtype or t.shape != tuple(r.shape):
+            n = _ITEMSIZE.get(r.dtype) or np.dtype(r.dtype).itemsize
+            for d in r.shape:
+                n *= d
+            t = into[r.name] = Tensor(r.dtype, tuple(r.shape), bytearray(n))
+        row = len(t.data) // r.shape[0] if r.shape and r.shape[0] else len(t.data)
+        t.data[r.start * row : r.start * row + r.nbytes] = mm[r.offset : r.offset + r.nbytes]
+
+    read_segments(refs, take)
