@@ -168,7 +168,8 @@ class FrontendCore:
             st.meta["weight_version"] = o.weight_version
             if not st.weight_spans or st.weight_spans[-1][0] != o.weight_version:
                 st.weight_spans.append((o.weight_version, len(st.output_ids) - len(new)))
-        if o.weight_versions:  # the tokens came from several weights: which produced which
+        if o.weight_versions:  # the tokens came from several weights: which produced which (exact)
+            st.weight_spans = list(o.weight_versions)
             ends = [start for _, start in o.weight_versions[1:]] + [o.completion_tokens]
             st.meta["weight_versions"] = [
                 {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)

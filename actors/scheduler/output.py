@@ -94,7 +94,7 @@ def token_out(o: ReqOutput) -> TokenOut:
         resume=req.resumed if o.first else None,
         first_token_at=req.first_token_at if n and done == n else 0.0,
         weight_version=req.weight_version,
-        weight_versions=list(req.weight_spans) if o.finished and len(req.weight_spans) > 1 else [],
+        weight_versions=list(req.weight_spans) if len(req.weight_spans) > 1 else [],  # a stream left early must know too
         spec_verify_ct=spec.verify_ct if spec is not None else 0,
         spec_accepted=spec.accepted if spec is not None else 0,
     )

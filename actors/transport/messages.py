@@ -333,7 +333,7 @@ class TokenOut(msgspec.Struct, **_S):
     first_token_at: float = 0.0  # on the output carrying the first token: the scheduler's
     # time.perf_counter() when it arrived (CLOCK_MONOTONIC: comparable across processes)
     weight_version: str = ""  # the weights that produced these tokens
-    weight_versions: list[tuple[str, int]] = []  # on the finish, if several: (version, first output index)
+    weight_versions: list[tuple[str, int]] = []  # once there are several: (version, first output index), all so far
     spec_verify_ct: int = 0  # on the finish, with speculative decoding: verify rounds
     spec_accepted: int = 0  # and the drafts they accepted
 

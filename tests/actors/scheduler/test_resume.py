@@ -59,6 +59,8 @@ def test_at_every_cut_the_resumed_request_gives_the_rest_of_the_uninterrupted_ou
         assert last.finished and last.finish_reason == {"type": "length"}
         assert (last.prompt_tokens, last.completion_tokens, last.cached_tokens) == (5, 12, 3)  # one run's meta
         assert last.weight_version == "0" and last.weight_versions == [("7", 0), ("0", cut)]
+        # every output says so, not only the last: a stream its caller leaves early must know too
+        assert all(w.weight_versions == [("7", 0), ("0", cut)] for w in wires)
 
 
 def test_a_stop_string_across_the_seam_finishes_where_the_uninterrupted_run_does():
