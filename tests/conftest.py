@@ -9,6 +9,16 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """RINGSERVE_FAST=1 skips the tests marked slow (CI runs them all)."""
+    if os.environ.get("RINGSERVE_FAST") != "1":
+        return
+    skip = pytest.mark.skip(reason="slow (RINGSERVE_FAST=1)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(family) -> path of a tiny random checkpoint of that family (seed 0)."""

@@ -70,8 +70,12 @@ class TokenizerManager:
         self.dead: BaseException | None = None
         self.closing = False
         self.journal: Any = None  # told every confirmed control call (the supervisor's Journal), if any
-        self.static_info: dict[str, Any] = {}  # model_path, runner (devices, programs): set when ready
+        # the journal's work (a pushed bucket's host copy: up to a bucket of bytes) runs here, in
+        # reply order, off the event loop; the caller's reply waits for it (its segment must live)
+        self._journal_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-journal")
+        self.static_info: dict[str, Any] = {}  # model_path, served_model_name: set when ready
         self.actor_pids: Callable[[], dict[str, int | None]] = dict  # the actors serving now (the Engine's)
+        self.runner_info: Callable[[], dict[str, Any]] = dict  # the serving runner's (devices, programs)
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
         self.on_close: list[Callable[[], None]] = []  # run first by close() (the servers' stop)
@@ -150,11 +154,22 @@ class TokenizerManager:
 
     def _replied(self, call: Call, reply: m.ControlReply) -> None:
         """A control call's reply: the journal learns what the scheduler confirmed (even when
-        the caller stopped waiting), then the caller gets it."""
-        if self.journal is not None and not call.restore:
-            self.journal.confirmed(call.msg, reply)
-        if not call.fut.done():
-            call.fut.set_result(reply)
+        the caller stopped waiting; on its thread, in order), then the caller gets it."""
+
+        def answer(_: Any = None) -> None:
+            if not call.fut.done():
+                call.fut.set_result(reply)
+
+        if self.journal is None or call.restore:
+            answer()
+            return
+        done = self.loop.run_in_executor(self._journal_thread, self.journal.confirmed, call.msg, reply)
+        done.add_done_callback(answer)
+
+    async def journal_settled(self) -> None:
+        """Once every reply dispatched before this call is in the journal (the supervisor reads
+        it to restart)."""
+        await self.loop.run_in_executor(self._journal_thread, lambda: None)
 
     def fail_all(self, err: BaseException) -> None:
         """An actor died: every pending request and control call gets the error."""
@@ -359,7 +374,7 @@ class TokenizerManager:
         info = json.loads(reply.payload)
         info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
         info["frontend_requests"] = len(self.core.states)
-        info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids())
+        info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids(), runner=self.runner_info())
         return {**self.static_info, **info}
 
     async def wait_compiled(self, timeout: float = 900.0) -> dict:
@@ -417,5 +432,6 @@ class TokenizerManager:
                 pass
         self.closing = True
         self.lt.stop()
+        self._journal_thread.shutdown(wait=False, cancel_futures=True)
         if self.reader is not None:
             self.reader.join(timeout=2)

@@ -61,19 +61,23 @@ class Engine:
             cfg = m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights)
             return start_engine(args, m.encode(cfg), on_failure)
 
-        self.runner_info: dict[str, Any] = {}
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
         policy = RestartPolicy(args.max_restarts if args.supervise else 0, args.restart_window_s)
         self.supervisor = Supervisor(self.frontend, launch, policy, Journal(str(self.model_dir)), READY_TIMEOUT_S)
         self.frontend.actor_pids = self.supervisor.pids
+        self.frontend.runner_info = lambda: self.runner_info
         try:
-            ready = self.supervisor.start()
-            self.runner_info = json.loads(ready.get("runner") or b"{}")
-            self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
-                                         "runner": self.runner_info}  # fmt: skip
+            self.supervisor.start()
+            self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name}
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def runner_info(self) -> dict[str, Any]:
+        """The serving runner's ready info (devices, compiled programs, KV pool): the newest
+        group's, after a restart."""
+        return json.loads(self.supervisor.ready.get("runner") or b"{}")
 
     @property
     def group(self):

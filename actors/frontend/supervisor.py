@@ -270,6 +270,12 @@ class Supervisor:
         old.wait_closed()
         if reader is not None:
             reader.join()  # every output it read is on the loop before reattach
+        try:
+            self.frontend.lt.run(self.frontend.journal_settled())  # every reply it read is in the journal
+        except Exception:
+            if self._closed or self.frontend.closing:  # the frontend closed meanwhile
+                return
+            raise
         t_down = time.monotonic()
         last, failed = crash, 0
         while True:

@@ -158,6 +158,8 @@ def test_each_actor_killed_in_turn_during_64_streams_over_ipc_and_http(served):
     assert info["restarts"] == 3 and info["restarts_by_actor"] == {"scheduler": 1, "runner": 1, "detokenizer": 1}
     assert info["last_restart"]["actor"] == "detokenizer" and info["last_restart"]["resubmitted"] > 0
     assert info["actor_pids"] == engine.group.pids and len(info["actor_pids"]) == 3  # the new ones
+    assert info["runner"] == engine.runner_info == json.loads(engine.supervisor.ready["runner"])  # the new runner's
+    assert engine.runner_info["kv_pool_tokens"] > 0
     metrics = httpx.get(servers.url + "/metrics").text
     assert 'ringserve:actor_restarts_total{actor="runner"} 1.0' in metrics
     assert_no_leak(engine)

@@ -205,9 +205,41 @@ def test_a_reply_whose_caller_stopped_waiting_still_reaches_the_journal(tm, tmp_
         await asyncio_sleep0()
         call.cancel()
         tm._dispatch(m.encode(ok("pause")))
+        await tm.journal_settled()
 
     tm.lt.run(scenario())
     assert j.paused and not tm.replies
+
+
+def test_the_journal_works_off_the_event_loop_and_the_caller_waits_for_it(tm, tmp_path):
+    """A pushed bucket's copy can take a while: the loop goes on meanwhile, and the caller's
+    reply (after which it unlinks its segments) comes only once the journal has its copy."""
+    tm.journal = j = Journal(str(tmp_path))
+    copying, release = threading.Event(), threading.Event()
+    confirmed = j.confirmed
+
+    def slow(msg, reply):
+        copying.set()
+        assert release.wait(10)
+        confirmed(msg, reply)
+
+    j.confirmed = slow
+
+    async def scenario():
+        import asyncio
+
+        call = tm.loop.create_task(tm.control(m.PauseReq("retract"), "pause"))
+        await asyncio_sleep0()
+        tm._dispatch(m.encode(ok("pause")))
+        while not copying.is_set():  # the loop runs while the journal works
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        assert not call.done() and not j.paused
+        release.set()
+        reply = await call
+        assert reply.ok and j.paused
+
+    tm.lt.run(scenario(), timeout=20)
 
 
 class FakeGroup:
