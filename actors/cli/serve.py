@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
 def _banner(engine, servers, seconds: float) -> None:
     r = engine.runner_info
     a = engine.args
-    pending = a.precompile and a.serve_while_compiling and (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
+    pending = a.precompile and a.background_compile and (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
     lines = [
         f"ringserve serve: ready in {seconds:.1f} s",
         f"  model      {engine.served_model_name} ({engine.model_dir}; {r.get('family')}, {r.get('num_layers')} layers, {a.dtype})",
@@ -89,7 +89,7 @@ def _banner(engine, servers, seconds: float) -> None:
     if servers.url:
         key = " (API key required)" if servers.api_key else ""
         lines.append(f"  HTTP       {servers.url}{key}   (OpenAI: /v1, SGLang: /generate, Prometheus: /metrics)")
-    if a.supervise:
+    if a.restartable:
         lines.append(f"  supervisor a dead actor is restarted and its requests go on (up to {a.max_restarts} "
                      f"restarts in {a.restart_window_s:g} s; --no-supervise: it ends the server)")  # fmt: skip
     lines.append("  Ctrl-C or SIGTERM stops it.")
