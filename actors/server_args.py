@@ -225,7 +225,6 @@ class ServerArgs:
                  f"tp_size={self.tp_size}: must be a multiple of nnodes={self.nnodes} (it counts every host's devices)")  # fmt: skip
             need(self.dist_init_addr is not None and self.dist_addr[1] > 0,
                  "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's jax.distributed coordinator)")  # fmt: skip
-            need(not self.dist_local_runners or self.node_rank == 0, "dist_local_runners: only node_rank 0 starts")
         need(0 <= self.relay_port <= 65535, f"relay_port={self.relay_port}: must be in [0, 65535] (0: dist port + 1)")
         need(self.dist_timeout >= 1, f"dist_timeout={self.dist_timeout}: must be >= 1 second")
         need(self.dist_heartbeat_s >= 1, f"dist_heartbeat_s={self.dist_heartbeat_s}: must be >= 1 second")
