@@ -12,8 +12,18 @@ import threading
 
 import pytest
 
-from actors.relay.core import (BYE, MAGIC, U32, RelayError, RelayListener, connect, recv_exact, recv_frame,
-                               relay_token, send_frame)  # fmt: skip
+from actors.relay.core import (
+    BYE,
+    MAGIC,
+    U32,
+    RelayError,
+    RelayListener,
+    connect,
+    recv_exact,
+    recv_frame,
+    relay_token,
+    send_frame,
+)
 
 
 def listener(token: str = "t0ken") -> RelayListener:
