@@ -174,7 +174,7 @@ def pending_generate(hosts: Hosts, n: int) -> tuple[threading.Thread, dict]:
 
     def go() -> None:
         box["resp"] = hosts.post("/generate", {"input_ids": PROMPTS[:n], "sampling_params": {
-            "temperature": 0, "ignore_eos": True, "max_new_tokens": 200}})  # fmt: skip
+            "temperature": 0, "ignore_eos": True, "max_new_tokens": 180}})  # fmt: skip
         box["t"] = time.monotonic()
 
     t = threading.Thread(target=go)
