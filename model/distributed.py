@@ -3,9 +3,10 @@
     init_cluster(...)   before anything touches a device: joins the cluster (node 0 hosts the
                         coordinator); the mesh (model/mesh.py make_mesh) then spans every
                         process's devices
-    all_ok(ok)          an allgather of each process's bool: True only if every one is; every
-                        process must call it at the same point of the message stream (it is a
-                        collective), which the runners are (they apply the same messages in order)
+    barrier(name, s)    every process waits for every other (the runners: each host ready)
+    all_ok(ok)          each process's bool gathered: True only if every one is; every process
+                        must call it equally often in the same order (the n-th calls agree),
+                        which the runners do (they apply the same messages in order)
 
 Fate-sharing is JAX's: a process that stops sending heartbeats for `heartbeat_s` ends every
 process of the cluster ("Terminating process because the JAX distributed service detected
@@ -14,10 +15,10 @@ fatal errors"); there is no partial recovery.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import jax
-import numpy as np
 
 
 def init_cluster(coordinator: tuple[str, int], num_processes: int, process_id: int, *, timeout_s: int,
@@ -36,11 +37,33 @@ def init_cluster(coordinator: tuple[str, int], num_processes: int, process_id: i
     )  # fmt: skip
 
 
-def all_ok(ok: bool) -> bool:
-    """True if every process of the cluster says ok (a collective: see the module docstring); on
-    one process, `ok`."""
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    assert client is not None, "init_cluster first"
+    return client
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Wait until every process of the cluster got here, at most `timeout_s` (no-op on one
+    process). The coordination service's barrier, not a device collective: gloo's collectives
+    time out long before a slow host finishes compiling."""
+    if jax.process_count() > 1:
+        _client().wait_at_barrier(name, int(timeout_s * 1000))
+
+
+_agreements = itertools.count()  # every process calls all_ok equally often, in the same order
+
+
+def all_ok(ok: bool, timeout_s: float = 3600) -> bool:
+    """True if every process of the cluster says ok (see the module docstring); on one process,
+    `ok`. Through the coordination service's key-value store (the n-th agreement's keys are
+    `ringserve/ok/<n>/<process>`), not a device collective, so a host that loads a checkpoint
+    minutes after another still agrees."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+    client, n = _client(), next(_agreements)
+    client.key_value_set(f"ringserve/ok/{n}/{jax.process_index()}", "1" if ok else "0")
+    ms = int(timeout_s * 1000)
+    return all(client.blocking_key_value_get(f"ringserve/ok/{n}/{k}", ms) == "1" for k in range(jax.process_count()))

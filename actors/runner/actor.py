@@ -87,6 +87,10 @@ def run(ctx) -> None:
     reader = args.node_rank if args.dist_local_runners else 0
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=reader, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us) if "outbox" in ctx.rings else None
+    if args.multihost:  # host 0 is ready once every host's runner is (each compiled every program)
+        from model.distributed import barrier
+
+        barrier("ringserve-runners-ready", args.dist_timeout + 3600)  # + compiling everything
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
     if args.jax_profile_dir:  # optional: the device's own view (bench/profile.py has the steps')
         import jax

@@ -14,7 +14,7 @@ import sys
 SCRIPT = r"""
 import json, sys
 rank, n, port, path, tp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-from model.distributed import all_ok, init_cluster
+from model.distributed import all_ok, barrier, init_cluster
 if n > 1:
     init_cluster(("127.0.0.1", port), n, rank, timeout_s=120, heartbeat_s=10, local_devices=1)
 import jax
@@ -29,6 +29,7 @@ out = {"tokens": greedy_with_cached_prefix(ex, prompts_with_shared_prefix(32, [3
        "spanning": sum(not a.is_fully_addressable for a in leaves), "leaves": len(leaves),
        "sharded_local": sum(a.addressable_shards[0].data.shape != a.shape for a in leaves),
        "and_true": all_ok(True), "and_one_false": all_ok(rank != 1)}
+barrier("done", 60)
 print("RESULT " + json.dumps(out))
 """
 
