@@ -121,8 +121,8 @@ class ServerArgs:
     )
     relay_port: int = _opt(0, "node 0's step relay port (0: the coordinator's port + 1)")
     dist_token: str | None = _opt(
-        None, "shared secret of the hosts' step relay (default: $RINGSERVE_DIST_TOKEN, else node 0 makes one and "
-        "publishes it through jax.distributed's key-value store)"
+        None, "shared secret of the hosts' step relay, the same on every host (default: $RINGSERVE_DIST_TOKEN)",
+        secret=True,
     )
     dist_timeout: int = _opt(300, "seconds the hosts wait for each other at start-up (jax.distributed, relay)")
     dist_heartbeat_s: int = _opt(
@@ -281,6 +281,11 @@ class ServerArgs:
         if self.constrained_json_whitespace_pattern is not None:
             return {"whitespace_pattern": self.constrained_json_whitespace_pattern}
         return {}
+
+    def public(self) -> dict[str, Any]:
+        """Every option by name, secrets masked (what get_server_info shows)."""
+        return {f.name: "<secret>" if f.metadata.get("secret") and getattr(self, f.name) else getattr(self, f.name)
+                for f in dataclasses.fields(self)}  # fmt: skip
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -80,6 +80,9 @@ def test_many_hosts_flags():
     assert (a.background_compile, a.restartable) == (False, False)
     one = ServerArgs()
     assert (one.multihost, one.background_compile, one.restartable) == (False, True, True)
+    # the relay's secret never shows in get_server_info
+    assert parse(["--dist-token", "s3cret"]).public()["dist_token"] == "<secret>" and one.public()["dist_token"] is None
+    assert one.public()["page_size"] == 16 and set(one.public()) == {f.name for f in dataclasses.fields(ServerArgs)}
 
 
 @pytest.mark.parametrize(
