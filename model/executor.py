@@ -180,6 +180,11 @@ class ModelExecutor:
             for leaf in jax.tree_util.tree_leaves(old):
                 leaf.delete()
 
+    def discard_params(self, params: Any) -> None:
+        """Free a state built by `build_params` that will not be served (an update refused)."""
+        for leaf in jax.tree_util.tree_leaves(params):
+            leaf.delete()
+
     def drop_params(self) -> None:
         """Free the weights on the device; the host copy stays."""
         self.swap_params(None, self.host_tensors)

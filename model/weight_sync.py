@@ -173,10 +173,7 @@ class WeightSync:
             err = e
         if not self.agree(err is None):
             if new is not None:
-                import jax
-
-                for leaf in jax.tree_util.tree_leaves(new):
-                    leaf.delete()
+                self.ex.discard_params(new)
             if isinstance(err, WeightError) or err is None:
                 raise err or WeightError("refused: the update failed on another host (its log says why)")
             raise WeightError(f"{type(err).__name__}: {err}") from err
