@@ -16,6 +16,12 @@ of rows along dim 0, actors/frontend/weight_buckets.py) are checked against the 
 copied out of their shared-memory segment into host arrays (`Staging`) as they arrive; nothing
 reaches the device until the last part, and then only if every tensor begun is complete. A part
 of another update than the one staged, an abandoned update, or any error drops what was staged.
+
+Many hosts (one runner each, model/distributed.py): an update (its last part) and a resume
+commit only if every runner's succeeded. Each runner builds, then `agree(ok)` gathers every
+runner's ok at that same point of the message stream; one failure anywhere and every runner
+keeps its old weights (what it built is freed) and says why: its own error, or "failed on
+another host".
 """
 
 from __future__ import annotations
@@ -162,8 +168,8 @@ class WeightSync:
 
     def _commit(self, read: Callable[[], dict[str, Any]], full: bool) -> int:
         """Read and check the new tensors and build the new state beside the served one; swap
-        only if `agree` says every host did so too (it is called exactly once, whatever failed:
-        on many hosts it is a collective at this point of the message stream)."""
+        only if `agree` says every host did so too (called exactly once, whatever failed: on many
+        hosts every runner agrees at this point of the message stream)."""
         new, err = None, None
         try:
             tensors = read()
