@@ -31,7 +31,7 @@ class ServerArgs:
     dtype: Literal["float32", "bfloat16", "float16"] = _opt(
         "float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)"
     )
-    tp_size: int = _opt(1, "tensor-parallel devices on this host (the `tp` mesh axis)")
+    tp_size: int = _opt(1, "tensor-parallel devices (the `tp` mesh axis); with nnodes > 1, of every host together")
     attention_backend: Literal["auto", "native", "bucketed", "pallas", "pallas_gpu", "none"] = _opt(
         "auto", "attention: auto (CPU native, GPU bucketed, TPU pallas) or one by name ('none': benchmarks only)"
     )
@@ -112,6 +112,25 @@ class ServerArgs:
         False,
         "batch-invariant kernels: a request's greedy tokens and seeded samples (and logprobs) are bitwise the same "
         "whatever its batch neighbours, bucket, chunking, overlap, retracts or cached prefix (costs speed)",
+    )
+    # many hosts (SGLang's names): every host runs the same command but --node-rank
+    nnodes: int = _opt(1, "hosts serving one model together (one runner each, one jax.distributed program)")
+    node_rank: int = _opt(0, "this host's rank: 0 runs the frontend, scheduler and detokenizer; > 0 only a runner")
+    dist_init_addr: str | None = _opt(
+        None, "HOST:PORT of node 0's jax.distributed coordinator (nnodes > 1); the relay listens on HOST:relay_port"
+    )
+    relay_port: int = _opt(0, "node 0's step relay port (0: the coordinator's port + 1)")
+    dist_token: str | None = _opt(
+        None, "shared secret of the hosts' step relay, the same on every host (default: $RINGSERVE_DIST_TOKEN)",
+        secret=True,
+    )
+    dist_timeout: int = _opt(300, "seconds the hosts wait for each other at start-up (jax.distributed, relay)")
+    dist_heartbeat_s: int = _opt(
+        10, "seconds without a heartbeat after which jax.distributed ends every host (a hung host's backstop)"
+    )
+    dist_local_runners: bool = _opt(
+        False, "nnodes > 1 on one machine, in one engine: every node's runner is spawned here and reads the step "
+        "ring directly (tests; no relay)"
     )
     jax_profile_dir: str | None = _opt(
         None, "write a jax.profiler trace of the runner (ready to shutdown) into this directory (Perfetto, TensorBoard)"
@@ -199,11 +218,52 @@ class ServerArgs:
         need(self.restart_window_s > 0, f"restart_window_s={self.restart_window_s}: must be > 0 seconds")
         need(self.step_trace >= 0, f"step_trace={self.step_trace}: must be >= 0 (0: off)")
         need(0 <= self.port <= 65535, f"port={self.port}: must be in [0, 65535] (0: any free port)")
+        need(self.nnodes >= 1, f"nnodes={self.nnodes}: must be >= 1")
+        need(0 <= self.node_rank < self.nnodes, f"node_rank={self.node_rank}: must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1:
+            need(self.tp_size % self.nnodes == 0,
+                 f"tp_size={self.tp_size}: must be a multiple of nnodes={self.nnodes} (it counts every host's devices)")  # fmt: skip
+            need(self.dist_init_addr is not None and self.dist_addr[1] > 0,
+                 "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's jax.distributed coordinator)")  # fmt: skip
+        need(0 <= self.relay_port <= 65535, f"relay_port={self.relay_port}: must be in [0, 65535] (0: dist port + 1)")
+        need(self.dist_timeout >= 1, f"dist_timeout={self.dist_timeout}: must be >= 1 second")
+        need(self.dist_heartbeat_s >= 1, f"dist_heartbeat_s={self.dist_heartbeat_s}: must be >= 1 second")
 
     @property
     def num_pages(self) -> int:
         """Pages in the KV pool, the reserved sink page 0 included."""
         return self.max_total_tokens // self.page_size
+
+    @property
+    def dist_addr(self) -> tuple[str, int]:
+        """(host, port) of `dist_init_addr` ('[::1]:P' and 'host:P' both parse)."""
+        host, sep, port = (self.dist_init_addr or "").rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: must be HOST:PORT")
+        return host.strip("[]"), int(port)
+
+    @property
+    def relay_addr(self) -> tuple[str, int]:
+        """(host, port) node 0's step relay listens on: the coordinator's host, relay_port or port + 1."""
+        host, port = self.dist_addr
+        return host, self.relay_port or port + 1
+
+    @property
+    def multihost(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def background_compile(self) -> bool:
+        """Serve while compiling: never on many hosts, where every runner must launch the same
+        program at the same step (a runner-local "smallest compiled program" could differ between
+        hosts and hang the collective: tpu-inference #3486), so each compiles everything first."""
+        return self.serve_while_compiling and not self.multihost
+
+    @property
+    def restartable(self) -> bool:
+        """The supervisor restarts dead actors: not on many hosts (no partial recovery: one host's
+        runner cannot rejoin a jax.distributed program; the orchestrator restarts the slice)."""
+        return self.supervise and not self.multihost
 
     @property
     def speculative(self) -> bool:
@@ -221,6 +281,11 @@ class ServerArgs:
         if self.constrained_json_whitespace_pattern is not None:
             return {"whitespace_pattern": self.constrained_json_whitespace_pattern}
         return {}
+
+    def public(self) -> dict[str, Any]:
+        """Every option by name, secrets masked (what get_server_info shows)."""
+        return {f.name: "<secret>" if f.metadata.get("secret") and getattr(self, f.name) else getattr(self, f.name)
+                for f in dataclasses.fields(self)}  # fmt: skip
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

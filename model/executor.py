@@ -34,7 +34,7 @@ from model.attention import AttentionBackend, AttnGeometry, make_backend, resolv
 from model.checkpoints.weights import load_checkpoint
 from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
-from model.mesh import make_mesh, replicated
+from model.mesh import make_mesh, place_host_array, replicated
 from model.params import build_host_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
@@ -180,6 +180,11 @@ class ModelExecutor:
             for leaf in jax.tree_util.tree_leaves(old):
                 leaf.delete()
 
+    def discard_params(self, params: Any) -> None:
+        """Free a state built by `build_params` that will not be served (an update refused)."""
+        for leaf in jax.tree_util.tree_leaves(params):
+            leaf.delete()
+
     def drop_params(self) -> None:
         """Free the weights on the device; the host copy stays."""
         self.swap_params(None, self.host_tensors)
@@ -194,7 +199,7 @@ class ModelExecutor:
             for a, s in zip(avals, specs, strict=True)
         )
         n = self.max_slots + 1
-        self.future: Any = jax.device_put((np.zeros(n, np.int32), np.zeros(n, np.int32)), replicated(self.mesh))
+        self.future: Any = tuple(place_host_array(np.zeros(n, np.int32), replicated(self.mesh)) for _ in range(2))
 
     def drop_kv(self) -> None:
         """Free the KV cache and FutureMap on the device."""
@@ -292,8 +297,8 @@ class ModelExecutor:
             return smp
         ones = self._all_allowed.get(n)
         if ones is None:
-            ones = self._all_allowed[n] = jax.device_put(np.full((n, self.mask_words), -1, np.int32),
-                                                         replicated(self.mesh))  # fmt: skip
+            ones = self._all_allowed[n] = place_host_array(np.full((n, self.mask_words), -1, np.int32),
+                                                           replicated(self.mesh))  # fmt: skip
         return smp._replace(mask=ones)
 
     @functools.cached_property
@@ -304,7 +309,7 @@ class ModelExecutor:
     def _zeros_of(self, *shape: int) -> jax.Array:
         z = self._zeros.get(shape)
         if z is None:
-            z = self._zeros[shape] = jax.device_put(np.zeros(shape, np.int32), replicated(self.mesh))
+            z = self._zeros[shape] = place_host_array(np.zeros(shape, np.int32), replicated(self.mesh))
         return z
 
     def _with_logprob(self, hb: HostBatch) -> LogprobBatch:

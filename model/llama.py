@@ -45,7 +45,7 @@ from model.layers import (
     rope_inv_freq,
     rope_tables,
 )
-from model.mesh import tp_split
+from model.mesh import place_host_array, tp_split
 
 
 class Attention(nnx.Module):
@@ -192,4 +192,4 @@ class CausalLM:
         got = jax.tree.map(lambda a: (a.shape, a.dtype), host)
         assert got == want, "the host state does not match the Decoder's (model/params.py: hf_layout)"
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-        return jax.device_put(host, shardings)
+        return jax.tree.map(place_host_array, host, shardings)

@@ -25,13 +25,34 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
 def make_mesh(tp_size: int) -> Mesh:
+    """The `tp` mesh: this host's first `tp_size` devices, or under `jax.distributed` (several
+    processes, one per host) every device of every process, in the topology order
+    `mesh_utils.create_device_mesh` gives (a process's devices are contiguous on the axis)."""
     devices = jax.devices()
+    if jax.process_count() > 1:
+        if tp_size != len(devices):
+            raise ValueError(
+                f"tp_size={tp_size} but the {jax.process_count()} processes of this jax.distributed cluster have "
+                f"{len(devices)} devices together: a multi-host tp_size counts every host's devices"
+            )
+        from jax.experimental import mesh_utils
+
+        return Mesh(mesh_utils.create_device_mesh((tp_size,), devices), ("tp",), axis_types=(AxisType.Auto,))
     if tp_size < 1 or tp_size > len(devices):
         raise ValueError(
             f"tp_size={tp_size} but {len(devices)} {devices[0].platform} device(s) are visible "
             "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
     return Mesh(np.array(devices[:tp_size]), ("tp",), axis_types=(AxisType.Auto,))
+
+
+def place_host_array(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array on `sharding`, each process filling only its own devices' shards.
+
+    Not `jax.device_put`: over a mesh of several processes it first checks that every process
+    holds the same value, an allgather of the whole array (tpu-inference #3078 ran out of memory
+    that way); `make_array_from_callback` asks `a` only for the slices of local devices."""
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
 def tp_split(ndim: int, axis: int, units: int, tp: int) -> tuple[str | None, ...]:

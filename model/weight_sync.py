@@ -16,10 +16,17 @@ of rows along dim 0, actors/frontend/weight_buckets.py) are checked against the 
 copied out of their shared-memory segment into host arrays (`Staging`) as they arrive; nothing
 reaches the device until the last part, and then only if every tensor begun is complete. A part
 of another update than the one staged, an abandoned update, or any error drops what was staged.
+
+Many hosts (one runner each, model/distributed.py): an update (its last part) and a resume
+commit only if every runner's succeeded. Each runner builds, then `agree(ok)` gathers every
+runner's ok at that same point of the message stream; one failure anywhere and every runner
+keeps its old weights (what it built is freed) and says why: its own error, or "failed on
+another host".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -102,8 +109,12 @@ class Staging:
 
 
 class WeightSync:
-    def __init__(self, ex: ModelExecutor):
-        self.ex = ex
+    """`agree(ok) -> bool`: whether every host's runner got as far (model/distributed.py all_ok;
+    one host: `ok`); an update and a resume commit only if it says so, so every host serves the
+    same weights."""
+
+    def __init__(self, ex: ModelExecutor, agree: Callable[[bool], bool] = bool):
+        self.ex, self.agree = ex, agree
         self.staging: Staging | None = None  # the update from tensors being received, not applied
 
     # ---- updates -----------------------------------------------------------------------------
@@ -111,15 +122,18 @@ class WeightSync:
         """Replace every weight with the checkpoint at `path` (a directory or a .gguf)."""
         from pathlib import Path
 
-        p = Path(path)
-        if not p.exists():
-            raise WeightError(f"model_path={path!r}: no such directory or file")
-        try:
-            config, tensors = load_checkpoint(p)
-        except ValueError as e:
-            raise WeightError(str(e)) from None
-        check_same_architecture(self.ex.model_config, config, path)
-        n = self._apply(tensors, full=True)
+        def read() -> dict[str, Any]:
+            p = Path(path)
+            if not p.exists():
+                raise WeightError(f"model_path={path!r}: no such directory or file")
+            try:
+                config, tensors = load_checkpoint(p)
+            except ValueError as e:
+                raise WeightError(str(e)) from None
+            check_same_architecture(self.ex.model_config, config, path)
+            return tensors
+
+        n = self._commit(read, full=True)
         return f"loaded {n} tensors from {path}"
 
     def stage(self, refs: list[Any], update: str, first: bool, last: bool) -> str:
@@ -128,25 +142,52 @@ class WeightSync:
         drops the whole update."""
         if first:
             self.staging = Staging(update, self.ex.host_tensors)
-        try:
+
+        def read() -> dict[str, Any]:
             if self.staging is None or self.staging.update != update:
                 raise WeightError(f"part {update!r} of an update that is not staged (abandoned, or its first part was refused)")
             read_segments(refs, self.staging.add)
-            if not last:
-                return f"staged {len(refs)} pieces"
-            staged = self.staging.tensors()
+            return self.staging.tensors() if last else {}
+
+        if not last:
+            try:
+                read()
+            except BaseException:
+                self.staging = None
+                raise
+            return f"staged {len(refs)} pieces"
+        try:
+            return f"updated {self._commit(read, full=False)} tensors"
+        finally:
             self.staging = None
-            return f"updated {self._apply(staged, full=False)} tensors"
-        except BaseException:
-            self.staging = None
-            raise
 
     def abandon(self, update: str | None = None) -> None:
         """Drop the staged update (`update`'s only, if given)."""
         if self.staging is not None and update in (None, self.staging.update):
             self.staging = None
 
-    def _apply(self, tensors: dict[str, Any], full: bool) -> int:
+    def _commit(self, read: Callable[[], dict[str, Any]], full: bool) -> int:
+        """Read and check the new tensors and build the new state beside the served one; swap
+        only if `agree` says every host did so too (called exactly once, whatever failed: on many
+        hosts every runner agrees at this point of the message stream)."""
+        new, err = None, None
+        try:
+            tensors = read()
+            merged = self._check(tensors, full)
+            new = self.ex.build_params(merged)  # raises before anything changes
+        except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
+            err = e
+        if not self.agree(err is None):
+            if new is not None:
+                self.ex.discard_params(new)
+            if isinstance(err, WeightError) or err is None:
+                raise err or WeightError("refused: the update failed on another host (its log says why)")
+            raise WeightError(f"{type(err).__name__}: {err}") from err
+        self.ex.swap_params(new, merged)
+        return len(tensors)
+
+    def _check(self, tensors: dict[str, Any], full: bool) -> dict[str, Any]:
+        """The served tensors with `tensors` over them, once each checks out."""
         current = self.ex.host_tensors
         unknown = sorted(set(tensors) - set(current))
         if unknown:
@@ -162,10 +203,7 @@ class WeightSync:
             dt = np.dtype(a.dtype)
             if dt.name not in FLOAT_DTYPES:
                 raise WeightError(f"tensor {name!r} has dtype {dt.name}; weights must be float32, float16 or bfloat16")
-        merged = {**current, **tensors}
-        new = self.ex.build_params(merged)  # raises before anything changes
-        self.ex.swap_params(new, merged)
-        return len(tensors)
+        return {**current, **tensors}
 
     # ---- reading back ------------------------------------------------------------------------
     def get(self, name: str, truncate_size: int) -> np.ndarray:
@@ -189,9 +227,20 @@ class WeightSync:
         return f"released {', '.join(tags)}"
 
     def resume(self, tags: list[str]) -> str:
-        if "weights" in tags and self.ex.params is None:
-            self.ex.swap_params(self.ex.build_params(self.ex.host_tensors), self.ex.host_tensors)
-        if "kv_cache" in tags and self.ex.kv is None:
-            self.ex.new_kv()
+        """Rebuild what `release` dropped; if it fails on any host, every host releases it again."""
+        err = None
+        try:
+            if "weights" in tags and self.ex.params is None:
+                self.ex.swap_params(self.ex.build_params(self.ex.host_tensors), self.ex.host_tensors)
+            if "kv_cache" in tags and self.ex.kv is None:
+                self.ex.new_kv()
+        except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
+            err = e
+        if not self.agree(err is None):
+            if "kv_cache" in tags and self.ex.kv is not None:
+                self.ex.drop_kv()
+            if "weights" in tags and self.ex.params is not None:
+                self.ex.drop_params()
+            raise WeightError(f"resume refused: {err or 'it failed on another host (its log says why)'}")
         return f"resumed {', '.join(tags)}"
 

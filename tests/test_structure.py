@@ -125,7 +125,7 @@ def test_exactly_one_sampling_params_class():
 
 
 # ---- rooms: process folders, the floor below them, the composition root ----------------------
-PROCESS_FOLDERS = ("frontend", "scheduler", "runner", "detokenizer")
+PROCESS_FOLDERS = ("frontend", "scheduler", "runner", "detokenizer", "relay")
 JAX_NAMES = ("jax", "jaxlib", "flax")
 
 
@@ -150,7 +150,7 @@ def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def test_process_folders_never_import_one_another():
-    """frontend, scheduler, runner and detokenizer import transport, kvmem and model (and the
+    """frontend, scheduler, runner, detokenizer and relay import transport, kvmem and model (and the
     shared ServerArgs), never each other; transport imports none of them."""
     graph = import_graph()
     assert {r for r in map(_room, graph) if r} == set(PROCESS_FOLDERS)
@@ -179,7 +179,7 @@ def test_scheduler_frontend_and_transport_never_import_jax():
     import sys
 
     mods = []
-    for room in ("scheduler", "frontend", "transport", "detokenizer"):
+    for room in ("scheduler", "frontend", "transport", "detokenizer", "relay"):
         for f in sorted((ROOT / "actors" / room).rglob("*.py")):
             assert _jax_imports(f) == [], f
             mods.append(".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))

@@ -9,6 +9,10 @@
 # they win. --dry-run prints the exact command and environment and runs nothing (it works on
 # a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
+# A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
+# one's index, as GKE and the TPU VM images set them): every worker runs this same command; it
+# adds --nnodes, --node-rank and --dist-init-addr <first host>:${RINGSERVE_DIST_PORT:-8476}, and
+# --tp-size counts every host's chips. Export the same RINGSERVE_DIST_TOKEN on every worker.
 set -euo pipefail
 
 dry_run=0
@@ -16,7 +20,7 @@ extra=()
 for a in "$@"; do
   case "$a" in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$a") ;;
   esac
 done
@@ -32,13 +36,26 @@ py="$(dirname "$bin")/python"
 # The chips, as JAX sees them on this host (JAX_PLATFORMS is left to the environment).
 read -r platform chips < <("$py" -c 'import jax; d = jax.local_devices(); print(d[0].platform, len(d))' 2>/dev/null || echo "none 0")
 
+# Many hosts: one runner per worker, one jax.distributed program (README "Many hosts").
+multi=()
+tp="$chips"
+IFS=, read -r -a workers <<< "${TPU_WORKER_HOSTNAMES:-}"
+if [ "${#workers[@]}" -gt 1 ]; then
+  nnodes="${#workers[@]}"
+  tp=$((chips * nnodes))
+  multi=(--nnodes "$nnodes" --node-rank "${TPU_WORKER_ID:?TPU_WORKER_HOSTNAMES lists several hosts: set TPU_WORKER_ID}"
+         --dist-init-addr "${workers[0]}:${RINGSERVE_DIST_PORT:-8476}")
+  [ -n "${RINGSERVE_DIST_TOKEN:-}" ] || echo "# launch_tpu.sh: export the same RINGSERVE_DIST_TOKEN on every worker" >&2
+fi
+
 env_vars=(
   "JAX_PLATFORMS=tpu"                 # fail fast rather than fall back to CPU
   "XLA_PYTHON_CLIENT_PREALLOCATE=false"
   "TPU_MIN_LOG_LEVEL=1"
 )
 cmd=("$bin" serve
-  --tp-size "$chips"
+  --tp-size "$tp"
+  "${multi[@]}"
   --dtype bfloat16
   --attention-backend pallas          # jax's ragged paged attention kernel
   --page-size 64                      # the kernel reads whole pages per block: bigger pages, fewer DMAs

@@ -6,6 +6,9 @@ On a signal it stops accepting, aborts what runs (callers get finish reason abor
 no shared memory or socket file behind. When an actor dies the engine's supervisor starts the
 actors again and every request in flight goes on (actors/frontend/supervisor.py). Exit status:
 0 after a signal, 1 if the engine died (a crash loop, or any crash with --no-supervise).
+
+Many hosts: every host runs the same command but `--node-rank` (`--nnodes N --dist-init-addr
+HOST0:PORT --dist-token T`); host 0 serves, the others run only a runner (actors/cli/node.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ def main(argv: list[str]) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if server_args.get("node_rank", 0) > 0:  # another host of a multi-host engine: a runner only
+        from actors.cli.node import serve_node
+
+        try:
+            return serve_node(server_args, stop)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
     from actors.frontend.engine import Engine
     from actors.frontend.server import Servers
 
@@ -75,7 +86,7 @@ def main(argv: list[str]) -> int:
 def _banner(engine, servers, seconds: float) -> None:
     r = engine.runner_info
     a = engine.args
-    pending = a.precompile and a.serve_while_compiling and (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
+    pending = a.precompile and a.background_compile and (r.get("programs_total") or 0) > (r.get("num_programs") or 0)
     lines = [
         f"ringserve serve: ready in {seconds:.1f} s",
         f"  model      {engine.served_model_name} ({engine.model_dir}; {r.get('family')}, {r.get('num_layers')} layers, {a.dtype})",
@@ -89,7 +100,7 @@ def _banner(engine, servers, seconds: float) -> None:
     if servers.url:
         key = " (API key required)" if servers.api_key else ""
         lines.append(f"  HTTP       {servers.url}{key}   (OpenAI: /v1, SGLang: /generate, Prometheus: /metrics)")
-    if a.supervise:
+    if a.restartable:
         lines.append(f"  supervisor a dead actor is restarted and its requests go on (up to {a.max_restarts} "
                      f"restarts in {a.restart_window_s:g} s; --no-supervise: it ends the server)")  # fmt: skip
     lines.append("  Ctrl-C or SIGTERM stops it.")

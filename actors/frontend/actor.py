@@ -372,7 +372,7 @@ class TokenizerManager:
     async def get_server_info(self) -> dict:
         reply = await self.control(m.InfoReq(), "info")
         info = json.loads(reply.payload)
-        info["server_args"] = {k: getattr(self.args, k) for k in self.args.__dataclass_fields__}
+        info["server_args"] = self.args.public()
         info["frontend_requests"] = len(self.core.states)
         info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids(), runner=self.runner_info())
         return {**self.static_info, **info}

@@ -62,7 +62,7 @@ class Engine:
             return start_engine(args, m.encode(cfg), on_failure)
 
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
-        policy = RestartPolicy(args.max_restarts if args.supervise else 0, args.restart_window_s)
+        policy = RestartPolicy(args.max_restarts if args.restartable else 0, args.restart_window_s)
         self.supervisor = Supervisor(self.frontend, launch, policy, Journal(str(self.model_dir)), READY_TIMEOUT_S)
         self.frontend.actor_pids = self.supervisor.pids
         self.frontend.runner_info = lambda: self.runner_info

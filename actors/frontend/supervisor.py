@@ -93,7 +93,7 @@ class RestartPolicy:
     def crashed(self, now: float) -> str | None:
         """Count a crash at `now` (time.monotonic()); why not to restart, or None."""
         if self.max_restarts == 0:
-            return "the supervisor is off (supervise=False)"
+            return "the supervisor is off (supervise=False, or nnodes > 1: the orchestrator restarts every host)"
         self.times.append(now)
         while self.times and self.times[0] < now - self.window_s:
             self.times.popleft()

@@ -65,6 +65,13 @@ def run(ctx) -> None:
     tqdm.set_lock(threading.RLock())
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
+    if args.multihost:  # before anything touches a device (else the cluster silently does not form)
+        from model.distributed import init_cluster
+
+        init_cluster(args.dist_addr, args.nnodes, args.node_rank, timeout_s=args.dist_timeout,
+                     heartbeat_s=args.dist_heartbeat_s, local_devices=args.tp_size // args.nnodes)  # fmt: skip
+        ctx.log.info("node %d of %d joined the jax.distributed cluster at %s", args.node_rank, args.nnodes,
+                     args.dist_init_addr)  # fmt: skip
     if args.xla_cache:
         enable_compilation_cache()
     t0 = time.perf_counter()
@@ -75,15 +82,22 @@ def run(ctx) -> None:
     runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded
         ctx.log.info("%s", runner.start_weights(cfg.weights))
-    inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
-    outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
+    # several runners of one machine (dist_local_runners) read one broadcast ring, reader k each;
+    # a host of its own reads its relayed ring (actors/relay/) as reader 0
+    reader = args.node_rank if args.dist_local_runners else 0
+    inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=reader, spin_us=args.spin_us)
+    outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us) if "outbox" in ctx.rings else None
+    if args.multihost:  # host 0 is ready once every host's runner is (each compiled every program)
+        from model.distributed import barrier
+
+        barrier("ringserve-runners-ready", args.dist_timeout + 3600)  # + compiling everything
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
     if args.jax_profile_dir:  # optional: the device's own view (bench/profile.py has the steps')
         import jax
 
         jax.profiler.start_trace(args.jax_profile_dir, create_perfetto_trace=True)
     try:
-        serve(runner, inbox, outbox, ctx.stopping)
+        serve(runner, inbox, outbox, ctx.stopping, send_results=args.node_rank == 0)
     finally:
         if args.jax_profile_dir:
             jax.profiler.stop_trace()

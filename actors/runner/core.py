@@ -2,7 +2,10 @@
 executor (model/executor.py), and the results and control replies built (actors/runner/actor.py
 owns the ring loop).
 
-One runner per host; on one host it drives every local device through the `tp` mesh.
+One runner per host; it drives its host's devices through the `tp` mesh, which on many hosts
+spans every host's (one jax.distributed program: every runner applies the same messages in the
+same order, and a control verb that can fail commits only if every runner's succeeded,
+model/distributed.py `all_ok`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from actors.transport.trace import RunnerStamps
+from model.distributed import all_ok
 from model.executor import ExecutorConfig, ModelExecutor, StepOut
 from model.weight_sync import WeightSync
 
@@ -44,7 +48,7 @@ def executor_config(args) -> ExecutorConfig:
         token_ids_logprob_num=args.max_token_ids_logprob,
         attention_backend=args.attention_backend,
         precompile=args.precompile,
-        background_compile=args.serve_while_compiling,
+        background_compile=args.background_compile,
         verify_tokens=verify,
         deterministic=args.enable_deterministic_inference,
     )
@@ -86,7 +90,7 @@ class RunnerCore:
         self.ex = executor
         self.mirrors = SlotMirrors(max_slots)
         self.top_n = top_n
-        self.weights = WeightSync(executor)
+        self.weights = WeightSync(executor, all_ok)
         self.stamps = RunnerStamps() if trace else None  # ServerArgs.step_trace (actors/transport/trace.py)
 
     def start_weights(self, w: m.StartWeights) -> str:

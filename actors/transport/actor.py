@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from actors.transport.ring import RingClosed
+from actors.transport.ring import RingClosed, unlink_name
 
 __all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target"]
 
@@ -125,7 +125,8 @@ class _ForwardHandler(logging.Handler):
 
 
 def _watch_parent(ctx: ActorContext, conn: Connection, parent_pid: int) -> None:
-    """Control thread: Stop sets the stop event; EOF or a new parent pid ends the process."""
+    """Control thread: Stop sets the stop event; EOF or a new parent pid ends the process (and
+    removes the names of its rings: their creator, the parent, cannot any more)."""
     while True:
         try:
             if conn.poll(0.5):
@@ -133,9 +134,15 @@ def _watch_parent(ctx: ActorContext, conn: Connection, parent_pid: int) -> None:
                 if isinstance(msg, Stop):
                     ctx._stop.set()
             elif os.getppid() != parent_pid:
-                os._exit(70)
+                _orphaned(ctx)
         except (EOFError, OSError):
-            os._exit(70)  # the parent died (its end of the pipe closed): do not linger
+            _orphaned(ctx)  # the parent died (its end of the pipe closed): do not linger
+
+
+def _orphaned(ctx: ActorContext) -> None:
+    for name in ctx.rings.values():
+        unlink_name(name)
+    os._exit(70)
 
 
 def actor_main(conn: Connection, spec_bytes: bytes) -> None:

@@ -42,7 +42,7 @@ from actors.transport.ring import BroadcastRing, Ring, _RingBase
 if TYPE_CHECKING:
     from actors.server_args import ServerArgs
 
-__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "describe_exit", "start_engine"]
+__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "describe_exit", "start_engine", "start_node"]
 
 log = logging.getLogger("ringserve.launcher")
 OnFailure = Callable[[str, int | None, str], None]
@@ -395,26 +395,66 @@ def start_engine(args: ServerArgs, config: bytes, on_failure: OnFailure) -> tupl
     the group is shut down before the error is raised.
 
         frontend ──"sched"──► scheduler ──"runner" (broadcast)──► runner
-                                  ▲ ◄────────── "result" ───────────┘
-                                  └──"detok"──► detokenizer ──"front"──► frontend
+                                  ▲ ◄────────── "result" ───────────┘   (+ relay, nnodes > 1:
+                                  └──"detok"──► detokenizer ──"front"──► frontend   start_node)
+
+    Many hosts (nnodes > 1): the broadcast ring has one more reader, the relay to the other
+    hosts (actors/relay/), each running `start_node`; with `dist_local_runners` every node's
+    runner is spawned here instead (runner, runner1, ...), one reader each, no relay.
     """
     group = ActorGroup(on_failure=on_failure, log_level=getattr(logging, args.log_level.upper()))
     try:
         cap, spin = args.ring_bytes, args.spin_us
+        local = args.nnodes if args.dist_local_runners else 1  # runners on this machine
+        relay = args.multihost and not args.dist_local_runners  # the other hosts' runners, via actors/relay
         sched_in = group.ring("sched", cap, spin_us=spin)
-        runner_in = group.broadcast_ring("runner", 1, cap, spin_us=spin)
+        runner_in = group.broadcast_ring("runner", local + relay, cap, spin_us=spin)
         runner_out = group.ring("result", cap, spin_us=spin)
         detok_in = group.ring("detok", cap, spin_us=spin)
         front_in = group.ring("front", cap, spin_us=spin)
         sched_rings = {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name,
                        "to_detok": detok_in.name}  # fmt: skip
         group.spawn("scheduler", "actors.scheduler.actor:run", config, sched_rings)
-        group.spawn("runner", "actors.runner.actor:run", config, {"inbox": runner_in.name, "outbox": runner_out.name})
+        for k in range(local):  # runner k reads the broadcast ring as reader k; only runner 0 sends
+            group.spawn("runner" if k == 0 else f"runner{k}", "actors.runner.actor:run", _on_node(config, k),
+                        {"inbox": runner_in.name, "outbox": runner_out.name})  # fmt: skip
+        if relay:  # reader `local`: every message down one TCP stream per other host
+            group.spawn("relay", "actors.relay.actor:run_out", config, {"inbox": runner_in.name})
         group.spawn("detokenizer", "actors.detokenizer.actor:run", config, {"inbox": detok_in.name, "outbox": front_in.name})
     except BaseException:
         group.shutdown()
         raise
     return group, sched_in, front_in
+
+
+def start_node(args: ServerArgs, config: bytes, on_failure: OnFailure) -> ActorGroup:
+    """Host `args.node_rank` > 0 of a multi-host engine: a relay-in that writes host 0's step
+    messages into a ring and the runner that reads it (it sends nothing back: runner 0 does).
+
+        host 0's relay ──TCP──► relay (in) ──"runner" (broadcast, 1 reader)──► runner
+    """
+    group = ActorGroup(on_failure=on_failure, log_level=getattr(logging, args.log_level.upper()))
+    try:
+        ring = group.broadcast_ring("runner", 1, args.ring_bytes, spin_us=args.spin_us)
+        group.spawn("relay", "actors.relay.actor:run_in", config, {"outbox": ring.name})
+        group.spawn("runner", "actors.runner.actor:run", config, {"inbox": ring.name})
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _on_node(config: bytes, rank: int) -> bytes:
+    """`config` (an encoded ActorConfig) for the runner of node `rank` (its ServerArgs.node_rank)."""
+    if rank == 0:
+        return config
+    import dataclasses
+
+    from actors.transport import messages as m
+
+    cfg = m.actor_config.decode(config)
+    cfg.args = dataclasses.replace(cfg.args, node_rank=rank)
+    return m.encode(cfg)
 
 
 # ---- ringserve cleanup -------------------------------------------------------------------

@@ -98,6 +98,21 @@ def shm_files(name: str, num_readers: int = 1) -> list[str]:
     return [f"/dev/shm/{base}"] + [f"/dev/shm/{s}" for s in sems]
 
 
+def unlink_name(name: str) -> None:
+    """Remove a ring's segment and semaphore names, given only its name (an actor whose parent,
+    the ring's creator, was killed: actors/transport/actor.py; else `ringserve cleanup` would)."""
+    try:
+        with open(f"/dev/shm/{name.lstrip('/')}", "rb") as f:
+            magic, n, _closed, _cap = _HEAD.unpack(f.read(_HEAD.size))
+    except (OSError, struct.error):
+        return
+    if magic != _MAGIC:
+        return
+    for path in shm_files(name, n):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class _RingBase:
     """Both ends of a ring; a process uses a handle as the writer (send) or as one reader (recv)."""
 

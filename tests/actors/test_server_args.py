@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -68,3 +69,33 @@ def test_constrained_json_whitespace_flags():
         ServerArgs(constrained_json_disable_any_whitespace=True, constrained_json_whitespace_pattern=" ")
     with pytest.raises(ValueError, match="(?s)constrained_json_whitespace_pattern='\\[ '.*unclosed character class"):
         ServerArgs(constrained_json_whitespace_pattern="[ ")
+
+
+def test_many_hosts_flags():
+    a = parse(["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.5:5000", "--tp-size", "8"])
+    assert (a.multihost, a.dist_addr, a.relay_addr) == (True, ("10.0.0.5", 5000), ("10.0.0.5", 5001))
+    assert parse(["--nnodes", "2", "--dist-init-addr", "[::1]:7", "--relay-port", "9", "--tp-size", "2"]).relay_addr == ("::1", 9)
+    # many hosts never serve while compiling and are never restarted by the supervisor
+    assert (a.serve_while_compiling, a.supervise) == (True, True)
+    assert (a.background_compile, a.restartable) == (False, False)
+    one = ServerArgs()
+    assert (one.multihost, one.background_compile, one.restartable) == (False, True, True)
+    # the relay's secret never shows in get_server_info
+    assert parse(["--dist-token", "s3cret"]).public()["dist_token"] == "<secret>" and one.public()["dist_token"] is None
+    assert one.public()["page_size"] == 16 and set(one.public()) == {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(nnodes=2, tp_size=2), "needs dist_init_addr"),
+        (dict(nnodes=2, tp_size=2, dist_init_addr="host"), "must be HOST:PORT"),
+        (dict(nnodes=2, tp_size=3, dist_init_addr="h:1"), "tp_size=3: must be a multiple of nnodes=2"),
+        (dict(nnodes=2, node_rank=2, tp_size=2, dist_init_addr="h:1"), "node_rank=2: must be in"),
+        (dict(nnodes=0), "nnodes=0"),
+        (dict(dist_heartbeat_s=0), "dist_heartbeat_s=0"),
+    ],
+)
+def test_bad_many_hosts_options(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerArgs(**kwargs)

@@ -28,6 +28,9 @@ class FakeExecutor:
     def swap_params(self, new, merged):
         self.host_tensors = merged
 
+    def discard_params(self, params):
+        self.discarded = params
+
 
 SERVED = {"emb": np.zeros((50, 8), np.float32), "norm": np.zeros(8, np.float32), "w": np.zeros((4, 3), np.float32)}
 
@@ -112,3 +115,41 @@ def test_a_piece_past_its_segment_is_refused(sync, segment):
     ref = TensorRef("norm", "float32", [8], segment.name, (1 << 16) - 16, 32)
     with pytest.raises(WeightError, match="pass its segment"):
         sync.stage([ref], "u1", first=True, last=True)
+
+
+class Hosts:
+    """`agree` of a runner whose peers answer `others`; records what this one said."""
+
+    def __init__(self, others: bool):
+        self.others, self.said = others, []
+
+    def __call__(self, ok: bool) -> bool:
+        self.said.append(ok)
+        return ok and self.others
+
+
+def test_an_update_commits_only_if_every_host_agrees(segment):
+    new = {"w": np.ones((4, 3), np.float32)}
+    # another host failed: refused here too, what was built is freed, the old weights serve
+    hosts = Hosts(others=False)
+    sync = WeightSync(FakeExecutor(dict(SERVED)), hosts)
+    for i, refs in enumerate(parts(new, 256, segment)):
+        sync.stage(refs, "u1", first=i == 0, last=False)
+    assert hosts.said == []  # parts before the last do not agree
+    with pytest.raises(WeightError, match="failed on another host"):
+        sync.stage([], "u1", first=False, last=True)
+    assert hosts.said == [True] and sync.ex.discarded == "params" and sync.ex.host_tensors["w"] is SERVED["w"]
+    # this host fails: it still takes part in the agreement (once), with its own reason
+    hosts = Hosts(others=True)
+    sync = WeightSync(FakeExecutor(dict(SERVED)), hosts)
+    with pytest.raises(WeightError, match="no such directory"):
+        sync.load_disk("/nonexistent/ckpt")
+    with pytest.raises(WeightError, match="not staged"):
+        sync.stage([], "u2", first=False, last=True)
+    assert hosts.said == [False, False] and sync.ex.built == []
+    # every host ok: committed
+    sync = WeightSync(FakeExecutor(dict(SERVED)), Hosts(others=True))
+    for i, refs in enumerate(parts(new, 256, segment)):
+        sync.stage(refs, "u3", first=i == 0, last=False)
+    assert sync.stage([], "u3", first=False, last=True) == "updated 1 tensors"
+    np.testing.assert_array_equal(sync.ex.host_tensors["w"], new["w"])

@@ -69,6 +69,22 @@ def test_launch_tpu_dry_run_on_cpu():
     assert r.returncode == 2 and "no TPU on this host" in r.stderr
 
 
+def test_launch_tpu_dry_run_on_a_multi_host_slice():
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3", "TPU_WORKER_ID": "2"}  # fmt: skip
+    env.pop("RINGSERVE_DIST_TOKEN", None)
+    r = subprocess.run(["bash", str(ROOT / "tools/launch_tpu.sh"), "--dry-run", "--model", "m"], capture_output=True,
+                       text=True, env=env, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--tp-size 16 --nnodes 4 --node-rank 2 --dist-init-addr w0:8476 " in r.stdout  # 4 hosts x 4 chips
+    assert "RINGSERVE_DIST_TOKEN" in r.stderr
+    del env["TPU_WORKER_ID"]
+    r = subprocess.run(["bash", str(ROOT / "tools/launch_tpu.sh"), "--dry-run"], capture_output=True, text=True, env=env,
+                       timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "set TPU_WORKER_ID" in r.stderr
+
+
 def test_sigterm_under_load_exits_within_10s_callers_get_abort_nothing_left(tiny_dir, xla_cache, tmp_path):
     from actors import Client
 

@@ -169,9 +169,10 @@ sys.path.insert(0, {root!r})
 from actors.transport.launcher import ActorGroup
 g = ActorGroup()
 ring = g.ring("orphan", 1024)
-g.spawn("child", "tests.actors.transport.test_actor:idle")
+known = g.broadcast_ring("known", 2, 1024)
+g.spawn("child", "tests.actors.transport.test_actor:idle", rings={{"inbox": known.name}})
 info = g.wait_ready(60)
-print(ring.name, int(info["child"]), flush=True)
+print(ring.name, int(info["child"]), known.name, flush=True)
 time.sleep(600)
 """
 
@@ -181,7 +182,7 @@ def test_child_exits_when_its_parent_is_killed_and_cleanup_removes_the_segments(
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
     try:
         assert proc.stdout is not None
-        dead_name, child_pid = proc.stdout.readline().split()
+        dead_name, child_pid, known_name = proc.stdout.readline().split()
     finally:
         proc.kill()
         proc.wait()
@@ -189,6 +190,7 @@ def test_child_exits_when_its_parent_is_killed_and_cleanup_removes_the_segments(
     while _pid_alive(int(child_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _pid_alive(int(child_pid)), "the orphaned actor kept running"
+    assert glob.glob(f"/dev/shm/*{known_name.lstrip('/')}*") == []  # the child removed the rings it knew
     dead = glob.glob(f"/dev/shm/*{dead_name.lstrip('/')}*")
     assert len(dead) == 3  # SIGKILL left the segment and its two semaphores behind
     with Ring.create("alive", 256) as live:

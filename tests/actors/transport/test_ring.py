@@ -297,3 +297,20 @@ def test_reader_killed_mid_stream_is_detected_by_the_writer():
     assert failures[0][2] - killed_at < 1.0
     assert _leftovers(ring.name) == []
     group.shutdown()
+
+
+def test_unlink_name_removes_a_ring_known_only_by_name():
+    """An actor whose parent (the creator) was killed removes its rings' names (actor.py)."""
+    import os
+
+    from actors.transport.ring import BroadcastRing, shm_files, unlink_name
+
+    ring = BroadcastRing.create("orphan", 3, 4096)
+    try:
+        paths = shm_files(ring.name, 3)
+        assert len(paths) == 7 and all(os.path.exists(p) for p in paths)
+        unlink_name(ring.name)
+        assert not any(os.path.exists(p) for p in paths)
+        unlink_name(ring.name)  # gone already: nothing to do
+    finally:
+        ring.close()
