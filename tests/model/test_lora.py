@@ -165,5 +165,5 @@ def test_reader_refusals(base, tmp_path):
     make_tiny_model(other, "llama", seed=0, hidden_size=128, intermediate_size=320, num_attention_heads=4,
                     num_key_value_heads=2)  # fmt: skip
     wrong = make_tiny_lora(tmp_path / "wrong-shapes", other, rank=2)
-    with pytest.raises(ValueError, match=r"has shape \(2, 128\), expected \(2, 256\)"):
+    with pytest.raises(ValueError, match=r"lora_A.weight. has shape \(2, \d+\), expected \(2, \d+\)"):
         read_adapter(wrong, cfg, 8, TARGET_MODULES)
