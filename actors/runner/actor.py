@@ -75,6 +75,7 @@ def run(ctx) -> None:
     runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded
         ctx.log.info("%s", runner.start_weights(cfg.weights))
+    runner.start_loras(args.lora_adapters)
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=0, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us)
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())
