@@ -127,13 +127,12 @@ class Decoder(nnx.Module):
         each row's adapter slot and the adapter pool (model/lora.py), when adapters are served."""
         cos, sin = rope_tables(fb.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         x = self.embed_tokens(ids)
-        tok_slot = scale = None
-        if lora is not None:
-            tok_slot = token_slots(lora.row_slot, fb.row_start, fb.num_rows, ids.shape[0])
-            scale = lora.weights["scale"]
+        tok_slot = token_slots(lora.row_slot, fb.row_start, fb.num_rows, ids.shape[0]) if lora is not None else None
 
         def layer_lora(pool_layer: Any) -> LayerLora | None:
-            return None if lora is None else LayerLora(pool_layer, tok_slot, scale)
+            if lora is None or tok_slot is None:
+                return None
+            return LayerLora(pool_layer, tok_slot, lora.weights["scale"])
 
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph

@@ -99,6 +99,7 @@ class LoraPool:
         def write(weights, slot, scale, a, b):
             self.write_traces += 1
             axis = 1 if stacked else 0
+            layers: Any
             if stacked:
                 layers = {m: (jax.lax.dynamic_update_index_in_dim(pa, a[m], slot, axis),
                               jax.lax.dynamic_update_index_in_dim(pb, b[m], slot, axis))

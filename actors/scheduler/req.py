@@ -25,8 +25,8 @@ from collections.abc import Callable
 import numpy as np
 
 from actors.scheduler.grammar import ReqGrammar
-from actors.scheduler.lora import LoadedLora
 from actors.scheduler.logprobs import PromptLogprobs
+from actors.scheduler.lora import LoadedLora
 from actors.scheduler.spec import SpecState
 from actors.transport.messages import Resume
 from actors.transport.sampling import SamplingParams, find_stop

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.scheduler.lora import LoraTable, cache_key
 from actors.scheduler.core import SchedulerCore
+from actors.scheduler.lora import LoraTable, cache_key
 from actors.server_args import ServerArgs
 from kvmem import KVCache
 from tests.actors.scheduler.fake_runner import FakeRunner
