@@ -73,6 +73,7 @@ class ExecutorConfig:
     lora_slots: int = 0  # LoRA adapter pool slots incl. the empty slot 0 (max_loras_per_batch + 1); 0 = off
     lora_rank: int = 0  # max_lora_rank: every slot's rank (adapters of lower rank are zero-padded)
     lora_targets: tuple[str, ...] = ()  # the projections adapters may train (model/checkpoints/peft.py)
+    lora_gather: bool = False  # the adapters' product in its gather form, not the dense one (model/lora.py)
 
     @property
     def max_pages(self) -> int:
@@ -131,7 +132,8 @@ class ModelExecutor:
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
         self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
-                              cfg.deterministic, logits_vocab_major=self.platform == "cpu")  # fmt: skip
+                              cfg.deterministic, logits_vocab_major=self.platform == "cpu",
+                              lora_gather=cfg.lora_gather)  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)

@@ -102,7 +102,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False):  # fmt: skip
         def layer() -> DecoderLayer:
             return DecoderLayer(cfg, backend, dtype, tp, deterministic)
 
@@ -121,6 +121,7 @@ class Decoder(nnx.Module):
         self.layer_unroll = layer_unroll
         self.deterministic = deterministic
         self.logits_vocab_major = logits_vocab_major and not deterministic
+        self.lora_gather = lora_gather  # the adapters' product in its gather form (model/lora.py)
 
     def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache. `lora`:
@@ -132,7 +133,7 @@ class Decoder(nnx.Module):
         def layer_lora(pool_layer: Any) -> LayerLora | None:
             if lora is None or tok_slot is None:
                 return None
-            return LayerLora(pool_layer, tok_slot, lora.weights["scale"])
+            return LayerLora(pool_layer, tok_slot, lora.weights["scale"], self.lora_gather)
 
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
@@ -175,11 +176,11 @@ class CausalLM:
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False):  # fmt: skip
         self.cfg = cfg
         self.attn = attn
         decoder = nnx.eval_shape(lambda: Decoder(cfg, attn, dtype, tp, layer_loop, layer_unroll, deterministic,
-                                                 logits_vocab_major))  # fmt: skip
+                                                 logits_vocab_major, lora_gather))  # fmt: skip
         self.graphdef, state = nnx.split(decoder)
         self.abstract: dict = nnx.to_pure_dict(state)
         self.specs: dict = nnx.to_pure_dict(nnx.get_partition_spec(state))

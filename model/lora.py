@@ -18,11 +18,16 @@ row's. A targeted projection of x [T, in] then adds
 
     delta[t] = scale[s_t] * (x[t] @ a[s_t].T) @ b[s_t]          s_t: token t's slot
 
-computed in one of two static forms (same math), picked by the program's T:
-- gather (decode and small steps, T <= GATHER_TOKENS): each token's a, b gathered, two batched
-  products of rank R (punica's BGMV);
-- dense (long extends): x @ every slot's A at once ([T, S * R], cheap since S * R is small), the
-  columns of other slots than the token's zeroed, times every slot's B (no [T, R, in] gather).
+in one of two static forms (same math; `ExecutorConfig.lora_gather` picks one per executor):
+- dense (the default): x times every slot's A at once ([T, S * R]: S * R is small), the
+  columns of other slots than the token's zeroed (with the scale), times every slot's B
+  stacked ([S * R, out]); two plain matmuls, no gather;
+- gather (punica's BGMV): each token's own a and b gathered ([T, R, in], [T, R, out]), two
+  batched products of rank R: S times fewer flops, but T copies of the factors.
+Measured on CPU (tiny model, decode step of 64 rows, rank 16, all 7 projections, the cases
+interleaved, load ~10): no LoRA 28.0 ms, dense 35.1 ms (5 slots) / 36.0 ms (9 slots), gather
+85.1 / 92.0 ms: XLA:CPU's gathers cost more than the S-fold flops. Accelerators are not
+measured yet (`python -m bench.lora --gather` compares the two).
 """
 
 from __future__ import annotations
@@ -36,9 +41,6 @@ import numpy as np
 from model.checkpoints.config import ModelConfig
 from model.checkpoints.peft import Adapter, module_dims
 
-GATHER_TOKENS = 256  # programs of at most this many tokens gather each token's A and B
-
-
 class LoraBatch(NamedTuple):
     """A step's LoRA input: each row's adapter slot, and the pool (kept on device)."""
 
@@ -46,11 +48,13 @@ class LoraBatch(NamedTuple):
     weights: Any  # the pool (module docstring)
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, tok_slot: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [T, in], a [S, R, in], b [S, R, out], tok_slot [T], scale [S] -> [T, out] (in x's dtype)."""
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, tok_slot: jax.Array, scale: jax.Array,
+               gather: bool = False) -> jax.Array:  # fmt: skip
+    """x [T, in], a [S, R, in], b [S, R, out], tok_slot [T], scale [S] -> [T, out] (in x's
+    dtype); the dense form, or with `gather` the gather form (module docstring)."""
     t, (s, r, n_in) = x.shape[0], a.shape
     w = scale[tok_slot].astype(x.dtype)  # [T]
-    if t <= GATHER_TOKENS:
+    if gather:
         xa = jnp.einsum("ti,tri->tr", x, a[tok_slot]) * w[:, None]
         return jnp.einsum("tr,tro->to", xa, b[tok_slot])
     xa = (x @ a.reshape(s * r, n_in).T).reshape(t, s, r)
@@ -62,14 +66,15 @@ class LayerLora:
     """One layer's adapters as a projection sees them (inside the trace): `apply(name, x, y)`
     is y plus the delta of module `name`, or y where the pool does not target it."""
 
-    def __init__(self, layer: dict[str, tuple[jax.Array, jax.Array]], tok_slot: jax.Array, scale: jax.Array):
-        self.layer, self.tok_slot, self.scale = layer, tok_slot, scale
+    def __init__(self, layer: dict[str, tuple[jax.Array, jax.Array]], tok_slot: jax.Array, scale: jax.Array,
+                 gather: bool = False):  # fmt: skip
+        self.layer, self.tok_slot, self.scale, self.gather = layer, tok_slot, scale, gather
 
     def apply(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
         ab = self.layer.get(name)
         if ab is None:
             return y
-        return y + lora_delta(x, ab[0], ab[1], self.tok_slot, self.scale).astype(y.dtype)
+        return y + lora_delta(x, ab[0], ab[1], self.tok_slot, self.scale, self.gather).astype(y.dtype)
 
 
 def token_slots(row_slot: jax.Array, row_start: jax.Array, num_rows: jax.Array, t: int) -> jax.Array:

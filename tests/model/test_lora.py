@@ -70,9 +70,8 @@ def greedy(ex: ModelExecutor, prompts: list[list[int]], slots: list[int], n_new:
 
 
 def test_mixed_batch_equals_peft(ex, base, adapters):
-    """Rows of adapters a, b, c and of none in one batch (twice over: slots in another order),
-    each equal to HF + PEFT with its own adapter; prompts long enough that the prefill step
-    takes the dense form (> 256 tokens) and the decode steps the gather form."""
+    """Rows of adapters a, b, c and of none in one batch, each equal to HF + PEFT with its own
+    adapter (prefill in one extend step, then decode steps)."""
     cfg = ModelConfig.from_dir(base)
     for slot, path in enumerate(adapters, start=1):
         ex.lora.write(slot, read_adapter(path, cfg, 8, TARGET_MODULES))
@@ -92,9 +91,8 @@ def test_mixed_batch_equals_peft(ex, base, adapters):
 
 
 def test_one_adapter_alone_and_slot_reuse(ex, base, adapters):
-    """One adapter alone (the gather form for its prefill too); then its slot rewritten with
-    another adapter, then cleared: each time the outputs follow, and the programs and the
-    slot writer never compiled again."""
+    """One adapter alone; then its slot rewritten with another adapter, then cleared: each time
+    the outputs follow, and the programs and the slot writer never compiled again."""
     cfg = ModelConfig.from_dir(base)
     prompts = [np.random.default_rng(1).integers(3, 2000, 40).tolist()]
     ex.lora.write(1, read_adapter(adapters[0], cfg, 8, TARGET_MODULES))
@@ -119,6 +117,19 @@ def test_release_and_resume_keep_adapters(ex, base, adapters):
     assert greedy(ex, prompts, [2], 4) == before
 
 
+def test_gather_form_equals_peft(base, adapters):
+    """The gather form (ExecutorConfig.lora_gather) serves the same tokens."""
+    import dataclasses
+
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=256,
+                         extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES)  # fmt: skip
+    ex = ModelExecutor(base, dataclasses.replace(cfg, lora_gather=True))
+    ex.lora.write(1, read_adapter(adapters[0], ModelConfig.from_dir(base), 8, TARGET_MODULES))
+    prompts = [np.random.default_rng(3).integers(3, 2000, n).tolist() for n in (20, 31)]
+    got = greedy(ex, prompts, [1, 0], N_NEW)
+    assert got == [hf_lora_greedy(base, adapters[0], prompts[:1], N_NEW)[0], hf_lora_greedy(base, None, prompts[1:], N_NEW)[0]]
+
+
 def test_delta_forms_agree():
     """The gather and dense forms of the per-token product are the same math."""
     import jax.numpy as jnp
@@ -131,9 +142,9 @@ def test_delta_forms_agree():
     scale = np.array([0, 1, 0.5, 2], np.float32)
     want = np.einsum("tr,tro->to", np.einsum("ti,tri->tr", x, a[slot]) * scale[slot, None], b[slot])
     dense = np.asarray(lora_delta(jnp.asarray(x), a, b, jnp.asarray(slot), jnp.asarray(scale)))
-    gather = np.asarray(lora_delta(jnp.asarray(x[:200]), a, b, jnp.asarray(slot[:200]), jnp.asarray(scale)))
+    gather = np.asarray(lora_delta(jnp.asarray(x), a, b, jnp.asarray(slot), jnp.asarray(scale), gather=True))
     np.testing.assert_allclose(dense, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(gather, want[:200], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gather, want, rtol=1e-4, atol=1e-4)
 
 
 def _edit(path, **changes):
