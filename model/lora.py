@@ -41,6 +41,7 @@ import numpy as np
 from model.checkpoints.config import ModelConfig
 from model.checkpoints.peft import Adapter, module_dims
 
+
 class LoraBatch(NamedTuple):
     """A step's LoRA input: each row's adapter slot, and the pool (kept on device)."""
 
