@@ -117,13 +117,14 @@ def test_release_and_resume_keep_adapters(ex, base, adapters):
     assert greedy(ex, prompts, [2], 4) == before
 
 
-def test_gather_form_equals_peft(base, adapters):
-    """The gather form (ExecutorConfig.lora_gather) serves the same tokens."""
-    import dataclasses
-
+@pytest.mark.parametrize("gather, layer_loop", [(True, "unrolled"), (False, "scan")])
+def test_gather_form_and_scanned_layers_equal_peft(base, adapters, gather, layer_loop):
+    """The gather form (ExecutorConfig.lora_gather) and the scanned layer layout (accelerators':
+    the pool stacked over the layers) serve the same tokens."""
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=256,
-                         extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES)  # fmt: skip
-    ex = ModelExecutor(base, dataclasses.replace(cfg, lora_gather=True))
+                         extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES,
+                         lora_gather=gather, layer_loop=layer_loop)  # fmt: skip
+    ex = ModelExecutor(base, cfg)
     ex.lora.write(1, read_adapter(adapters[0], ModelConfig.from_dir(base), 8, TARGET_MODULES))
     prompts = [np.random.default_rng(3).integers(3, 2000, n).tolist() for n in (20, 31)]
     got = greedy(ex, prompts, [1, 0], N_NEW)
