@@ -41,8 +41,9 @@ def adapters(base, tmp_path_factory):
 def engine(base, adapters):
     from actors import Engine
 
+    # prompts past 32 tokens are prefilled in chunks: an adapter's rows across chunks
     e = Engine(str(base), page_size=16, enable_lora=True, max_lora_rank=RANK, max_loras_per_batch=3,
-               lora_paths=[f"a={adapters['a']}"], **SMALL)  # fmt: skip
+               lora_paths=[f"a={adapters['a']}"], **{**SMALL, "chunked_prefill_size": 32})  # fmt: skip
     yield e
     e.shutdown()
 
@@ -62,7 +63,8 @@ def test_mixed_batch_equals_peft(lora_engine, base, adapters):
     assert e.load_lora_adapter("b", str(adapters["b"]))["success"]
     r = e.load_lora_adapter("c", str(adapters["c"]))
     assert r["success"] and r["loaded_adapters"] == {n: str(adapters[n]) for n in "abc"}, r
-    prompts = random_prompts(8, seed=5, lo=5, hi=40)
+    prompts = random_prompts(8, seed=5, lo=5, hi=80)
+    assert max(map(len, prompts)) > 32
     names = ["a", "b", "c", None, "c", None, "b", "a"]
     got = _ids(e.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names))
     for name in ("a", "b", "c", None):
