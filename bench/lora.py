@@ -15,9 +15,20 @@ three cases interleaved run by run (so other work on the machine weighs on each 
 reported as tokens per second and the ratio to `off`. SmolLM2 is its shapes with random weights
 (model/checkpoints/random_shapes.py), adapters random of the full rank.
 
-One run (CPU, 2 cores shared with other work; load average in the table):
+One run each (CPU, 2 cores shared with other work: 1-minute load average 12.1 at the end of the
+tiny run, 7.2 at the end of SmolLM2's, 7-15 during; defaults, SmolLM2 with --repeat 10):
 
-    see the README section "LoRA adapters" for the figures of the last run
+    model    step          off tok/s   none   mixed   none/off  mixed/off   load (end; during)
+    tiny     decode b64       2552     2300    2424     0.90       0.95      12.1 (10-15)
+    tiny     extend 1024      4467     2512    2536     0.56       0.57      12.1 (10-15)
+    SmolLM2  decode b64        110       96      98     0.88       0.89       7.2 (7-15)
+    SmolLM2  extend 1024       250      215     211     0.86       0.84       7.2 (7-15)
+
+  The pool holds 5 slots (4 adapters + none) of rank 16 on every projection: 5.5 MiB (tiny),
+  93 MiB (SmolLM2, f32). The dense product costs every slot's rank (5 x 16 = 80 columns) per
+  projection whatever the row's adapter, so it weighs most on a model this narrow (tiny: hidden
+  256, where 80 columns are a third of a projection; SmolLM2: hidden 576, 12-16%); rows without
+  an adapter cost the same as rows with one (one program for every mix).
 """
 
 from __future__ import annotations
