@@ -179,3 +179,19 @@ def test_reader_refusals(base, tmp_path):
     wrong = make_tiny_lora(tmp_path / "wrong-shapes", other, rank=2)
     with pytest.raises(ValueError, match=r"lora_A.weight. has shape \(2, \d+\), expected \(2, \d+\)"):
         read_adapter(wrong, cfg, 8, TARGET_MODULES)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_other_families_equal_peft(tiny_dir, tmp_path, family):
+    """Qwen3 (q/k norms, head_dim 48: q_proj 256 -> 384, o_proj 384 -> 256) and Qwen2 (qkv
+    biases, untied head): an adapter's rows beside a base row equal HF + PEFT."""
+    base = tiny_dir(family)
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=256,
+                         extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES)  # fmt: skip
+    ex = ModelExecutor(base, cfg)
+    adapter = make_tiny_lora(tmp_path / "a", base, rank=8, seed=4)
+    ex.lora.write(1, read_adapter(adapter, ModelConfig.from_dir(base), 8, TARGET_MODULES))
+    prompts = [np.random.default_rng(5).integers(3, 2000, n).tolist() for n in (25, 18)]
+    got = greedy(ex, prompts, [1, 0], N_NEW)
+    assert got[0] == hf_lora_greedy(base, adapter, prompts[:1], N_NEW)[0]
+    assert got[1] == hf_lora_greedy(base, None, prompts[1:], N_NEW)[0] != got[0]
