@@ -117,6 +117,7 @@ def test_release_and_resume_keep_adapters(ex, base, adapters):
     assert greedy(ex, prompts, [2], 4) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather, layer_loop", [(True, "unrolled"), (False, "scan")])
 def test_gather_form_and_scanned_layers_equal_peft(base, adapters, gather, layer_loop):
     """The gather form (ExecutorConfig.lora_gather) and the scanned layer layout (accelerators':
