@@ -193,3 +193,23 @@ def test_http_and_client(lora_engine, adapters):
                 c.generate(input_ids=[5, 6], sampling_params=GREEDY, lora_path="k")
     finally:
         servers.stop()
+
+
+@pytest.mark.slow
+def test_overlap_off_gives_the_same_tokens(lora_engine, base, adapters):
+    """Temperature-0 outputs of a mix of adapters are the same with the overlap schedule off
+    (an engine of the same shapes: its programs come from the XLA cache)."""
+    from actors import Engine
+
+    prompts = random_prompts(6, seed=41, lo=5, hi=70)
+    names = ["a", None, "b", "a", "b", None]
+    assert lora_engine.load_lora_adapter("b", str(adapters["b"]))["success"]
+    try:
+        want = _ids(lora_engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names))
+    finally:
+        assert lora_engine.unload_lora_adapter("b")["success"]
+    with Engine(str(base), page_size=16, enable_lora=True, max_lora_rank=RANK, max_loras_per_batch=3,
+                lora_paths=[f"a={adapters['a']}", f"b={adapters['b']}"], disable_overlap_schedule=True,
+                **{**SMALL, "chunked_prefill_size": 32}) as normal:  # fmt: skip
+        assert _ids(normal.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names)) == want
+        assert_no_leak(normal)
