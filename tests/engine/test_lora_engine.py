@@ -48,6 +48,16 @@ def engine(base, adapters):
     e.shutdown()
 
 
+@pytest.fixture(scope="module")
+def servers(engine):
+    """The IPC socket and HTTP on the module's engine (stopping them ends its serving: module teardown)."""
+    from actors import Servers
+
+    s = Servers(engine, port=0).start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture
 def lora_engine(engine):
     yield engine
@@ -162,37 +172,33 @@ def test_adapters_follow_the_weights_memory_tag(lora_engine):
     assert json.loads(json.dumps(e.get_server_info()["loaded_lora_adapters"])) == {"a": e.args.lora_adapters["a"]}
 
 
-def test_http_and_client(lora_engine, adapters):
+def test_http_and_client(lora_engine, servers, adapters):
     """SGLang's routes and bodies: POST /load_lora_adapter {lora_name, lora_path}, /generate
     with lora_path (an unknown one: 400 naming it), /unload_lora_adapter; the IPC Client's verbs."""
     import httpx
 
-    from actors import Client, Servers
+    from actors import Client
 
     e = lora_engine
-    servers = Servers(e, port=0).start()
-    try:
-        url = servers.url
-        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "h", "lora_path": str(adapters["c"])})
-        assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": str(adapters["a"]), "h": str(adapters["c"])}
-        body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY, "lora_path": "h"}
-        via_http = httpx.post(url + "/generate", json=body).json()["output_ids"]
-        assert via_http == e.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, lora_path="h")["output_ids"]
-        r = httpx.post(url + "/generate", json={**body, "lora_path": "nope"})
-        assert r.status_code == 400 and "lora_path='nope'" in r.text
-        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "big", "lora_path": str(adapters["too_big"])})
-        assert r.status_code == 400 and "max_lora_rank" in r.json()["error_message"]
-        r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "h"})
-        assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": str(adapters["a"])}
-        with Client(servers.socket_path) as c:
-            assert c.load_lora_adapter("k", str(adapters["b"]))["success"]
-            out = c.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, lora_path="k")["output_ids"]
-            assert out == e.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, lora_path="k")["output_ids"]
-            assert c.unload_lora_adapter("k")["success"]
-            with pytest.raises(ValueError, match="lora_path='k'"):
-                c.generate(input_ids=[5, 6], sampling_params=GREEDY, lora_path="k")
-    finally:
-        servers.stop()
+    url = servers.url
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "h", "lora_path": str(adapters["c"])})
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": str(adapters["a"]), "h": str(adapters["c"])}
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY, "lora_path": "h"}
+    via_http = httpx.post(url + "/generate", json=body).json()["output_ids"]
+    assert via_http == e.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, lora_path="h")["output_ids"]
+    r = httpx.post(url + "/generate", json={**body, "lora_path": "nope"})
+    assert r.status_code == 400 and "lora_path='nope'" in r.text
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "big", "lora_path": str(adapters["too_big"])})
+    assert r.status_code == 400 and "max_lora_rank" in r.json()["error_message"]
+    r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "h"})
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": str(adapters["a"])}
+    with Client(servers.socket_path) as c:
+        assert c.load_lora_adapter("k", str(adapters["b"]))["success"]
+        out = c.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, lora_path="k")["output_ids"]
+        assert out == e.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, lora_path="k")["output_ids"]
+        assert c.unload_lora_adapter("k")["success"]
+        with pytest.raises(ValueError, match="lora_path='k'"):
+            c.generate(input_ids=[5, 6], sampling_params=GREEDY, lora_path="k")
 
 
 @pytest.mark.slow
