@@ -92,6 +92,16 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = _opt(
         False, "json_schema-constrained outputs are compact: no whitespace between tokens"
     )
+    # LoRA adapters (SGLang's flags)
+    enable_lora: bool = _opt(False, "serve LoRA adapters: a per-request lora_path names one (compiled into every step)")
+    max_lora_rank: int = _opt(16, "largest adapter rank served (every adapter is zero-padded to it)")
+    max_loras_per_batch: int = _opt(
+        8, "adapter slots on the device: adapters loaded at once (a batch mixes any of them and none)"
+    )
+    lora_target_modules: tuple[str, ...] = _opt(
+        ("all",), "projections adapters may train: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all"
+    )
+    lora_paths: tuple[str, ...] = _opt((), "adapters loaded at start-up, NAME=PATH each (PEFT directories)")
     # processes and I/O
     host: str = _opt("127.0.0.1", "HTTP bind address (localhost by default)")
     port: int = _opt(30000, "HTTP port (0: any free port)")
@@ -228,6 +238,43 @@ class ServerArgs:
         need(0 <= self.relay_port <= 65535, f"relay_port={self.relay_port}: must be in [0, 65535] (0: dist port + 1)")
         need(self.dist_timeout >= 1, f"dist_timeout={self.dist_timeout}: must be >= 1 second")
         need(self.dist_heartbeat_s >= 1, f"dist_heartbeat_s={self.dist_heartbeat_s}: must be >= 1 second")
+        self._check_lora(need)
+
+    def _check_lora(self, need: Any) -> None:
+        if isinstance(self.lora_paths, dict):  # {name: path}, as a keyword: the NAME=PATH strings
+            object.__setattr__(self, "lora_paths", tuple(f"{k}={v}" for k, v in self.lora_paths.items()))
+        for f in ("lora_paths", "lora_target_modules"):  # lists (CLI, keywords) held as tuples
+            v = getattr(self, f)
+            need(isinstance(v, list | tuple) and all(isinstance(x, str) for x in v), f"{f}={v!r}: a list of strings")
+            object.__setattr__(self, f, tuple(v))
+        need(1 <= self.max_lora_rank <= 1024, f"max_lora_rank={self.max_lora_rank}: must be in [1, 1024]")
+        need(1 <= self.max_loras_per_batch <= 256,
+             f"max_loras_per_batch={self.max_loras_per_batch}: must be in [1, 256]")  # fmt: skip
+        from model.checkpoints.peft import parse_target_modules
+
+        parse_target_modules(self.lora_target_modules)
+        names = list(self.lora_adapters)
+        need(self.enable_lora or not self.lora_paths, "lora_paths: adapters need enable_lora")
+        need(len(names) <= self.max_loras_per_batch,
+             f"lora_paths: {len(names)} adapters, more than max_loras_per_batch={self.max_loras_per_batch} slots")  # fmt: skip
+        need(not (self.enable_lora and self.nnodes > 1),
+             "enable_lora cannot be combined with nnodes > 1 yet (the adapter pool is placed on one host's devices)")  # fmt: skip
+        need(not (self.enable_lora and self.enable_deterministic_inference),
+             "enable_lora cannot be combined with enable_deterministic_inference yet (the adapter product is not batch-invariant)")  # fmt: skip
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_paths as {name: path}, in the given order (slot 1, 2, ...). ValueError on a
+        malformed entry or a name given twice."""
+        out: dict[str, str] = {}
+        for entry in self.lora_paths:
+            name, eq, path = entry.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"lora_paths: {entry!r} must be NAME=PATH")
+            if name in out:
+                raise ValueError(f"lora_paths: adapter name {name!r} given twice")
+            out[name] = path
+        return out
 
     @property
     def num_pages(self) -> int:
@@ -305,6 +352,9 @@ class ServerArgs:
             choices = _literal_choices(tp)
             if choices is not None:
                 parser.add_argument(flag, choices=choices, default=f.default, help=helptext)
+                continue
+            if get_origin(tp) is tuple:  # a list of strings: --flag a b c
+                parser.add_argument(flag, nargs="*", type=str, default=f.default, help=helptext)
                 continue
             base = next((a for a in get_args(tp) if a is not type(None)), tp) if _is_optional(tp) else tp
             parser.add_argument(flag, type=base, default=f.default, help=helptext)

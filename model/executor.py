@@ -8,6 +8,7 @@ traced step (model/step.py), which take the state as their first argument.
     so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
     ex.build_params / swap_params / drop_params       weights while serving (model/weight_sync.py)
     ex.new_kv / drop_kv                               device memory (release / resume)
+    ex.lora                                           the LoRA adapter pool (model/lora.py), or None
 
 Nothing recompiles while serving: `run` only calls programs compiled at start-up (or in the
 background, `background_compile`: until they all are, a step runs padded in the smallest
@@ -34,6 +35,7 @@ from model.attention import AttentionBackend, AttnGeometry, make_backend, resolv
 from model.checkpoints.weights import load_checkpoint
 from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
+from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
 from model.params import build_host_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
@@ -68,6 +70,10 @@ class ExecutorConfig:
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
     deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
+    lora_slots: int = 0  # LoRA adapter pool slots incl. the empty slot 0 (max_loras_per_batch + 1); 0 = off
+    lora_rank: int = 0  # max_lora_rank: every slot's rank (adapters of lower rank are zero-padded)
+    lora_targets: tuple[str, ...] = ()  # the projections adapters may train (model/checkpoints/peft.py)
+    lora_gather: bool = False  # the adapters' product in its gather form, not the dense one (model/lora.py)
 
     @property
     def max_pages(self) -> int:
@@ -126,7 +132,8 @@ class ModelExecutor:
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
         self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
-                              cfg.deterministic, logits_vocab_major=self.platform == "cpu")  # fmt: skip
+                              cfg.deterministic, logits_vocab_major=self.platform == "cpu",
+                              lora_gather=cfg.lora_gather)  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
@@ -134,6 +141,11 @@ class ModelExecutor:
         self.params_avals = _avals(self.params)  # what every compiled program takes (updates must match it)
         self.new_kv()
         self.kv_avals = _avals((self.kv, self.future))  # programs compile against these
+        self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
+        if cfg.lora_slots:
+            self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
+                                 DTYPES[cfg.dtype], replicated(self.mesh))  # fmt: skip
+            self.lora_avals = _avals(self.lora.weights)
         self.trace_count = 0
         # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
         # Prompt positions' logprobs (extend programs) likewise, in groups: 64 on CPU (SmolLM2,
@@ -148,7 +160,7 @@ class ModelExecutor:
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
             return step(*args)
 
-        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(6, 7))
+        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8))
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num)
@@ -210,11 +222,12 @@ class ModelExecutor:
     # ---- programs -----------------------------------------------------------------------------
     def _compile(self, key: Key) -> Any:
         shape, top_n = key
-        fwd, smp, lb = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages, replicated(self.mesh),
-                                  self.mask_words, self.cfg.token_ids_logprob_num,
-                                  self.buckets.positions(shape))  # fmt: skip
+        fwd, smp, lb, row_slot = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages,
+                                            replicated(self.mesh), self.mask_words, self.cfg.token_ids_logprob_num,
+                                            self.buckets.positions(shape))  # fmt: skip
         kv, future = self.kv_avals
-        return self._jitted.lower(self.params_avals, kv, future, fwd, smp, lb, top_n, shape.verify).compile()
+        lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
+        return self._jitted.lower(self.params_avals, kv, future, fwd, smp, lb, lora, top_n, shape.verify).compile()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""
@@ -278,8 +291,15 @@ class ModelExecutor:
         # The host arrays go to the compiled program as they are: it moves them to its input
         # shardings in one batched transfer (CPU, 17 arrays: 0.2 ms, against 1.5 ms for a
         # jax.device_put of the same tree first).
+        lora = None
+        if self.lora is not None:
+            if self.lora.weights is None:
+                raise RuntimeError("the LoRA adapter pool is released (resume_memory_occupation first)")
+            lora = LoraBatch(hb.lora_slot, self.lora.weights)
+        elif hb.lora_slot is not None and hb.lora_slot.any():
+            raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
         self.kv, self.future, out, accepted, prompt = prog(self.params, self.kv, self.future, hb.forward,
-                                                           self._with_mask(hb), self._with_logprob(hb))  # fmt: skip
+                                                           self._with_mask(hb), self._with_logprob(hb), lora)  # fmt: skip
         return out, accepted, prompt
 
     @functools.cached_property

@@ -8,6 +8,7 @@ model/mesh.py); the loader places it so (model/llama.py: `CausalLM.place`), noth
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +77,13 @@ class GatedMLP(nnx.Module):
         self.up_proj = Linear(hidden, inter, dtype, column, deterministic=deterministic)
         self.down_proj = Linear(inter, hidden, dtype, row, deterministic=deterministic)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora: Any = None) -> jax.Array:
+        """`lora`: the layer's adapters (model/lora.py LayerLora), added to each projection."""
+        if lora is None:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = lora.apply("gate_proj", x, self.gate_proj(x))
+        h = jax.nn.silu(g) * lora.apply("up_proj", x, self.up_proj(x))
+        return lora.apply("down_proj", h, self.down_proj(h))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

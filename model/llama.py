@@ -45,6 +45,7 @@ from model.layers import (
     rope_inv_freq,
     rope_tables,
 )
+from model.lora import LayerLora, LoraBatch, apply_lora, token_slots
 from model.mesh import place_host_array, tp_split
 
 
@@ -64,19 +65,19 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.backend = backend
 
-    def __call__(self, x, cos, sin, kv, layer, fb) -> tuple[jax.Array, Any]:
+    def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any]:
         """x [T, H] (normed) -> attention output [T, H], and the KV cache with layer `layer`'s
-        new keys and values written."""
+        new keys and values written; `lora`: the layer's adapters (model/lora.py), if served."""
         cfg, t = self.cfg, x.shape[0]
-        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_lora(lora, "q_proj", x, self.q_proj(x)).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = apply_lora(lora, "k_proj", x, self.k_proj(x)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = apply_lora(lora, "v_proj", x, self.v_proj(x)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv = self.backend.write(kv, layer, k, v, fb)
-        o = self.backend.attend(q, kv, layer, fb)
-        return self.o_proj(o.reshape(t, cfg.q_size)), kv
+        o = self.backend.attend(q, kv, layer, fb).reshape(t, cfg.q_size)
+        return apply_lora(lora, "o_proj", o, self.o_proj(o)), kv
 
 
 class DecoderLayer(nnx.Module):
@@ -89,10 +90,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, deterministic)
         self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), deterministic)
 
-    def __call__(self, x, cos, sin, kv, layer, fb) -> tuple[jax.Array, Any]:
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb)
+    def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any]:
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb, lora)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x), lora), kv
 
 
 class Decoder(nnx.Module):
@@ -101,7 +102,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False):  # fmt: skip
         def layer() -> DecoderLayer:
             return DecoderLayer(cfg, backend, dtype, tp, deterministic)
 
@@ -120,23 +121,34 @@ class Decoder(nnx.Module):
         self.layer_unroll = layer_unroll
         self.deterministic = deterministic
         self.logits_vocab_major = logits_vocab_major and not deterministic
+        self.lora_gather = lora_gather  # the adapters' product in its gather form (model/lora.py)
 
-    def __call__(self, ids: jax.Array, fb: Any, kv: Any) -> tuple[jax.Array, Any]:
-        """Final hidden states [T, H] of the step's tokens, and the updated KV cache."""
+    def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
+        """Final hidden states [T, H] of the step's tokens, and the updated KV cache. `lora`:
+        each row's adapter slot and the adapter pool (model/lora.py), when adapters are served."""
         cos, sin = rope_tables(fb.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         x = self.embed_tokens(ids)
+        tok_slot = token_slots(lora.row_slot, fb.row_start, fb.num_rows, ids.shape[0]) if lora is not None else None
+
+        def layer_lora(pool_layer: Any) -> LayerLora | None:
+            if lora is None or tok_slot is None:
+                return None
+            return LayerLora(pool_layer, tok_slot, lora.weights["scale"], self.lora_gather)
+
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
-                x, kv = layer(x, cos, sin, kv, i, fb)
+                x, kv = layer(x, cos, sin, kv, i, fb, layer_lora(lora.weights["layers"][i] if lora is not None else None))
         else:
             graphdef, stacked = nnx.split(self.layers)
+            pool = lora.weights["layers"] if lora is not None else None
 
-            def body(carry, state):
+            def body(carry, xs):
                 x, kv, i = carry
-                x, kv = nnx.merge(graphdef, state)(x, cos, sin, kv, i, fb)
+                state, pool_layer = xs
+                x, kv = nnx.merge(graphdef, state)(x, cos, sin, kv, i, fb, layer_lora(pool_layer))
                 return (x, kv, i + 1), None
 
-            (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), stacked, unroll=self.layer_unroll)
+            (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), (stacked, pool), unroll=self.layer_unroll)
         return self.norm(x), kv
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -164,11 +176,11 @@ class CausalLM:
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False):  # fmt: skip
         self.cfg = cfg
         self.attn = attn
         decoder = nnx.eval_shape(lambda: Decoder(cfg, attn, dtype, tp, layer_loop, layer_unroll, deterministic,
-                                                 logits_vocab_major))  # fmt: skip
+                                                 logits_vocab_major, lora_gather))  # fmt: skip
         self.graphdef, state = nnx.split(decoder)
         self.abstract: dict = nnx.to_pure_dict(state)
         self.specs: dict = nnx.to_pure_dict(nnx.get_partition_spec(state))
@@ -177,9 +189,9 @@ class CausalLM:
         """The Decoder over `params` (inside a trace: over its tracers)."""
         return nnx.merge(self.graphdef, params)
 
-    def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any) -> tuple[jax.Array, Any]:
+    def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache."""
-        return self.bind(params)(ids, fb, kv)
+        return self.bind(params)(ids, fb, kv, lora)
 
     def logits(self, params: dict, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H]."""

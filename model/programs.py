@@ -46,11 +46,12 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path:
 
 def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any,
                mask_words: int, logprob_ids: int = 0,
-               positions: int = 0) -> tuple[ForwardBatch, RowSampling, LogprobBatch]:  # fmt: skip
+               positions: int = 0) -> tuple[ForwardBatch, RowSampling, LogprobBatch, Any]:  # fmt: skip
     """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device);
     every program takes a grammar mask of `mask_words` (ceil(V / 32)) words per sample and
     `logprob_ids` (K) token_ids_logprob per row; an extend program also takes `positions` (P,
-    `Buckets.positions`) prompt positions to read logprobs at."""
+    `Buckets.positions`) prompt positions to read logprobs at. The last: each row's LoRA adapter
+    slot ([R] int32; used only when the executor serves adapters)."""
 
     def spec(shp: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shp, dtype, sharding=sharding)
@@ -72,7 +73,7 @@ def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sha
     if positions:
         lb = lb._replace(index=spec((positions,), i32), target=spec((positions,), i32), row=spec((positions,), i32),
                          count=spec((), i32))  # fmt: skip
-    return fwd, smp, lb
+    return fwd, smp, lb, spec((r,), i32)
 
 
 def program_keys(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int) -> list[Key]:

@@ -1,12 +1,14 @@
 """The traced step: forward + sample over the paged KV cache, as pure functions of their inputs.
 
-    step(params, kv, future, fb, rs, lb, top_n, verify) -> kv, future, SampleOut, accepted, PositionLogprobs
+    step(params, kv, future, fb, rs, lb, lora, top_n, verify) -> kv, future, SampleOut, accepted, PositionLogprobs
 
 `params` is the parameter tree, `kv` the attention backend's cache arrays and `future` the
 FutureMap, all three passed in and (kv, future) returned updated: the executor donates them, so
 the update is in place (model/executor.py). `fb` / `rs` / `lb` are one step's padded inputs
 (model/step_inputs.py: forward, sampling, and the logprobs asked beyond the samples: prompt
-positions and token_ids_logprob); `top_n` and `verify` are static (part of the program's key).
+positions and token_ids_logprob); `lora` each row's adapter slot and the adapter pool
+(model/lora.py; None when the server serves no adapters: the program is the one without them);
+`top_n` and `verify` are static (part of the program's key).
 
 One path for every row (model/step_inputs.py): inputs `-(slot + 1)` read the FutureMap, each row
 samples its last k1 = max(1, verify) tokens, and a row accepts its leading drafts (the tokens
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from model.llama import CausalLM
+from model.lora import LoraBatch
 from model.sampler import position_logprobs, sample_rows
 from model.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingBatch
 
@@ -39,7 +42,8 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
     deterministic mode). Prompt positions' logprobs are computed `position_group` at a time
     (in the deterministic mode always that many, padded: one shape whatever the program)."""
 
-    def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, top_n: int, verify: int):
+    def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
+             top_n: int, verify: int):  # fmt: skip
         """kv and the FutureMap (token, position per slot) in, updated, out, with the samples
         ([R * k1], row after row), the drafts each row accepted ([R] int32) and the logprobs
         at the wanted prompt positions ([P])."""
@@ -48,7 +52,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
         if k1 > 1:  # verify rounds were planned at bounds on their slots' lengths
             fb = at_true_positions(model, fb, pos)
-        h, kv = model.forward(params, ids, fb, kv)
+        h, kv = model.forward(params, ids, fb, kv, lora)
         r, n = fb.kv_len.shape[0], fb.num_rows[0]
         sp = per_sample(rs, lb.ids, fb.positions[fb.sample_idx] + 1, k1)  # each token's seed at its position
         group = sample_group if fb.input_ids.shape[0] != r else None  # not a decode program

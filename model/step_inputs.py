@@ -97,6 +97,7 @@ class DeviceRow:
     logprob_start: int = 0  # first of the row's tokens whose next token's logprob is wanted (prompt logprobs)
     logprob_targets: np.ndarray | None = None  # int32 [n]: the token after each of tokens [start, start + n)
     logprob_ids: np.ndarray | None = None  # int32 [<= K] token_ids_logprob of the request
+    lora_slot: int = 0  # the request's LoRA adapter slot in the pool (model/lora.py); 0 = none
 
     @property
     def extend_len(self) -> int:
@@ -259,6 +260,7 @@ class HostBatch:
     num_samples: int  # real samples: rows * k1, row after row (the first entries of the step's samples)
     logprob: LogprobBatch  # NumPy arrays; None fields where the executor passes its zeros on device
     num_positions: int = 0  # real prompt-logprob positions (row after row, each row's in order)
+    lora_slot: np.ndarray | None = None  # [R] int32 each row's LoRA adapter slot (0: none; padding rows 0)
 
     @property
     def max_kv_len(self) -> int:
@@ -337,7 +339,9 @@ def build_batch(
     smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
                       np.bool_(mask is not None))  # fmt: skip
     lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
-    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos)
+    lora_slot = np.zeros(nr, np.int32)
+    lora_slot[:n] = [r.lora_slot for r in rows]
+    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos, lora_slot)
 
 
 def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, p: int, nr: int, k: int) -> tuple[LogprobBatch, int]:

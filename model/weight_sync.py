@@ -224,6 +224,8 @@ class WeightSync:
             self.ex.drop_kv()
         if "weights" in tags:
             self.ex.drop_params()
+            if self.ex.lora is not None:  # adapters follow the weights (their host copies stay)
+                self.ex.lora.release()
         return f"released {', '.join(tags)}"
 
     def resume(self, tags: list[str]) -> str:
@@ -232,6 +234,8 @@ class WeightSync:
         try:
             if "weights" in tags and self.ex.params is None:
                 self.ex.swap_params(self.ex.build_params(self.ex.host_tensors), self.ex.host_tensors)
+            if "weights" in tags and self.ex.lora is not None:
+                self.ex.lora.resume()
             if "kv_cache" in tags and self.ex.kv is None:
                 self.ex.new_kv()
         except Exception as e:  # noqa: BLE001 -- every host must reach the agreement

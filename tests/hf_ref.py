@@ -48,3 +48,25 @@ def hf_logprobs(path, prompt: list[int]) -> np.ndarray:
     x = hf_logits(path, prompt).astype(np.float64)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def hf_lora_greedy(path, adapter, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the base checkpoint at `path` with PEFT's LoRA adapter at
+    `adapter` (None: the base alone), one prompt at a time, EOS ignored."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if adapter is None:
+        return hf_greedy(path, prompts, max_new_tokens)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    m = PeftModel.from_pretrained(base, str(adapter)).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            g = m.generate(
+                input_ids=torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            out.append(g[0, len(p) :].tolist())
+    return out

@@ -37,6 +37,7 @@ from actors.frontend.core import FrontendCore, ReqState, generate_req
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
 from actors.frontend.limits import bytes_per_token
+from actors.frontend.lora import LoraAPI
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
@@ -78,6 +79,7 @@ class TokenizerManager:
         self.runner_info: Callable[[], dict[str, Any]] = dict  # the serving runner's (devices, programs)
         self.refusing: str | None = None  # set while shutting down: new requests are refused
         self.weights = WeightsAPI(self)
+        self.loras = LoraAPI(self, args)
         self.on_close: list[Callable[[], None]] = []  # run first by close() (the servers' stop)
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
@@ -227,7 +229,7 @@ class TokenizerManager:
         Returns (specs, batched)."""
         return normalize_generate(
             args, self.limits, encode=self.tok.encode, next_seed=lambda: self._seeds.getrandbits(63),
-            sessions=self.core.sessions, bos_token_id=self.tok.bos_token_id,
+            sessions=self.core.sessions, bos_token_id=self.tok.bos_token_id, check_lora=self.loras.check,
         )  # fmt: skip
 
     def refuse_new(self, reason: str) -> None:

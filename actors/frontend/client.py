@@ -181,13 +181,14 @@ class AsyncClient:
                        input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                        top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                        stream: bool = False, session_params: dict | list[dict] | None = None,
-                       logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
+                       logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
+                       lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
         chunks (returned once the server accepted the requests)."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
         return await self._generate(args)
 
     async def _generate(self, args: GenerateArgs) -> Any:
@@ -264,6 +265,13 @@ class AsyncClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return await self.control("get_weights_by_name", name=name, truncate_size=truncate_size)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """As `Engine.load_lora_adapter` (the path is read by the server's runner, on its host)."""
+        return await self.control("load_lora_adapter", lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return await self.control("unload_lora_adapter", lora_name=lora_name)
+
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, bucket_bytes: int = BUCKET_BYTES,
                                          flush_cache: bool = True, abort_all_requests: bool = False,
@@ -339,11 +347,12 @@ class Client:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False, session_params: dict | list[dict] | None = None,
-                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
+                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
+                 lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
         out = self._lt.run(self._ac._generate(args))
         return self._iterate(out) if stream else out
 
@@ -388,6 +397,12 @@ class Client:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._lt.run(self._ac.get_weights_by_name(name, truncate_size))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        return self._lt.run(self._ac.load_lora_adapter(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._lt.run(self._ac.unload_lora_adapter(lora_name))
 
     def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                    weight_version: str | None = None, bucket_bytes: int = BUCKET_BYTES,

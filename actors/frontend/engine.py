@@ -63,7 +63,8 @@ class Engine:
 
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
         policy = RestartPolicy(args.max_restarts if args.restartable else 0, args.restart_window_s)
-        self.supervisor = Supervisor(self.frontend, launch, policy, Journal(str(self.model_dir)), READY_TIMEOUT_S)
+        journal = Journal(str(self.model_dir), args.lora_adapters if args.enable_lora else None)
+        self.supervisor = Supervisor(self.frontend, launch, policy, journal, READY_TIMEOUT_S)
         self.frontend.actor_pids = self.supervisor.pids
         self.frontend.runner_info = lambda: self.runner_info
         try:
@@ -89,7 +90,8 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False, session_params: dict | list[dict] | None = None,
-                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
+                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
+                 lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
@@ -98,11 +100,13 @@ class Engine:
         With return_logprob, SGLang's logprob fields: `logprob_start_len` (-1: the last prompt
         token; 0: the whole prompt) sets where `input_token_logprobs` begins (its first entry's
         logprob is None), `top_logprobs_num` adds the top-n at each position, `token_ids_logprob`
-        (ids, or one list per prompt) the logprobs of those ids at every prompt and output position."""
+        (ids, or one list per prompt) the logprobs of those ids at every prompt and output position.
+
+        `lora_path`: a loaded LoRA adapter's name (or one per prompt; None: the base model)."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -114,13 +118,14 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                              top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                              stream: bool = False, session_params: dict | list[dict] | None = None,
-                             logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
+                             logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
+                             lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -199,6 +204,18 @@ class Engine:
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return self.frontend.run_sync(self.frontend.weights.resume_memory_occupation(tags))
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Load a PEFT adapter directory under `lora_name` while serving (no pause, nothing
+        recompiles); requests name it with `lora_path=lora_name`. A bad adapter, a name taken
+        or every slot taken: success False with the reason, the adapters before keep serving.
+        Returns {"success", "error_message", "message", "loaded_adapters"}."""
+        return self.frontend.run_sync(self.frontend.loras.load_lora_adapter(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unload an adapter; refused (success False) while a request uses it."""
+        return self.frontend.run_sync(self.frontend.loras.unload_lora_adapter(lora_name))
 
     def get_load(self) -> dict:
         """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}."""

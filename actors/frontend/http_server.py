@@ -51,7 +51,7 @@ log = logging.getLogger("ringserve.http")
 MAX_REQUEST_BYTES = 64 << 20
 MAX_PUSH_BUCKET_BYTES = 1 << 30  # data of one safetensors blob of a weight push (the server's one segment)
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
-    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
+    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
 }  # fmt: skip
 
@@ -72,7 +72,6 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
-    lora_path: Any = None
     custom_logit_processor: Any = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False

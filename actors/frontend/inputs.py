@@ -46,6 +46,7 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
     logprob_start_len: int | list[int] | None = -1  # prompt logprobs from this position (-1: the last token)
     token_ids_logprob: list[Any] | None = None  # token ids (or one list per prompt) whose logprobs to report
+    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (or one per prompt); None: base
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class RequestSpec:
     session: Plan | None = None  # a streaming session's turn
     logprob_start_len: int = -1  # >= 0: prompt logprobs from that position (only with return_logprob)
     token_ids_logprob: list[int] | None = None  # report these tokens' logprobs at every position
+    lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
 
     @property
     def seed(self) -> int:
@@ -188,10 +190,12 @@ def normalize_generate(
     next_seed: Callable[[], int],
     sessions: Sessions | None = None,
     bos_token_id: int | None = None,
+    check_lora: Callable[[Any, str], str | None] | None = None,
 ) -> tuple[list[RequestSpec], bool]:
     """Returns (specs, batched): batched=False when a single prompt was given (one result).
     With `session_params`, each prompt's tokens are put behind its session's earlier turns
-    (`sessions.plan`, nothing changed yet) and its spec carries that plan."""
+    (`sessions.plan`, nothing changed yet) and its spec carries that plan. `check_lora(name,
+    where)`: a prompt's lora_path checked (actors/frontend/lora.py); None: no adapters served."""
     check_depth(args.sampling_params, "sampling_params")
     check_depth(args.session_params, "session_params")
     raw, batched = _prompts(args, encode, limits)
@@ -224,6 +228,15 @@ def normalize_generate(
     if len(starts) != n_prompts:
         raise ValueError(f"logprob_start_len: {len(starts)} given for {n_prompts} prompts")
     ids_lp = _token_ids_logprob(args.token_ids_logprob, n_prompts, lp, limits)
+    loras = _per_prompt(args.lora_path, n_prompts)
+    if len(loras) != n_prompts:
+        raise ValueError(f"lora_path: {len(loras)} given for {n_prompts} prompts")
+    for i, name in enumerate(loras):
+        where = f"lora_path[{i}]" if isinstance(args.lora_path, list) else "lora_path"
+        if check_lora is not None:
+            loras[i] = check_lora(name, where)
+        elif name is not None:
+            raise ValueError(f"{where}={_short(name)}: this server serves no LoRA adapters (start it with enable_lora)")
     specs: list[RequestSpec] = []
     for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
@@ -257,6 +270,7 @@ def normalize_generate(
                 input_ids=list(ids), sampling=sp.with_seed((base_seed + k) % (2**63)),
                 return_logprob=bool(lp[i]), top_logprobs_num=int(tl[i]), index=len(specs),
                 stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
+                lora_path=loras[i],
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

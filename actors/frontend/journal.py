@@ -9,6 +9,7 @@ tells it each reply, also one whose caller stopped waiting).
                                                            the checkpoint last loaded whole, then
                                                            the tensors pushed over it since
     weight version   the update's reply                    the scheduler's start (version, count)
+    LoRA adapters    LoraReq replies (loaded_adapters)     LoraReq unloads / loads (from lora_paths')
 
 Weights pushed from tensors are kept as a host copy of each name's latest value (at most one
 model's weights: a full push replaces the previous one), taken while the caller's segment still
@@ -52,7 +53,10 @@ class Journal:
     whole (`model_dir`: the model at start or the latest update_weights_from_disk), the tensors
     pushed over it since, their version and the count of updates."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, loras: dict[str, str] | None = None):
+        """`loras`: the LoRA adapters the actors start with (ServerArgs.lora_paths)."""
+        self.start_loras = dict(loras or {})
+        self.loras = dict(self.start_loras)  # {name: path} loaded now, as the scheduler last said
         self.paused = False
         self.released: set[str] = set()
         self.model_dir = model_dir
@@ -68,6 +72,8 @@ class Journal:
         try:
             if isinstance(msg, m.UpdateWeightsReq):
                 self._weights(msg, reply)
+            elif isinstance(msg, m.LoraReq):  # refused or not, the reply says what is loaded
+                self.loras = dict(json.loads(reply.payload)["loaded_adapters"]) if reply.payload else self.loras
             elif not reply.ok:
                 return
             elif isinstance(msg, m.PauseReq):
@@ -117,8 +123,16 @@ class Journal:
 
     def restore(self) -> list[tuple[str, Any]]:
         """Control messages that bring the journal's state back to a new scheduler, in order:
-        the device memory given back (while nothing holds KV), then the pause."""
+        the LoRA adapters (new actors start with lora_paths': those unloaded since go, those
+        loaded since come, from the same directories), the device memory given back (while
+        nothing holds KV), then the pause."""
         msgs: list[tuple[str, Any]] = []
+        for name, path in self.start_loras.items():
+            if self.loras.get(name) != path:
+                msgs.append(("lora", m.LoraReq("unload", name)))
+        for name, path in self.loras.items():
+            if self.start_loras.get(name) != path:
+                msgs.append(("lora", m.LoraReq("load", name, path)))
         if self.released:
             msgs.append(("memory", m.MemoryReq("release", sorted(self.released))))
         if self.paused:  # (nothing runs in the new scheduler yet: the mode does not matter)

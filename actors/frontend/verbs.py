@@ -36,12 +36,15 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "get_weight_version": w.get_weight_version,
         "release_memory_occupation": w.release_memory_occupation,
         "resume_memory_occupation": w.resume_memory_occupation,
+        "load_lora_adapter": tm.loras.load_lora_adapter,
+        "unload_lora_adapter": tm.loras.unload_lora_adapter,
     }
 
 
 # The verbs HTTP serves as `/<name>` routes (the others have routes of their own).
 HTTP_VERBS = ("update_weights_from_disk", "get_weights_by_name", "get_weight_version",
-              "release_memory_occupation", "resume_memory_occupation", "open_session", "close_session")  # fmt: skip
+              "release_memory_occupation", "resume_memory_occupation", "open_session", "close_session",
+              "load_lora_adapter", "unload_lora_adapter")  # fmt: skip
 
 
 async def call_verb(table: dict[str, Verb], name: str, kwargs: dict[str, Any]) -> Any:

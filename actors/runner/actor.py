@@ -82,6 +82,7 @@ def run(ctx) -> None:
     runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded
         ctx.log.info("%s", runner.start_weights(cfg.weights))
+    runner.start_loras(args.lora_adapters)
     # several runners of one machine (dist_local_runners) read one broadcast ring, reader k each;
     # a host of its own reads its relayed ring (actors/relay/) as reader 0
     reader = args.node_rank if args.dist_local_runners else 0

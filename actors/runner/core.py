@@ -18,6 +18,7 @@ import numpy as np
 from actors.runner.slot_mirrors import SlotMirrors
 from actors.transport import messages as m
 from actors.transport.trace import RunnerStamps
+from model.checkpoints.peft import parse_target_modules, read_adapter
 from model.distributed import all_ok
 from model.executor import ExecutorConfig, ModelExecutor, StepOut
 from model.weight_sync import WeightSync
@@ -51,6 +52,9 @@ def executor_config(args) -> ExecutorConfig:
         background_compile=args.background_compile,
         verify_tokens=verify,
         deterministic=args.enable_deterministic_inference,
+        lora_slots=args.max_loras_per_batch + 1 if args.enable_lora else 0,
+        lora_rank=args.max_lora_rank if args.enable_lora else 0,
+        lora_targets=parse_target_modules(args.lora_target_modules) if args.enable_lora else (),
     )
 
 
@@ -93,18 +97,43 @@ class RunnerCore:
         self.weights = WeightSync(executor, all_ok)
         self.stamps = RunnerStamps() if trace else None  # ServerArgs.step_trace (actors/transport/trace.py)
 
+    def start_loras(self, adapters: dict[str, str]) -> None:
+        """The start-up adapters (ServerArgs.lora_paths), in slots 1, 2, ... in their order (the
+        scheduler's LoraTable numbers them the same way); a bad one fails the start (ValueError)."""
+        for slot, (name, path) in enumerate(adapters.items(), start=1):
+            self.load_lora(m.RunnerLora("load", name, slot, path))
+
+    def load_lora(self, msg: m.RunnerLora) -> str:
+        """Load (read and check the whole adapter, then write its slot) or unload (clear it)."""
+        pool = self.ex.lora
+        if pool is None:
+            raise ValueError("this server serves no LoRA adapters (start it with enable_lora)")
+        if msg.action == "unload":
+            pool.clear(msg.slot)
+            return f"unloaded LoRA adapter {msg.name!r} from slot {msg.slot}"
+        try:
+            adapter = read_adapter(msg.path, self.ex.model_config, pool.max_rank, pool.targets)
+        except OSError as e:  # unreadable: a refusal like any other, never the runner's end
+            raise ValueError(f"LoRA adapter {msg.path!r}: {e}") from None
+        pool.write(msg.slot, adapter)
+        return f"loaded LoRA adapter {msg.name!r} (rank {adapter.rank}) into slot {msg.slot}"
+
     def start_weights(self, w: m.StartWeights) -> str:
         """Apply the tensors a restarted engine serves over the checkpoint it loaded (all or
         nothing; WeightError fails the start, and the supervisor says why)."""
         return self.weights.stage(w.tensors, "restart", first=True, last=True)
 
-    def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory | m.RunnerStatus) -> m.RunnerReply:
-        """A weights, memory or status message (every earlier step has been answered): its
-        reply. A refusal (WeightError, bad tags) leaves everything as it was."""
+    def control(self, msg: m.RunnerWeights | m.RunnerGetWeights | m.RunnerMemory | m.RunnerStatus | m.RunnerLora) -> m.RunnerReply:
+        """A weights, adapter, memory or status message (every earlier step has been answered):
+        its reply. A refusal (WeightError, a bad adapter, bad tags) leaves everything as it was."""
         try:
             if isinstance(msg, m.RunnerStatus):
                 status = self.ex.compile_status() | {"trace_count": self.ex.trace_count}
+                if self.ex.lora is not None:
+                    status["lora_write_traces"] = self.ex.lora.write_traces
                 return m.RunnerReply(True, "", json.dumps(status).encode())
+            if isinstance(msg, m.RunnerLora):
+                return m.RunnerReply(True, self.load_lora(msg))
             if isinstance(msg, m.RunnerWeights):
                 u = msg.update
                 if u.source == "disk":

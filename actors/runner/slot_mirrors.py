@@ -1,8 +1,8 @@
 """The runner's mirror of every live slot, rebuilt from the scheduler's incremental StepMsgs.
 
 Per slot the runner keeps what the scheduler stops sending after a request's first step:
-its page table (grown by appended pages), its committed length (advanced by each row's tokens)
-and its sampling parameters. A step message then only names the slot, the row's tokens (a
+its page table (grown by appended pages), its committed length (advanced by each row's tokens),
+its sampling parameters and its LoRA adapter's pool slot. A step message then only names the slot, the row's tokens (a
 decode row: FUTURE(slot), the token the slot sampled last, read on device) and any new pages,
 and the mirror turns every row, whatever its kind, into a `model.step_inputs.DeviceRow` the
 executor runs.
@@ -38,6 +38,7 @@ class _Slot:
     committed_len: int  # KV tokens written (after the steps applied so far)
     sampling: DeviceSampling
     logprob_ids: np.ndarray | None = None  # int32 token_ids_logprob
+    lora_slot: int = 0  # the request's LoRA adapter slot (0: none)
 
 
 class SlotMirrors:
@@ -53,7 +54,7 @@ class SlotMirrors:
             if not 0 <= st.slot < self.max_slots:
                 raise ValueError(f"slot {st.slot} outside [0, {self.max_slots})")
             ids = as_i32(st.logprob_ids).copy() if st.logprob_ids else None
-            self.slots[st.slot] = _Slot(as_i32(st.prefix_pages).copy(), UNKNOWN, st.sampling, ids)
+            self.slots[st.slot] = _Slot(as_i32(st.prefix_pages).copy(), UNKNOWN, st.sampling, ids, st.lora_slot)
         slots, committed = as_i32(msg.slots), as_i32(msg.committed)
         counts, tokens = as_i32(msg.token_counts), as_i32(msg.tokens)
         page_counts, pages = as_i32(msg.page_counts), as_i32(msg.pages)
@@ -78,7 +79,8 @@ class SlotMirrors:
             ids = tokens[t_end[r] - counts[r] : t_end[r]]
             lp_start, lp_targets = spans.get(r, (0, None))
             rows.append(DeviceRow(ids, c, s.pages, s.sampling, future_slot=slot if keep[r] else -1, mask=masks.get(r),
-                                  logprob_start=lp_start, logprob_targets=lp_targets, logprob_ids=s.logprob_ids))  # fmt: skip
+                                  logprob_start=lp_start, logprob_targets=lp_targets, logprob_ids=s.logprob_ids,
+                                  lora_slot=s.lora_slot))  # fmt: skip
             if s.committed_len != UNKNOWN:
                 s.committed_len += len(ids)
         return rows

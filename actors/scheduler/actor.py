@@ -201,7 +201,7 @@ class SchedulerActor:
         core = self.core
         if isinstance(msg, m.GenerateReq):
             try:
-                core.add_request(to_req(msg, self.eos))
+                core.add_request(to_req(msg, self.eos), msg.lora_path)
             except ValueError as e:  # e.g. a duplicate rid: answer that request, nothing else
                 self.to_detok.send(m.encode(m.BatchTokenOut([m.TokenOut(
                     msg.rid, b"", len(msg.input_ids) // 4, 0, finished=True,
@@ -235,6 +235,39 @@ class SchedulerActor:
         elif isinstance(msg, m.CloseSessionReq):
             core.close_session(msg.session_id)
             self.checked_idle = False
+        elif isinstance(msg, m.LoraReq):
+            self._lora(msg)
+
+    def _lora(self, msg: m.LoraReq) -> None:
+        """load_lora_adapter / unload_lora_adapter (no pause needed: a load writes a slot no
+        request uses; an unload is refused while one does). The reply carries the adapters
+        loaded afterwards, refused or not."""
+        table = self.core.loras
+        ok, text = False, ""
+        try:
+            if table is None:
+                raise ValueError("this server serves no LoRA adapters (start it with enable_lora)")
+            if msg.action == "load":
+                slot = table.free_slot(msg.name)
+                r = self._runner_call(m.RunnerLora("load", msg.name, slot, msg.path))
+                if r.ok:
+                    table.add(msg.name, msg.path, slot)
+            else:
+                if msg.name not in table.by_name:
+                    raise ValueError(f"lora_name={msg.name!r}: no LoRA adapter of that name is loaded "
+                                     f"(loaded: {sorted(table.by_name)})")  # fmt: skip
+                users = self.core.lora_users(msg.name)
+                if users:
+                    raise ValueError(f"LoRA adapter {msg.name!r} is used by {users} requests; unload it once they finish")
+                slot = table.get(msg.name).slot
+                r = self._runner_call(m.RunnerLora("unload", msg.name, slot))
+                if r.ok:
+                    table.remove(msg.name)
+            ok, text = r.ok, r.message
+        except ValueError as e:
+            text = str(e)
+        loaded = table.loaded() if table is not None else {}
+        self._reply("lora", ok, text, json.dumps({"loaded_adapters": loaded}).encode())
 
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
         """Forward an update (or one part of it) to the runner(s); the reply always carries the

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from actors.scheduler.batch import Row, ScheduledBatch, StepResult
 from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
 from actors.scheduler.grammar import Grammars
+from actors.scheduler.lora import LoraTable, cache_key
 from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
@@ -90,11 +91,17 @@ class SchedulerCore:
         self.stats = SchedulerStats(args.speculative_num_draft_tokens)
         self.initial_tokens = cache.available_tokens()
         self._arrivals = 0
+        self.loras = LoraTable(args.max_loras_per_batch, args.lora_adapters) if args.enable_lora else None
 
     # ---- inputs ---------------------------------------------------------------------------
-    def add_request(self, req: Req) -> None:
+    def add_request(self, req: Req, lora_path: str | None = None) -> None:
+        """Queue `req`; `lora_path` names its LoRA adapter (ValueError if none such is loaded)."""
         if req.rid in self.by_rid:
             raise ValueError(f"rid {req.rid!r} is already in use by a live request")
+        if lora_path is not None:
+            if self.loras is None:
+                raise ValueError(f"lora_path={lora_path!r}: this server serves no LoRA adapters (start it with enable_lora)")
+            req.lora = self.loras.get(lora_path)
         if req.sampling.constraint is not None:
             if self.grammars is None:
                 raise ValueError("this scheduler serves no output constraints (no grammar backend)")
@@ -147,6 +154,10 @@ class SchedulerCore:
         self.weight_version = version
         self.sessions.drop_all()
         self.cache.tree.evict(self.cache.tree.evictable_pages * self.cache.page_size)
+
+    def lora_users(self, name: str) -> int:
+        """Requests (waiting or running) that use adapter `name`."""
+        return sum(1 for r in self.by_rid.values() if r.lora is not None and r.lora.name == name)
 
     def close_session(self, session_id: str) -> None:
         """The session's kept KV goes to the prefix cache and its slot is freed."""
@@ -242,14 +253,18 @@ class SchedulerCore:
             self.stats.tokens_computed += batch.num_tokens
         return batch
 
+    def _cache_key(self, req: Req) -> str:
+        """The prefix cache's namespace of `req`: the weight version, and its adapter load."""
+        return cache_key(self.weight_version, req.lora)
+
     def _match_len(self, req: Req) -> int:
-        return self.cache.match_len(req.prefix_ids(), self.weight_version)
+        return self.cache.match_len(req.prefix_ids(), self._cache_key(req))
 
     def _admit(self, req: Req) -> ReqKV | None:
         """A slot and a cached prefix: a session's turn reuses the slot its previous turn kept."""
         if req.session_id is not None:
-            return self.sessions.start_turn(req.session_id, req.fill_ids(0, req.fill_len), self.weight_version)
-        return self.cache.admit(req.prefix_ids(), self.weight_version)
+            return self.sessions.start_turn(req.session_id, req.fill_ids(0, req.fill_len), self._cache_key(req))
+        return self.cache.admit(req.prefix_ids(), self._cache_key(req))
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         a = self.args

@@ -3,7 +3,8 @@
 What a StepMsg carries (everything else the runner already mirrors, see
 actors/runner/slot_mirrors.py), one columnar encoding for every row:
 
-    starting slot (new or resumed request): SlotStart = slot, cached prefix pages, sampling
+    starting slot (new or resumed request): SlotStart = slot, cached prefix pages, sampling,
+                LoRA adapter slot
     every row : slot, committed_len, tokens (ids; FUTURE(slot) for the last sample), pages
                 appended this step, keep (0: a middle prefill chunk)
     every step: slots released since the previous step; drafts = k for a verify step
@@ -37,7 +38,8 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
     rows = batch.rows
     k = batch.drafts
     assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
-    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device(), _ids(r.req.token_ids_logprob))
+    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device(), _ids(r.req.token_ids_logprob),
+                        r.req.lora.slot if r.req.lora is not None else 0)
               for r in rows if r.prefix_pages is not None]  # fmt: skip
     pages = [r.new_pages for r in rows]
     masks = {i: r.mask for i, r in enumerate(rows) if r.mask is not None}

@@ -20,6 +20,7 @@ def server_info(core: SchedulerCore) -> dict:
         "paused": core.paused,
         "memory_released": sorted(core.memory_released),
         "weight_version": core.weight_version,
+        "loaded_lora_adapters": core.loras.loaded() if core.loras is not None else {},
         "available_kv_tokens": c.available_tokens(),
         "initial_kv_tokens": core.initial_tokens,
         "tree_cache_size": c.tree.total_pages * a.page_size,

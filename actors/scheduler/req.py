@@ -26,6 +26,7 @@ import numpy as np
 
 from actors.scheduler.grammar import ReqGrammar
 from actors.scheduler.logprobs import PromptLogprobs
+from actors.scheduler.lora import LoadedLora
 from actors.scheduler.spec import SpecState
 from actors.transport.messages import Resume
 from actors.transport.sampling import SamplingParams, find_stop
@@ -86,6 +87,7 @@ class Req:
     spec: SpecState | None = None  # speculative decoding's state (actors/scheduler/spec.py), when on
     grammar: ReqGrammar | None = None  # its output constraint's matcher (actors/scheduler/grammar.py)
     resumed: Resume | None = None  # resubmitted after a restart: output_ids began as resumed.output_ids
+    lora: LoadedLora | None = None  # its LoRA adapter (actors/scheduler/lora.py); None: the base model
 
     def continuing(self, resume: Resume) -> Req:
         """This request (new, from the wire) taking up the output its caller already has, as a

@@ -114,6 +114,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     stream: bool = False  # outputs every stream_interval tokens; else only the finished one
     session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
     resume: Resume | None = None  # resubmitted after a restart: the output its caller already has
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):
@@ -171,9 +172,20 @@ class MemoryReq(msgspec.Struct, tag="memory", **_S):
     tags: list[str] = []  # "kv_cache", "weights"
 
 
+class LoraReq(msgspec.Struct, tag="lora", **_S):
+    """load_lora_adapter / unload_lora_adapter. The scheduler gives a loaded adapter a free
+    pool slot (refused when none is free, or the name is taken); the runner reads and checks
+    the PEFT directory at `path` (the same host) and writes the slot; unloading is refused
+    while a request uses the adapter. Allowed while requests run (no pause)."""
+
+    action: str  # "load" | "unload"
+    name: str
+    path: str = ""
+
+
 ToScheduler = (
     GenerateReq | AbortReq | PauseReq | ContinueReq | FlushCacheReq | InfoReq | LoadReq | UpdateWeightsReq
-    | GetWeightsReq | MemoryReq | CloseSessionReq
+    | GetWeightsReq | MemoryReq | CloseSessionReq | LoraReq
 )  # fmt: skip
 
 
@@ -185,6 +197,7 @@ class SlotStart(msgspec.Struct, **_S):
     prefix_pages: bytes  # int32
     sampling: DeviceSampling
     logprob_ids: bytes = b""  # int32 the request's token_ids_logprob (logprobs at every position)
+    lora_slot: int = 0  # its LoRA adapter's slot in the runner's pool (0: none)
 
 
 class PromptPositions(msgspec.Struct, **_S):
@@ -260,7 +273,17 @@ class RunnerStatus(msgspec.Struct, tag="status", **_S):
     """Asks for the step programs' compile status (RunnerReply payload: JSON)."""
 
 
-ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerMemory | RunnerStatus
+class RunnerLora(msgspec.Struct, tag="lora", **_S):
+    """Load the PEFT adapter at `path` into pool slot `slot` (read and checked whole first: a
+    refusal leaves the slot as it was), or unload: clear `slot`."""
+
+    action: str  # "load" | "unload"
+    name: str
+    slot: int
+    path: str = ""
+
+
+ToRunner = StepMsg | RunnerShutdown | RunnerWeights | RunnerGetWeights | RunnerMemory | RunnerStatus | RunnerLora
 
 
 # ---- runner -> scheduler ---------------------------------------------------------------------

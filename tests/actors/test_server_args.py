@@ -31,6 +31,14 @@ def test_flags_parse_to_typed_fields():
     assert parse(["--disable-overlap-schedule"]).enable_overlap is False
 
 
+def test_lora_flags_are_sglangs():
+    a = parse(["--enable-lora", "--max-lora-rank", "32", "--max-loras-per-batch", "2",
+               "--lora-target-modules", "q_proj", "v_proj", "--lora-paths", "x=/a", "y=/b"])  # fmt: skip
+    assert (a.enable_lora, a.max_lora_rank, a.max_loras_per_batch) == (True, 32, 2)
+    assert a.lora_target_modules == ("q_proj", "v_proj") and a.lora_adapters == {"x": "/a", "y": "/b"}
+    assert ServerArgs(enable_lora=True, lora_paths={"x": "/a"}).lora_paths == ("x=/a",)  # a dict keyword
+
+
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ServerArgs().page_size = 4  # type: ignore[misc]
@@ -49,6 +57,14 @@ def test_frozen():
         (dict(max_prefill_tokens=100), "max_prefill_tokens=100: must be a multiple of extend_block=16"),
         (dict(ring_bytes=5000), "ring_bytes=5000: must be a power of two"),
         (dict(pagesize=16), "unknown server option 'pagesize'; did you mean ['page_size'"),
+        (dict(lora_paths=["a=/x"]), "lora_paths: adapters need enable_lora"),
+        (dict(enable_lora=True, lora_paths=["a"]), "lora_paths: 'a' must be NAME=PATH"),
+        (dict(enable_lora=True, lora_paths=["a=/x", "a=/y"]), "lora_paths: adapter name 'a' given twice"),
+        (dict(enable_lora=True, max_loras_per_batch=1, lora_paths=["a=/x", "b=/y"]),
+         "lora_paths: 2 adapters, more than max_loras_per_batch=1 slots"),
+        (dict(enable_lora=True, lora_target_modules=["q_proj", "lm_head"]), "lora_target_modules=['q_proj', 'lm_head']: choose among"),
+        (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank=0: must be in [1, 1024]"),
+        (dict(enable_lora=True, enable_deterministic_inference=True), "enable_lora cannot be combined with enable_deterministic"),
     ],
 )
 def test_bad_options_name_the_field_and_limit(kwargs, message):

@@ -200,8 +200,10 @@ def test_generate_body_builds_the_generate_args():
     body = b'{"text": "a", "logprob_start_len": [0], "token_ids_logprob": [3]}'
     args = msgspec.json.decode(body, type=GenerateBody).args()
     assert args == GenerateArgs(text="a", logprob_start_len=[0], token_ids_logprob=[3])
-    for bad, message in [(b'{"text": "a", "lora_path": "x"}', "lora_path is not supported by ringserve"),
-                         (b'{"text": "a", "image_data": "x"}', "image_data is not supported by ringserve"),
+    # LoRA adapters are served (issue 27): lora_path passes into GenerateArgs (checked there)
+    args = msgspec.json.decode(b'{"text": "a", "lora_path": ["x", null]}', type=GenerateBody).args()
+    assert args == GenerateArgs(text="a", lora_path=["x", None])
+    for bad, message in [(b'{"text": "a", "image_data": "x"}', "image_data is not supported by ringserve"),
                          (b'{"text": "a", "custom_logit_processor": "f"}', "custom_logit_processor is not supported")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             msgspec.json.decode(bad, type=GenerateBody).args()

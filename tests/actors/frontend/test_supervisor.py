@@ -117,6 +117,24 @@ def test_the_journal_keeps_what_the_scheduler_confirmed(tmp_path):
     assert f"loaded from {other}, which no longer exists" in (j.why_not() or "")
 
 
+def test_the_journal_brings_the_lora_adapters_back(tmp_path):
+    """New actors start with lora_paths' adapters; the journal unloads those unloaded since and
+    loads those loaded since (a refusal's reply says what is loaded, too)."""
+    import json
+
+    def reply(ok: bool, loaded: dict) -> m.ControlReply:
+        return m.ControlReply("lora", ok, "", json.dumps({"loaded_adapters": loaded}).encode())
+
+    j = Journal(str(tmp_path), {"a": "/a", "b": "/b"})
+    assert j.restore() == []
+    j.confirmed(m.LoraReq("load", "c", "/c"), reply(True, {"a": "/a", "b": "/b", "c": "/c"}))
+    j.confirmed(m.LoraReq("unload", "a"), reply(True, {"b": "/b", "c": "/c"}))
+    j.confirmed(m.LoraReq("load", "d", "/bad"), reply(False, {"b": "/b", "c": "/c"}))
+    j.confirmed(m.PauseReq("in_place"), ok("pause"))
+    assert j.restore() == [("lora", m.LoraReq("unload", "a")), ("lora", m.LoraReq("load", "c", "/c")),
+                           ("pause", m.PauseReq("in_place"))]  # fmt: skip
+
+
 def test_a_pushed_update_the_journal_cannot_copy_refuses_restarts_until_a_full_load(tmp_path):
     j = Journal(str(tmp_path))
     refs = segment({"x": np.ones(4, np.float32)})
