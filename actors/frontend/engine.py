@@ -41,7 +41,7 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from actors.transport.launcher import start_engine
+        from actors.transport.launcher import actor_name, start_engine
         from model.checkpoints.config import ModelConfig
         from model.checkpoints.resolve import resolve_model
         from model.checkpoints.tokenizer import load_tokenizer
@@ -58,8 +58,9 @@ class Engine:
         self.served_model_name = args.served_model_name or self.model_dir.name
 
         def launch(model_dir: str, weights: m.StartWeights, on_failure):  # the actors, as the supervisor starts them
-            cfg = m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights)
-            return start_engine(args, m.encode(cfg), on_failure)
+            cfgs = [m.encode(m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights, rank))
+                    for rank in range(args.dp_size)]  # fmt: skip
+            return start_engine(args, cfgs, on_failure)
 
         self.runner_info: dict[str, Any] = {}
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
@@ -68,7 +69,7 @@ class Engine:
         self.frontend.actor_pids = self.supervisor.pids
         try:
             ready = self.supervisor.start()
-            self.runner_info = json.loads(ready.get("runner") or b"{}")
+            self.runner_info = json.loads(ready.get(actor_name("runner", 0, args.dp_size)) or b"{}")
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "runner": self.runner_info}  # fmt: skip
         except BaseException:
@@ -85,7 +86,8 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False, session_params: dict | list[dict] | None = None,
-                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
+                 logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
+                 data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
@@ -94,11 +96,13 @@ class Engine:
         With return_logprob, SGLang's logprob fields: `logprob_start_len` (-1: the last prompt
         token; 0: the whole prompt) sets where `input_token_logprobs` begins (its first entry's
         logprob is None), `top_logprobs_num` adds the top-n at each position, `token_ids_logprob`
-        (ids, or one list per prompt) the logprobs of those ids at every prompt and output position."""
+        (ids, or one list per prompt) the logprobs of those ids at every prompt and output position.
+        `data_parallel_rank` (dp_size > 1) runs the request(s) in that group instead of the
+        dispatcher's pick."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, data_parallel_rank=data_parallel_rank)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -110,13 +114,14 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                              top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                              stream: bool = False, session_params: dict | list[dict] | None = None,
-                             logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None) -> Any:  # fmt: skip
+                             logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
+                 data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, data_parallel_rank=data_parallel_rank)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -197,8 +202,13 @@ class Engine:
         return self.frontend.run_sync(self.frontend.weights.resume_memory_occupation(tags))
 
     def get_load(self) -> dict:
-        """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}."""
+        """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}
+        (summed over the data-parallel groups)."""
         return self.frontend.run_sync(self.frontend.get_load())
+
+    def get_loads(self) -> list[dict]:
+        """One entry per data-parallel group: {dp_rank, num_reqs, num_waiting_reqs, num_tokens, ...}."""
+        return self.frontend.run_sync(self.frontend.get_loads())
 
     def health(self) -> bool:
         """True while every actor is up and the scheduler answers."""

@@ -46,6 +46,7 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
     logprob_start_len: int | list[int] | None = -1  # prompt logprobs from this position (-1: the last token)
     token_ids_logprob: list[Any] | None = None  # token ids (or one list per prompt) whose logprobs to report
+    data_parallel_rank: int | list[int | None] | None = None  # the group to run in (dp_size > 1; None: dispatched)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class Limits:
     max_top_logprobs_num: int
     bytes_per_token: int | None = None  # most text bytes one token stands for, if certain (limits.py)
     max_token_ids_logprob: int = 16
+    dp_size: int = 1  # data-parallel groups (a data_parallel_rank is checked against it)
 
     def check_text(self, where: str, text: str) -> None:
         """ValueError if `text` certainly cannot fit the context, before it is tokenized: it is
@@ -84,6 +86,8 @@ class RequestSpec:
     session: Plan | None = None  # a streaming session's turn
     logprob_start_len: int = -1  # >= 0: prompt logprobs from that position (only with return_logprob)
     token_ids_logprob: list[int] | None = None  # report these tokens' logprobs at every position
+    data_parallel_rank: int | None = None  # the caller's group for it (None: the dispatcher picks)
+    sample_of: str | None = None  # one of n > 1 samples of this request id (they share one group)
 
     @property
     def seed(self) -> int:
@@ -180,6 +184,18 @@ def _short(value: Any) -> str:
     return reprlib.repr(value)
 
 
+def _dp_ranks(given: Any, n_prompts: int, dp_size: int) -> list[int | None]:
+    """One data_parallel_rank (or None) per prompt, each in [0, dp_size)."""
+    ranks = _per_prompt(given, n_prompts)
+    if len(ranks) != n_prompts:
+        raise ValueError(f"data_parallel_rank: {len(ranks)} given for {n_prompts} prompts")
+    for r in ranks:
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < dp_size):
+            raise ValueError(f"data_parallel_rank={_short(r)}: must be an integer in [0, {dp_size}) "
+                             f"(the server's dp_size is {dp_size}) or null")  # fmt: skip
+    return ranks
+
+
 def normalize_generate(
     args: GenerateArgs,
     limits: Limits,
@@ -224,6 +240,7 @@ def normalize_generate(
     if len(starts) != n_prompts:
         raise ValueError(f"logprob_start_len: {len(starts)} given for {n_prompts} prompts")
     ids_lp = _token_ids_logprob(args.token_ids_logprob, n_prompts, lp, limits)
+    dp_ranks = _dp_ranks(args.data_parallel_rank, n_prompts, limits.dp_size)
     specs: list[RequestSpec] = []
     for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
@@ -257,6 +274,7 @@ def normalize_generate(
                 input_ids=list(ids), sampling=sp.with_seed((base_seed + k) % (2**63)),
                 return_logprob=bool(lp[i]), top_logprobs_num=int(tl[i]), index=len(specs),
                 stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
+                data_parallel_rank=dp_ranks[i], sample_of=base_rid if sp.n > 1 else None,
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")
