@@ -80,11 +80,12 @@ class LoadBoard:
     @classmethod
     def attach(cls, name: str) -> LoadBoard:
         shm = posix_ipc.SharedMemory("/" + name.lstrip("/"))
+        size = shm.size
         try:
-            m = mmap.mmap(shm.fd, shm.size)
+            m = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
-        return cls(shm.name, m, shm.size // (len(FIELDS) * 8), False)
+        return cls(shm.name, m, size // (len(FIELDS) * 8), False)
 
     # ---- the writer (group `rank`'s scheduler) -------------------------------------------
     def publish(self, rank: int, load: GroupLoad) -> None:
