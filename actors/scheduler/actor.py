@@ -36,8 +36,8 @@ from actors.scheduler.report import group_load, load, server_info
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
-from actors.transport.trace import StepTrace
 from actors.transport.loads import LoadBoard
+from actors.transport.trace import StepTrace
 from kvmem import KVCache
 
 log = logging.getLogger("ringserve.scheduler")

@@ -164,9 +164,8 @@ class FakeRing:
 def tm(tiny_dir):
     from actors.frontend.actor import TokenizerManager
     from actors.server_args import ServerArgs
-    from model.checkpoints.tokenizer import load_tokenizer
-
     from actors.transport.launcher import EngineLinks
+    from model.checkpoints.tokenizer import load_tokenizer
 
     t = TokenizerManager(load_tokenizer(tiny_dir("llama")), EngineLinks([FakeRing()], [FakeRing()]), args=ServerArgs(),
                          vocab_size=2048)  # fmt: skip
