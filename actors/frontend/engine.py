@@ -41,6 +41,7 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
+        from actors.transport.devices import group_envs
         from actors.transport.launcher import actor_name, start_engine
         from model.checkpoints.config import ModelConfig
         from model.checkpoints.resolve import resolve_model
@@ -57,10 +58,12 @@ class Engine:
         self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
         self.served_model_name = args.served_model_name or self.model_dir.name
 
+        envs = group_envs(args.dp_size, args.tp_size)  # each group's devices, once (a restart reuses them)
+
         def launch(model_dir: str, weights: m.StartWeights, on_failure):  # the actors, as the supervisor starts them
             cfgs = [m.encode(m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights, rank))
                     for rank in range(args.dp_size)]  # fmt: skip
-            return start_engine(args, cfgs, on_failure)
+            return start_engine(args, cfgs, on_failure, envs)
 
         self.runner_info: dict[str, Any] = {}
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)

@@ -417,10 +417,13 @@ def actor_name(kind: str, rank: int, dp_size: int) -> str:
     return kind if dp_size == 1 else f"{kind}-{rank}"
 
 
-def start_engine(args: ServerArgs, configs: list[bytes], on_failure: OnFailure) -> tuple[ActorGroup, EngineLinks]:
+def start_engine(args: ServerArgs, configs: list[bytes], on_failure: OnFailure,
+                 envs: list[dict[str, str]] | None = None) -> tuple[ActorGroup, EngineLinks]:  # fmt: skip
     """Create one engine's rings and spawn its actors: `args.dp_size` independent groups, each a
     scheduler, a runner (on devices of its own: devices.py) and a detokenizer, group r's actors
-    given `configs[r]` (an encoded ActorConfig naming its rank). Returns the group and the
+    given `configs[r]` (an encoded ActorConfig naming its rank), its runner `envs[r]` (default:
+    `group_envs` of this process's environment; an engine plans them once, so a restart gets the
+    same devices). Returns the group and the
     frontend's ends; the caller waits for the actors with `group.wait_ready()`. If anything
     fails here, the group is shut down before the error is raised. One ActorGroup holds every
     group's actors: a death anywhere tears all of them down (the supervisor restarts them all).
@@ -432,7 +435,8 @@ def start_engine(args: ServerArgs, configs: list[bytes], on_failure: OnFailure) 
     """
     if len(configs) != args.dp_size:
         raise ValueError(f"start_engine: {len(configs)} configs for dp_size={args.dp_size}")
-    envs = group_envs(args.dp_size, args.tp_size)  # (a ValueError before anything is made)
+    if envs is None:
+        envs = group_envs(args.dp_size, args.tp_size)  # (a ValueError before anything is made)
     group = ActorGroup(on_failure=on_failure, log_level=getattr(logging, args.log_level.upper()))
     try:
         cap, spin, dp = args.ring_bytes, args.spin_us, args.dp_size

@@ -141,27 +141,31 @@ def test_a_weight_update_is_all_or_nothing_across_groups(engine, tiny_dir):
     engine.pause_generation("abort")
 
 
-def test_get_load_over_http_has_one_entry_per_rank(engine):
+@pytest.fixture(scope="module")
+def servers(dp2):
+    """HTTP over the dp=2 engine (stopping it refuses new requests: only at the module's end)."""
     from actors import Servers
 
-    servers = Servers(engine, ipc=False, port=0).start()
-    try:
-        loads = httpx.get(servers.url + "/get_load").json()
-        assert [ld["dp_rank"] for ld in loads] == [0, 1]
-        assert all(ld["num_reqs"] == 0 and ld["num_waiting_reqs"] == 0 and ld["num_tokens"] >= 0 for ld in loads)
-        v1 = httpx.get(servers.url + "/v1/loads").json()
-        assert v1["dp_rank_count"] == 2 and [ld["num_total_tokens"] for ld in v1["loads"]] == [8176, 8176]
-        metrics = httpx.get(servers.url + "/metrics").text
-        assert 'ringserve:num_running_reqs{dp_rank="1"} 0.0' in metrics
-        r = httpx.post(servers.url + "/generate", json={"input_ids": [3, 4], "data_parallel_rank": 5})
-        assert r.status_code == 400 and "data_parallel_rank" in r.text
-        r = httpx.post(servers.url + "/generate", json={"input_ids": [3, 4], "data_parallel_rank": 1,
-                                                         "sampling_params": {**GREEDY, "max_new_tokens": 2}})  # fmt: skip
-        assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
-        info = httpx.get(servers.url + "/get_server_info").json()
-        assert info["dp_size"] == 2 and len(info["dp_groups"]) == 2
-    finally:
-        servers.stop()
+    s = Servers(dp2, ipc=False, port=0).start()
+    yield s
+    s.stop()
+
+
+def test_get_load_over_http_has_one_entry_per_rank(engine, servers):
+    loads = httpx.get(servers.url + "/get_load").json()
+    assert [ld["dp_rank"] for ld in loads] == [0, 1]
+    assert all(ld["num_reqs"] == 0 and ld["num_waiting_reqs"] == 0 and ld["num_tokens"] >= 0 for ld in loads)
+    v1 = httpx.get(servers.url + "/v1/loads").json()
+    assert v1["dp_rank_count"] == 2 and [ld["num_total_tokens"] for ld in v1["loads"]] == [8176, 8176]
+    metrics = httpx.get(servers.url + "/metrics").text
+    assert 'ringserve:num_running_reqs{dp_rank="1"} 0.0' in metrics
+    r = httpx.post(servers.url + "/generate", json={"input_ids": [3, 4], "data_parallel_rank": 5})
+    assert r.status_code == 400 and "data_parallel_rank" in r.text
+    r = httpx.post(servers.url + "/generate", json={"input_ids": [3, 4], "data_parallel_rank": 1,
+                                                     "sampling_params": {**GREEDY, "max_new_tokens": 2}})  # fmt: skip
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+    info = httpx.get(servers.url + "/get_server_info").json()
+    assert info["dp_size"] == 2 and len(info["dp_groups"]) == 2
 
 
 def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
@@ -171,3 +175,48 @@ def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"dp_size=3 x tp_size=1 needs 3 cpu devices; this host offers 2"):
         Engine(str(tiny_dir("llama")), page_size=16, dp_size=3, **SMALL)
 
+
+
+def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_path):
+    import numpy as np
+
+    from model.checkpoints.tiny import make_tiny_model
+    from model.checkpoints.weights import load_checkpoint
+
+    use(engine, "round_robin")
+    prompt, sp = [3, 14, 15, 92, 65], {**GREEDY, "max_new_tokens": 8}
+    old = engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    other = {k: np.array(v) for k, v in load_checkpoint(make_tiny_model(tmp_path / "s1", "llama", seed=1))[1].items()}
+    out = engine.update_weights_from_tensor(other, weight_version="dp-t1", bucket_bytes=1 << 20)
+    assert out == {"success": True, "message": f"updated {len(other)} tensors", "weight_version": "dp-t1"}
+    per_group = [engine.generate(input_ids=prompt, sampling_params=sp, data_parallel_rank=r)["output_ids"] for r in (0, 1)]
+    assert per_group[0] == per_group[1] != old
+    assert [g["weight_version"] for g in engine.get_server_info()["dp_groups"]] == ["dp-t1", "dp-t1"]
+    assert engine.update_weights_from_disk(str(tiny_dir("llama")), weight_version="dp-back")["success"]
+    assert [engine.generate(input_ids=prompt, sampling_params=sp, data_parallel_rank=r)["output_ids"]
+            for r in (0, 1)] == [old, old]  # fmt: skip
+
+
+def test_a_crash_in_one_group_restarts_every_group_and_loses_no_request(engine, shared_engine):
+    import os
+    import signal
+    import time
+
+    use(engine, "total_requests")
+    prompts, params = mixed_batch(16)
+    params = [{**p, "max_new_tokens": 24} for p in params]
+    want = [o["output_ids"] for o in shared_engine.generate(input_ids=prompts, sampling_params=params)]
+    n = sum(engine.frontend.core.metrics.restart_counts.values())
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(out=engine.generate(input_ids=prompts, sampling_params=params)))
+    t.start()
+    while not any(ld["num_running_reqs"] for ld in engine.get_loads()):
+        time.sleep(0.01)
+    os.kill(engine.group.pid("runner-1"), signal.SIGKILL)
+    t.join(300)
+    assert [o["output_ids"] for o in box["out"]] == want  # every request, as if never stopped
+    info = engine.get_server_info()
+    assert info["restarts"] == n + 1 and info["restarts_by_actor"].get("runner-1", 0) >= 1
+    assert len(info["actor_pids"]) == 6  # every group's three actors, started again
+    assert [engine.generate(input_ids=prompts[0], sampling_params=params[0], data_parallel_rank=r)["output_ids"]
+            for r in (0, 1)] == [want[0], want[0]]  # fmt: skip
