@@ -53,6 +53,7 @@ MAX_PUSH_BUCKET_BYTES = 1 << 30  # data of one safetensors blob of a weight push
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
     "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
+    "background": False, "return_bytes": False, "return_entropy": False,
 }  # fmt: skip
 
 
@@ -76,6 +77,13 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     custom_logit_processor: Any = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False
+    # what SGLang's router always serializes (sgl-router's GenerateRequest): accepted and ignored as
+    # SGLang ignores them, or served only at their default
+    model: str | None = None
+    no_logs: bool = False
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
     def args(self) -> GenerateArgs:
         """The generate call, once the fields served only at their default are checked."""

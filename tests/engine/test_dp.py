@@ -166,6 +166,15 @@ def test_get_load_over_http_has_one_entry_per_rank(engine, servers):
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
     info = httpx.get(servers.url + "/get_server_info").json()
     assert info["dp_size"] == 2 and len(info["dp_groups"]) == 2
+    # the body SGLang's router sends (every field it always serializes, and the rank it picked)
+    routed = {"input_ids": [3, 4], "sampling_params": {**GREEDY, "max_new_tokens": 2}, "model": None,
+              "stream": False, "return_text_in_logprobs": False, "log_metrics": True, "return_hidden_states": False,
+              "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
+              "data_parallel_rank": 0}  # fmt: skip
+    r = httpx.post(servers.url + "/generate", json=routed)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+    r = httpx.post(servers.url + "/generate", json={**routed, "background": True})
+    assert r.status_code == 400 and "background is not supported" in r.text
 
 
 def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
