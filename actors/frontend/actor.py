@@ -181,6 +181,8 @@ class TokenizerManager:
                 self._replied(waiting.popleft(), msg, rank)
                 return
             self.core.apply(msg, time.perf_counter())
+            for o in msg.outs:
+                self.dispatcher.started(o.rid)
         except Exception as e:  # a protocol bug: fail loudly rather than leave callers waiting
             log.exception("frontend: bad message from the detokenizer")
             self.fail_all(e)
@@ -242,7 +244,7 @@ class TokenizerManager:
             live = list(self.core.states.values())
             for st in live:
                 send(self.core.resubmission(st), st.dp_rank)
-                self.dispatcher.sent(st.dp_rank, st.spec.input_ids)
+                self.dispatcher.sent(st.dp_rank, st.spec.input_ids, rid=st.spec.rid)
                 if st.aborted:
                     send(m.AbortReq(st.spec.rid), st.dp_rank)
             for call in waiting:
@@ -286,7 +288,7 @@ class TokenizerManager:
         except BaseException:
             self.core.drop(spec.rid)
             raise
-        self.dispatcher.sent(rank, spec.input_ids, sid)
+        self.dispatcher.sent(rank, spec.input_ids, sid, spec.rid)
         if spec.session is not None and spec.session.abort:  # `replace` dropped these unfinished turns
             self.abort(spec.session.abort)
         self.core.metrics.submitted(len(spec.input_ids))

@@ -19,11 +19,18 @@ favoured by a fixed tie-break: vLLM #47420):
     round_robin     0, 1, ..., N-1, 0, ...
     total_requests  fewest running + waiting + unseen requests
     total_tokens    fewest KV tokens used + pending prefill + unseen prompt tokens
-    cache_aware     least expected work: pending prefill + unseen prompt tokens + the tokens of
-                    this prompt the group does not have cached (tpu-inference #3315's
-                    `pending_prefill + (num_tokens - cached_on_rank)`), so a shared prefix stays
-                    where it is cached until that group is busier than recomputing it elsewhere
-                    costs (a GRPO group spreads instead of pinning one rank: #3307)
+    cache_aware     least expected work: the prompt tokens the group still has to compute for
+                    the requests in flight there + the tokens of this prompt it does not have
+                    cached (tpu-inference #3315's `pending_prefill + (num_tokens -
+                    cached_on_rank)`), so a shared prefix stays where it is cached until that
+                    group is busier than recomputing it elsewhere costs (a GRPO group spreads
+                    instead of pinning one rank: #3307)
+
+cache_aware's pending work is the frontend's own count: each request in flight counts the tokens
+its group did not have cached when it was sent (`uncached`), until its first output arrives
+(`started`; a request that does not stream reports only when it finishes). The scheduler's
+published `pending_prefill` cannot serve here: a waiting request has matched no prefix yet, so a
+burst of requests over one cached prefix would read as whole prompts and spread for nothing.
 
 "Cached" is the frontend's approximate per-group prefix index (`PrefixIndex`): the chained
 hashes of the full pages of every prompt it sent there, forgotten least recently used past the
@@ -94,6 +101,8 @@ class Dispatcher:
         self.sent_reqs = [0] * self.dp_size
         self.sent_tokens = [0] * self.dp_size
         self.next = 0  # round robin cursor (and where ties start)
+        self.work = [0] * self.dp_size  # cache_aware: uncached prompt tokens of the requests in flight
+        self.in_flight: dict[str, tuple[int, int]] = {}  # rid -> (rank, its uncached tokens)
         for ix in self.index:
             ix.clear()
 
@@ -114,7 +123,7 @@ class Dispatcher:
         elif self.method == "total_tokens":
             cost = [ld.used_tokens + ld.pending_prefill for ld in loads]
         else:
-            cost = [ld.pending_prefill + len(ids) - self.index[r].match(ids) for r, ld in enumerate(loads)]
+            cost = [self.work[r] + len(ids) - self.index[r].match(ids) for r in range(self.dp_size)]
         return self._least(cost, reqs)
 
     def _least(self, cost: list[int], reqs: list[int]) -> int:
@@ -135,8 +144,13 @@ class Dispatcher:
         return out
 
     # ---- bookkeeping ----------------------------------------------------------------------
-    def sent(self, rank: int, ids: Sequence[int], session: str | None = None) -> None:
+    def sent(self, rank: int, ids: Sequence[int], session: str | None = None, rid: str | None = None) -> None:
         """A request went to `rank` (a resubmission after a restart too)."""
+        if self.method == "cache_aware" and self.dp_size > 1:
+            uncached = len(ids) - self.index[rank].match(ids)
+            if rid is not None:
+                self.in_flight[rid] = (rank, uncached)
+            self.work[rank] += uncached
         self.sent_reqs[rank] += 1
         self.sent_tokens[rank] += len(ids)
         self.next = (rank + 1) % self.dp_size
@@ -144,6 +158,12 @@ class Dispatcher:
             self.sessions[session] = rank
         if self.method == "cache_aware" and self.dp_size > 1:
             self.index[rank].add(ids)
+
+    def started(self, rid: str) -> None:
+        """Request `rid` has its first output (or finished): its prompt is computed."""
+        got = self.in_flight.pop(rid, None)
+        if got is not None:
+            self.work[got[0]] -= got[1]
 
     def session_closed(self, session: str) -> None:
         self.sessions.pop(session, None)

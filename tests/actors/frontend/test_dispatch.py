@@ -25,9 +25,9 @@ class Board:
         self.loads[r] = dataclasses.replace(self.loads[r], **kw)
 
 
-def route(d: Dispatcher, ids: list[int], **kw) -> int:
+def route(d: Dispatcher, ids: list[int], rid: str | None = None, **kw) -> int:
     r = d.pick(ids, **kw)
-    d.sent(r, ids, kw.get("session"))
+    d.sent(r, ids, kw.get("session"), rid)
     return r
 
 
@@ -91,37 +91,48 @@ def test_cache_aware_keeps_each_conversation_on_its_group():
     b = Board(2)
     d = Dispatcher(2, "cache_aware", loads=b)
     convs = [conversation(c, 5) for c in range(8)]
-    home = [route(d, convs[c][0]) for c in range(8)]
+    home = [route(d, convs[c][0], rid=f"{c}-0") for c in range(8)]
     assert sorted(home) == [0] * 4 + [1] * 4  # first turns spread
+    assert d.work == [4 * 64, 4 * 64]  # their whole prompts are to be computed
     for t in range(1, 5):
         for c in range(8):
-            # the scheduler took its earlier turns (the pending prefill is done)
-            b.set(0, received=d.sent_reqs[0], received_tokens=d.sent_tokens[0])
-            b.set(1, received=d.sent_reqs[1], received_tokens=d.sent_tokens[1])
-            assert route(d, convs[c][t]) == home[c], (c, t)
+            d.started(f"{c}-{t - 1}")  # the previous turn answered
+            assert route(d, convs[c][t], rid=f"{c}-{t}") == home[c], (c, t)
+    # a burst of every conversation's next turn at once stays home as well
+    for c in range(8):
+        d.started(f"{c}-4")
+    nxt = [conversation(c, 6)[5] for c in range(8)]
+    assert [route(d, nxt[c], rid=f"{c}-5") for c in range(8)] == home
 
 
 def test_cache_aware_spreads_a_group_sharing_one_prompt_when_one_group_is_busy():
     b = Board(2)
     d = Dispatcher(2, "cache_aware", loads=b)
-    prompt = list(range(200))
-    b.set(1, pending_prefill=1000, running=8)  # group 1 is busy
-    ranks = [route(d, prompt) for _ in range(16)]
-    # not pinned to one group: group 0 takes them while it is less loaded than group 1 would
-    # be, then they alternate
-    assert ranks[:5] == [0] * 5 and 1 in ranks and ranks.count(0) > ranks.count(1)
-    assert ranks.count(1) >= 4
+    prompt = list(range(200))  # 12 pages and 8 tokens
+    d.sent(1, list(range(5000, 5600)), rid="long")  # group 1 is busy: 600 tokens to compute
+    ranks = [route(d, prompt, rid=f"s{k}") for k in range(16)]
+    # group 0 takes the first (group 1 is busier than its whole prompt), then every other
+    # sample costs it 8 tokens (the prefix is cached there) against 200 on group 1
+    assert ranks == [0] * 16 and d.work == [200 + 15 * 8, 600]
+    # a GRPO group is not pinned to a busy group: when group 0 is the busy one, they spread
+    d2 = Dispatcher(2, "cache_aware", loads=Board(2))
+    d2.sent(0, prompt, rid="first")  # group 0 has the prompt cached
+    d2.sent(0, list(range(9000, 9800)), rid="big")  # and 800 tokens still to compute
+    ranks = [route(d2, prompt, rid=f"t{k}") for k in range(16)]
+    assert ranks[0] == 1 and ranks.count(1) >= 8 and d2.work[1] == 200 + (ranks.count(1) - 1) * 8
 
 
 def test_cache_aware_prefers_the_group_with_the_prefix_until_it_is_busier():
     b = Board(2)
     d = Dispatcher(2, "cache_aware", loads=b)
     prefix = list(range(320))  # 20 pages
-    d.sent(1, prefix)
-    b.set(1, received=1, received_tokens=320)
+    d.sent(1, prefix, rid="a")
+    d.started("a")
     assert d.pick(prefix + [7] * 16) == 1  # 16 uncached tokens there, 336 here
-    b.set(1, pending_prefill=400, received=1, received_tokens=320)
+    d.sent(1, list(range(1000, 1400)), rid="b")
     assert d.pick(prefix + [7] * 16) == 0  # 416 there now
+    d.started("b")
+    assert d.pick(prefix + [7] * 16) == 1
 
 
 def test_explicit_rank_and_sessions_win():
