@@ -94,18 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(router)
         wait_healthy(router_url, router, timeout=120)
 
+        model = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
         prompts = [f"request {i}: the quick brown fox number {i % 7}" for i in range(args.requests)]
 
         def gen(url: str, i: int) -> list[int]:
             r = httpx.post(url + "/generate", json={"text": prompts[i], "sampling_params": GREEDY}, timeout=300)
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: /generate answered {r.status_code}: {r.text[:500]}")
             return r.json()["output_ids"]
 
         def chat(url: str, i: int) -> str:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": prompts[i]}], "temperature": 0,
+            body = {"model": model, "messages": [{"role": "user", "content": prompts[i]}], "temperature": 0,
                     "max_tokens": 12}  # fmt: skip
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: /v1/chat/completions answered {r.status_code}: {r.text[:500]}")
             return r.json()["choices"][0]["message"]["content"]
 
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(16):
             try:
                 after.append(gen(router_url, i) == direct_g[i])
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, RuntimeError) as e:
                 after.append(repr(e))
         report["after_kill"] = after
         ok &= all(x is True for x in after)

@@ -175,6 +175,20 @@ def test_get_load_over_http_has_one_entry_per_rank(engine, servers):
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
     r = httpx.post(servers.url + "/generate", json={**routed, "background": True})
     assert r.status_code == 400 and "background is not supported" in r.text
+    # the chat and completions bodies sglang-router 0.3.2 forwards (captured from it), verbatim
+    name = engine.served_model_name
+    chat = {"messages": [{"role": "user", "content": "hi"}], "model": name, "logprobs": False,
+            "max_completion_tokens": 4, "stream": False, "temperature": 0.0, "no_stop_trim": False, "ignore_eos": False,
+            "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+            "stream_reasoning": True, "return_hidden_states": False}  # fmt: skip
+    r = httpx.post(servers.url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+    completion = {"model": name, "prompt": "hi", "max_tokens": 4, "temperature": 0.0, "stream": False, "echo": False,
+                  "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}  # fmt: skip
+    r = httpx.post(servers.url + "/v1/completions", json=completion)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+    r = httpx.post(servers.url + "/v1/chat/completions", json={**chat, "continue_final_message": True})
+    assert r.status_code == 400 and "continue_final_message" in r.text
 
 
 def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
