@@ -16,6 +16,13 @@ Steps: start two servers (tiny model, HTTP only, ports picked free), start the r
 3. server 1 is killed (SIGKILL); after the router's health check marks it down, 16 more
    requests through the router are all answered.
 Prints one JSON report; exits 1 if a check failed.
+
+One run (sglang-router 0.3.2, policy cache_aware, tiny model, CPU with 2 cores shared; load
+average 10.6-13.4): 64 /generate and 64 /v1/chat/completions through the router answered in
+12.96 s, every one equal to the direct call; /get_load answered in SGLang's list shape; POST
+/flush_cache through the router 200; after SIGKILL of server 1, 16 of 16 requests answered.
+Not observed: the router's load poll itself (its log does not show the calls it makes to
+workers); what it parses is checked by replaying its request bodies in tests/engine/test_dp.py.
 """
 
 from __future__ import annotations
@@ -54,6 +61,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} not healthy within {timeout} s")
+
+
+def body(r: httpx.Response) -> object:
+    try:
+        return r.json()
+    except ValueError:
+        return f"{r.status_code} {r.text[:300]}"
 
 
 def default_router_python() -> str:
@@ -123,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         ok &= routed_g == direct_g and routed_c == direct_c
         loads = [httpx.get(u + "/get_load").json() for u in urls]
         report["get_load"] = loads
-        report["router_workers"] = httpx.get(router_url + "/list_workers").json()
         flushed = httpx.post(router_url + "/flush_cache", timeout=60)
         report["flush_cache_through_router"] = flushed.status_code
         ok &= flushed.status_code == 200 and all(isinstance(ld, list) and ld[0]["dp_rank"] == 0 for ld in loads)
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 after.append(repr(e))
         report["after_kill"] = after
         ok &= all(x is True for x in after)
-        report["router_workers_after"] = httpx.get(router_url + "/list_workers").json()
+        report["router_workers_after"] = body(httpx.get(router_url + "/workers"))
         report["router_log_tail"] = log_path.read_text()[-1500:]
     finally:
         for p in procs:
