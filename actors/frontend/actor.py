@@ -5,10 +5,14 @@ serves results and streams. Every surface calls the async verbs below on the fro
 the in-process Engine (through actors/frontend/bridge.py), the IPC socket server and the HTTP
 server. So they share one request table, one abort path, one set of metrics.
 
-Threads: one asyncio loop (a LoopThread) holds every request's state; a reader thread blocks
-on the detokenizer's ring and hands each message to that loop. Sends to the scheduler's ring
-(single producer) go through one lock, so any thread may send. Results are SGLang's dicts
-(their shape is drawn in core.py).
+Threads: one asyncio loop (a LoopThread) holds every request's state; a reader thread per
+data-parallel group blocks on that group's detokenizer ring and hands each message to that loop.
+Sends to the schedulers' rings (single producer each) go through one lock, so any thread may
+send. Results are SGLang's dicts (their shape is drawn in core.py).
+
+Data-parallel groups (dp_size > 1): a request goes to the group the `Dispatcher` picks
+(actors/frontend/dispatch.py) and stays there (a resubmission after a restart too); a control
+call goes to every group and is answered once every group did (`combine`).
 
 The frontend's own state is the record of what the scheduler must know: when an actor dies,
 what was sent to the dead actors is lost with them (a send to their closed ring is dropped), and
@@ -117,11 +121,6 @@ class TokenizerManager:
                         for r, ring in enumerate(links.from_detok)]  # fmt: skip
         for t in self.readers:
             t.start()
-
-    @property
-    def reader(self) -> threading.Thread | None:
-        """(The supervisor joins every reader: `readers`.)"""
-        return self.readers[0] if self.readers else None
 
     def send(self, msg: Any, rank: int = 0) -> None:
         """To group `rank`'s scheduler. A closed ring (its actors died) drops the message: the
