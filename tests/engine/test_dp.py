@@ -6,6 +6,7 @@ and each group's KV books intact after every test."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -223,7 +224,6 @@ def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_pat
 def test_a_crash_in_one_group_restarts_every_group_and_loses_no_request(engine, shared_engine):
     import os
     import signal
-    import time
 
     use(engine, "total_requests")
     prompts, params = mixed_batch(16)
@@ -243,3 +243,32 @@ def test_a_crash_in_one_group_restarts_every_group_and_loses_no_request(engine, 
     assert len(info["actor_pids"]) == 6  # every group's three actors, started again
     assert [engine.generate(input_ids=prompts[0], sampling_params=params[0], data_parallel_rank=r)["output_ids"]
             for r in (0, 1)] == [want[0], want[0]]  # fmt: skip
+
+
+def test_a_pause_update_flush_continue_cycle_serves_the_new_weights_in_both_groups(engine, shared_engine, tiny_dir,
+                                                                                    tmp_path):  # fmt: skip
+    from model.checkpoints.tiny import make_tiny_model
+
+    use(engine, "cache_aware")
+    new = str(make_tiny_model(tmp_path / "s2", "llama", seed=2))
+    prompts, params = mixed_batch(16)
+    assert shared_engine.update_weights_from_disk(new)["success"]  # the one-group reference on the new weights
+    try:
+        want = [o["output_ids"] for o in shared_engine.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        assert shared_engine.update_weights_from_disk(str(shared_engine.model_dir))["success"]
+    box: dict = {}
+    long = {**GREEDY, "max_new_tokens": 40}
+    t = threading.Thread(target=lambda: box.update(out=engine.generate(input_ids=prompts[:6], sampling_params=long)))
+    t.start()
+    while not any(ld["num_running_reqs"] for ld in engine.get_loads()):
+        time.sleep(0.01)
+    assert engine.pause_generation("retract")["success"]
+    out = engine.update_weights_from_disk(new, weight_version="dp-s2")
+    assert out["success"], out
+    assert engine.flush_cache()["success"] and engine.continue_generation()["success"]
+    t.join(120)
+    assert all(len(o["output_ids"]) == 40 for o in box["out"])  # the retracted ones went on, on the new weights
+    got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want
+    assert engine.update_weights_from_disk(str(tiny_dir("llama")), weight_version="dp-s0")["success"]
