@@ -32,6 +32,13 @@ class ServerArgs:
         "float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)"
     )
     tp_size: int = _opt(1, "tensor-parallel devices (the `tp` mesh axis); with nnodes > 1, of every host together")
+    dp_size: int = _opt(
+        1, "data-parallel groups on this host: independent scheduler + runner + detokenizer each, on tp_size devices "
+        "of its own (dp_size * tp_size devices in all)"
+    )
+    load_balance_method: Literal["round_robin", "total_requests", "total_tokens", "cache_aware"] = _opt(
+        "cache_aware", "dp_size > 1: which group a request goes to (an explicit data_parallel_rank wins)"
+    )
     attention_backend: Literal["auto", "native", "bucketed", "pallas", "pallas_gpu", "none"] = _opt(
         "auto", "attention: auto (CPU native, GPU bucketed, TPU pallas) or one by name ('none': benchmarks only)"
     )
@@ -158,6 +165,7 @@ class ServerArgs:
             if choices is not None:
                 need(v in choices, f"{f.name}={v!r}: choose one of {list(choices)}")
         need(self.tp_size >= 1, f"tp_size={self.tp_size}: must be >= 1")
+        need(1 <= self.dp_size <= 64, f"dp_size={self.dp_size}: must be in [1, 64]")
         need(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
             f"page_size={self.page_size}: must be a power of two >= 1",
@@ -237,6 +245,8 @@ class ServerArgs:
                  "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's jax.distributed coordinator)")  # fmt: skip
         need(0 <= self.relay_port <= 65535, f"relay_port={self.relay_port}: must be in [0, 65535] (0: dist port + 1)")
         need(self.dist_timeout >= 1, f"dist_timeout={self.dist_timeout}: must be >= 1 second")
+        need(self.nnodes == 1 or self.dp_size == 1,
+             f"dp_size={self.dp_size} with nnodes={self.nnodes}: data-parallel groups over many hosts are not supported yet")  # fmt: skip
         need(self.dist_heartbeat_s >= 1, f"dist_heartbeat_s={self.dist_heartbeat_s}: must be >= 1 second")
         self._check_lora(need)
 

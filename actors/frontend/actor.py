@@ -5,10 +5,14 @@ serves results and streams. Every surface calls the async verbs below on the fro
 the in-process Engine (through actors/frontend/bridge.py), the IPC socket server and the HTTP
 server. So they share one request table, one abort path, one set of metrics.
 
-Threads: one asyncio loop (a LoopThread) holds every request's state; a reader thread blocks
-on the detokenizer's ring and hands each message to that loop. Sends to the scheduler's ring
-(single producer) go through one lock, so any thread may send. Results are SGLang's dicts
-(their shape is drawn in core.py).
+Threads: one asyncio loop (a LoopThread) holds every request's state; a reader thread per
+data-parallel group blocks on that group's detokenizer ring and hands each message to that loop.
+Sends to the schedulers' rings (single producer each) go through one lock, so any thread may
+send. Results are SGLang's dicts (their shape is drawn in core.py).
+
+Data-parallel groups (dp_size > 1): a request goes to the group the `Dispatcher` picks
+(actors/frontend/dispatch.py) and stays there (a resubmission after a restart too); a control
+call goes to every group and is answered once every group did (`combine`).
 
 The frontend's own state is the record of what the scheduler must know: when an actor dies,
 what was sent to the dead actors is lost with them (a send to their closed ring is dropped), and
@@ -34,6 +38,7 @@ from typing import Any, TypeVar
 
 from actors.frontend.bridge import LoopThread
 from actors.frontend.core import FrontendCore, ReqState, generate_req
+from actors.frontend.dispatch import Dispatcher
 from actors.frontend.errors import EngineDead
 from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
 from actors.frontend.limits import bytes_per_token
@@ -41,6 +46,7 @@ from actors.frontend.lora import LoraAPI
 from actors.frontend.weights import WeightsAPI
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from actors.transport.launcher import EngineLinks
 from actors.transport.ring import RingClosed
 
 log = logging.getLogger("ringserve.frontend")
@@ -51,23 +57,42 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Call:
-    """A control call waiting for its reply (replies come in the order the calls were sent)."""
+    """A control call waiting for every group's reply (each group's replies come in the order
+    its calls were sent). `replies[r]` is group r's; `fut` gets the combined reply
+    (`combine`) once all are in."""
 
     kind: str
     fut: asyncio.Future
     msg: Any  # sent again to actors started anew while it waits (a weight update is not: it fails)
     restore: bool = False  # sent by `reattach` itself (the next one sends its own)
+    replies: list[m.ControlReply | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(r is not None for r in self.replies)
+
+
+def combine(replies: list[m.ControlReply]) -> m.ControlReply:
+    """One reply for a call every group answered: ok only if every group's was; the message is
+    the groups' common one, or each group's ("dp_rank r: ..."); group 0's payload."""
+    first = replies[0]
+    texts = {r.message for r in replies}
+    message = first.message if len(texts) == 1 else "; ".join(f"dp_rank {k}: {r.message}" for k, r in enumerate(replies))
+    return m.ControlReply(first.kind, all(r.ok for r in replies), message, first.payload, first.shape)
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer, to_scheduler=None, from_detok=None, *, args: ServerArgs, vocab_size: int):
+    def __init__(self, tokenizer, links: EngineLinks | None = None, *, args: ServerArgs, vocab_size: int):
         self.tok = tokenizer
         self.args = args
+        self.dp_size = args.dp_size
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
         self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer),
-                             args.max_token_ids_logprob)  # fmt: skip
-        self.replies: collections.deque[Call] = collections.deque()
+                             args.max_token_ids_logprob, args.dp_size)  # fmt: skip
+        self.dispatcher = Dispatcher(args.dp_size, args.load_balance_method, args.page_size, args.num_pages)
+        self.replies: list[collections.deque[Call]] = [collections.deque() for _ in range(args.dp_size)]
+        self.held: asyncio.Event | None = None  # set while a weight update holds new requests (dp_size > 1)
         self.dead: BaseException | None = None
         self.closing = False
         self.journal: Any = None  # told every confirmed control call (the supervisor's Journal), if any
@@ -84,29 +109,39 @@ class TokenizerManager:
         self._seeds = random.Random(args.seed)  # seeds of requests that give none
         self.lt = LoopThread("ringserve-frontend-loop")
         self.loop = self.lt.loop
-        self.reader: threading.Thread | None = None
-        if to_scheduler is not None:
-            self.attach(to_scheduler, from_detok)
+        self.readers: list[threading.Thread] = []
+        if links is not None:
+            self.attach(links)
 
     # ---- plumbing ---------------------------------------------------------------------------
-    def attach(self, to_scheduler, from_detok) -> None:
-        """Talk to the actors through these rings (the scheduler's inbox, the detokenizer's
-        outbox); a reader thread per outbox."""
-        self.to_scheduler, self.from_detok = to_scheduler, from_detok
-        self.reader = threading.Thread(target=self._read, args=(from_detok,), name="ringserve-frontend-reader",
-                                       daemon=True)  # fmt: skip
-        self.reader.start()
+    def attach(self, links: EngineLinks) -> None:
+        """Talk to the actors through these rings (each group's scheduler inbox and detokenizer
+        outbox); a reader thread per outbox; the dispatcher reads the groups' load board."""
+        if links.dp_size != self.dp_size:
+            raise ValueError(f"attach: {links.dp_size} groups for dp_size={self.dp_size}")
+        self.links = links
+        board = links.loads
+        self.dispatcher.attach(board.read_all if board is not None else None)
+        self.readers = [threading.Thread(target=self._read, args=(ring, r), daemon=True,
+                                         name=f"ringserve-frontend-reader{'' if self.dp_size == 1 else r}")
+                        for r, ring in enumerate(links.from_detok)]  # fmt: skip
+        for t in self.readers:
+            t.start()
 
-    def send(self, msg: Any) -> None:
-        """To the scheduler. A closed ring (its actors died) drops the message: the request
-        table and the calls waiting are what `reattach` sends again, or `fail_all` fails."""
+    def send(self, msg: Any, rank: int = 0) -> None:
+        """To group `rank`'s scheduler. A closed ring (its actors died) drops the message: the
+        request table and the calls waiting are what `reattach` sends again, or `fail_all` fails."""
         if self.dead is not None:
             raise EngineDead(f"the engine is down: {self.dead}")
         with self.send_lock:
             try:
-                self.to_scheduler.send(m.encode(msg))
+                self.links.to_scheduler[rank].send(m.encode(msg))
             except RingClosed:
                 pass
+
+    def send_all(self, msg: Any) -> None:
+        for r in range(self.dp_size):
+            self.send(msg, r)
 
     def check_up(self) -> None:
         if self.closing or self.dead is not None:
@@ -126,7 +161,7 @@ class TokenizerManager:
             self.check_up()
         return self.lt.submit(coro)
 
-    def _read(self, ring) -> None:
+    def _read(self, ring, rank: int) -> None:
         while not self.closing:
             try:
                 raw = ring.recv(timeout=0.5)
@@ -137,35 +172,43 @@ class TokenizerManager:
                     self.loop.call_soon_threadsafe(self.fail_all, e)
                 return
             if raw is not None:
-                self.loop.call_soon_threadsafe(self._dispatch, raw)
+                self.loop.call_soon_threadsafe(self._dispatch, raw, rank)
 
-    def _dispatch(self, raw: bytes) -> None:
+    def _dispatch(self, raw: bytes, rank: int = 0) -> None:
         try:
             msg = m.to_frontend.decode(raw)
             if isinstance(msg, m.ControlReply):
-                if not self.replies or self.replies[0].kind != msg.kind:
+                waiting = self.replies[rank]
+                if not waiting or waiting[0].kind != msg.kind:
                     raise RuntimeError(
-                        f"control reply {msg.kind!r} while waiting for {[c.kind for c in self.replies]}"
+                        f"control reply {msg.kind!r} from dp_rank {rank} while waiting for {[c.kind for c in waiting]}"
                     )
-                self._replied(self.replies.popleft(), msg)
+                self._replied(waiting.popleft(), msg, rank)
                 return
             self.core.apply(msg, time.perf_counter())
+            for o in msg.outs:
+                self.dispatcher.started(o.rid)
         except Exception as e:  # a protocol bug: fail loudly rather than leave callers waiting
             log.exception("frontend: bad message from the detokenizer")
             self.fail_all(e)
 
-    def _replied(self, call: Call, reply: m.ControlReply) -> None:
-        """A control call's reply: the journal learns what the scheduler confirmed (even when
-        the caller stopped waiting; on its thread, in order), then the caller gets it."""
+    def _replied(self, call: Call, reply: m.ControlReply, rank: int) -> None:
+        """Group `rank`'s reply to a control call. Once every group answered, the journal learns
+        what they confirmed (even when the caller stopped waiting; on its thread, in order), then
+        the caller gets it."""
+        call.replies[rank] = reply
+        if not call.complete:
+            return
+        combined = combine(call.replies)  # type: ignore[arg-type]
 
         def answer(_: Any = None) -> None:
             if not call.fut.done():
-                call.fut.set_result(reply)
+                call.fut.set_result(combined)
 
         if self.journal is None or call.restore:
             answer()
             return
-        done = self.loop.run_in_executor(self._journal_thread, self.journal.confirmed, call.msg, reply)
+        done = self.loop.run_in_executor(self._journal_thread, self.journal.confirmed, call.msg, combined)
         done.add_done_callback(answer)
 
     async def journal_settled(self) -> None:
@@ -177,12 +220,13 @@ class TokenizerManager:
         """An actor died: every pending request and control call gets the error."""
         self.dead = err
         self.core.fail_all(err)
-        while self.replies:
-            fut = self.replies.popleft().fut
-            if not fut.done():
-                fut.set_exception(EngineDead(f"the engine is down: {err}"))
+        for waiting in self.replies:
+            while waiting:
+                fut = waiting.popleft().fut
+                if not fut.done():
+                    fut.set_exception(EngineDead(f"the engine is down: {err}"))
 
-    async def reattach(self, to_scheduler, from_detok, restore: list[tuple[str, Any]],
+    async def reattach(self, links: EngineLinks, restore: list[tuple[str, Any]],
                        lost_update: m.ControlReply) -> tuple[list[asyncio.Future], int]:  # fmt: skip
         """Run once the old reader has ended (every output it read is applied): the
         actors were started again; give the new scheduler, in this order, `restore` (control
@@ -190,36 +234,44 @@ class TokenizerManager:
         request again (`FrontendCore.resubmission`; one whose abort was asked, aborted again),
         then every control call still waiting, sent again, but a weight update's, which gets
         `lost_update` (its parts may have reached the dead runner: the caller retries). Returns
-        the futures of the `restore` replies and how many requests were resubmitted."""
-        waiting = [c for c in self.replies if not c.fut.done()]
-        self.replies.clear()
+        the futures of the `restore` replies and how many requests were resubmitted. Every
+        request goes back to the group it was in (every group was started again)."""
+        waiting = list({id(c): c for q in self.replies for c in q if not c.fut.done()}.values())
+        for q in self.replies:
+            q.clear()
         futs = []
 
-        def send(msg: Any) -> None:
+        def send(msg: Any, rank: int) -> None:
             try:
-                to_scheduler.send(m.encode(msg))
+                links.to_scheduler[rank].send(m.encode(msg))
             except RingClosed:  # these actors died too: the next reattach sends it all again
                 pass
 
+        def call_all(call: Call) -> None:
+            call.replies = [None] * self.dp_size
+            for r in range(self.dp_size):
+                self.replies[r].append(call)
+                send(call.msg, r)
+
         with self.send_lock:
-            self.attach(to_scheduler, from_detok)
+            self.attach(links)
             for kind, msg in restore:
                 futs.append(self.loop.create_future())
-                self.replies.append(Call(kind, futs[-1], msg, restore=True))
-                send(msg)
+                call_all(Call(kind, futs[-1], msg, restore=True))
             live = list(self.core.states.values())
             for st in live:
-                send(self.core.resubmission(st))
+                send(self.core.resubmission(st), st.dp_rank)
+                self.dispatcher.sent(st.dp_rank, st.spec.input_ids, rid=st.spec.rid)
                 if st.aborted:
-                    send(m.AbortReq(st.spec.rid))
+                    send(m.AbortReq(st.spec.rid), st.dp_rank)
             for call in waiting:
                 if call.restore:
                     call.fut.cancel()
                 elif call.kind == "update_weights":
-                    self._replied(call, lost_update)
+                    for r in range(self.dp_size):
+                        self._replied(call, lost_update, r)
                 else:
-                    self.replies.append(call)
-                    send(call.msg)
+                    call_all(call)
         return futs, len(live)
 
     # ---- generation -------------------------------------------------------------------------
@@ -236,16 +288,24 @@ class TokenizerManager:
         """From now on every new request fails with EngineDead(reason) (graceful shutdown)."""
         self.refusing = reason
 
-    async def submit(self, spec: RequestSpec) -> ReqState:
+    async def submit(self, spec: RequestSpec, rank: int | None = None) -> ReqState:
+        """Send one request to group `rank` (None: the dispatcher's pick)."""
+        while self.held is not None:  # a weight update across groups is deciding (weights.py)
+            await self.held.wait()
         self.check_up()
         if self.refusing is not None:
             raise EngineDead(self.refusing)
+        sid = spec.session.session.id if spec.session is not None else None
+        if rank is None:
+            rank = self.dispatcher.pick(spec.input_ids, spec.data_parallel_rank, sid)
         st = self.core.add(spec, time.perf_counter())
+        st.dp_rank = rank
         try:
-            self.send(generate_req(spec))
+            self.send(generate_req(spec), rank)
         except BaseException:
             self.core.drop(spec.rid)
             raise
+        self.dispatcher.sent(rank, spec.input_ids, sid, spec.rid)
         if spec.session is not None and spec.session.abort:  # `replace` dropped these unfinished turns
             self.abort(spec.session.abort)
         self.core.metrics.submitted(len(spec.input_ids))
@@ -254,9 +314,13 @@ class TokenizerManager:
     async def submit_all(self, specs: list[RequestSpec]) -> list[ReqState]:
         """Submit every request or none (a failure aborts those already sent)."""
         states: list[ReqState] = []
+        family: dict[str, int] = {}  # the n samples of one request go where the first went
         try:
             for s in specs:
-                states.append(await self.submit(s))
+                st = await self.submit(s, family.get(s.sample_of) if s.sample_of is not None else None)
+                if s.sample_of is not None:
+                    family[s.sample_of] = st.dp_rank
+                states.append(st)
         except BaseException:
             self.abort_unfinished(states)
             raise
@@ -277,8 +341,14 @@ class TokenizerManager:
         for st in states:
             if st is not None:
                 st.aborted = True
-        for rid in [None] if rids is None else rids:
-            self.send(m.AbortReq(rid))
+        if rids is None:
+            self.send_all(m.AbortReq(None))
+            return
+        for rid, st in zip(rids, states, strict=True):
+            if st is not None:
+                self.send(m.AbortReq(rid), st.dp_rank)
+            else:  # not live here (finished, or never known): whichever group has it
+                self.send_all(m.AbortReq(rid))
 
     async def generate(self, specs: list[RequestSpec], batched: bool) -> Any:
         """Every request's finished result (a list when batched). Cancelling aborts them."""
@@ -328,15 +398,27 @@ class TokenizerManager:
         self.abort(self.core.with_samples(rid))
 
     async def control(self, msg: Any, kind: str) -> m.ControlReply:
+        """Send `msg` to every group; their combined reply (`combine`: ok only if every group's
+        was, with each group's message where they differ)."""
+        return (await self._call(msg, kind)).fut.result()
+
+    async def control_all(self, msg: Any, kind: str) -> list[m.ControlReply]:
+        """Send `msg` to every group; each group's reply, by rank."""
+        return (await self._call(msg, kind)).replies  # type: ignore[return-value]
+
+    async def _call(self, msg: Any, kind: str) -> Call:
         self.check_up()
-        call = Call(kind, self.loop.create_future(), msg)
-        self.replies.append(call)
+        call = Call(kind, self.loop.create_future(), msg, replies=[None] * self.dp_size)
+        for q in self.replies:
+            q.append(call)
         try:
-            self.send(msg)
+            self.send_all(msg)
         except BaseException:
-            self.replies.remove(call)
+            for q in self.replies:
+                q.remove(call)
             raise
-        return await call.fut
+        await call.fut
+        return call
 
     async def _ok(self, msg: Any, kind: str) -> dict:
         r = await self.control(msg, kind)
@@ -355,7 +437,9 @@ class TokenizerManager:
     async def flush_cache(self) -> dict:
         """Empty the prefix cache and KV pools; refused (success False, with the reason) while a
         request holds KV."""
-        return await self._ok(m.FlushCacheReq(), "flush")
+        out = await self._ok(m.FlushCacheReq(), "flush")
+        self.dispatcher.flushed()
+        return out
 
     # ---- sessions -----------------------------------------------------------------------------
     async def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> str:
@@ -369,11 +453,22 @@ class TokenizerManager:
         unfinished = self.core.sessions.close_session(session_id)
         if unfinished:
             self.abort(unfinished)
-        self.send(m.CloseSessionReq(session_id))
+        self.send_all(m.CloseSessionReq(session_id))
+        self.dispatcher.session_closed(session_id)
 
     async def get_server_info(self) -> dict:
-        reply = await self.control(m.InfoReq(), "info")
-        info = json.loads(reply.payload)
+        """The server's facts; with dp_size > 1 group 0's at the top level (as one group's) and
+        every group's in `dp_groups` (by rank), `weight_version` their common one."""
+        groups = [json.loads(r.payload) for r in await self.control_all(m.InfoReq(), "info")]
+        info = dict(groups[0])
+        info["dp_size"] = self.dp_size
+        if self.dp_size > 1:
+            info["dp_groups"] = groups
+            info["load_balance_method"] = self.args.load_balance_method
+            for key in ("programs_pending",):
+                info[key] = sum(g[key] for g in groups)
+            errors = [g["compile_error"] for g in groups if g["compile_error"]]
+            info["compile_error"] = errors[0] if errors else None
         info["server_args"] = self.args.public()
         info["frontend_requests"] = len(self.core.states)
         info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids(), runner=self.runner_info())
@@ -398,9 +493,25 @@ class TokenizerManager:
             await asyncio.sleep(0.5)
 
     async def get_load(self) -> dict:
-        """{num_running_reqs, num_waiting_reqs, kv tokens used / total, token_usage}."""
-        reply = await self.control(m.LoadReq(), "load")
-        return json.loads(reply.payload)
+        """{num_running_reqs, num_waiting_reqs, kv tokens used / total, token_usage}, summed over
+        the groups (`get_loads`: each group's)."""
+        loads = await self.get_loads()
+        if len(loads) == 1:
+            return {k: v for k, v in loads[0].items() if k not in ("dp_rank", "num_reqs", "num_tokens")}
+        out = {k: sum(ld[k] for ld in loads) for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                                       "max_total_num_tokens")}  # fmt: skip
+        out["token_usage"] = round(out["num_used_tokens"] / out["max_total_num_tokens"], 6)
+        return out
+
+    async def get_loads(self) -> list[dict]:
+        """One entry per group, SGLang's shape (`dp_rank`, `num_reqs` = running + waiting,
+        `num_waiting_reqs`, `num_tokens` = KV tokens used, and the scheduler's own keys)."""
+        out = []
+        for r, reply in enumerate(await self.control_all(m.LoadReq(), "load")):
+            ld = json.loads(reply.payload)
+            out.append({"dp_rank": r, "num_reqs": ld["num_running_reqs"] + ld["num_waiting_reqs"],
+                        "num_tokens": ld["num_used_tokens"], **ld})  # fmt: skip
+        return out
 
     async def health(self) -> bool:
         """True while every actor is up and the scheduler answers."""
@@ -435,5 +546,5 @@ class TokenizerManager:
         self.closing = True
         self.lt.stop()
         self._journal_thread.shutdown(wait=False, cancel_futures=True)
-        if self.reader is not None:
-            self.reader.join(timeout=2)
+        for t in self.readers:
+            t.join(timeout=2)

@@ -182,13 +182,15 @@ class AsyncClient:
                        top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                        stream: bool = False, session_params: dict | list[dict] | None = None,
                        logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
-                       lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
+                       lora_path: str | list[str | None] | None = None,
+                       data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
         """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
         chunks (returned once the server accepted the requests)."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path,
+                            data_parallel_rank=data_parallel_rank)  # fmt: skip
         return await self._generate(args)
 
     async def _generate(self, args: GenerateArgs) -> Any:
@@ -242,6 +244,10 @@ class AsyncClient:
 
     async def get_load(self) -> dict:
         return await self.control("get_load")
+
+    async def get_loads(self) -> list[dict]:
+        """One entry per data-parallel group (SGLang's /get_load shape)."""
+        return await self.control("get_loads")
 
     async def wait_compiled(self, timeout: float = 900.0) -> dict:
         """Once the server has compiled every step program: its info (it serves before that)."""
@@ -348,11 +354,13 @@ class Client:
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False, session_params: dict | list[dict] | None = None,
                  logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
-                 lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
+                 lora_path: str | list[str | None] | None = None,
+                 data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path,
+                            data_parallel_rank=data_parallel_rank)  # fmt: skip
         out = self._lt.run(self._ac._generate(args))
         return self._iterate(out) if stream else out
 
@@ -379,6 +387,9 @@ class Client:
 
     def get_load(self) -> dict:
         return self._lt.run(self._ac.get_load())
+
+    def get_loads(self) -> list[dict]:
+        return self._lt.run(self._ac.get_loads())
 
     def wait_compiled(self, timeout: float = 900.0) -> dict:
         return self._lt.run(self._ac.wait_compiled(timeout))

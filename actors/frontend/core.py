@@ -59,6 +59,7 @@ class ReqState:
     last_output: float = 0.0  # when the latest tokens arrived (inter-token latency)
     aborted: bool = False  # an abort was asked (redone on the request resubmitted after a restart)
     weight_spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (version, first output index)
+    dp_rank: int = 0  # the data-parallel group it was sent to (a resubmission goes there again)
 
     def notify(self) -> None:
         self.changed.set()

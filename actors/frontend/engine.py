@@ -41,6 +41,7 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
+        from actors.transport.devices import group_envs
         from actors.transport.launcher import start_engine
         from model.checkpoints.config import ModelConfig
         from model.checkpoints.resolve import resolve_model
@@ -57,9 +58,12 @@ class Engine:
         self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
         self.served_model_name = args.served_model_name or self.model_dir.name
 
+        envs = group_envs(args.dp_size, args.tp_size)  # each group's devices, once (a restart reuses them)
+
         def launch(model_dir: str, weights: m.StartWeights, on_failure):  # the actors, as the supervisor starts them
-            cfg = m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights)
-            return start_engine(args, m.encode(cfg), on_failure)
+            cfgs = [m.encode(m.ActorConfig(args, model_dir, str(tok_dir), sorted(eos), self.vocab_size, weights, rank))
+                    for rank in range(args.dp_size)]  # fmt: skip
+            return start_engine(args, cfgs, on_failure, envs)
 
         self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
         policy = RestartPolicy(args.max_restarts if args.restartable else 0, args.restart_window_s)
@@ -78,7 +82,9 @@ class Engine:
     def runner_info(self) -> dict[str, Any]:
         """The serving runner's ready info (devices, compiled programs, KV pool): the newest
         group's, after a restart."""
-        return json.loads(self.supervisor.ready.get("runner") or b"{}")
+        from actors.transport.launcher import actor_name
+
+        return json.loads(self.supervisor.ready.get(actor_name("runner", 0, self.args.dp_size)) or b"{}")
 
     @property
     def group(self):
@@ -91,7 +97,8 @@ class Engine:
                  top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                  stream: bool = False, session_params: dict | list[dict] | None = None,
                  logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
-                 lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
+                 lora_path: str | list[str | None] | None = None,
+                 data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
@@ -102,11 +109,14 @@ class Engine:
         logprob is None), `top_logprobs_num` adds the top-n at each position, `token_ids_logprob`
         (ids, or one list per prompt) the logprobs of those ids at every prompt and output position.
 
-        `lora_path`: a loaded LoRA adapter's name (or one per prompt; None: the base model)."""
+        `lora_path`: a loaded LoRA adapter's name (or one per prompt; None: the base model).
+        `data_parallel_rank` (dp_size > 1) runs the request(s) in that group instead of the
+        dispatcher's pick."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path,
+                            data_parallel_rank=data_parallel_rank)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -119,13 +129,15 @@ class Engine:
                              top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
                              stream: bool = False, session_params: dict | list[dict] | None = None,
                              logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
-                             lora_path: str | list[str | None] | None = None) -> Any:  # fmt: skip
+                             lora_path: str | list[str | None] | None = None,
+                             data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
-                            token_ids_logprob=token_ids_logprob, lora_path=lora_path)  # fmt: skip
+                            token_ids_logprob=token_ids_logprob, lora_path=lora_path,
+                            data_parallel_rank=data_parallel_rank)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -218,8 +230,13 @@ class Engine:
         return self.frontend.run_sync(self.frontend.loras.unload_lora_adapter(lora_name))
 
     def get_load(self) -> dict:
-        """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}."""
+        """{num_running_reqs, num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage}
+        (summed over the data-parallel groups)."""
         return self.frontend.run_sync(self.frontend.get_load())
+
+    def get_loads(self) -> list[dict]:
+        """One entry per data-parallel group: {dp_rank, num_reqs, num_waiting_reqs, num_tokens, ...}."""
+        return self.frontend.run_sync(self.frontend.get_loads())
 
     def health(self) -> bool:
         """True while every actor is up and the scheduler answers."""

@@ -53,6 +53,7 @@ MAX_PUSH_BUCKET_BYTES = 1 << 30  # data of one safetensors blob of a weight push
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
+    "background": False, "return_bytes": False, "return_entropy": False,
 }  # fmt: skip
 
 
@@ -75,6 +76,13 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     custom_logit_processor: Any = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False
+    # what SGLang's router always serializes (sgl-router's GenerateRequest): accepted and ignored as
+    # SGLang ignores them, or served only at their default
+    model: str | None = None
+    no_logs: bool = False
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
     def args(self) -> GenerateArgs:
         """The generate call, once the fields served only at their default are checked."""
@@ -231,15 +239,17 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
 
     @app.get("/get_load")
     async def get_load() -> Response:
-        return _json(await tm.get_load())
+        """SGLang's shape, what its router polls: one entry per dp_rank ({dp_rank, num_reqs,
+        num_waiting_reqs, num_tokens} and the scheduler's own counts)."""
+        return _json(await tm.get_loads())
 
     @app.get("/v1/loads")
     async def v1_loads() -> Response:
-        load = await tm.get_load()
-        return _json({"dp_rank_count": 1, "loads": [{"dp_rank": 0, **load}],
-                      "aggregate": {"total_running_reqs": load["num_running_reqs"],
-                                    "total_waiting_reqs": load["num_waiting_reqs"],
-                                    "avg_token_usage": load["token_usage"]}})  # fmt: skip
+        loads = [{**ld, "num_total_tokens": ld["max_total_num_tokens"]} for ld in await tm.get_loads()]
+        return _json({"dp_rank_count": len(loads), "loads": loads,
+                      "aggregate": {"total_running_reqs": sum(ld["num_running_reqs"] for ld in loads),
+                                    "total_waiting_reqs": sum(ld["num_waiting_reqs"] for ld in loads),
+                                    "avg_token_usage": round(sum(ld["token_usage"] for ld in loads) / len(loads), 6)}})  # fmt: skip
 
     @app.get("/health")
     async def health() -> Response:
@@ -256,7 +266,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(tm.core.metrics.exposition(await tm.get_load()), media_type="text/plain; version=0.0.4")
+        return Response(tm.core.metrics.exposition(await tm.get_loads()), media_type="text/plain; version=0.0.4")
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:

@@ -47,6 +47,7 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     logprob_start_len: int | list[int] | None = -1  # prompt logprobs from this position (-1: the last token)
     token_ids_logprob: list[Any] | None = None  # token ids (or one list per prompt) whose logprobs to report
     lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (or one per prompt); None: base
+    data_parallel_rank: int | list[int | None] | None = None  # the group to run in (dp_size > 1; None: dispatched)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class Limits:
     max_top_logprobs_num: int
     bytes_per_token: int | None = None  # most text bytes one token stands for, if certain (limits.py)
     max_token_ids_logprob: int = 16
+    dp_size: int = 1  # data-parallel groups (a data_parallel_rank is checked against it)
 
     def check_text(self, where: str, text: str) -> None:
         """ValueError if `text` certainly cannot fit the context, before it is tokenized: it is
@@ -86,6 +88,8 @@ class RequestSpec:
     logprob_start_len: int = -1  # >= 0: prompt logprobs from that position (only with return_logprob)
     token_ids_logprob: list[int] | None = None  # report these tokens' logprobs at every position
     lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
+    data_parallel_rank: int | None = None  # the caller's group for it (None: the dispatcher picks)
+    sample_of: str | None = None  # one of n > 1 samples of this request id (they share one group)
 
     @property
     def seed(self) -> int:
@@ -182,6 +186,18 @@ def _short(value: Any) -> str:
     return reprlib.repr(value)
 
 
+def _dp_ranks(given: Any, n_prompts: int, dp_size: int) -> list[int | None]:
+    """One data_parallel_rank (or None) per prompt, each in [0, dp_size)."""
+    ranks = _per_prompt(given, n_prompts)
+    if len(ranks) != n_prompts:
+        raise ValueError(f"data_parallel_rank: {len(ranks)} given for {n_prompts} prompts")
+    for r in ranks:
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < dp_size):
+            raise ValueError(f"data_parallel_rank={_short(r)}: must be an integer in [0, {dp_size}) "
+                             f"(the server's dp_size is {dp_size}) or null")  # fmt: skip
+    return ranks
+
+
 def normalize_generate(
     args: GenerateArgs,
     limits: Limits,
@@ -237,6 +253,7 @@ def normalize_generate(
             loras[i] = check_lora(name, where)
         elif name is not None:
             raise ValueError(f"{where}={_short(name)}: this server serves no LoRA adapters (start it with enable_lora)")
+    dp_ranks = _dp_ranks(args.data_parallel_rank, n_prompts, limits.dp_size)
     specs: list[RequestSpec] = []
     for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
@@ -271,6 +288,7 @@ def normalize_generate(
                 return_logprob=bool(lp[i]), top_logprobs_num=int(tl[i]), index=len(specs),
                 stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
                 lora_path=loras[i],
+                data_parallel_rank=dp_ranks[i], sample_of=base_rid if sp.n > 1 else None,
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

@@ -91,6 +91,8 @@ class Journal:
             log.exception("supervisor journal: %s", self.lost)
 
     def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
+        if msg.source == "check":  # a data-parallel frontend's question before an update: nothing changed
+            return
         if not reply.ok:
             self._staged.clear()
             return

@@ -1,8 +1,8 @@
 """Prometheus metrics of one engine (served at HTTP `/metrics`), SGLang's set under `ringserve:`.
 
 The frontend records request counters and latency histograms as outputs arrive, the supervisor
-each restart of the actors; the load gauges (running, waiting, KV usage) are read from the
-scheduler when `/metrics` is scraped. Each engine
+each restart of the actors; the load gauges (running, waiting, KV usage) are read from every
+group's scheduler when `/metrics` is scraped, labelled `dp_rank`. Each engine
 has its own registry, so several engines in one process never mix their series.
 """
 
@@ -32,11 +32,12 @@ class FrontendMetrics:
                              buckets=ITL_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=E2E_BUCKETS, registry=r)  # fmt: skip
-        self.running = Gauge(p + "num_running_reqs", "Requests in the running batch", registry=r)
-        self.waiting = Gauge(p + "num_queue_reqs", "Requests in the waiting queue", registry=r)
-        self.used_tokens = Gauge(p + "num_used_tokens", "KV tokens held by requests and the prefix cache", registry=r)
-        self.total_tokens = Gauge(p + "max_total_num_tokens", "KV pool capacity in tokens", registry=r)
-        self.token_usage = Gauge(p + "token_usage", "Share of the KV pool in use", registry=r)
+        g = ["dp_rank"]  # the load gauges are per data-parallel group (SGLang's label)
+        self.running = Gauge(p + "num_running_reqs", "Requests in the running batch", g, registry=r)
+        self.waiting = Gauge(p + "num_queue_reqs", "Requests in the waiting queue", g, registry=r)
+        self.used_tokens = Gauge(p + "num_used_tokens", "KV tokens held by requests and the prefix cache", g, registry=r)
+        self.total_tokens = Gauge(p + "max_total_num_tokens", "KV pool capacity in tokens", g, registry=r)
+        self.token_usage = Gauge(p + "token_usage", "Share of the KV pool in use", g, registry=r)
         self.restarts = Counter(p + "actor_restarts", "Times the actors were started again, by the actor that died",
                                 ["actor"], registry=r)  # fmt: skip
         self.restart_seconds = Gauge(p + "last_restart_seconds", "From an actor's death to its requests resubmitted",
@@ -81,11 +82,13 @@ class FrontendMetrics:
                 "last_restart": self.last_restart}  # fmt: skip
 
     # ---- at scrape time ---------------------------------------------------------------------
-    def exposition(self, load: dict[str, Any]) -> bytes:
-        """The text exposition, with the load gauges set from the scheduler's `load`."""
-        self.running.set(load["num_running_reqs"])
-        self.waiting.set(load["num_waiting_reqs"])
-        self.used_tokens.set(load["num_used_tokens"])
-        self.total_tokens.set(load["max_total_num_tokens"])
-        self.token_usage.set(load["token_usage"])
+    def exposition(self, loads: list[dict[str, Any]]) -> bytes:
+        """The text exposition, with the load gauges set from each group's `load` (get_loads)."""
+        for ld in loads:
+            rank = str(ld["dp_rank"])
+            self.running.labels(dp_rank=rank).set(ld["num_running_reqs"])
+            self.waiting.labels(dp_rank=rank).set(ld["num_waiting_reqs"])
+            self.used_tokens.labels(dp_rank=rank).set(ld["num_used_tokens"])
+            self.total_tokens.labels(dp_rank=rank).set(ld["max_total_num_tokens"])
+            self.token_usage.labels(dp_rank=rank).set(ld["token_usage"])
         return generate_latest(self.registry)

@@ -61,6 +61,8 @@ class _Common(msgspec.Struct, **_S):
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # what SGLang's router (sglang-router 0.3.2) always sends: served only at its default
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(_Common, **_S):
@@ -91,6 +93,11 @@ class ChatRequest(_Common, **_S):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # SGLang's chat extras its router always sends: no reasoning parser here, so the reasoning
+    # flags change nothing (as in SGLang without one); continue_final_message only at its default
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
@@ -100,6 +107,7 @@ def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
         "logit_bias": (r.logit_bias, None),
         **extra,
     }
+    checks["return_hidden_states"] = (r.return_hidden_states, False)
     for name, (value, default) in checks.items():
         if value != default and not (name == "logit_bias" and value == {}):
             raise ValueError(f"{name}={value!r} is not supported by ringserve (leave it at {default!r})")
@@ -180,7 +188,7 @@ def echo_texts(r: CompletionRequest, decode: Callable[[list[int]], str]) -> list
 def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> GenerateArgs:
     """The generate call of a /v1/chat/completions request; `render(messages)` is the model's
     chat template, tokenized."""
-    _refuse_unsupported(r, {"tools": (r.tools, None)})
+    _refuse_unsupported(r, {"tools": (r.tools, None), "continue_final_message": (r.continue_final_message, False)})
     if not r.messages:
         raise ValueError("messages: cannot be empty")
     messages = []

@@ -64,11 +64,11 @@ from typing import Any
 from actors.frontend.errors import EngineDead
 from actors.frontend.journal import Journal
 from actors.transport import messages as m
-from actors.transport.launcher import ActorFailed, ActorGroup, OnFailure, describe_exit
+from actors.transport.launcher import ActorFailed, ActorGroup, EngineLinks, OnFailure, describe_exit
 
 log = logging.getLogger("ringserve.supervisor")
 
-Launch = Callable[[str, m.StartWeights, OnFailure], tuple[ActorGroup, Any, Any]]
+Launch = Callable[[str, m.StartWeights, OnFailure], tuple[ActorGroup, EngineLinks]]
 RESTORE_REPLY_TIMEOUT_S = 60.0
 _LIVE: weakref.WeakSet[Supervisor] = weakref.WeakSet()
 
@@ -157,8 +157,8 @@ class Supervisor:
     def start(self) -> dict[str, bytes]:
         """Start the actors the first time (ActorFailed / TimeoutError raise: nothing is left)."""
         gen = next(self._gens)
-        group, to_s, from_d, ready = self._start(gen)
-        self.frontend.attach(to_s, from_d)
+        group, links, ready = self._start(gen)
+        self.frontend.attach(links)
         self._adopt(gen, group, ready)
         return ready
 
@@ -184,9 +184,9 @@ class Supervisor:
             self._exiting = True
 
     # ---- starting a group --------------------------------------------------------------------
-    def _start(self, gen: int) -> tuple[ActorGroup, Any, Any, dict[str, bytes]]:
+    def _start(self, gen: int) -> tuple[ActorGroup, EngineLinks, dict[str, bytes]]:
         with self.journal.start_weights() as weights:
-            group, to_s, from_d = self.launch(self.journal.model_dir, weights, functools.partial(self._failed, gen))
+            group, links = self.launch(self.journal.model_dir, weights, functools.partial(self._failed, gen))
             with self._lock:
                 closed = self._closed
                 self._launching = None if closed else group
@@ -202,7 +202,7 @@ class Supervisor:
             finally:
                 with self._lock:
                     self._launching = None
-        return group, to_s, from_d, ready
+        return group, links, ready
 
     def _adopt(self, gen: int, group: ActorGroup, ready: dict[str, bytes]) -> bool:
         """The started group is the engine's now (False: shut down meanwhile, and so is it)."""
@@ -265,10 +265,10 @@ class Supervisor:
                 self._give_up(crash, f"the restart failed: {e!r}")
 
     def _restart(self, crash: Crash) -> None:
-        old, reader = self.group, self.frontend.reader
+        old, readers = self.group, list(self.frontend.readers)
         assert old is not None
         old.wait_closed()
-        if reader is not None:
+        for reader in readers:
             reader.join()  # every output it read is on the loop before reattach
         try:
             self.frontend.lt.run(self.frontend.journal_settled())  # every reply it read is in the journal
@@ -285,7 +285,7 @@ class Supervisor:
                 return
             gen = next(self._gens)
             try:
-                group, to_s, from_d, ready = self._start(gen)
+                group, links, ready = self._start(gen)
                 t_ready = time.monotonic()
                 break
             except ActorFailed as e:  # one more crash, at start-up
@@ -311,7 +311,7 @@ class Supervisor:
                               f"{crash.name!r} died); the weights serving are version {self.journal.version}; "
                               "send the update again", json.dumps({"weight_version": self.journal.version}).encode())  # fmt: skip
         try:
-            futs, resubmitted = fe.lt.run(fe.reattach(to_s, from_d, self.journal.restore(), lost),
+            futs, resubmitted = fe.lt.run(fe.reattach(links, self.journal.restore(), lost),
                                           timeout=RESTORE_REPLY_TIMEOUT_S)  # fmt: skip
         except Exception:
             if self._closed or fe.closing:  # the frontend closed meanwhile

@@ -27,6 +27,7 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "flush_cache": tm.flush_cache,
         "get_server_info": tm.get_server_info,
         "get_load": tm.get_load,
+        "get_loads": tm.get_loads,
         "health": tm.health,
         "wait_compiled": tm.wait_compiled,
         "open_session": tm.open_session,

@@ -35,11 +35,22 @@ MEMORY_TAGS = ("kv_cache", "weights")
 class Frontend(Protocol):
     """What these verbs use of the TokenizerManager."""
 
+    dp_size: int
+    held: asyncio.Event | None
+
     async def control(self, msg: Any, kind: str) -> m.ControlReply: ...
     async def pause_generation(self, mode: str = "abort") -> dict: ...
     async def continue_generation(self) -> dict: ...
     async def flush_cache(self) -> dict: ...
     async def get_server_info(self) -> dict: ...
+
+
+class PushRefused(Exception):
+    """A data-parallel group would not take the update: `out` is the refusal to return."""
+
+    def __init__(self, out: dict[str, Any]):
+        super().__init__(out["message"])
+        self.out = out
 
 
 class WeightsAPI:
@@ -59,6 +70,28 @@ class WeightsAPI:
             await self.tm.pause_generation("abort")
             await self.tm.continue_generation()
 
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, abort_all_requests: bool) -> AsyncIterator[dict[str, Any] | None]:
+        """One update at a time. With several data-parallel groups it is all or nothing across
+        them: new requests wait at the front door (`tm.held`) while every group is asked first
+        whether it would take an update now (the scheduler's busy check, source "check"); if one
+        would not, nothing is sent and the refusal (each group's reason) is yielded. Since no
+        request can reach a group meanwhile, a group that said yes still does when the update
+        comes (what remains is a runner's own failure: a file or device error in one group)."""
+        async with self._lock:
+            await self._before(abort_all_requests)
+            if self.tm.dp_size == 1:
+                yield None
+                return
+            self.tm.held = held = asyncio.Event()
+            try:
+                r = await self.tm.control(m.UpdateWeightsReq("check"), "update_weights")
+                yield None if r.ok else {"success": False, "message": r.message,
+                                         "weight_version": json.loads(r.payload)["weight_version"]}  # fmt: skip
+            finally:
+                self.tm.held = None
+                held.set()
+
     async def _after(self, out: dict[str, Any], flush_cache: bool) -> dict[str, Any]:
         if "weight_version" not in out:  # no tensors: nothing was sent, nothing changed
             return out | await self.get_weight_version()
@@ -75,8 +108,9 @@ class WeightsAPI:
         _check_version(weight_version)
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format={load_format!r}: only 'auto' (safetensors directory or .gguf)")
-        async with self._lock:
-            await self._before(abort_all_requests)
+        async with self._exclusive(abort_all_requests) as refused:
+            if refused is not None:
+                return refused
             out = await self._update(m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version))
             return await self._after(out, flush_cache)
 
@@ -84,12 +118,13 @@ class WeightsAPI:
     async def _push(self, bucket_bytes: int, slots: int, weight_version: str | None, abort_all_requests: bool,
                     timeout: float = p.PUSH_TIMEOUT_S) -> AsyncIterator[Push]:  # fmt: skip
         """A push under the update lock; its segments go and its staged parts are dropped
-        however it ends (weight_push.py)."""
+        however it ends (weight_push.py). Refused by a group before it starts: `PushRefused`."""
         check_bucket_bytes(bucket_bytes)
         check_push_args(slots, timeout)
         _check_version(weight_version)
-        async with self._lock:
-            await self._before(abort_all_requests)
+        async with self._exclusive(abort_all_requests) as refused:
+            if refused is not None:
+                raise PushRefused(refused)
             push = Push(self._update, bucket_bytes, slots)
             try:
                 yield push
@@ -103,8 +138,15 @@ class WeightsAPI:
         """HF-named NumPy, JAX or torch arrays (a dict, or (name, array) pairs, or a generator of
         them), all of the weights or a subset, from this process: bucket k + 1 is written into one
         of the push's two segments (off the loop) while the runner stages bucket k from the other."""
-        loop = asyncio.get_running_loop()
         it = iter(buckets(named_tensors, bucket_bytes))
+        try:
+            return await self._from_tensor(it, bucket_bytes, weight_version, abort_all_requests, flush_cache)
+        except PushRefused as e:
+            return e.out
+
+    async def _from_tensor(self, it: Any, bucket_bytes: int, weight_version: str | None, abort_all_requests: bool,
+                           flush_cache: bool) -> dict[str, Any]:  # fmt: skip
+        loop = asyncio.get_running_loop()
         async with self._push(bucket_bytes, 2, weight_version, abort_all_requests) as push:
             staging: asyncio.Task | None = None  # bucket k - 1, in the other segment
             try:
@@ -126,19 +168,25 @@ class WeightsAPI:
     async def push_from_client(self, start: p.PushWeights, inbox: asyncio.Queue,
                                send: Callable[[Any], Any]) -> dict[str, Any]:  # fmt: skip
         """`Client.update_weights_from_tensor` from another process (the IPC socket's call)."""
-        async with self._push(start.bucket_bytes, start.slots, start.weight_version, start.abort_all_requests,
-                              start.timeout) as push:  # fmt: skip
-            out = await serve_client(push, start, inbox, send)
-            return await self._after(out, start.flush_cache) if out["success"] else out
+        try:
+            async with self._push(start.bucket_bytes, start.slots, start.weight_version, start.abort_all_requests,
+                                  start.timeout) as push:  # fmt: skip
+                out = await serve_client(push, start, inbox, send)
+                return await self._after(out, start.flush_cache) if out["success"] else out
+        except PushRefused as e:
+            return e.out
 
     async def push_from_body(self, chunks: AsyncIterator[bytes], max_bucket_bytes: int, weight_version: str | None = None,
                              flush_cache: bool = True, abort_all_requests: bool = False,
                              timeout: float = p.PUSH_TIMEOUT_S) -> dict[str, Any]:  # fmt: skip
         """`POST /update_weights_from_tensor`: safetensors blobs of at most `max_bucket_bytes`
         of data each, read off the body into one segment."""
-        async with self._push(max_bucket_bytes, 1, weight_version, abort_all_requests, timeout) as push:
-            out = await serve_body(push, BodyReader(chunks, timeout), weight_version)
-            return await self._after(out, flush_cache) if out["success"] else out
+        try:
+            async with self._push(max_bucket_bytes, 1, weight_version, abort_all_requests, timeout) as push:
+                out = await serve_body(push, BodyReader(chunks, timeout), weight_version)
+                return await self._after(out, flush_cache) if out["success"] else out
+        except PushRefused as e:
+            return e.out
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of a weight as the runner serves it (as SGLang's)."""

@@ -32,10 +32,11 @@ from actors.scheduler.core import ReqOutput, SchedulerCore
 from actors.scheduler.grammar import Grammars
 from actors.scheduler.logprobs import PromptLogprobs
 from actors.scheduler.output import step_msg, token_out
-from actors.scheduler.report import load, server_info
+from actors.scheduler.report import group_load, load, server_info
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from actors.transport.loads import LoadBoard
 from actors.transport.trace import StepTrace
 from kvmem import KVCache
 
@@ -85,7 +86,8 @@ def step_result(res: m.StepResultMsg) -> StepResult:
 
 class SchedulerActor:
     def __init__(self, args: ServerArgs, eos_ids: list[int], decode_tail: Callable[[list[int]], str],
-                 inbox, to_runner, from_runner, to_detok, grammars: Grammars | None = None):  # fmt: skip
+                 inbox, to_runner, from_runner, to_detok, grammars: Grammars | None = None,
+                 loads: LoadBoard | None = None, dp_rank: int = 0):  # fmt: skip
         self.args = args
         self.eos = frozenset(eos_ids)
         cache = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache)
@@ -97,6 +99,8 @@ class SchedulerActor:
         self.runner_trace_count = 0
         self.compile_status: dict = {}  # the runner's, asked for until every program is compiled
         self.trace = StepTrace(args.step_trace) if args.step_trace else None  # off by default
+        self.loads, self.dp_rank = loads, dp_rank  # where this group's load is published (DP)
+        self.received = self.received_tokens = 0  # requests (prompt tokens) taken off the inbox
 
     # ---- main loop --------------------------------------------------------------------------
     def serve(self, stopping: Callable[[], bool]) -> None:
@@ -118,6 +122,8 @@ class SchedulerActor:
                 self._finish_oldest()
             if batch is None and not self.in_flight:
                 self._on_idle()
+            if self.loads is not None:
+                self.loads.publish(self.dp_rank, group_load(self.core, self.received, self.received_tokens))
 
     def _recv_timeout(self) -> float:
         """How long to wait for a request: long when nothing can run, a moment while a grammar
@@ -200,6 +206,8 @@ class SchedulerActor:
     def _handle(self, msg: m.ToScheduler) -> None:
         core = self.core
         if isinstance(msg, m.GenerateReq):
+            self.received += 1
+            self.received_tokens += len(msg.input_ids) // 4
             try:
                 core.add_request(to_req(msg, self.eos), msg.lora_path)
             except ValueError as e:  # e.g. a duplicate rid: answer that request, nothing else
@@ -273,7 +281,9 @@ class SchedulerActor:
         """Forward an update (or one part of it) to the runner(s); the reply always carries the
         version serving afterwards (the frontend keeps no copy)."""
         busy = None if msg.source == "abandon" else self.core.busy()  # dropping staged parts changes nothing served
-        if busy is not None:
+        if msg.source == "check":  # the DP frontend asks every group before any commits (all or nothing)
+            ok, text = busy is None, f"update_weights refused: {busy}" if busy else "an update would be taken"
+        elif busy is not None:
             ok, text = False, f"update_weights refused: {busy}"
         else:
             last = msg.source != "abandon" and msg.part == msg.parts - 1
@@ -351,6 +361,7 @@ def run(ctx) -> None:
         to_runner=BroadcastRing.attach(ctx.rings["to_runner"], reader=None, spin_us=spin),  # the writer
         from_runner=Ring.attach(ctx.rings["from_runner"], spin_us=spin),
         to_detok=Ring.attach(ctx.rings["to_detok"], spin_us=spin),
+        loads=LoadBoard.attach(ctx.rings["loads"]) if "loads" in ctx.rings else None, dp_rank=cfg.dp_rank,
     )  # fmt: skip
     actor.core.started_with(cfg.weights)
     ctx.ready()

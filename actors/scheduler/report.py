@@ -5,6 +5,7 @@ names where SGLang has them): `server_info` (the scheduler's part of get_server_
 from __future__ import annotations
 
 from actors.scheduler.core import SchedulerCore
+from actors.transport.loads import GroupLoad
 
 
 def server_info(core: SchedulerCore) -> dict:
@@ -48,3 +49,14 @@ def load(core: SchedulerCore) -> dict:
         "max_total_num_tokens": total,
         "token_usage": round(used / total, 6),
     }
+
+
+def group_load(core: SchedulerCore, received: int, received_tokens: int) -> GroupLoad:
+    """The load a data-parallel group publishes on the load board (actors/transport/loads.py):
+    `load`'s counts, plus the prompt tokens its waiting requests still have to compute."""
+    total = (core.args.num_pages - 1) * core.args.page_size
+    pending = sum(r.remaining_extend for r in core.waiting)
+    if core.chunked is not None:
+        pending += core.chunked.remaining_extend
+    return GroupLoad(len(core.running) + (core.chunked is not None), len(core.waiting),
+                     total - core.cache.available_tokens(), total, pending, received, received_tokens)

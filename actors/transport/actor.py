@@ -39,6 +39,7 @@ class ActorSpec(msgspec.Struct, **_S):
     rings: dict[str, str] = {}
     log_level: int = logging.INFO
     parent_pid: int = 0
+    env: dict[str, str] = {}  # set before the target is imported (a DP group's devices: devices.py)
 
 
 class Ready(msgspec.Struct, tag="ready", **_S):
@@ -150,6 +151,7 @@ def actor_main(conn: Connection, spec_bytes: bytes) -> None:
     returns after a stop request (a RingClosed then is part of stopping); otherwise sends the
     formatted traceback to the parent and exits 1."""
     spec = msgspec.msgpack.decode(spec_bytes, type=ActorSpec)
+    os.environ.update(spec.env)  # before the target (and JAX, in a runner) is imported
     faulthandler.enable()  # a hard crash still prints a Python stack on stderr
     ctx = ActorContext(spec, conn)
     root = logging.getLogger()

@@ -37,12 +37,14 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from actors.transport.actor import ActorSpec, Failed, LogLine, Ready, Stop, actor_main, decode_control, encode
+from actors.transport.devices import group_envs
+from actors.transport.loads import LoadBoard
 from actors.transport.ring import BroadcastRing, Ring, _RingBase
 
 if TYPE_CHECKING:
     from actors.server_args import ServerArgs
 
-__all__ = ["ActorFailed", "ActorGroup", "cleanup_main", "describe_exit", "start_engine", "start_node"]
+__all__ = ["ActorFailed", "ActorGroup", "EngineLinks", "cleanup_main", "describe_exit", "start_engine", "start_node"]
 
 log = logging.getLogger("ringserve.launcher")
 OnFailure = Callable[[str, int | None, str], None]
@@ -116,7 +118,7 @@ class ActorGroup:
         self._stop_timeout = stop_timeout
         self._mp = multiprocessing.get_context("spawn")
         self._actors: dict[str, _Actor] = {}
-        self._rings: list[_RingBase] = []
+        self._rings: list[_RingBase | LoadBoard] = []
         self._cond = threading.Condition()
         self._grace: float | None = None  # set: the watcher must tear down with this grace
         self._stopping = False  # exits are expected from now on
@@ -138,7 +140,12 @@ class ActorGroup:
         self._own(ring)
         return ring
 
-    def _own(self, ring: _RingBase) -> None:
+    def load_board(self, n: int) -> LoadBoard:
+        board = LoadBoard.create(n)
+        self._own(board)
+        return board
+
+    def _own(self, ring: _RingBase | LoadBoard) -> None:
         with self._cond:
             self._rings.append(ring)
             closing = self._stopping
@@ -170,13 +177,15 @@ class ActorGroup:
         return self._actors[name].exitcode
 
     # ---- actors --------------------------------------------------------------------------
-    def spawn(self, name: str, target: str, config: bytes = b"", rings: dict[str, str] | None = None) -> None:
-        """Start actor `name` running `target` ("module:function") in a spawned process."""
+    def spawn(self, name: str, target: str, config: bytes = b"", rings: dict[str, str] | None = None,
+              env: dict[str, str] | None = None) -> None:  # fmt: skip
+        """Start actor `name` running `target` ("module:function") in a spawned process, with
+        `env` added to its environment before the target is imported."""
         if name in self._actors:
             raise ValueError(f"actor {name!r} already exists")
         if target.count(":") != 1:
             raise ValueError(f"actor target {target!r} must be 'module:function'")
-        spec = ActorSpec(name, target, bytes(config), dict(rings or {}), self._log_level, os.getpid())
+        spec = ActorSpec(name, target, bytes(config), dict(rings or {}), self._log_level, os.getpid(), dict(env or {}))
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
         proc = self._mp.Process(
             target=actor_main, args=(child_conn, encode(spec)), name=f"ringserve-{name}", daemon=True
@@ -388,43 +397,81 @@ class ActorGroup:
 
 
 # ---- one engine's topology ----------------------------------------------------------------
-def start_engine(args: ServerArgs, config: bytes, on_failure: OnFailure) -> tuple[ActorGroup, Ring, Ring]:
-    """Create one engine's rings and spawn its actors; returns (group, to_scheduler,
-    from_detokenizer), the frontend's two ends. Every actor gets `config` (an encoded
-    ActorConfig); the caller waits for them with `group.wait_ready()`. If anything fails here,
-    the group is shut down before the error is raised.
+@dataclass(eq=False)
+class EngineLinks:
+    """The frontend's ends of one engine's actors: per data-parallel group r, the scheduler's
+    inbox `to_scheduler[r]` and the detokenizer's outbox `from_detok[r]`; the groups' load board
+    (None: no board, e.g. a test's fake rings)."""
 
-        frontend ──"sched"──► scheduler ──"runner" (broadcast)──► runner
-                                  ▲ ◄────────── "result" ───────────┘   (+ relay, nnodes > 1:
-                                  └──"detok"──► detokenizer ──"front"──► frontend   start_node)
+    to_scheduler: list
+    from_detok: list
+    loads: LoadBoard | None = None
 
-    Many hosts (nnodes > 1): the broadcast ring has one more reader, the relay to the other
-    hosts (actors/relay/), each running `start_node`; with `dist_local_runners` every node's
-    runner is spawned here instead (runner, runner1, ...), one reader each, no relay.
+    @property
+    def dp_size(self) -> int:
+        return len(self.to_scheduler)
+
+
+def actor_name(kind: str, rank: int, dp_size: int) -> str:
+    """"scheduler" with one group (as before), "scheduler-1" for group 1 of several."""
+    return kind if dp_size == 1 else f"{kind}-{rank}"
+
+
+def start_engine(args: ServerArgs, configs: list[bytes], on_failure: OnFailure,
+                 envs: list[dict[str, str]] | None = None) -> tuple[ActorGroup, EngineLinks]:  # fmt: skip
+    """Create one engine's rings and spawn its actors: `args.dp_size` independent groups, each a
+    scheduler, a runner (on devices of its own: devices.py) and a detokenizer, group r's actors
+    given `configs[r]` (an encoded ActorConfig naming its rank), its runner `envs[r]` (default:
+    `group_envs` of this process's environment; an engine plans them once, so a restart gets the
+    same devices). Returns the group and the
+    frontend's ends; the caller waits for the actors with `group.wait_ready()`. If anything
+    fails here, the group is shut down before the error is raised. One ActorGroup holds every
+    group's actors: a death anywhere tears all of them down (the supervisor restarts them all).
+
+        frontend ──"sched<r>"──► scheduler ──"runner<r>" (broadcast)──► runner (devices of group r)
+                  ▲                  ▲ ◄────────── "result<r>" ─────────────┘
+                  │                  ├──"detok<r>"──► detokenizer ──"front<r>"──► frontend
+                  └── load board ◄───┘ (row r: group r's published load)
+
+    Many hosts (nnodes > 1, dp_size 1): the broadcast ring has one more reader, the relay to
+    the other hosts (actors/relay/), each running `start_node`; with `dist_local_runners` every
+    node's runner is spawned here instead (runner, runner1, ...), one reader each, no relay.
     """
+    if len(configs) != args.dp_size:
+        raise ValueError(f"start_engine: {len(configs)} configs for dp_size={args.dp_size}")
+    if envs is None:
+        envs = group_envs(args.dp_size, args.tp_size)  # (a ValueError before anything is made)
     group = ActorGroup(on_failure=on_failure, log_level=getattr(logging, args.log_level.upper()))
     try:
-        cap, spin = args.ring_bytes, args.spin_us
-        local = args.nnodes if args.dist_local_runners else 1  # runners on this machine
+        cap, spin, dp = args.ring_bytes, args.spin_us, args.dp_size
+        local = args.nnodes if args.dist_local_runners else 1  # runners of a group on this machine
         relay = args.multihost and not args.dist_local_runners  # the other hosts' runners, via actors/relay
-        sched_in = group.ring("sched", cap, spin_us=spin)
-        runner_in = group.broadcast_ring("runner", local + relay, cap, spin_us=spin)
-        runner_out = group.ring("result", cap, spin_us=spin)
-        detok_in = group.ring("detok", cap, spin_us=spin)
-        front_in = group.ring("front", cap, spin_us=spin)
-        sched_rings = {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name,
-                       "to_detok": detok_in.name}  # fmt: skip
-        group.spawn("scheduler", "actors.scheduler.actor:run", config, sched_rings)
-        for k in range(local):  # runner k reads the broadcast ring as reader k; only runner 0 sends
-            group.spawn("runner" if k == 0 else f"runner{k}", "actors.runner.actor:run", _on_node(config, k),
-                        {"inbox": runner_in.name, "outbox": runner_out.name})  # fmt: skip
-        if relay:  # reader `local`: every message down one TCP stream per other host
-            group.spawn("relay", "actors.relay.actor:run_out", config, {"inbox": runner_in.name})
-        group.spawn("detokenizer", "actors.detokenizer.actor:run", config, {"inbox": detok_in.name, "outbox": front_in.name})
+        links = EngineLinks([], [], group.load_board(dp))
+        for r in range(dp):
+            sfx = "" if dp == 1 else str(r)
+            sched_in = group.ring(f"sched{sfx}", cap, spin_us=spin)
+            runner_in = group.broadcast_ring(f"runner{sfx}", local + relay, cap, spin_us=spin)
+            runner_out = group.ring(f"result{sfx}", cap, spin_us=spin)
+            detok_in = group.ring(f"detok{sfx}", cap, spin_us=spin)
+            front_in = group.ring(f"front{sfx}", cap, spin_us=spin)
+            assert links.loads is not None
+            sched_rings = {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name,
+                           "to_detok": detok_in.name, "loads": links.loads.name}  # fmt: skip
+            group.spawn(actor_name("scheduler", r, dp), "actors.scheduler.actor:run", configs[r], sched_rings)
+            for k in range(local):  # runner k reads the broadcast ring as reader k; only runner 0 sends
+                group.spawn(actor_name("runner", r, dp) if k == 0 else f"runner{k}", "actors.runner.actor:run",
+                            _on_node(configs[r], k), {"inbox": runner_in.name, "outbox": runner_out.name},
+                            env=envs[r])  # fmt: skip
+            if relay:  # reader `local`: every message down one TCP stream per other host
+                group.spawn("relay", "actors.relay.actor:run_out", configs[r], {"inbox": runner_in.name})
+            group.spawn(actor_name("detokenizer", r, dp), "actors.detokenizer.actor:run", configs[r],
+                        {"inbox": detok_in.name, "outbox": front_in.name})  # fmt: skip
+            links.to_scheduler.append(sched_in)
+            links.from_detok.append(front_in)
     except BaseException:
         group.shutdown()
         raise
-    return group, sched_in, front_in
+    return group, links
 
 
 def start_node(args: ServerArgs, config: bytes, on_failure: OnFailure) -> ActorGroup:

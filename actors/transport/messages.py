@@ -85,6 +85,7 @@ class ActorConfig(msgspec.Struct, **_S):
     eos_ids: list[int] = []
     vocab_size: int = 0
     weights: StartWeights = msgspec.field(default_factory=StartWeights)
+    dp_rank: int = 0  # the data-parallel group these actors serve (its row of the load board)
 
 
 class Resume(msgspec.Struct, **_S):
@@ -151,7 +152,7 @@ class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
     all or nothing); "abandon" drops update `update`'s staged parts (a push that failed half
     way). Allowed while paused or idle (abandon: always)."""
 
-    source: str  # "disk" | "tensor" | "abandon"
+    source: str  # "disk" | "tensor" | "abandon" | "check" (would one be taken now? nothing changes)
     model_path: str = ""
     weight_version: str | None = None
     part: int = 0

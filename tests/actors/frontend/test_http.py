@@ -65,8 +65,8 @@ def test_control_routes(engine, servers):
     url = servers.url
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/health_generate").status_code == 200
-    load = httpx.get(url + "/get_load").json()
-    assert load["num_running_reqs"] == 0 and load["max_total_num_tokens"] > 0
+    [load] = httpx.get(url + "/get_load").json()  # SGLang's shape: one entry per dp_rank
+    assert (load["dp_rank"], load["num_reqs"], load["num_running_reqs"]) == (0, 0, 0) and load["max_total_num_tokens"] > 0
     assert httpx.get(url + "/v1/loads").json()["loads"][0]["num_waiting_reqs"] == 0
     info = httpx.get(url + "/get_server_info").json()
     assert info["server_args"]["page_size"] == 16 and info["integrity_errors"] == []

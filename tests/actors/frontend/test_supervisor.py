@@ -182,14 +182,18 @@ class FakeRing:
 def tm(tiny_dir):
     from actors.frontend.actor import TokenizerManager
     from actors.server_args import ServerArgs
+    from actors.transport.launcher import EngineLinks
     from model.checkpoints.tokenizer import load_tokenizer
 
-    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), FakeRing(), FakeRing(), args=ServerArgs(), vocab_size=2048)
+    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), EngineLinks([FakeRing()], [FakeRing()]), args=ServerArgs(),
+                         vocab_size=2048)  # fmt: skip
     yield t
     t.close()
 
 
 def test_reattach_sends_the_state_then_every_request_then_the_calls_that_wait(tm):
+    from actors.transport.launcher import EngineLinks
+
     async def scenario():
         a, b = (tm.core.add(spec(r, stream=True), now=0.0) for r in ("A", "B"))
         tm.core.apply(m.BatchStrOut([out("A", [7], 1)], ["x"]), now=1.0)
@@ -199,8 +203,8 @@ def test_reattach_sends_the_state_then_every_request_then_the_calls_that_wait(tm
         await asyncio_sleep0()
         new = FakeRing()
         lost = m.ControlReply("update_weights", False, "restarted", b'{"weight_version": "0"}')
-        futs, n = await tm.reattach(new, FakeRing(), [("pause", m.PauseReq("in_place"))], lost)
-        assert n == 2 and [c.kind for c in tm.replies] == ["pause", "info"]
+        futs, n = await tm.reattach(EngineLinks([new], [FakeRing()]), [("pause", m.PauseReq("in_place"))], lost)
+        assert n == 2 and [c.kind for c in tm.replies[0]] == ["pause", "info"]
         assert [type(x).__name__ for x in new.sent] == ["PauseReq", "GenerateReq", "GenerateReq", "AbortReq", "InfoReq"]
         assert new.sent[1].resume is not None and new.sent[2].resume is None and new.sent[3].rid == "B"
         assert (await update).message == "restarted" and not info.done() and len(futs) == 1
@@ -226,7 +230,7 @@ def test_a_reply_whose_caller_stopped_waiting_still_reaches_the_journal(tm, tmp_
         await tm.journal_settled()
 
     tm.lt.run(scenario())
-    assert j.paused and not tm.replies
+    assert j.paused and not any(tm.replies)
 
 
 def test_the_journal_works_off_the_event_loop_and_the_caller_waits_for_it(tm, tmp_path):
@@ -268,7 +272,9 @@ class FakeGroup:
         from actors.transport.launcher import ActorFailed
 
         self.on_failure, self.failure, self.down = on_failure, None, threading.Event()
-        self.rings = FakeRing(self.down), FakeRing(self.down)
+        from actors.transport.launcher import EngineLinks
+
+        self.rings = EngineLinks([FakeRing(self.down)], [FakeRing(self.down)])
         self.start_error = ActorFailed("runner", 1, "Traceback: no device") if fail_start else None
         self.ready_seconds = {"runner": 1.5}
 
@@ -306,7 +312,7 @@ def supervised(tm, policy: RestartPolicy, journal: Journal, starts: list[bool] |
     def launch(model_dir, weights, on_failure):
         g = FakeGroup(on_failure, fail_start=bool(groups) and next(plan, False))
         groups.append(g)
-        return g, *g.rings
+        return g, g.rings
 
     sup = Supervisor(tm, launch, policy, journal, ready_timeout=5)
     sup.start()
@@ -348,7 +354,7 @@ def test_a_death_restarts_the_group_and_resubmits_every_live_request(bare_tm, tm
     groups[0].die("detokenizer")
     wait_for(lambda: tm.core.metrics.restart_counts.get("detokenizer") == 1)
     assert len(groups) == 2 and sup.group is groups[1] and sup._thread is None
-    sent = groups[1].rings[0].sent
+    sent = groups[1].rings.to_scheduler[0].sent
     assert [(g.rid, g.resume is not None) for g in sent] == [("A", True), ("B", False)]
     assert m.as_i32(sent[0].resume.output_ids).tolist() == [7, 8] and sent[0].resume.text_len == 2
     assert tm.core.metrics.last_restart["resubmitted"] == 2 and not a.finished and b.error is None
