@@ -99,16 +99,16 @@ def shm_files(name: str, num_readers: int = 1) -> list[str]:
 
 
 def unlink_name(name: str) -> None:
-    """Remove a ring's segment and semaphore names, given only its name (an actor whose parent,
-    the ring's creator, was killed: actors/transport/actor.py; else `ringserve cleanup` would)."""
+    """Remove a ring's segment and semaphore names (or the load board's segment), given only
+    its name (an actor whose parent, the creator, was killed: actors/transport/actor.py; else
+    `ringserve cleanup` would)."""
+    segment = f"/dev/shm/{name.lstrip('/')}"
     try:
-        with open(f"/dev/shm/{name.lstrip('/')}", "rb") as f:
+        with open(segment, "rb") as f:
             magic, n, _closed, _cap = _HEAD.unpack(f.read(_HEAD.size))
     except (OSError, struct.error):
-        return
-    if magic != _MAGIC:
-        return
-    for path in shm_files(name, n):
+        magic, n = None, 0
+    for path in shm_files(name, n) if magic == _MAGIC else [segment]:  # (not a ring: the load board)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

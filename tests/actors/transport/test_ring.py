@@ -314,3 +314,13 @@ def test_unlink_name_removes_a_ring_known_only_by_name():
         unlink_name(ring.name)  # gone already: nothing to do
     finally:
         ring.close()
+    from actors.transport.loads import LoadBoard
+
+    board = LoadBoard.create(2)  # not a ring: its one segment
+    try:
+        path = f"/dev/shm/{board.name.lstrip('/')}"
+        assert os.path.exists(path)
+        unlink_name(board.name)
+        assert not os.path.exists(path)
+    finally:
+        board.close()
