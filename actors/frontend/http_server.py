@@ -240,11 +240,15 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     @app.get("/get_load")
     async def get_load() -> Response:
         """SGLang's shape, what its router polls: one entry per dp_rank ({dp_rank, num_reqs,
-        num_waiting_reqs, num_tokens} and the scheduler's own counts)."""
+        num_waiting_reqs, num_tokens} and the scheduler's own counts). sglang-router 0.3.2 polls
+        it every 30 s under `power_of_two` (and on its own GET /get_loads), summing `num_tokens`;
+        each call is counted in /metrics' `ringserve:load_reports_total{route="/get_load"}`."""
+        tm.core.metrics.load_report("/get_load")
         return _json(await tm.get_loads())
 
     @app.get("/v1/loads")
     async def v1_loads() -> Response:
+        tm.core.metrics.load_report("/v1/loads")
         loads = [{**ld, "num_total_tokens": ld["max_total_num_tokens"]} for ld in await tm.get_loads()]
         return _json({"dp_rank_count": len(loads), "loads": loads,
                       "aggregate": {"total_running_reqs": sum(ld["num_running_reqs"] for ld in loads),

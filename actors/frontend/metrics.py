@@ -2,7 +2,8 @@
 
 The frontend records request counters and latency histograms as outputs arrive, the supervisor
 each restart of the actors; the load gauges (running, waiting, KV usage) are read from every
-group's scheduler when `/metrics` is scraped, labelled `dp_rank`. Each engine
+group's scheduler when `/metrics` is scraped, labelled `dp_rank`; the HTTP server counts the load
+reports it serves by route (`load_reports_total`: how often a router polls `/get_load`). Each engine
 has its own registry, so several engines in one process never mix their series.
 """
 
@@ -42,6 +43,8 @@ class FrontendMetrics:
                                 ["actor"], registry=r)  # fmt: skip
         self.restart_seconds = Gauge(p + "last_restart_seconds", "From an actor's death to its requests resubmitted",
                                      registry=r)  # fmt: skip
+        self.load_reports = Counter(p + "load_reports", "Load reports served over HTTP (a router's load poll), by route",
+                                    ["route"], registry=r)  # fmt: skip
         self.restart_counts: dict[str, int] = {}  # (what get_server_info reports; the counter's labels)
         self.last_restart: dict[str, Any] | None = None
 
@@ -64,6 +67,9 @@ class FrontendMetrics:
         if reason.get("type") == "abort":
             self.aborted.inc()
         self.e2e.observe(seconds)
+
+    def load_report(self, route: str) -> None:
+        self.load_reports.labels(route=route).inc()
 
     def restarted(self, actor: str, exitcode: int | None, seconds: float, resubmitted: int,
                   phases: dict[str, Any] | None = None) -> None:  # fmt: skip

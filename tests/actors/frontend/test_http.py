@@ -101,6 +101,17 @@ def test_metrics(engine, servers):
     gen = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ringserve:generation_tokens_total"))
     assert gen >= 3
 
+    def load_reports(route: str) -> float:  # (a route never served has no line yet)
+        line = f'ringserve:load_reports_total{{route="{route}"}}'
+        text = httpx.get(servers.url + "/metrics").text
+        return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+    before = load_reports("/get_load"), load_reports("/v1/loads")
+    for _ in range(3):
+        httpx.get(servers.url + "/get_load")
+    httpx.get(servers.url + "/v1/loads")
+    assert (load_reports("/get_load"), load_reports("/v1/loads")) == (before[0] + 3, before[1] + 1)
+
 
 def test_openai_sdk_completions(engine, servers):
     import openai
