@@ -14,17 +14,19 @@ family first, then the other 120 at once; the share of prompt tokens served from
 cache (`meta_info.cached_tokens`) over the 128, with the dp 2 engine's dispatcher set to each
 method in turn (caches flushed between).
 
-Two runs (tiny model, CPU: 2 cores shared with other sessions' work; JAX_NUM_CPU_DEVICES=2,
+Three runs (tiny model, CPU: 2 cores shared with other sessions' work and a CI run; JAX_NUM_CPU_DEVICES=2,
 128 requests, 64 new tokens each, defaults otherwise; load average as printed by the run):
 
     run  load (1 min)   dp 1 tok/s   dp 2 tok/s   outputs equal   hit rate round_robin / cache_aware
     1    11.8 - 16.9      1216         1461          yes              0.675 / 0.677  (*)
     2     8.3 -  8.6      1082         2582          yes              0.668 / 0.707
+    3     7.7 -  8.2      1682         2156          yes              0.662 / 0.702
 
 (*) before cache_aware counted the frontend's own uncached work (commit "cache_aware: pending
 work is ..."): a burst over one cached prefix then read as whole prompts and spread.
 
-On 2 cores shared by both groups and the rest of the machine these throughput figures are
+Each run is one invocation: both the throughput pair and the two hit rates. On 2 cores shared
+by both groups and the rest of the machine (load 7-17 in these runs) these throughput figures are
 noise-bound (run 2's ratio is above 2 because dp 1 ran under more load); the point they make is
 that dp 2 does not lose. The hit rate's ceiling here is 0.833 (every request but each family's
 first hits its 256-token prefix): cache_aware moves a family to the other group once its home
