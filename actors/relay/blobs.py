@@ -163,6 +163,8 @@ class Received:
         msg = m.to_runner.decode(raw)
         assert isinstance(msg, m.RunnerWeights)
         for r in msg.update.tensors:
+            if r.segment not in self.pending:
+                raise RelayError(f"a weight update's piece in {r.segment}, whose bytes host 0 did not send")
             name, lo = self.pending[r.segment]
             r.segment, r.offset = name, r.offset - lo
         self.held = [name for name, _ in self.pending.values()]
