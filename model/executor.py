@@ -37,7 +37,7 @@ from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
-from model.params import build_host_state
+from model.params import build_host_state, build_lazy_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
@@ -172,8 +172,10 @@ class ModelExecutor:
     def _build(self, tensors: dict[str, np.ndarray]) -> Any:
         """The Decoder's state from HF-named host arrays (model/params.py; per-layer weights when
         the layers run unrolled), each Param on its `tp` sharding. Raises ValueError naming a
-        missing or misshapen tensor."""
-        host = build_host_state(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan")
+        missing or misshapen tensor. Many hosts: each reads only its own devices' shards of the
+        (memory-mapped) tensors (build_lazy_state), never the whole model into host memory."""
+        build = build_lazy_state if jax.process_count() > 1 else build_host_state
+        host = build(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan")
         return self.model.place(host, self.mesh)
 
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:

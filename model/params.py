@@ -35,6 +35,7 @@ so nothing recompiles.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -102,9 +103,7 @@ def to_tree_layout(place: Placement, a: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray((a.T if place.transpose else a).astype(dtype))
 
 
-def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool) -> Tree:
-    """The state as host (NumPy) arrays, layers stacked or per layer. Raises ValueError naming a
-    missing tensor or one whose shape disagrees with config.json."""
+def _checked_layout(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, Placement]:
     layout = hf_layout(cfg)
     missing = [n for n in layout if n not in tensors]
     if missing:
@@ -113,6 +112,78 @@ def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, st
         shape = tuple(np.shape(tensors[name]))
         if shape != place.hf_shape:
             raise ValueError(f"tensor {name!r} has shape {shape}, but config.json implies {place.hf_shape}")
+    return layout
+
+
+class LazyLeaf:
+    """A leaf of the state that is read only where asked: `leaf[idx]` (a tuple of slices in the
+    state's layout, as `jax.make_array_from_callback` asks for one device's shard) reads just
+    that part of its HF tensor(s) and casts it. Over memory-mapped safetensors (model/checkpoints/
+    weights.py) a host so reads only the pages of its own devices' shards."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Callable[[tuple[slice, ...]], np.ndarray]):
+        self.shape, self.dtype, self._read = shape, np.dtype(dtype), read
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        idx = idx + (slice(None),) * (self.ndim - len(idx))
+        return self._read(idx)
+
+
+def _read_one(place: Placement, a: np.ndarray, idx: tuple[slice, ...], dtype) -> np.ndarray:
+    """Slice `idx` (our layout) of HF tensor `a`: a projection's [in, out] slice is the
+    transpose of HF's [out, in] one."""
+    src = a[idx[1], idx[0]].T if place.transpose else a[idx]
+    return np.ascontiguousarray(np.asarray(src).astype(dtype))
+
+
+def build_lazy_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool) -> Tree:
+    """`build_host_state`'s tree (the same structure, shapes and dtypes) of LazyLeafs: nothing is
+    read until a shard is asked for (many hosts: each places only its own devices' shards,
+    model/mesh.py place_host_array). Same checks, same errors."""
+    layout = _checked_layout(cfg, tensors)
+    dtype = np.dtype(dtype)
+    tree: Tree = {}
+    stacks: dict[tuple[str, ...], list[tuple[Placement, np.ndarray]]] = {}
+    for name, place in layout.items():
+        shape = place.hf_shape[::-1] if place.transpose else place.hf_shape
+        if place.layer is not None and stacked:
+            stacks.setdefault(place.path, []).append((place, tensors[name]))
+            continue
+        path = place.state_path(stacked=False)
+
+        def read_one(idx: tuple[slice, ...], p: Placement = place, a: np.ndarray = tensors[name]) -> np.ndarray:
+            return _read_one(p, a, idx, dtype)
+
+        leaf = LazyLeaf(shape, dtype, read_one)
+        *parents, key = path
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[key] = leaf
+    for path, per_layer in stacks.items():
+        place0 = per_layer[0][0]
+        shape = (len(per_layer), *(place0.hf_shape[::-1] if place0.transpose else place0.hf_shape))
+
+        def read(idx: tuple[slice, ...], per_layer=per_layer) -> np.ndarray:
+            return np.stack([_read_one(p, a, idx[1:], dtype) for p, a in per_layer[idx[0]]])
+
+        *parents, key = path
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[key] = LazyLeaf(shape, dtype, read)
+    return tree
+
+
+def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool) -> Tree:
+    """The state as host (NumPy) arrays, layers stacked or per layer. Raises ValueError naming a
+    missing tensor or one whose shape disagrees with config.json."""
+    layout = _checked_layout(cfg, tensors)
     tree: Tree = {}
     for name, place in layout.items():
         a = to_tree_layout(place, tensors[name], dtype)

@@ -21,7 +21,9 @@ Many hosts (one runner each, model/distributed.py): an update (its last part) an
 commit only if every runner's succeeded. Each runner builds, then `agree(ok)` gathers every
 runner's ok at that same point of the message stream; one failure anywhere and every runner
 keeps its old weights (what it built is freed) and says why: its own error, or "failed on
-another host".
+another host". Every part of an update from tensors agrees too (each runner staged it, or every
+runner drops the update): so runner 0's reply to a part, which is all the pusher waits for
+before writing that segment again, comes only once every runner has copied the part out.
 """
 
 from __future__ import annotations
@@ -150,11 +152,19 @@ class WeightSync:
             return self.staging.tensors() if last else {}
 
         if not last:
+            err = None
             try:
                 read()
-            except BaseException:
+            except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
+                err = e
+            # Every part agrees (on one host: free): the reply to this part (runner 0's) then
+            # means every runner has read its segment, so the pusher may write it again, and on
+            # many hosts a relay may drop its copy (actors/relay/blobs.py).
+            if not self.agree(err is None):
                 self.staging = None
-                raise
+                if isinstance(err, WeightError) or err is None:
+                    raise err or WeightError("refused: a part of the update failed on another host (its log says why)")
+                raise WeightError(f"{type(err).__name__}: {err}") from err
             return f"staged {len(refs)} pieces"
         try:
             return f"updated {self._commit(read, full=False)} tensors"

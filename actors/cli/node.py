@@ -1,13 +1,14 @@
 """`ringserve serve --nnodes N --node-rank K` for K > 0: a host that serves no requests itself.
 
 It runs what feeds its runner (start_node, actors/transport/launcher.py: a relay-in from host 0
-and the runner) and an HTTP `/health` for an orchestrator's probes (200 once its runner is
-ready, 503 before). It ends when host 0 stops (exit 0), or when anything here dies or host 0
+and the runner), prints their log lines on stderr (at --log-level), and serves an HTTP
+`/health` for an orchestrator's probes (200 once its runner is ready, 503 before). It ends when host 0 stops (exit 0), or when anything here dies or host 0
 is gone (exit 1): no partial recovery, the orchestrator restarts every host.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +23,13 @@ def serve_node(server_args: dict[str, Any], stop: threading.Event) -> int:
 
     args = ServerArgs.from_kwargs(**server_args)
     model_dir, tok_dir = resolve_model(args.model_path)
+    # This host's only output: its actors' log lines (the runner's refusals, the relay's traffic)
+    # on stderr at --log-level.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("ringserve")
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
     ended: list[tuple[str, int | None]] = []
     done = threading.Event()
 

@@ -8,7 +8,8 @@ messages down each connection, unchanged and in order (actors/relay/actor.py own
     MAGIC | u32 k | HMAC-SHA256(token, nonce | u32 k) (32 B) ──►  checked (compare_digest);
             ◄────────────────────── b"OK" ─   wrong: the connection is closed, nothing else
     then, host 0 → host k only:  u32 L | L bytes (one ring message), ...;  L = 0: BYE (host 0
-    stops in order). Host k never sends after the handshake: readable from host 0's side means
+    stops in order); L with bit 31 set: a weight update's bytes, before its message
+    (actors/relay/blobs.py). Host k never sends after the handshake: readable from host 0's side means
     EOF or a reset, i.e. host k is gone.
 
 Little-endian throughout. The token never crosses the wire (only a MAC of a fresh nonce), so a
@@ -26,11 +27,13 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 MAGIC = b"RSRELAY1"
 U32 = struct.Struct("<I")
 NONCE, TAG = 16, 32
 BYE = b""
+BLOBS = 1 << 31  # a length word with this bit: a weight update's bytes follow (actors/relay/blobs.py)
 HANDSHAKE_S = 5.0  # a peer that has not finished its handshake within this is dropped
 
 log = logging.getLogger("ringserve.relay")
@@ -70,16 +73,23 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(U32.pack(len(payload)) + payload)
 
 
-def recv_frame(sock: socket.socket) -> bytes | None:
-    """One message (b"" is BYE), or None at EOF (host 0 is gone)."""
-    head = recv_exact(sock, 4)
-    if head is None:
-        return None
-    (n,) = U32.unpack(head)
-    if n == 0:
-        return BYE
-    body = recv_exact(sock, n)
-    return body
+def recv_frame(sock: socket.socket, on_blobs: Callable[[socket.socket, int], None] | None = None) -> bytes | None:
+    """One message (b"" is BYE), or None at EOF (host 0 is gone). A weight update's bytes before
+    it (a length word with BLOBS set, actors/relay/blobs.py) go to `on_blobs(sock, header
+    length)`, which reads them off the socket."""
+    while True:
+        head = recv_exact(sock, 4)
+        if head is None:
+            return None
+        (n,) = U32.unpack(head)
+        if n & BLOBS:
+            if on_blobs is None:
+                raise RelayError("a weight update's bytes where only messages were expected")
+            on_blobs(sock, n & ~BLOBS)
+            continue
+        if n == 0:
+            return BYE
+        return recv_exact(sock, n)
 
 
 class RelayListener:

@@ -89,6 +89,15 @@ class ActorContext:
         self._conn = conn
         self._send_lock = threading.Lock()  # log records come from any thread
         self._stop = threading.Event()
+        self.owned: dict[str, None] = {}  # more shared-memory names to remove if orphaned (`own`)
+
+    def own(self, name: str, add: bool = True) -> None:
+        """Name a shared-memory segment this actor made (`add`), or unlinked (not `add`): an
+        orphaned actor removes the names it still owns, as it does its rings'."""
+        if add:
+            self.owned[name] = None
+        else:
+            self.owned.pop(name, None)
 
     def ready(self, info: bytes = b"") -> None:
         """Tell the parent this actor has started (wait_ready returns `info` for it)."""
@@ -141,7 +150,7 @@ def _watch_parent(ctx: ActorContext, conn: Connection, parent_pid: int) -> None:
 
 
 def _orphaned(ctx: ActorContext) -> None:
-    for name in ctx.rings.values():
+    for name in [*ctx.rings.values(), *list(ctx.owned)]:
         unlink_name(name)
     os._exit(70)
 

@@ -5,7 +5,7 @@ tp=1 over the same prompts (chunked prefill on: prompts longer than a chunk).
   tp=2 jax.distributed program and read the scheduler's broadcast ring directly.
 - Two `ringserve serve` commands over loopback (`--nnodes 2 --node-rank 0/1`): the real path,
   host 0's relay to host 1's ring over TCP; a weight update whose checkpoint is missing on host 1
-  is refused on both; SIGKILL of host 1's runner, or of host 1 as a whole, ends host 0's callers
+  is refused on both; an update from tensors reaches host 1 through the relay; SIGKILL of host 1's runner, or of host 1 as a whole, ends host 0's callers
   with EngineDead within seconds and leaves no process and no shared memory behind.
 """
 
@@ -54,18 +54,33 @@ def dist_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir):
-    """One process, tp=1: the greedy tokens of PROMPTS, and of the pause test's prompts."""
+def other_weights(tmp_path_factory):
+    """Another tiny checkpoint (seed 1): its directory and its tensors (what a trainer pushes)."""
+    import numpy as np
+
+    from model.checkpoints.tiny import make_tiny_model
+    from model.checkpoints.weights import load_checkpoint
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-seed1"), "llama", seed=1)
+    return path, {k: np.array(v) for k, v in load_checkpoint(path)[1].items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, other_weights):
+    """One process, tp=1: the greedy tokens of PROMPTS, and of the pause test's prompts; and of
+    PROMPTS on the other weights (a fresh engine on that checkpoint)."""
     with engine_ctx(tiny_dir("llama"), **CHUNKED) as e:
         out = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         long = e.generate(input_ids=PROMPTS[:3], sampling_params={"temperature": 0, "ignore_eos": True,
                                                                    "max_new_tokens": 60})  # fmt: skip
-    return [o["output_ids"] for o in out], [o["output_ids"] for o in long]
+    with engine_ctx(other_weights[0], **CHUNKED) as e:
+        other = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    return [o["output_ids"] for o in out], [o["output_ids"] for o in long], [o["output_ids"] for o in other]
 
 
 @pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_two_runners_in_one_engine_match_one_process(tiny_dir, reference, overlap):
-    want, want_long = reference
+def test_two_runners_in_one_engine_match_one_process(tiny_dir, reference, other_weights, overlap):
+    want, want_long, want_other = reference
     path = tiny_dir("llama")
     with engine_ctx(path, tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{dist_port()}", dist_local_runners=True,
                     disable_overlap_schedule=not overlap, **CHUNKED) as e:  # fmt: skip
@@ -83,6 +98,12 @@ def test_two_runners_in_one_engine_match_one_process(tiny_dir, reference, overla
         assert r["success"], r
         r = e.update_weights_from_disk(str(path) + "-missing")
         assert not r["success"] and "no such directory" in r["message"]
+        # an update from tensors, in several parts (each part agreed by both runners before the
+        # pusher writes its segment again): both serve the new weights, as a fresh tp=1 engine
+        r = e.update_weights_from_tensor(other_weights[1], bucket_bytes=1 << 18)
+        assert r["success"], r
+        assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want_other
+        assert e.update_weights_from_disk(str(path))["success"]
         assert e.release_memory_occupation()["success"] and e.resume_memory_occupation()["success"]
         assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
 
@@ -110,9 +131,9 @@ class Hosts:
             for k, (cwd, port) in enumerate(((cwd0, self.http), (cwd1, self.health)))
         ]  # fmt: skip
 
-    def log(self, k: int) -> str:
+    def log(self, k: int, tail: int = 4000) -> str:
         self.logs[k].seek(0)
-        return self.logs[k].read()[-4000:]
+        return self.logs[k].read()[-tail:]
 
     def wait_ready(self, timeout: float = 900) -> None:
         deadline = time.monotonic() + timeout
@@ -200,8 +221,10 @@ def check_gone(hosts: Hosts, dead_at: float, t: threading.Thread, box: dict, cod
 
 
 @pytest.mark.slow
-def test_two_serve_commands_relay_refuse_together_and_die_together(tiny_dir, reference, tmp_path):
-    want, _ = reference
+def test_two_serve_commands_relay_refuse_together_and_die_together(tiny_dir, reference, other_weights, tmp_path):
+    from actors.frontend.weight_buckets import safetensors_stream
+
+    want, _, want_other = reference
     model = tiny_dir("llama")
     (tmp_path / "h0").mkdir()
     (tmp_path / "h1").mkdir()
@@ -220,6 +243,20 @@ def test_two_serve_commands_relay_refuse_together_and_die_together(tiny_dir, ref
         status, r = hosts.post("/update_weights_from_disk", {"model_path": str(model)})
         assert r["success"], r
         assert hosts.generate(PROMPTS, GREEDY) == want
+        # an update from tensors (HTTP, several buckets through host 0's one segment): host 0's
+        # relay sends each part's bytes, host 1 stages them from its own segments; both serve
+        # the new weights, as a fresh tp=1 engine on them
+        body = b"".join(safetensors_stream(other_weights[1], bucket_bytes=1 << 18))
+        req = urllib.request.Request(f"http://127.0.0.1:{hosts.http}/update_weights_from_tensor", body,
+                                     {"Content-Type": "application/octet-stream"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            r = json.loads(resp.read())
+        assert r["success"], r
+        assert hosts.generate(PROMPTS, GREEDY) == want_other
+        parts = re.findall(r"relay: a weight update's part, (\d+) bytes", hosts.log(1, tail=1 << 30))
+        assert len(parts) > 1 and sum(map(int, parts)) >= sum(a.nbytes for a in other_weights[1].values())
+        status, r = hosts.post("/update_weights_from_disk", {"model_path": str(model)})
+        assert r["success"], r
         # host 1's runner SIGKILLed mid-decode: host 0's callers get EngineDead within seconds
         t, box = pending_generate(hosts, 3)
         os.kill(runner_pid(hosts, 1), signal.SIGKILL)

@@ -133,12 +133,22 @@ def test_an_update_commits_only_if_every_host_agrees(segment):
     # another host failed: refused here too, what was built is freed, the old weights serve
     hosts = Hosts(others=False)
     sync = WeightSync(FakeExecutor(dict(SERVED)), hosts)
-    for i, refs in enumerate(parts(new, 256, segment)):
+    sync.agree = Hosts(others=True)
+    n = 0
+    for i, refs in enumerate(parts(new, 24, segment)):  # 2 rows of w per part
         sync.stage(refs, "u1", first=i == 0, last=False)
-    assert hosts.said == []  # parts before the last do not agree
+        n += 1
+    assert n == 2 and sync.agree.said == [True, True]  # every part agrees (the pusher may reuse its segment)
+    sync.agree = hosts
     with pytest.raises(WeightError, match="failed on another host"):
         sync.stage([], "u1", first=False, last=True)
     assert hosts.said == [True] and sync.ex.discarded == "params" and sync.ex.host_tensors["w"] is SERVED["w"]
+    # a part that failed on another host: refused here too, the update is dropped
+    hosts = Hosts(others=False)
+    sync = WeightSync(FakeExecutor(dict(SERVED)), hosts)
+    with pytest.raises(WeightError, match="part of the update failed on another host"):
+        sync.stage(next(parts(new, 256, segment)), "u0", first=True, last=False)
+    assert hosts.said == [True] and sync.staging is None
     # this host fails: it still takes part in the agreement (once), with its own reason
     hosts = Hosts(others=True)
     sync = WeightSync(FakeExecutor(dict(SERVED)), hosts)

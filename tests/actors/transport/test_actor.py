@@ -35,6 +35,19 @@ def idle(ctx):
     ctx.wait_stopping()
 
 
+def owns_a_segment(ctx):
+    """Makes a segment it owns (`ctx.own`) and one it owned and gave up; ready with their names."""
+    import posix_ipc
+
+    names = [f"/rs-{os.getpid()}-{k}0-owned" for k in "ab"]
+    for name in names:
+        posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+        ctx.own(name)
+    ctx.own(names[1], False)
+    ctx.ready(" ".join(names).encode())
+    ctx.wait_stopping()
+
+
 def fails_at_startup(ctx):
     raise ValueError(f"bad config {ctx.config!r}")
 
@@ -171,8 +184,9 @@ g = ActorGroup()
 ring = g.ring("orphan", 1024)
 known = g.broadcast_ring("known", 2, 1024)
 g.spawn("child", "tests.actors.transport.test_actor:idle", rings={{"inbox": known.name}})
+g.spawn("owner", "tests.actors.transport.test_actor:owns_a_segment")
 info = g.wait_ready(60)
-print(ring.name, int(info["child"]), known.name, flush=True)
+print(ring.name, int(info["child"]), known.name, info["owner"].decode(), flush=True)
 time.sleep(600)
 """
 
@@ -182,7 +196,7 @@ def test_child_exits_when_its_parent_is_killed_and_cleanup_removes_the_segments(
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
     try:
         assert proc.stdout is not None
-        dead_name, child_pid, known_name = proc.stdout.readline().split()
+        dead_name, child_pid, known_name, owned, given_up = proc.stdout.readline().split()
     finally:
         proc.kill()
         proc.wait()
@@ -191,6 +205,11 @@ def test_child_exits_when_its_parent_is_killed_and_cleanup_removes_the_segments(
         time.sleep(0.05)
     assert not _pid_alive(int(child_pid)), "the orphaned actor kept running"
     assert glob.glob(f"/dev/shm/*{known_name.lstrip('/')}*") == []  # the child removed the rings it knew
+    deadline = time.monotonic() + 5  # and an actor the segments it owned (not one it gave up)
+    while os.path.exists(f"/dev/shm{owned}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/dev/shm{owned}") and os.path.exists(f"/dev/shm{given_up}")
+    os.unlink(f"/dev/shm{given_up}")
     dead = glob.glob(f"/dev/shm/*{dead_name.lstrip('/')}*")
     assert len(dead) == 3  # SIGKILL left the segment and its two semaphores behind
     with Ring.create("alive", 256) as live:
