@@ -110,6 +110,8 @@ def test_many_hosts_flags():
         (dict(nnodes=2, node_rank=2, tp_size=2, dist_init_addr="h:1"), "node_rank=2: must be in"),
         (dict(nnodes=0), "nnodes=0"),
         (dict(dist_heartbeat_s=0), "dist_heartbeat_s=0"),
+        (dict(nnodes=2, tp_size=2, dist_init_addr="h:1", dp_size=2), "dp_size=2 with nnodes=2"),
+        (dict(nnodes=2, tp_size=2, dist_init_addr="h:1", enable_lora=True), "enable_lora cannot be combined with nnodes > 1"),
     ],
 )
 def test_bad_many_hosts_options(kwargs, message):
