@@ -76,6 +76,10 @@ class ServerArgs:
         "auto", "decoder layers: one scan over stacked weights, or unrolled over per-layer weights (auto: unrolled on CPU)"
     )
     layer_unroll: int = _opt(1, "decoder layers per iteration of the layer scan")
+    cpu_matmul: Literal["auto", "xla", "onednn"] = _opt(
+        "auto", "projections and LM head on CPU: XLA's dot or oneDNN's matmul (pip install 'ringserve[onednn]'; "
+        "bf16/f16 on AVX512-BF16/AMX); auto: oneDNN for bf16/f16 when it is installed and tp_size is 1"
+    )
     attention_interpret: bool = _opt(False, "run Pallas attention kernels in their interpreter (CPU tests)")
     precompile: bool = _opt(True, "compile every shape bucket at start-up")
     serve_while_compiling: bool = _opt(

@@ -63,7 +63,7 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def executor(path, backend: str, dtype: str, cases, precompile: bool = False):
+def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cpu_matmul: str = "auto"):
     from model.executor import ExecutorConfig, ModelExecutor
 
     page = 16
@@ -73,7 +73,7 @@ def executor(path, backend: str, dtype: str, cases, precompile: bool = False):
     cfg = ExecutorConfig(page_size=page, num_pages=pages + 2, max_context_len=max(ctx, 16), max_batch=max(2, max_batch),
                          max_extend_tokens=max(16, max(b * n for k, b, n in cases if k == "extend") if any(
                              k == "extend" for k, _, _ in cases) else 16), dtype=dtype, attention_backend=backend,
-                         precompile=precompile)  # fmt: skip
+                         precompile=precompile, cpu_matmul=cpu_matmul)  # fmt: skip
     return ModelExecutor(path, cfg)
 
 
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--backend", default="auto", help="attention backend of the measured step")
+    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "onednn"],
+                    help="projections on CPU: XLA's dot or oneDNN's (auto: oneDNN for bf16 where installed)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--startup", action="store_true", help="also time a cold start-up (no compilation cache)")
@@ -156,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = parse_cases(a.cases)
     path = model_dir(a.model)
-    main_ex = executor(path, a.backend, a.dtype, cases)
-    floor_ex = executor(path, "none", a.dtype, cases)
+    main_ex = executor(path, a.backend, a.dtype, cases, cpu_matmul=a.cpu_matmul)
+    floor_ex = executor(path, "none", a.dtype, cases, cpu_matmul=a.cpu_matmul)
     hf = None
     if not a.no_hf:
         import torch
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if jax.devices()[0].platform == "gpu" and torch.cuda.is_available():
             hf = hf.cuda()
     platform = jax.devices()[0].platform
-    print(f"# {a.model} {a.dtype} on {platform} ({jax.devices()[0].device_kind}); attention: {main_ex.backend}")
+    print(f"# {a.model} {a.dtype} on {platform} ({jax.devices()[0].device_kind}); attention: {main_ex.backend}; matmul: {main_ex.dot}")
     print(f"{'case':>18} {'step_ms':>9} {'floor_ms':>9} {'hf_ms':>9} {'tok_s':>10} {'vs_hf':>6}")
     rows = []
     for kind, b, n in cases:
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
              "hf_ms": round(hf_ms, 2), "tok_s": round(new / step * 1e3, 1), "vs_hf": round(hf_ms / step, 2)}  # fmt: skip
         rows.append(r)
         print(f"{r['case']:>18} {step:9.2f} {floor:9.2f} {hf_ms:9.2f} {r['tok_s']:10.1f} {r['vs_hf']:6.2f}", flush=True)
-    report = {"model": a.model, "dtype": a.dtype, "platform": platform, "backend": main_ex.backend, "cases": rows}
+    report = {"model": a.model, "dtype": a.dtype, "platform": platform, "backend": main_ex.backend, "matmul": main_ex.dot,
+              "cases": rows}
     if a.startup:
         del main_ex, floor_ex
         report["startup"] = startup(path, a.dtype)

@@ -66,6 +66,7 @@ class ExecutorConfig:
     context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
     layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
     layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
+    cpu_matmul: str = "auto"  # "xla" | "onednn" (model/kernels/onednn.py) | "auto": resolve_dot
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
@@ -106,6 +107,39 @@ def resolve_layer_loop(layer_loop: str, platform: str) -> str:
     return layer_loop
 
 
+def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
+    """How the projections and the LM head multiply (model/layers.py `matmul`): "invariant" in
+    the deterministic mode; "onednn" where asked for, or by "auto" for bf16/f16 on CPU with one
+    device when the custom call is installed (XLA:CPU has no fast bf16 dot: on 2 Zen 4 cores its
+    bf16 dots ran at 45-140 GF/s against oneDNN's 290-400); "xla" otherwise (f32 on CPU, where
+    XLA's dot is as fast as oneDNN's, and every accelerator)."""
+    want = cfg.cpu_matmul
+    if want not in ("auto", "xla", "onednn"):
+        raise ValueError(f"cpu_matmul={want!r}: must be 'auto', 'xla' or 'onednn'")
+    if cfg.deterministic:
+        if want == "onednn":
+            raise ValueError("cpu_matmul='onednn' with enable_deterministic_inference: the deterministic mode "
+                             "keeps its batch-invariant dot (use cpu_matmul='auto' or 'xla')")  # fmt: skip
+        return "invariant"
+    if want == "onednn":
+        from model.kernels import onednn
+
+        if platform != "cpu":
+            raise ValueError(f"cpu_matmul='onednn' runs on CPU only; this platform is {platform!r}")
+        if cfg.tp_size != 1:
+            raise ValueError(f"cpu_matmul='onednn' needs tp_size=1 (got {cfg.tp_size}): the custom call is not sharded")
+        if (why := onednn.reason()) is not None:
+            raise ValueError(f"cpu_matmul='onednn' is not available here: {why}")
+        return "onednn"
+    if want == "auto" and platform == "cpu" and cfg.tp_size == 1 and cfg.dtype in ("bfloat16", "float16"):
+        from model.kernels import onednn
+
+        if (why := onednn.reason()) is None:
+            return "onednn"
+        log.info("cpu_matmul=auto: XLA's dot (%s)", why)
+    return "xla"
+
+
 class ModelExecutor:
     def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
         if cfg.dtype not in DTYPES:
@@ -131,9 +165,10 @@ class ModelExecutor:
         )  # fmt: skip
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
         self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform)
+        self.dot = resolve_dot(cfg, self.platform)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
                               cfg.deterministic, logits_vocab_major=self.platform == "cpu",
-                              lora_gather=cfg.lora_gather)  # fmt: skip
+                              lora_gather=cfg.lora_gather, dot=self.dot)  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)

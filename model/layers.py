@@ -45,16 +45,17 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Module):
     """x [T, in] @ weight [in, out] (+ bias [out], which shares the weight's output split).
-    `sharding` of the weight: (None, "tp") column-parallel, ("tp", None) row-parallel, ()."""
+    `sharding` of the weight: (None, "tp") column-parallel, ("tp", None) row-parallel, ().
+    `dot`: how the product is computed (`matmul`)."""
 
     def __init__(self, n_in: int, n_out: int, dtype, sharding: Sharding = (), bias: bool = False,
-                 deterministic: bool = False):  # fmt: skip
+                 dot: str = "xla"):  # fmt: skip
         self.weight = param((n_in, n_out), dtype, sharding)
         self.bias = param((n_out,), dtype, sharding[1:]) if bias else None
-        self.deterministic = deterministic
+        self.dot = dot
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...], self.deterministic)
+        y = matmul(x, self.weight[...], self.dot)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -72,10 +73,10 @@ class GatedMLP(nnx.Module):
     """down(silu(gate(x)) * up(x)), the Llama/Qwen/Mistral MLP: gate/up column-parallel, down
     row-parallel (each replicated if `tp` does not divide the intermediate size)."""
 
-    def __init__(self, hidden: int, inter: int, dtype, column: Sharding, row: Sharding, deterministic: bool = False):
-        self.gate_proj = Linear(hidden, inter, dtype, column, deterministic=deterministic)
-        self.up_proj = Linear(hidden, inter, dtype, column, deterministic=deterministic)
-        self.down_proj = Linear(inter, hidden, dtype, row, deterministic=deterministic)
+    def __init__(self, hidden: int, inter: int, dtype, column: Sharding, row: Sharding, dot: str = "xla"):
+        self.gate_proj = Linear(hidden, inter, dtype, column, dot=dot)
+        self.up_proj = Linear(hidden, inter, dtype, column, dot=dot)
+        self.down_proj = Linear(inter, hidden, dtype, row, dot=dot)
 
     def __call__(self, x: jax.Array, lora: Any = None) -> jax.Array:
         """`lora`: the layer's adapters (model/lora.py LayerLora), added to each projection."""
@@ -115,9 +116,22 @@ def invariant_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return rowwise(lambda a: a @ w, x)
 
 
-def matmul(x: jax.Array, w: jax.Array, deterministic: bool) -> jax.Array:
-    """x @ w; batch-invariant in the deterministic mode (every projection and the LM head)."""
-    return invariant_matmul(x, w) if deterministic else jnp.matmul(x, w)
+DOTS = ("xla", "invariant", "onednn")
+
+
+def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = False) -> jax.Array:
+    """x @ w (w [K, N]; [N, K] with `transpose_w`), computed as `dot` says:
+
+        xla        XLA's dot
+        invariant  batch-invariant (`rowwise`): the deterministic mode's projections and LM head
+        onednn     oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
+    """
+    if dot == "onednn":
+        from model.kernels import onednn
+
+        return onednn.matmul(x, w, transpose_w=transpose_w)
+    w = w.T if transpose_w else w
+    return invariant_matmul(x, w) if dot == "invariant" else jnp.matmul(x, w)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

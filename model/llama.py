@@ -53,13 +53,13 @@ class Attention(nnx.Module):
     """q/k/v projections (column-parallel by heads), q/k RMSNorm (Qwen3), RoPE, the backend's
     KV write and attention, and the row-parallel output projection."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, deterministic: bool):
-        h, q, kv, det = cfg.hidden_size, cfg.q_size, cfg.kv_size, deterministic
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str):
+        h, q, kv, det = cfg.hidden_size, cfg.q_size, cfg.kv_size, dot == "invariant"
         col_q, col_kv = tp_split(2, 1, cfg.num_heads, tp), tp_split(2, 1, cfg.num_kv_heads, tp)
-        self.q_proj = Linear(h, q, dtype, col_q, cfg.qkv_bias, det)
-        self.k_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, det)
-        self.v_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, det)
-        self.o_proj = Linear(q, h, dtype, tp_split(2, 0, q, tp), deterministic=det)
+        self.q_proj = Linear(h, q, dtype, col_q, cfg.qkv_bias, dot)
+        self.k_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, dot)
+        self.v_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, dot)
+        self.o_proj = Linear(q, h, dtype, tp_split(2, 0, q, tp), dot=dot)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, det) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, det) if cfg.qk_norm else None
         self.cfg = cfg
@@ -83,12 +83,12 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and gated MLP, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, deterministic: bool):
-        h, i, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, dtype, deterministic)
-        self.self_attn = Attention(cfg, backend, dtype, tp, deterministic)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype, deterministic)
-        self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), deterministic)
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str):
+        h, i, eps, det = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, dot == "invariant"
+        self.input_layernorm = RMSNorm(h, eps, dtype, det)
+        self.self_attn = Attention(cfg, backend, dtype, tp, dot)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, det)
+        self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), dot)
 
     def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any]:
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb, lora)
@@ -102,9 +102,13 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False, lora_gather: bool = False):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla"):  # fmt: skip
+        # how the projections and the LM head multiply (model/layers.py matmul): batch-invariant
+        # in the deterministic mode, else XLA's dot or oneDNN's (ExecutorConfig.cpu_matmul)
+        self.dot = "invariant" if deterministic else dot
+
         def layer() -> DecoderLayer:
-            return DecoderLayer(cfg, backend, dtype, tp, deterministic)
+            return DecoderLayer(cfg, backend, dtype, tp, self.dot)
 
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers: nnx.List[DecoderLayer] | DecoderLayer
@@ -120,7 +124,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.layer_unroll = layer_unroll
         self.deterministic = deterministic
-        self.logits_vocab_major = logits_vocab_major and not deterministic
+        self.logits_vocab_major = logits_vocab_major and self.dot == "xla"
         self.lora_gather = lora_gather  # the adapters' product in its gather form (model/lora.py)
 
     def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
@@ -153,13 +157,19 @@ class Decoder(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
+        if self.dot == "onednn":  # f32 out of the kernel: the logits are never rounded to bf16
+            from model.kernels import onednn
+
+            if self.lm_head is not None:
+                return onednn.matmul(h, self.lm_head.weight[...], out_dtype=jnp.float32)
+            return onednn.matmul(h, self.embed_tokens.weight[...], transpose_w=True, out_dtype=jnp.float32)
         w = self.lm_head.weight[...].T if self.lm_head is not None else self.embed_tokens.weight[...]  # [V, H]
         if self.logits_vocab_major:
             # [V, S] then transposed: XLA:CPU runs the [V, H] x [H, S] form 1.5-3.5x faster for a
             # few rows (SmolLM2's 49,152 x 576 head, 32 rows: 28.5 ms against 41.7 as h @ embed.T
             # and 102 as h @ lm_head; the same from 64 rows up)
             return jax.lax.dot_general(w, h, (((1,), (1,)), ((), ()))).T.astype(jnp.float32)
-        return matmul(h, w.T, self.deterministic).astype(jnp.float32)
+        return matmul(h, w, self.dot, transpose_w=True).astype(jnp.float32)
 
 
 class CausalLM:
@@ -176,11 +186,11 @@ class CausalLM:
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False, lora_gather: bool = False):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla"):  # fmt: skip
         self.cfg = cfg
         self.attn = attn
         decoder = nnx.eval_shape(lambda: Decoder(cfg, attn, dtype, tp, layer_loop, layer_unroll, deterministic,
-                                                 logits_vocab_major, lora_gather))  # fmt: skip
+                                                 logits_vocab_major, lora_gather, dot))  # fmt: skip
         self.graphdef, state = nnx.split(decoder)
         self.abstract: dict = nnx.to_pure_dict(state)
         self.specs: dict = nnx.to_pure_dict(nnx.get_partition_spec(state))

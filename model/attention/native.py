@@ -42,7 +42,7 @@ import numpy as np
 
 import model.attention.tiles as tiles
 from kvmem.allocator import cdiv
-from model.attention.base import AttentionBackend, AttnGeometry, StepShape, layer_pages
+from model.attention.base import AttentionBackend, AttnGeometry, StepShape, kv_bits, layer_pages, to_kv
 
 
 class NativeAttention(AttentionBackend):
@@ -61,13 +61,14 @@ class NativeAttention(AttentionBackend):
         """K [Hkv, L*P, D, page] (each page's keys transposed), V [Hkv, L*P, page, D]: a gathered
         chunk of keys is then the [D, chunk] operand the score product wants, no transpose."""
         g = self.geo
-        k, v = super().kv_avals()
-        return jax.ShapeDtypeStruct((g.num_kv_heads, g.num_layers * g.num_pages, g.head_dim, g.page_size), g.dtype), v
+        bits = kv_bits(g.dtype)  # 16-bit floats stored as their bits: written and read in place on CPU
+        shape_k = (g.num_kv_heads, g.num_layers * g.num_pages, g.head_dim, g.page_size)
+        return jax.ShapeDtypeStruct(shape_k, bits), jax.ShapeDtypeStruct(super().kv_avals()[1].shape, bits)
 
     def write(self, kv, layer, k, v, fb):
         g = self.geo
         page = fb.out_loc // g.page_size + layer * g.num_pages
-        k_cache = kv[0].at[:, page, :, fb.out_loc % g.page_size].set(k.astype(kv[0].dtype))  # k: [T, Hkv, D]
+        k_cache = kv[0].at[:, page, :, fb.out_loc % g.page_size].set(to_kv(k, kv[0].dtype, g.dtype))  # k: [T, Hkv, D]
         return k_cache, self.write_paged(kv[1], v, layer, fb)
 
     def lanes(self, shape: StepShape) -> int:
@@ -162,7 +163,7 @@ class NativeAttention(AttentionBackend):
             state, part = carry
             tile, chunk = p["item_tile"][s], p["item_chunk"][s]  # [W]
             pages = jax.vmap(lambda row, c: jax.lax.dynamic_slice_in_dim(row, c * cp, cp))(tables[tile_row[tile]], chunk)
-            k, v = tiles.gather_pages_t(kv[0], pages), tiles.gather_pages(kv[1], pages)
+            k, v = tiles.gather_pages_t(kv[0], pages, g.dtype), tiles.gather_pages(kv[1], pages, g.dtype)
             key_pos = chunk[:, None] * self.chunk + key_off[None, :]
             state = tiles.online_update(state, qt[tile], k, v, key_pos, pos[tile], g, reset=p["item_first"][s],
                                         k_major=True)  # fmt: skip

@@ -17,12 +17,14 @@ NT is static per program: T / block + R (each row adds at most one partial tile)
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvmem.allocator import cdiv
-from model.attention.base import NEG_INF, AttnGeometry, StepShape
+from model.attention.base import NEG_INF, AttnGeometry, StepShape, from_kv
 
 
 def num_tiles(shape: StepShape) -> int:
@@ -154,16 +156,18 @@ def untile(out: jax.Array, plan: dict, geo: AttnGeometry, dtype) -> jax.Array:
     return flat[plan["tok_slot"]].astype(dtype)
 
 
-def gather_pages(cache: jax.Array, pages: jax.Array) -> jax.Array:
-    """K or V of pages [n, cp] from the paged cache [Hkv, L*P, page, D] -> f32 [Hkv, n, cp*page, D]."""
+def gather_pages(cache: jax.Array, pages: jax.Array, dtype: Any = None) -> jax.Array:
+    """K or V of pages [n, cp] from the paged cache [Hkv, L*P, page, D] -> f32 [Hkv, n, cp*page, D].
+    `dtype`: the compute dtype of a cache stored as bits (base.kv_bits)."""
     kvh, _, ps, d = cache.shape
     n, cp = pages.shape
-    return cache.at[:, pages].get(mode="promise_in_bounds").reshape(kvh, n, cp * ps, d).astype(jnp.float32)
+    g = from_kv(cache.at[:, pages].get(mode="promise_in_bounds"), dtype or cache.dtype)
+    return g.reshape(kvh, n, cp * ps, d).astype(jnp.float32)
 
 
-def gather_pages_t(cache_t: jax.Array, pages: jax.Array) -> jax.Array:
+def gather_pages_t(cache_t: jax.Array, pages: jax.Array, dtype: Any = None) -> jax.Array:
     """Keys of pages [n, cp] from a key-major cache [Hkv, L*P, D, page] -> f32 [Hkv, n, D, cp*page]."""
     kvh, _, d, ps = cache_t.shape
     n, cp = pages.shape
-    g = cache_t.at[:, pages].get(mode="promise_in_bounds")  # [Hkv, n, cp, D, page]
+    g = from_kv(cache_t.at[:, pages].get(mode="promise_in_bounds"), dtype or cache_t.dtype)  # [Hkv, n, cp, D, page]
     return jnp.swapaxes(g, 2, 3).reshape(kvh, n, d, cp * ps).astype(jnp.float32)

@@ -1,0 +1,139 @@
+// y = x @ w on CPU through oneDNN's matmul, as an XLA FFI custom call (model/kernels/onednn.py
+// builds, loads and registers it; the model calls it through model/layers.py `matmul`).
+//
+//   ringserve_onednn_matmul     x [M, K] (f32 | bf16 | f16), w [K, N] or [N, K] (same dtype)
+//   ringserve_onednn_matmul_q8  x [M, K] (bf16 | f32), w int8 [K, N] or [N, K], scale f32 [N]:
+//                               weight-only int8, dequantized inside the kernel (w * scale[n])
+//   result                      y [M, N] (f32 | bf16 | f16, the caller's choice)
+//   attribute transpose_w       the weight is stored [N, K] (a tied embedding as the LM head)
+//
+// A oneDNN primitive is made once per (shapes, dtypes, layout) and kept: every compiled program
+// has static shapes, so a server makes a few dozen and reuses them for every step. Memory
+// objects wrap XLA's buffers (no copies). Errors come back to XLA as FFI errors, never aborts.
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+bool to_dnnl(ffi::DataType t, dt* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = dt::f32; return true;
+    case ffi::DataType::BF16: *out = dt::bf16; return true;
+    case ffi::DataType::F16: *out = dt::f16; return true;
+    case ffi::DataType::S8: *out = dt::s8; return true;
+    default: return false;
+  }
+}
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+dnnl::stream& thread_stream() {
+  thread_local dnnl::stream s(cpu_engine());
+  return s;
+}
+
+using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, bool, bool>;
+
+struct Cached {
+  dnnl::matmul prim;
+  dnnl::memory::desc x, w, y, scale;
+};
+
+std::mutex cache_mu;
+std::map<Key, Cached>& cache() {
+  static std::map<Key, Cached> c;
+  return c;
+}
+
+const Cached& primitive(int64_t m, int64_t k, int64_t n, dt xt, dt wt, dt yt, bool transpose_w, bool quant) {
+  Key key{m, k, n, int(xt), int(wt), int(yt), transpose_w, quant};
+  std::lock_guard<std::mutex> lock(cache_mu);
+  auto it = cache().find(key);
+  if (it != cache().end()) return it->second;
+  dnnl::memory::desc x({m, k}, xt, tag::ab);
+  dnnl::memory::desc w({k, n}, wt, transpose_w ? tag::ba : tag::ab);
+  dnnl::memory::desc y({m, n}, yt, tag::ab);
+  dnnl::memory::desc scale;
+  dnnl::primitive_attr attr;
+  if (quant) {  // int8 weights, one f32 scale per output column, computed in the source's dtype
+    attr.set_fpmath_mode(xt == dt::bf16 ? dnnl::fpmath_mode::bf16 : dnnl::fpmath_mode::strict, true);
+    attr.set_scales(DNNL_ARG_WEIGHTS, 1 << 1, {}, dt::f32);
+    scale = dnnl::memory::desc({n}, dt::f32, tag::a);
+  }
+  dnnl::matmul::primitive_desc pd(cpu_engine(), x, w, y, attr);
+  return cache().emplace(key, Cached{dnnl::matmul(pd), x, w, y, scale}).first->second;
+}
+
+ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, ffi::Result<ffi::AnyBuffer> y,
+               bool transpose_w) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || xd.size() < 1 || yd.size() != xd.size())
+    return ffi::Error::InvalidArgument("onednn_matmul: x [..., K], w rank 2, y [..., N]");
+  int64_t k = xd.back();
+  int64_t m = k == 0 ? 0 : int64_t(x.element_count()) / k;
+  int64_t n = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != k || yd.back() != n)
+    return ffi::Error::InvalidArgument("onednn_matmul: inner dimensions disagree");
+  dt xt, wt, yt;
+  if (!to_dnnl(x.element_type(), &xt) || !to_dnnl(w.element_type(), &wt) || !to_dnnl(y->element_type(), &yt))
+    return ffi::Error::InvalidArgument("onednn_matmul: dtypes must be f32, bf16, f16 (w: or s8)");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  try {
+    const Cached& c = primitive(m, k, n, xt, wt, yt, transpose_w, scale != nullptr);
+    auto& eng = cpu_engine();
+    dnnl::memory xm(c.x, eng, x.untyped_data()), wm(c.w, eng, w.untyped_data()), ym(c.y, eng, y->untyped_data());
+    std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}};
+    if (scale != nullptr) args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, dnnl::memory(c.scale, eng, scale->untyped_data()));
+    auto& s = thread_stream();
+    c.prim.execute(s, args);
+    s.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
+  return run(x, w, nullptr, y, transpose_w);
+}
+
+ffi::Error matmul_q8(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> y,
+                     bool transpose_w) {
+  if (w.element_type() != ffi::DataType::S8 || scale.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("onednn_matmul_q8: w must be int8 and scale f32");
+  return run(x, w, &scale, y, transpose_w);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveOnednnMatmul, matmul,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveOnednnMatmulQ8, matmul_q8,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Attr<bool>("transpose_w"));
+
+extern "C" int ringserve_onednn_ready() {  // 1 if a CPU engine can be made (the runtime is there)
+  try {
+    cpu_engine();
+    return 1;
+  } catch (...) {
+    return 0;
+  }
+}
