@@ -90,8 +90,8 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
              f"= {budget:,} tokens at {kv_token:,} B a token ({fp.num_layers} layers x {fp.num_kv_heads} KV heads x "
              f"head_dim {fp.head_dim} x K and V, {args.dtype})") if budget is not None else ""  # fmt: skip
     if by == "mem_fraction_static" and tokens < least:
-        raise ValueError(f"the KV pool does not fit: {where}, fewer than one request of context_length="
-                         f"{args.context_length} plus a page needs ({least:,} tokens); raise mem_fraction_static, "
+        raise ValueError(f"the KV pool does not fit: {where}, fewer than the {least:,} tokens one request of "
+                         f"context_length={args.context_length} plus a page needs; raise mem_fraction_static, "
                          f"lower context_length or set max_total_tokens")  # fmt: skip
     if by == "need" and args.multihost and budget is not None and need > budget:
         raise ValueError(f"max_total_tokens: on many hosts the KV pool is sized by need, max_running_requests="
