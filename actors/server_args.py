@@ -44,7 +44,16 @@ class ServerArgs:
     )
     # memory
     page_size: int = _opt(16, "tokens per KV page")
-    max_total_tokens: int = _opt(65536, "KV pool size in tokens (rounded down to pages; page 0 is reserved)")
+    max_total_tokens: int | None = _opt(
+        None, "KV pool size in tokens (rounded down to pages; page 0 is reserved); None: sized at start-up to the "
+        "smaller of what max_running_requests requests of context_length need and what mem_fraction_static leaves "
+        "after the weights (actors/transport/memory.py)"
+    )
+    mem_fraction_static: float | None = _opt(
+        None, "share of a device's memory for the weights + KV pool, in (0, 1] (SGLang's flag); None: 0.85 on GPU "
+        "and TPU, 0.5 on CPU, where the 'device' is the host's available RAM and also holds the OS, the other "
+        "processes, XLA's compile scratch and the runner's host copy of the checkpoint"
+    )
     max_running_requests: int = _opt(64, "requests decoded together (largest decode bucket; slot pool rows)")
     context_length: int = _opt(4096, "longest prompt + output of one request")
     # scheduling
@@ -175,17 +184,19 @@ class ServerArgs:
             f"page_size={self.page_size}: must be a power of two >= 1",
         )
         need(
-            self.max_total_tokens >= 2 * self.page_size,
-            f"max_total_tokens={self.max_total_tokens}: must hold at least 2 pages of {self.page_size}",
-        )
-        need(
             self.max_running_requests >= 1, f"max_running_requests={self.max_running_requests}: must be >= 1"
         )
         need(self.context_length >= 2, f"context_length={self.context_length}: must be >= 2")
-        pages = cdiv(self.context_length, self.page_size)  # one full-context request, page 0 reserved
-        need(self.num_pages - 1 >= pages + 1,
-             f"max_total_tokens={self.max_total_tokens}: the KV pool must hold one request of context_length="
-             f"{self.context_length} plus a page ({(pages + 2) * self.page_size} tokens)")  # fmt: skip
+        if self.max_total_tokens is not None:  # None: sized at start-up (actors/transport/memory.py)
+            need(
+                self.max_total_tokens >= 2 * self.page_size,
+                f"max_total_tokens={self.max_total_tokens}: must hold at least 2 pages of {self.page_size}",
+            )
+            need(self.num_pages >= self.min_pages,
+                 f"max_total_tokens={self.max_total_tokens}: the KV pool must hold one request of context_length="
+                 f"{self.context_length} plus a page ({self.min_pages * self.page_size} tokens)")  # fmt: skip
+        need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static <= 1.0,
+             f"mem_fraction_static={self.mem_fraction_static}: must be in (0, 1]")  # fmt: skip
         need(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"chunked_prefill_size={self.chunked_prefill_size}: -1 (off) or >= 1",
@@ -292,8 +303,16 @@ class ServerArgs:
 
     @property
     def num_pages(self) -> int:
-        """Pages in the KV pool, the reserved sink page 0 included."""
+        """Pages in the KV pool, the reserved sink page 0 included. Only once the pool is sized:
+        every actor's ServerArgs is (`resolve_memory`, actors/transport/memory.py)."""
+        if self.max_total_tokens is None:
+            raise RuntimeError("max_total_tokens is unresolved: size the KV pool first (actors/transport/memory.py)")
         return self.max_total_tokens // self.page_size
+
+    @property
+    def min_pages(self) -> int:
+        """The smallest pool: the sink page, one request of context_length, one page more."""
+        return cdiv(self.context_length, self.page_size) + 2
 
     @property
     def dist_addr(self) -> tuple[str, int]:

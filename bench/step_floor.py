@@ -132,9 +132,10 @@ def startup(path, dtype: str) -> dict:
     serves (the covering programs compiled: `serve_while_compiling`) and until every program is."""
     from actors.runner.core import executor_config
     from actors.server_args import ServerArgs
+    from actors.transport.memory import resolve_memory
     from model.executor import ModelExecutor
 
-    args = ServerArgs(model_path=str(path), dtype=dtype)  # type: ignore[arg-type]
+    args, _ = resolve_memory(ServerArgs(model_path=str(path), dtype=dtype), path)  # type: ignore[arg-type]
     t = time.perf_counter()
     ex = ModelExecutor(path, executor_config(args))
     ready = time.perf_counter() - t

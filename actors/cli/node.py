@@ -19,10 +19,12 @@ def serve_node(server_args: dict[str, Any], stop: threading.Event) -> int:
     from actors.server_args import ServerArgs
     from actors.transport import messages as m
     from actors.transport.launcher import start_node
+    from actors.transport.memory import resolve_memory
     from model.checkpoints.resolve import resolve_model
 
     args = ServerArgs.from_kwargs(**server_args)
     model_dir, tok_dir = resolve_model(args.model_path)
+    args, _ = resolve_memory(args, model_dir)  # on many hosts: by need, the same number as host 0's
     # This host's only output: its actors' log lines (the runner's refusals, the relay's traffic)
     # on stderr at --log-level.
     handler = logging.StreamHandler(sys.stderr)

@@ -93,7 +93,8 @@ def _banner(engine, servers, seconds: float) -> None:
         f"  devices    {len(r.get('devices', []))} x {r.get('platform')} {r.get('devices')} (tp_size {a.tp_size}, attention {r.get('attention_backend')})",
         f"  compiled   {r.get('num_programs')} of {r.get('programs_total')} step programs (load + compile "
         f"{r.get('load_and_compile_s')} s){'; the rest compile in the background' if pending else ''}",
-        f"  KV pool    {r.get('kv_pool_tokens', 0):,} tokens in pages of {a.page_size}; {a.max_running_requests} running requests max",
+        f"  KV pool    {engine.kv_pool.summary()}; pages of {a.page_size}; {a.max_running_requests} running requests "
+        f"of up to {a.context_length} tokens",
     ]
     if servers.socket_path:
         lines.append(f"  socket     {servers.socket_path}   (from actors import Client; Client(path))")

@@ -43,13 +43,17 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         from actors.transport.devices import group_envs
         from actors.transport.launcher import start_engine
+        from actors.transport.memory import resolve_memory
         from model.checkpoints.config import ModelConfig
         from model.checkpoints.resolve import resolve_model
         from model.checkpoints.tokenizer import load_tokenizer
 
         self._closed = False
-        self.args = args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         self.model_dir, tok_dir = resolve_model(args.model_path)
+        # the KV pool's size, once: every actor (and every restart) gets this max_total_tokens
+        args, self.kv_pool = resolve_memory(args, self.model_dir)
+        self.args = args
         self.tokenizer = load_tokenizer(tok_dir)
         mc = ModelConfig.from_dir(self.model_dir) if self.model_dir.is_dir() else None
         eos = set(mc.eos_token_ids if mc else ())
@@ -73,7 +77,9 @@ class Engine:
         self.frontend.runner_info = lambda: self.runner_info
         try:
             self.supervisor.start()
-            self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name}
+            self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
+                                         "max_total_num_tokens": (args.num_pages - 1) * args.page_size,
+                                         "kv_pool": self.kv_pool.as_dict()}  # fmt: skip
         except BaseException:
             self.shutdown()
             raise

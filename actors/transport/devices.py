@@ -22,9 +22,11 @@ from __future__ import annotations
 import glob
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Mapping
 
-__all__ = ["group_envs", "platform"]
+__all__ = ["device_memory_bytes", "group_envs", "platform"]
 
 _CPU_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 TPU_PORT_BASE = 8476
@@ -92,3 +94,35 @@ def group_envs(dp_size: int, tp_size: int, env: Mapping[str, str] | None = None)
                         "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_PORT": str(port),
                         "TPU_PROCESS_ADDRESSES": f"localhost:{port}", "CLOUD_TPU_TASK_ID": "0"})  # fmt: skip
     return out
+
+
+# Run in a child: this process never imports JAX, and the child must not keep the device.
+_PROBE = ("import jax; s = jax.devices()[0].memory_stats() or {}; "
+          "print(s.get('bytes_limit') or s.get('bytes_reservable_limit') or 0)")
+
+
+def device_memory_bytes(plat: str, env: Mapping[str, str] | None = None) -> int | None:
+    """Bytes of memory one device offers: on CPU the host's available RAM (/proc/meminfo
+    MemAvailable, what it can give without swapping now; else os.sysconf's free pages), elsewhere
+    `memory_stats()["bytes_limit"]` of JAX's device 0, read in a short-lived child process with
+    `env` (no preallocation). None when it cannot be told."""
+    env = dict(os.environ if env is None else env)
+    if plat == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = out.stdout.strip().splitlines()
+    return int(text[-1]) or None if out.returncode == 0 and text and text[-1].isdigit() else None

@@ -206,6 +206,20 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return config, tensors
 
 
+def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int]:
+    """(layers, KV heads, head_dim, weight elements) from a GGUF's metadata and tensor shapes,
+    nothing dequantized (model/checkpoints/footprint.py)."""
+    meta = _open(Path(path))
+    arch = meta.get("general.architecture")
+    if arch not in _ARCH:
+        raise ValueError(f"{meta.path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+    heads = int(meta.need(f"{arch}.attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta.need(f"{arch}.embedding_length")) // heads)
+    params = sum(int(np.prod(t.shape)) for t in meta.reader.tensors if t.name != _ROPE_FREQS)
+    return int(meta.need(f"{arch}.block_count")), kv_heads, head_dim, params
+
+
 def _rope_parameters(meta: _Meta, arch: str, head_dim: int, rope_freqs: np.ndarray | None) -> dict[str, Any]:
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = meta.get(f"{arch}.rope.scaling.type")

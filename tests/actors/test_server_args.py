@@ -54,6 +54,9 @@ def test_frozen():
         (dict(max_total_tokens=16, page_size=16), "max_total_tokens=16: must hold at least 2 pages"),
         (dict(max_total_tokens=4096, context_length=4096, page_size=16),
          "max_total_tokens=4096: the KV pool must hold one request of context_length=4096 plus a page (4128 tokens)"),
+        (dict(mem_fraction_static=0.0), "mem_fraction_static=0.0: must be in (0, 1]"),
+        (dict(mem_fraction_static=1.5), "mem_fraction_static=1.5: must be in (0, 1]"),
+        (dict(mem_fraction_static=-0.2), "mem_fraction_static=-0.2: must be in (0, 1]"),
         (dict(max_prefill_tokens=100), "max_prefill_tokens=100: must be a multiple of extend_block=16"),
         (dict(ring_bytes=5000), "ring_bytes=5000: must be a power of two"),
         (dict(pagesize=16), "unknown server option 'pagesize'; did you mean ['page_size'"),
@@ -75,6 +78,18 @@ def test_bad_options_name_the_field_and_limit(kwargs, message):
 
 def test_num_pages_rounds_down():
     assert ServerArgs(max_total_tokens=1000, page_size=16, context_length=512).num_pages == 62
+
+
+def test_the_pool_is_sized_at_start_up_unless_given():
+    """max_total_tokens None: the frontend sizes the pool (actors/transport/memory.py) before any
+    actor reads num_pages; a full fraction is allowed; the flags parse."""
+    a = ServerArgs()
+    assert (a.max_total_tokens, a.mem_fraction_static, a.min_pages) == (None, None, 258)
+    with pytest.raises(RuntimeError, match="max_total_tokens is unresolved"):
+        _ = a.num_pages
+    assert ServerArgs(mem_fraction_static=1.0).mem_fraction_static == 1.0
+    b = parse(["--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--context-length", "512"])
+    assert (b.mem_fraction_static, b.max_total_tokens, b.num_pages) == (0.3, 8192, 512)
 
 
 def test_constrained_json_whitespace_flags():

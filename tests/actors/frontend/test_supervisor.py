@@ -185,8 +185,8 @@ def tm(tiny_dir):
     from actors.transport.launcher import EngineLinks
     from model.checkpoints.tokenizer import load_tokenizer
 
-    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), EngineLinks([FakeRing()], [FakeRing()]), args=ServerArgs(),
-                         vocab_size=2048)  # fmt: skip
+    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), EngineLinks([FakeRing()], [FakeRing()]),
+                         args=ServerArgs(max_total_tokens=65536), vocab_size=2048)  # fmt: skip
     yield t
     t.close()
 
@@ -341,7 +341,7 @@ def bare_tm(tiny_dir):
     from actors.server_args import ServerArgs
     from model.checkpoints.tokenizer import load_tokenizer
 
-    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), args=ServerArgs(), vocab_size=2048)
+    t = TokenizerManager(load_tokenizer(tiny_dir("llama")), args=ServerArgs(max_total_tokens=65536), vocab_size=2048)
     yield t
     t.close()
 

@@ -1,0 +1,123 @@
+"""How many tokens the KV pool holds: decided once, where the frontend resolves its ServerArgs,
+before any actor starts, and handed down as a concrete `max_total_tokens` so the scheduler's books
+(kvmem) and the runner's KV arrays (model/executor.py) agree, and a restart reuses it.
+
+    need    = (max_running_requests x cdiv(context_length, page_size) + 1 sink page) x page_size
+              every running request at full context at once: more is never used
+    budget  = (mem_fraction_static x memory of one group - weight bytes) // KV bytes per token
+              memory of one group: CPU, the host's available RAM / dp_size (groups share it);
+              GPU/TPU, JAX's bytes_limit x tp_size (weights and KV are sharded over tp)
+    pool    = min(need, budget), rounded down to pages       (an explicit max_total_tokens wins)
+
+SGLang sizes its pool by the fraction alone and derives the running requests from it; ringserve's
+running requests and context are flags of their own, so the fraction is a cap and a pool never
+outgrows what they can use (`ringserve serve --context-length 512 --max-running-requests 16`
+holds 16 x 512 tokens + a page, as llama.cpp's `-c 8192 -np 16` does). On many hosts the pool is
+`need` (every host must hold the same pool and only the flags are the same everywhere); each host
+checks that it fits its own memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from actors.server_args import ServerArgs
+from actors.transport.devices import device_memory_bytes, platform
+from kvmem import cdiv
+from model.checkpoints.footprint import Footprint, read_footprint
+
+log = logging.getLogger("ringserve.memory")
+
+DEFAULT_FRACTION = {"cpu": 0.5}  # every other platform: ACCELERATOR_FRACTION
+ACCELERATOR_FRACTION = 0.85  # SGLang's defaults lie in 0.8-0.9 by GPU size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolSize:
+    """How the KV pool was sized (get_server_info()["kv_pool"], the serve banner)."""
+
+    max_total_tokens: int  # what every actor gets, page-aligned, the sink page included
+    sized_by: str  # "max_total_tokens" (given), "need" or "mem_fraction_static"
+    need_tokens: int
+    budget_tokens: int | None  # None: the memory could not be told (or was not asked)
+    kv_bytes_per_token: int
+    weight_bytes: int
+    group_memory_bytes: int | None  # the memory one group's weights + KV may take a share of
+    mem_fraction_static: float
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.max_total_tokens * self.kv_bytes_per_token
+
+    def summary(self) -> str:
+        gib = 1 << 30
+        return (f"{self.max_total_tokens:,} tokens = {self.kv_bytes / gib:.2f} GiB at {self.kv_bytes_per_token:,} B a "
+                f"token (sized by {self.sized_by}: need {self.need_tokens:,}, mem_fraction_static "
+                f"{self.mem_fraction_static:g} allows {'?' if self.budget_tokens is None else f'{self.budget_tokens:,}'})")  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "kv_bytes": self.kv_bytes}
+
+
+def need_tokens(args: ServerArgs) -> int:
+    """Every running request at full context at once, plus the sink page."""
+    return (args.max_running_requests * cdiv(args.context_length, args.page_size) + 1) * args.page_size
+
+
+def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: int | None) -> PoolSize:
+    """The pool for `args` (pure: the memory is given). ValueError naming the fields and the
+    numbers when not even one request of context_length plus a page fits."""
+    fraction = args.mem_fraction_static or DEFAULT_FRACTION.get(plat, ACCELERATOR_FRACTION)
+    kv_token, weights = fp.kv_bytes_per_token(args.dtype), fp.weight_bytes(args.dtype)
+    need = need_tokens(args)
+    budget = None
+    if group_memory_bytes is not None:
+        budget = max(0, int(fraction * group_memory_bytes) - weights) // kv_token // args.page_size * args.page_size
+    if args.max_total_tokens is not None:
+        tokens, by = args.max_total_tokens, "max_total_tokens"
+    elif args.multihost or budget is None:
+        tokens, by = need, "need"
+    else:
+        tokens, by = (need, "need") if need <= budget else (budget, "mem_fraction_static")
+    least = args.min_pages * args.page_size
+    where = (f"mem_fraction_static={fraction:g} x {group_memory_bytes:,} B of "
+             f"{'host RAM available' if plat == 'cpu' else f'{plat} memory'} - {weights:,} B of weights "
+             f"= {budget:,} tokens at {kv_token:,} B a token ({fp.num_layers} layers x {fp.num_kv_heads} KV heads x "
+             f"head_dim {fp.head_dim} x K and V, {args.dtype})") if budget is not None else ""  # fmt: skip
+    if by == "mem_fraction_static" and tokens < least:
+        raise ValueError(f"the KV pool does not fit: {where}, fewer than the {least:,} tokens one request of "
+                         f"context_length={args.context_length} plus a page needs; raise mem_fraction_static, "
+                         f"lower context_length or set max_total_tokens")  # fmt: skip
+    if by == "need" and args.multihost and budget is not None and need > budget:
+        raise ValueError(f"max_total_tokens: on many hosts the KV pool is sized by need, max_running_requests="
+                         f"{args.max_running_requests} x context_length={args.context_length} = {need:,} tokens, "
+                         f"but this host holds {where}; lower them or set max_total_tokens")  # fmt: skip
+    return PoolSize(tokens, by, need, budget, kv_token, weights, group_memory_bytes, fraction)
+
+
+def group_memory(args: ServerArgs, plat: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The memory one data-parallel group's weights and KV share (see the module's map)."""
+    one = device_memory_bytes(plat, env)
+    if one is None:
+        return None
+    return one // args.dp_size if plat == "cpu" else one * args.tp_size
+
+
+def resolve_memory(args: ServerArgs, model_path: str | Path,
+                   env: Mapping[str, str] | None = None) -> tuple[ServerArgs, PoolSize]:  # fmt: skip
+    """`args` with a concrete max_total_tokens and mem_fraction_static, and how the pool was
+    sized. An explicit max_total_tokens is kept as it is (the memory is not asked)."""
+    fp = read_footprint(model_path)
+    plat = platform(os.environ if env is None else env)
+    mem = None if args.max_total_tokens is not None else group_memory(args, plat, env)
+    pool = size_pool(args, fp, plat, mem)
+    if pool.budget_tokens is None and pool.sized_by == "need":
+        log.warning("the %s memory could not be told: the KV pool is sized by need alone (%s tokens)",
+                    plat, f"{pool.need_tokens:,}")  # fmt: skip
+    return dataclasses.replace(args, max_total_tokens=pool.max_total_tokens,
+                               mem_fraction_static=pool.mem_fraction_static), pool  # fmt: skip

@@ -1,0 +1,47 @@
+"""What a checkpoint costs in memory, read without loading it: the KV bytes of one token and the
+weights' element count, from a model directory's config.json and safetensors headers or a GGUF's
+metadata and tensor shapes. No JAX and no weight bytes are read: the frontend sizes the KV pool
+with it before any actor starts (actors/transport/memory.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from model.checkpoints.config import ModelConfig
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # ServerArgs.dtype: weights and KV are held in it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Footprint:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int  # weight elements as the checkpoint stores them (a tied head counted once)
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """K and V of every layer and KV head for one token (the attention backends' layout; a
+        TPU backend that pads heads or head_dim holds more)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * ITEMSIZE[dtype]
+
+    def weight_bytes(self, dtype: str) -> int:
+        return self.num_params * ITEMSIZE[dtype]
+
+
+def read_footprint(path: str | Path) -> Footprint:
+    """The footprint of what `load_checkpoint` would load from `path` (a directory or a .gguf).
+    ValueError naming the file when its config or headers cannot be read."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from model.checkpoints.gguf import read_gguf_footprint
+
+        layers, kv_heads, head_dim, params = read_gguf_footprint(path)
+        return Footprint(layers, kv_heads, head_dim, params)
+    from model.checkpoints.weights import read_safetensors
+
+    mc = ModelConfig.from_dir(path)
+    params = sum(math.prod(a.shape) for f in sorted(path.glob("*.safetensors")) for _, a in read_safetensors(f))
+    return Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, params)
