@@ -51,7 +51,7 @@ class ServerArgs:
     )
     mem_fraction_static: float | None = _opt(
         None, "share of a device's memory for the weights + KV pool, in (0, 1] (SGLang's flag); None: 0.85 on GPU "
-        "and TPU, 0.5 on CPU, where the 'device' is the host's available RAM and also holds the OS, the other "
+        "and TPU, 0.2 on CPU, where the 'device' is the host's available RAM and also holds the OS, the other "
         "processes, XLA's compile scratch and the runner's host copy of the checkpoint"
     )
     max_running_requests: int = _opt(64, "requests decoded together (largest decode bucket; slot pool rows)")

@@ -33,7 +33,7 @@ from model.checkpoints.footprint import Footprint, read_footprint
 
 log = logging.getLogger("ringserve.memory")
 
-DEFAULT_FRACTION = {"cpu": 0.5}  # every other platform: ACCELERATOR_FRACTION
+DEFAULT_FRACTION = {"cpu": 0.2}  # every other platform: ACCELERATOR_FRACTION (CPU: a few GiB, as vLLM for CPU's KV space)
 ACCELERATOR_FRACTION = 0.85  # SGLang's defaults lie in 0.8-0.9 by GPU size
 
 

@@ -40,19 +40,19 @@ def test_the_tiny_model_gets_what_its_requests_need(tiny_dir, monkeypatch):
     args, pool = resolve_memory(ServerArgs(max_running_requests=4, context_length=100, page_size=16),
                                 tiny_dir("llama"), env={"JAX_PLATFORMS": "cpu"})  # fmt: skip
     assert need_tokens(args) == (4 * 7 + 1) * 16 == 464  # 4 requests x 7 pages, + the sink page
-    assert (args.max_total_tokens, args.num_pages, args.mem_fraction_static) == (464, 29, 0.5)
+    assert (args.max_total_tokens, args.num_pages, args.mem_fraction_static) == (464, 29, 0.2)
     assert (pool.sized_by, pool.need_tokens, pool.kv_bytes) == ("need", 464, 464 * 4096)
-    assert pool.budget_tokens == (8 * GIB - 4 * 3_279_104) // 4096 // 16 * 16
+    assert pool.budget_tokens == (int(0.2 * 16 * GIB) - 4 * 3_279_104) // 4096 // 16 * 16
 
 
 def test_defaults_are_capped_by_the_memory_fraction():
     """SmolLM2 in f32 with 64 requests of 4096 tokens would need 12 GB of KV; 8 GiB of memory at
-    the CPU's 0.5 gives it 4 GiB less the weights."""
+    the CPU's 0.2 gives it 1.6 GiB less the weights."""
     pool = size_pool(ServerArgs(), SMOLLM2, "cpu", 8 * GIB)
     assert pool.need_tokens == (64 * 256 + 1) * 16 == 262_160
-    budget = (4 * GIB - 4 * 134_515_008) // 46_080 // 16 * 16
+    budget = (int(0.2 * 8 * GIB) - 4 * 134_515_008) // 46_080 // 16 * 16
     assert (pool.sized_by, pool.max_total_tokens, pool.budget_tokens) == ("mem_fraction_static", budget, budget)
-    assert budget == 81_520 and pool.max_total_tokens % 16 == 0
+    assert budget == 25600 and pool.max_total_tokens % 16 == 0
     gpu = size_pool(ServerArgs(dtype="bfloat16", mem_fraction_static=0.9), SMOLLM2, "cuda", 80 * GIB)
     assert (gpu.sized_by, gpu.max_total_tokens, gpu.mem_fraction_static) == ("need", 262_160, 0.9)
     assert size_pool(ServerArgs(), SMOLLM2, "tpu", 16 * GIB).mem_fraction_static == 0.85
@@ -66,15 +66,15 @@ def test_an_explicit_max_total_tokens_wins_and_the_memory_is_not_asked(tiny_dir,
 
 
 def test_nothing_fits_names_the_fields_and_numbers(tiny_dir, monkeypatch):
-    probe(monkeypatch, 30 * (1 << 20))  # 30 MiB: half of it, less 12.5 MiB of weights, holds 624 tokens
+    probe(monkeypatch, 100 * (1 << 20))  # 100 MiB: a fifth of it, less 12.5 MiB of weights, holds 1904 tokens
     with pytest.raises(ValueError) as e:
         resolve_memory(ServerArgs(), tiny_dir("llama"), env={"JAX_PLATFORMS": "cpu"})
     msg = str(e.value)
-    assert msg.startswith("the KV pool does not fit: mem_fraction_static=0.5 x 31,457,280 B of host RAM available - "
-                          "13,116,416 B of weights = 624 tokens at 4,096 B a token")  # fmt: skip
+    assert msg.startswith("the KV pool does not fit: mem_fraction_static=0.2 x 104,857,600 B of host RAM available - "
+                          "13,116,416 B of weights = 1,904 tokens at 4,096 B a token")  # fmt: skip
     assert "fewer than the 4,128 tokens one request of context_length=4096 plus a page needs" in msg
     args, _ = resolve_memory(ServerArgs(context_length=512), tiny_dir("llama"), env={"JAX_PLATFORMS": "cpu"})
-    assert args.max_total_tokens == 624  # the same memory holds a shorter context
+    assert args.max_total_tokens == 1904  # the same memory holds a shorter context
 
 
 def test_many_hosts_size_by_need_so_that_every_host_agrees():
