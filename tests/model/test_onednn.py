@@ -1,0 +1,106 @@
+"""oneDNN's matmul custom call (model/kernels/onednn.py) and how the executor picks the dot
+(model/executor.py resolve_dot). The kernel's tests run where `ringserve[onednn]` is installed
+(the test extra installs it) and skip with the reason elsewhere; the choice is tested everywhere."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.executor import ExecutorConfig, ModelExecutor, resolve_dot
+from model.kernels import onednn
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason=f"oneDNN custom call: {onednn.reason()}")
+
+
+def test_auto_picks_onednn_only_for_16_bit_on_one_cpu_device(monkeypatch):
+    monkeypatch.setattr(onednn, "reason", lambda: None)
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "onednn"
+    assert resolve_dot(ExecutorConfig(dtype="float16"), "cpu") == "onednn"
+    assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "xla"  # XLA's f32 dot is as fast
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", tp_size=2), "cpu") == "xla"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "gpu") == "xla"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", deterministic=True), "cpu") == "invariant"
+    assert resolve_dot(ExecutorConfig(dtype="float32", cpu_matmul="onednn"), "cpu") == "onednn"
+    monkeypatch.setattr(onednn, "reason", lambda: "no C++ compiler")
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "xla"  # auto falls back
+
+
+@pytest.mark.parametrize(
+    "cfg, platform, message",
+    [
+        (ExecutorConfig(cpu_matmul="mkl"), "cpu", "cpu_matmul='mkl': must be 'auto', 'xla' or 'onednn'"),
+        (ExecutorConfig(cpu_matmul="onednn", deterministic=True), "cpu", "deterministic mode keeps"),
+        (ExecutorConfig(cpu_matmul="onednn"), "tpu", "runs on CPU only; this platform is 'tpu'"),
+        (ExecutorConfig(cpu_matmul="onednn", tp_size=2), "cpu", "needs tp_size=1 (got 2)"),
+        (ExecutorConfig(cpu_matmul="onednn"), "cpu", "is not available here: no C++ compiler"),
+    ],
+)
+def test_asking_for_onednn_where_it_cannot_run_names_why(monkeypatch, cfg, platform, message):
+    monkeypatch.setattr(onednn, "reason", lambda: "no C++ compiler")
+    with pytest.raises(ValueError, match="cpu_matmul") as e:
+        resolve_dot(cfg, platform)
+    assert message in str(e.value)
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_matches_numpy_in_both_weight_layouts(m, dtype):
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 96)), dtype)
+    w = jnp.asarray(rng.standard_normal((96, 200)), dtype)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)  # the same (rounded) inputs, in f32
+    got = jax.jit(lambda x, w: onednn.matmul(x, w, out_dtype=jnp.float32))(x, w)
+    got_t = jax.jit(lambda x, wt: onednn.matmul(x, wt, transpose_w=True, out_dtype=jnp.float32))(x, w.T)
+    assert got.shape == got_t.shape == (m, 200) and got.dtype == jnp.float32
+    assert _rel_err(got, want) < 1e-5 and _rel_err(got_t, want) < 1e-5  # f32 accumulation either way
+    same = jax.jit(lambda x, w: onednn.matmul(x, w))(x, w)
+    assert same.dtype == jnp.dtype(dtype) and _rel_err(same, want) < (1e-2 if dtype == "bfloat16" else 1e-5)
+
+
+@needs_onednn
+def test_leading_axes_are_rows_and_int8_weights_scale_per_column():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.bfloat16)
+    q = rng.integers(-127, 128, (64, 48)).astype(np.int8)
+    scale = (rng.random(48) * 0.02 + 0.001).astype(np.float32)
+    want = np.asarray(x, np.float32) @ (q.astype(np.float32) * scale)
+    got = jax.jit(lambda x, q, s: onednn.matmul(x, q, scale=s, out_dtype=jnp.float32))(x, jnp.asarray(q), jnp.asarray(scale))
+    assert got.shape == (2, 3, 48)
+    assert _rel_err(got, want) < 2e-2  # bf16 arithmetic over dequantized weights
+    got_t = jax.jit(lambda x, q, s: onednn.matmul(x, q, transpose_w=True, scale=s, out_dtype=jnp.float32))(
+        x, jnp.asarray(q.T.copy()), jnp.asarray(scale))  # fmt: skip
+    assert _rel_err(got_t, want) < 2e-2
+
+
+@needs_onednn
+def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla(tiny_dir):
+    """The tiny model in bf16, its projections and LM head through oneDNN, against the same
+    model on XLA's dot: the cache is stored as uint16 (no whole-cache conversions on CPU) and
+    greedy continuations agree (the LM head's f32 logits may break a near-tie differently)."""
+    from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+
+    cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
+                         precompile=False, dtype="bfloat16")  # fmt: skip
+    prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
+    fast = ModelExecutor(tiny_dir("llama"), cfg)
+    assert fast.dot == "onednn" and fast.kv[0].dtype == jnp.uint16
+    ref = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**{**_fields(cfg), "cpu_matmul": "xla"}))
+    assert ref.dot == "xla"
+    a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)
+    same = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+    assert same >= 0.9 * sum(map(len, a)), (a, b)
+
+
+def _fields(cfg: ExecutorConfig) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
