@@ -39,8 +39,9 @@ class ServerArgs:
     load_balance_method: Literal["round_robin", "total_requests", "total_tokens", "cache_aware"] = _opt(
         "cache_aware", "dp_size > 1: which group a request goes to (an explicit data_parallel_rank wins)"
     )
-    attention_backend: Literal["auto", "native", "bucketed", "pallas", "pallas_gpu", "none"] = _opt(
-        "auto", "attention: auto (CPU native, GPU bucketed, TPU pallas) or one by name ('none': benchmarks only)"
+    attention_backend: Literal["auto", "native", "cpu_kernel", "bucketed", "pallas", "pallas_gpu", "none"] = _opt(
+        "auto", "attention: auto (CPU cpu_kernel where g++ builds it, else native; GPU bucketed; TPU pallas) or one "
+        "by name ('none': benchmarks only)"
     )
     # memory
     page_size: int = _opt(16, "tokens per KV page")

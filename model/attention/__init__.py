@@ -2,7 +2,9 @@
 the `attention_backend` option:
 
     backend     where          what
-    native      CPU (auto)     pure JAX, work items over key chunks dealt to lanes on the host;
+    cpu_kernel  CPU (auto)     a C++ custom call on every core (model/kernels/cpu_attention.cc),
+                               the native backend's cache; auto uses it where it builds (g++)
+    native      CPU            pure JAX, work items over key chunks dealt to lanes on the host;
                                a runtime trip count (free on CPU), cost per tile's own context
     bucketed    GPU (auto)     pure JAX, static shapes: programs per context bucket, a loop
                                bound known at compile time (no device-to-host sync per layer)
@@ -23,7 +25,7 @@ from model.attention.base import AttentionBackend, AttnGeometry, NoAttention, St
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "native", "bucketed", "pallas", "pallas_gpu", "none")
+BACKENDS = ("auto", "native", "cpu_kernel", "bucketed", "pallas", "pallas_gpu", "none")
 _AUTO = {"cpu": "native", "gpu": "bucketed", "cuda": "bucketed", "rocm": "bucketed", "tpu": "pallas"}
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttnGeometry", "StepShape", "make_backend", "resolve_backend"]
@@ -35,6 +37,17 @@ def resolve_backend(requested: str, platform: str, interpret: bool = False) -> s
     if requested not in BACKENDS:
         raise ValueError(f"attention_backend={requested!r}: choose one of {list(BACKENDS)}")
     name = _AUTO.get(platform, "native") if requested == "auto" else requested
+    if name == "native" and requested == "auto":
+        from model.kernels import cpu_attention
+
+        if (why := cpu_attention.reason()) is None:
+            name = "cpu_kernel"
+        else:
+            log.info("attention_backend=auto: the native backend (the C++ kernel: %s)", why)
+    if name == "cpu_kernel" and platform != "cpu":
+        raise ValueError(f"attention_backend='cpu_kernel' runs on CPU only; this platform is {platform!r}")
+    if name == "cpu_kernel" and (why := _kernel_reason()) is not None:
+        raise ValueError(f"attention_backend='cpu_kernel' is not available here: {why}")
     if name == "pallas" and platform != "tpu" and not interpret:
         raise ValueError(
             f"attention_backend='pallas' needs a TPU; this platform is {platform!r} "
@@ -48,6 +61,12 @@ def resolve_backend(requested: str, platform: str, interpret: bool = False) -> s
     return name
 
 
+def _kernel_reason() -> str | None:
+    from model.kernels import cpu_attention
+
+    return cpu_attention.reason()
+
+
 def make_backend(name: str, geo: AttnGeometry, cfg: Any, mesh: Any = None) -> AttentionBackend:
     """The backend object for a resolved name (cfg: the executor's config, for tunables; mesh:
     the `tp` mesh, for kernels that run per device under shard_map)."""
@@ -55,6 +74,10 @@ def make_backend(name: str, geo: AttnGeometry, cfg: Any, mesh: Any = None) -> At
         from model.attention.native import NativeAttention
 
         return NativeAttention(geo, cfg.attn_chunk_tokens)
+    if name == "cpu_kernel":
+        from model.attention.cpu_kernel import CpuKernelAttention
+
+        return CpuKernelAttention(geo, cfg.attn_chunk_tokens)
     if name == "none":
         return NoAttention(geo)
     if name == "bucketed":

@@ -5,11 +5,8 @@ one-row bf16 LM head takes 45 ms; oneDNN: 290-400 GF/s bf16 and 1.4 ms).
 
 Optional, never required: `pip install 'ringserve[onednn]'` brings the library and headers
 (PyPI's `onednn`, `onednn-devel` and the runtimes they pull in); the first use compiles
-`onednn_matmul.cc` (a few seconds, g++) against them and jax's FFI headers into
-
-    $RINGSERVE_CACHE/kernels/onednn-<hash of source, jaxlib, oneDNN>.so
-
-and registers two FFI targets with XLA. Without a compiler, headers or library, `reason()`
+`onednn_matmul.cc` (a few seconds, g++; model/kernels/build.py) against them and registers
+two FFI targets with XLA. Without a compiler, headers or library, `reason()`
 says what is missing and `ExecutorConfig.cpu_matmul="auto"` stays on XLA's dot.
 
 PyPI's oneDNN is built with the SYCL CPU runtime: its engine runs through the Intel OpenCL CPU
@@ -19,24 +16,19 @@ unless the caller set it).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from model.checkpoints.paths import cache_dir
+from model.kernels.build import build
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("onednn_matmul.cc")
 TARGET, TARGET_Q8 = "ringserve_onednn_matmul", "ringserve_onednn_matmul_q8"
 
 
@@ -52,31 +44,7 @@ def _missing() -> str | None:
         return f"oneDNN's headers are not in {p}/include (pip install 'ringserve[onednn]')"
     if not (p / "lib" / "libdnnl.so").exists():
         return f"oneDNN's library is not in {p}/lib (pip install 'ringserve[onednn]')"
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        return "no C++ compiler (g++, or $CXX) to build the oneDNN custom call"
     return None
-
-
-def _library_path() -> Path:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(jax.__version__.encode())
-    lib = _prefix() / "lib" / "libdnnl.so"
-    h.update(str(lib.resolve()).encode() + str(lib.stat().st_size).encode())
-    return cache_dir("kernels", f"onednn-{h.hexdigest()[:16]}.so")
-
-
-def _build(out: Path) -> None:
-    p = _prefix()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [os.environ.get("CXX", "g++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w", str(SOURCE),
-           f"-I{jax.ffi.include_dir()}", f"-I{p / 'include'}", f"-L{p / 'lib'}", "-ldnnl",
-           f"-Wl,--disable-new-dtags,-rpath,{p / 'lib'}", "-o", str(tmp)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"building the oneDNN custom call failed:\n{done.stderr[-2000:]}")
-    tmp.replace(out)  # atomic: a concurrent process sees the old file or the whole new one
 
 
 @functools.cache
@@ -89,12 +57,11 @@ def _load() -> tuple[bool, str]:
     icd = _prefix() / "lib" / "libintelocl.so"
     if icd.exists():
         os.environ.setdefault("OCL_ICD_FILENAMES", str(icd))
+    p = _prefix()
+    lib_file = p / "lib" / "libdnnl.so"
     try:
-        path = _library_path()
-        if not path.exists():
-            log.info("building the oneDNN matmul custom call into %s", path)
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+        lib = build("onednn_matmul", ["-O2", f"-I{p / 'include'}", f"-DRINGSERVE_DNNL={lib_file.stat().st_size}"],
+                    [f"-L{p / 'lib'}", "-ldnnl", f"-Wl,--disable-new-dtags,-rpath,{p / 'lib'}"])  # fmt: skip
         if not lib.ringserve_onednn_ready():
             return False, "oneDNN loaded but could not make a CPU engine (its CPU runtime is missing)"
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RingserveOnednnMatmul), platform="cpu")

@@ -104,9 +104,34 @@ def test_native_matches_hf(tiny_dir, native):
     assert_close(native, ref)
 
 
-@pytest.mark.parametrize("backend", ["bucketed", "pallas", "pallas_gpu"])
+@pytest.mark.parametrize("backend", ["cpu_kernel", "bucketed", "pallas", "pallas_gpu"])
 def test_mixed_step_matches_native(tiny_dir, native, backend):
+    if backend == "cpu_kernel":
+        from model.kernels import cpu_attention
+
+        if (why := cpu_attention.reason()) is not None:
+            pytest.skip(f"the C++ attention kernel: {why}")
     assert_close(run_scenario(executor(tiny_dir("llama"), backend)), native)
+
+
+@pytest.mark.parametrize("arch, dtype", [("mistral", "float32"), ("qwen3", "bfloat16")])
+def test_cpu_kernel_matches_native_with_a_window_and_in_bf16(tiny_dir, arch, dtype):
+    """The C++ kernel against the pure-JAX native backend: Mistral's sliding window (f32, to the
+    same tolerance), and a bf16 cache stored as bits (the same greedy tokens, logits within bf16's
+    rounding of the scale)."""
+    from model.kernels import cpu_attention
+
+    if (why := cpu_attention.reason()) is not None:
+        pytest.skip(f"the C++ attention kernel: {why}")
+    path = tiny_dir(arch)
+    want = run_scenario(executor(path, "native", dtype=dtype))
+    got = run_scenario(executor(path, "cpu_kernel", dtype=dtype))
+    if dtype == "float32":
+        assert_close(got, want)
+        return
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(g - w).max() <= 0.02 * np.abs(w).max()
+        assert (g.argmax(-1) == w.argmax(-1)).mean() >= 0.75
 
 
 def test_pallas_interpret_greedy_matches_hf(tiny_dir):

@@ -1,0 +1,67 @@
+"""Building ringserve's C++ custom calls on first use and registering them with XLA.
+
+A kernel is one C++ source beside this file, compiled with the machine's own compiler (g++, or
+$CXX) against jax's FFI headers into
+
+    $RINGSERVE_CACHE/kernels/<name>-<hash>.so
+
+where the hash covers the source, the flags, jax's version and, for `-march=native` builds,
+this processor's model and flags (a cache shared between machines never loads another CPU's
+build). The build is atomic (written aside, then renamed), so processes starting together
+may both build but never load half a file. Nothing here is required: a missing compiler or a
+failed build is a reason the caller logs before it falls back to XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+
+from model.checkpoints.paths import cache_dir
+
+HERE = Path(__file__).parent
+
+
+def compiler() -> str | None:
+    """The C++ compiler's path, or None."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cpu_identity() -> bytes:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep).encode()
+
+
+def build(name: str, flags: list[str], link: list[str] = ()) -> ctypes.CDLL:  # type: ignore[assignment]
+    """The loaded library of `<name>.cc` (built first if this machine has no copy). Raises
+    RuntimeError with the compiler's message when the build fails, OSError when loading does."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, or $CXX)")
+    source = HERE / f"{name}.cc"
+    h = hashlib.sha256(source.read_bytes())
+    h.update(" ".join([*flags, *link, jax.__version__]).encode())
+    if "-march=native" in flags:
+        h.update(_cpu_identity())
+    out = cache_dir("kernels", f"{name}-{h.hexdigest()[:16]}.so")
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-w", *flags, str(source), f"-I{jax.ffi.include_dir()}",
+               *link, "-o", str(tmp)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+        tmp.replace(out)
+    return ctypes.CDLL(str(out))

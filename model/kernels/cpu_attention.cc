@@ -1,0 +1,272 @@
+// Paged attention on CPU as an XLA FFI custom call, on every core of XLA's own thread pool
+// (model/kernels/cpu_attention.py builds and registers it; model/attention/cpu_kernel.py calls it).
+//
+//   q        [T, H, D] f32            the step's packed query tokens (RoPE applied)
+//   k_cache  [Hkv, L*P, D, S] f32|u16 keys, key-major within a page (the native backend's layout;
+//                                     u16: bf16 bits)
+//   v_cache  [Hkv, L*P, S, D] f32|u16 values
+//   pages    [R, MP] i32              each row's page table (layer 0's page ids)
+//   row_start[R + 1] i32              row r owns tokens row_start[r]:row_start[r+1]
+//   kv_len   [R] i32                  keys valid after this step's writes (0: a padding row)
+//   positions[T] i32                  each token's position: it sees keys 0..position
+//   layer    [] i32                   layer l's pages are page id + l * num_pages
+//   out      [T, H, D] f32            (tokens of padding rows: zeros)
+//   attributes: num_pages (per layer), window (sliding window, 0 = none), scale
+//
+// Work items are (row, KV head, block of up to 8 query tokens); each walks its row's pages in
+// order with an online softmax, so a query's sums are the same whatever else is in the batch.
+// Items are dealt from an atomic counter to the calling thread and to helpers scheduled on
+// XLA's intra-op pool; the caller waits for the items, not for the helpers (a helper that
+// starts late finds nothing left), so a busy pool never deadlocks it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlock = 8;          // query tokens per work item
+constexpr float kNegInf = -1e30f;  // finite: a fully masked query gives zeros, not NaN
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Args {
+  const float* q;
+  const void* k;
+  const void* v;
+  bool bits;  // caches hold bf16 bits
+  const int32_t *pages, *row_start, *kv_len, *positions;
+  float* out;
+  int64_t T, H, D, Hkv, S, MP, R;
+  int64_t layer_offset;  // layer * num_pages
+  int64_t pages_per_head;  // L * P: the caches' second axis
+  int64_t window;
+  float scale;
+};
+
+struct Item {
+  int32_t row, head, t0, t1;
+};
+
+// One work item: queries t0..t1-1 of row `row`, the G query heads of KV head `head`. SC, DC:
+// the page size and head dim when known at compile time (the common 16 x 64 and 16 x 128),
+// else 0 (read from `a`): fixed trip counts let the compiler keep a page's 16 scores in one
+// vector and unroll the head dim.
+template <int SC, int DC>
+void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
+  const int64_t G = a.H / a.Hkv;
+  const int64_t D = DC ? DC : a.D, S = SC ? SC : a.S;
+  const int64_t nq = int64_t(it.t1 - it.t0) * G;
+  scratch.assign(size_t(nq * (2 * D + 2 + S) + 2 * S * D), 0.f);
+  float* acc = scratch.data();        // [nq, D]
+  float* qs = acc + nq * D;           // [nq, D] the queries, scaled
+  float* m = qs + nq * D;             // [nq] running max
+  float* l = m + nq;                  // [nq] running denominator
+  float* s = l + nq;                  // [nq, S] this page's scores, then probabilities
+  float* kbuf = s + nq * S;           // [D, S] the page's keys as f32
+  float* vbuf = kbuf + D * S;         // [S, D] the page's values as f32
+  int32_t max_pos = 0, min_pos = INT32_MAX;
+  for (int32_t t = it.t0; t < it.t1; ++t) {
+    max_pos = std::max(max_pos, a.positions[t]);
+    min_pos = std::min(min_pos, a.positions[t]);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = int64_t(t - it.t0) * G + g;
+      const float* qv = a.q + (int64_t(t) * a.H + int64_t(it.head) * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qs[qi * D + d] = qv[d] * a.scale;
+      m[qi] = kNegInf;
+    }
+  }
+  const int32_t kv_len = a.kv_len[it.row];
+  max_pos = std::min<int32_t>(max_pos, kv_len - 1);
+  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, int64_t(min_pos) - a.window + 1) : 0;
+  const int32_t* table = a.pages + int64_t(it.row) * a.MP;
+  const size_t page_elems = size_t(D * S);
+  for (int64_t pg = first_key / S; pg * S <= max_pos; ++pg) {
+    // k_cache [Hkv, L*P, D, S] and v_cache [Hkv, L*P, S, D]: page `pid` of KV head `head`
+    const int64_t pid = int64_t(table[pg]) + a.layer_offset;
+    const size_t p_off = (size_t(it.head) * size_t(a.pages_per_head) + size_t(pid)) * page_elems;
+    const float *kpage = kbuf, *vpage = vbuf;  // f32 caches are read in place, bf16 ones widened
+    if (a.bits) {
+      const uint16_t* kp = static_cast<const uint16_t*>(a.k) + p_off;
+      const uint16_t* vp = static_cast<const uint16_t*>(a.v) + p_off;
+      for (size_t e = 0; e < page_elems; ++e) kbuf[e] = bf16_to_f32(kp[e]);
+      for (size_t e = 0; e < page_elems; ++e) vbuf[e] = bf16_to_f32(vp[e]);
+    } else {
+      kpage = static_cast<const float*>(a.k) + p_off;
+      vpage = static_cast<const float*>(a.v) + p_off;
+    }
+    // scores of every query at once: each key row kbuf[d] is read once for all of them
+    for (int64_t e = 0; e < nq * S; ++e) s[e] = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kr = kpage + d * S;
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const float qd = qs[qi * D + d];
+        float* sc = s + qi * S;
+        for (int64_t j = 0; j < S; ++j) sc[j] += qd * kr[j];
+      }
+    }
+    const int64_t key0 = pg * S;
+    for (int32_t t = it.t0; t < it.t1; ++t) {
+      const int32_t pos = a.positions[t];
+      const int64_t lo = a.window > 0 ? int64_t(pos) - a.window + 1 : 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t qi = int64_t(t - it.t0) * G + g;
+        float* sc = s + qi * S;
+        float pmax = kNegInf;
+        for (int64_t j = 0; j < S; ++j) {
+          const int64_t key = key0 + j;
+          const bool ok = key <= pos && key >= lo && key < kv_len;
+          sc[j] = ok ? sc[j] : kNegInf;
+          pmax = std::max(pmax, sc[j]);
+        }
+        const float m_new = std::max(m[qi], pmax);
+        const float corr = std::exp(m[qi] - m_new);
+        float sum = 0.f;
+        for (int64_t j = 0; j < S; ++j) {
+          const float p = sc[j] <= kNegInf ? 0.f : std::exp(sc[j] - m_new);
+          sc[j] = p;
+          sum += p;
+        }
+        l[qi] = l[qi] * corr + sum;
+        m[qi] = m_new;
+        float* ac = acc + qi * D;
+        for (int64_t d = 0; d < D; ++d) ac[d] *= corr;
+      }
+    }
+    // values: each value row vbuf[j] is read once for every query
+    for (int64_t j = 0; j < S; ++j) {
+      const float* vr = vpage + j * D;
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const float p = s[qi * S + j];
+        float* ac = acc + qi * D;
+        for (int64_t d = 0; d < D; ++d) ac[d] += p * vr[d];
+      }
+    }
+  }
+  for (int32_t t = it.t0; t < it.t1; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = int64_t(t - it.t0) * G + g;
+      float* o = a.out + (int64_t(t) * a.H + int64_t(it.head) * G + g) * D;
+      const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[qi * D + d] * inv;
+    }
+  }
+}
+
+void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
+  if (a.S == 16 && a.D == 64) return run_item<16, 64>(a, it, scratch);
+  if (a.S == 16 && a.D == 128) return run_item<16, 128>(a, it, scratch);
+  run_item<0, 0>(a, it, scratch);
+}
+
+struct Shared {
+  Args args;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void work(const std::shared_ptr<Shared>& sh) {
+  thread_local std::vector<float> scratch;
+  const int64_t n = int64_t(sh->items.size());
+  int64_t finished = 0;
+  for (int64_t i; (i = sh->next.fetch_add(1)) < n;) {
+    run_any(sh->args, sh->items[size_t(i)], scratch);
+    ++finished;
+  }
+  if (finished && sh->done.fetch_add(finished) + finished == n) {
+    std::lock_guard<std::mutex> lock(sh->mu);
+    sh->cv.notify_all();
+  }
+}
+
+ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> kv_len,
+                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                  int64_t num_pages, int64_t window, float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), pd = pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("cpu_attention: q [T, H, D], k [Hkv, L*P, D, S], pages [R, MP]");
+  const bool bits = k.element_type() == ffi::DataType::U16;
+  if (!bits && k.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("cpu_attention: the cache must be f32 or bf16 bits (u16)");
+  auto sh = std::make_shared<Shared>();
+  Args& a = sh->args;
+  a.q = q.typed_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.bits = bits;
+  a.pages = pages.typed_data();
+  a.row_start = row_start.typed_data();
+  a.kv_len = kv_len.typed_data();
+  a.positions = positions.typed_data();
+  a.out = out->typed_data();
+  a.T = qd[0], a.H = qd[1], a.D = qd[2];
+  a.Hkv = kd[0], a.S = kd[3];
+  a.MP = pd[1], a.R = pd[0];
+  a.layer_offset = int64_t(layer.typed_data()[0]) * num_pages;
+  a.window = window;
+  a.scale = scale;
+  if (kd[2] != a.D || a.H % a.Hkv != 0)
+    return ffi::Error::InvalidArgument("cpu_attention: head_dim or head counts disagree");
+  a.pages_per_head = kd[1];
+  std::memset(a.out, 0, size_t(a.T * a.H * a.D) * sizeof(float));
+  for (int32_t r = 0; r < a.R; ++r) {
+    if (a.kv_len[r] <= 0) continue;
+    const int32_t t0 = a.row_start[r], t1 = std::min<int64_t>(a.row_start[r + 1], a.T);
+    for (int32_t b = t0; b < t1; b += kBlock)
+      for (int32_t h = 0; h < a.Hkv; ++h) sh->items.push_back({r, h, b, std::min(b + kBlock, t1)});
+  }
+  // longest first: items of long rows start early, the short ones fill the gaps
+  const int64_t n = int64_t(sh->items.size());
+  if (n == 0) return ffi::Error::Success();
+  std::stable_sort(sh->items.begin(), sh->items.end(), [&](const Item& x, const Item& y) {
+    return a.kv_len[x.row] > a.kv_len[y.row];
+  });
+  static const int64_t cap = [] {
+    const char* e = std::getenv("RINGSERVE_ATTN_THREADS");  // at most this many threads (tests, benchmarks)
+    return e ? std::max<int64_t>(1, std::atoll(e)) : INT64_MAX;
+  }();
+  const int64_t helpers = std::min({std::max<int64_t>(pool.num_threads() - 1, 0), n - 1, cap - 1});
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(sh); });
+  work(sh);
+  std::unique_lock<std::mutex> lock(sh->mu);
+  sh->cv.wait(lock, [&] { return sh->done.load() == n; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuAttention, attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_pages")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
