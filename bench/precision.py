@@ -105,7 +105,9 @@ def hf_outputs(path: Path, prompts: list[list[int]], n_new: int, dtype: str) -> 
     return Outputs(np.stack(logits), greedy)
 
 
-def ringserve_outputs(path: Path, prompts: list[list[int]], n_new: int, dtype: str, cpu_matmul: str = "auto") -> Outputs:
+def ringserve_outputs(
+    path: Path, prompts: list[list[int]], n_new: int, dtype: str, cpu_matmul: str = "auto"
+) -> Outputs:
     """ModelExecutor's diagnostic logits path (one prompt at a time, pages reused), then
     model/generate.py's greedy generation of all prompts on a fresh cache."""
     from model.executor import ExecutorConfig, ModelExecutor
@@ -154,13 +156,17 @@ def format_rows(rows: list[Accuracy]) -> str:
     head = f"{'system':22s} {'dtype':9s} {'max_err':>9s} {'mean_err':>9s} {'equal':>6s} {'prefix':>7s} {'time_s':>7s}"
     lines = [head]
     for r in rows:
-        lines.append(f"{r.system:22s} {r.dtype:9s} {r.max_err:9.2e} {r.mean_err:9.2e} {r.equal:6.3f} {r.prefix:7.2f} {r.seconds:7.1f}")
+        lines.append(
+            f"{r.system:22s} {r.dtype:9s} {r.max_err:9.2e} {r.mean_err:9.2e} {r.equal:6.3f} {r.prefix:7.2f} {r.seconds:7.1f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", help="'tiny', 'smollm2' (already fetched) or a model directory")
+    ap.add_argument(
+        "--model", default="tiny", help="'tiny', 'smollm2' (already fetched) or a model directory"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=LOW_DTYPES)
     ap.add_argument("--cpu-matmul", default="auto", choices=("auto", "xla", "onednn"))
     ap.add_argument("--prompts", type=int, default=64)

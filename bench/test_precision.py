@@ -46,7 +46,9 @@ def test_bfloat16_logit_error_within_hf_bfloat16(case, hf_bf16, cpu_matmul):
     if cpu_matmul == "onednn" and (why := onednn.reason()) is not None:
         pytest.skip(f"oneDNN custom call unavailable: {why}")
     path, prompts, truth = case
-    ours = compare("ringserve", "bfloat16", ringserve_outputs(path, prompts, N_NEW, "bfloat16", cpu_matmul), truth, 0.0)
+    ours = compare(
+        "ringserve", "bfloat16", ringserve_outputs(path, prompts, N_NEW, "bfloat16", cpu_matmul), truth, 0.0
+    )
     scale = np.abs(truth.logits).max()
     assert hf_bf16.max_err > 1e-3 * scale, "HF bf16 as exact as f32: the bar would prove nothing"
     assert ours.max_err > 1e-4 * scale, "ringserve ran at f32, not bf16"
