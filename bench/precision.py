@@ -31,6 +31,13 @@ Measured (tiny llama, 64 prompts, 32 tokens, bfloat16, cpu_matmul auto = oneDNN;
     hf         bfloat16  1.61      0.226    0.406   22.02
     ringserve  bfloat16  1.65      0.216    0.438   21.72
 
+SmolLM2-135M-Instruct, 16 prompts, 16 tokens (64 x 32 ran past 7 minutes for HF f32 alone on
+2 shared cores):
+
+    ringserve  float32   1.2e-04   1.0e-05  1.000   16.00
+    hf         bfloat16  0.836     0.123    0.250    6.94
+    ringserve  bfloat16  0.486     0.092    0.688   12.06
+
 The tiny checkpoints' top-2 logit gaps (>= ~0.03, model/checkpoints/tiny.py) are far below bf16's
 error at their logit scale (~50), so greedy agreement at bf16 is low on both sides.
 """
