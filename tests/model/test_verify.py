@@ -35,8 +35,13 @@ def plain(
     return toks
 
 
-@pytest.mark.parametrize("backend", ["native", "bucketed"])
+@pytest.mark.parametrize("backend", ["native", "cpu_kernel", "bucketed"])
 def test_verify_rounds_equal_plain_decoding(tiny_dir, backend):
+    if backend == "cpu_kernel":
+        from model.kernels import cpu_attention
+
+        if (why := cpu_attention.reason()) is not None:
+            pytest.skip(f"the C++ attention kernel: {why}")
     ex = executor(tiny_dir, backend)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 2000, n).astype(np.int32) for n in (21, 9)]
