@@ -14,7 +14,7 @@ def test_an_engine_sizes_its_pool_by_what_its_requests_need(tiny_dir):
         assert out["meta_info"]["completion_tokens"] == 4
         info = engine.get_server_info()
         assert info["server_args"]["max_total_tokens"] == engine.args.max_total_tokens == need
-        assert info["server_args"]["mem_fraction_static"] == 0.5  # the CPU's default, resolved
+        assert info["server_args"]["mem_fraction_static"] == 0.2  # the CPU's default, resolved
         assert info["kv_pool"]["sized_by"] == "need" and info["kv_pool"]["kv_bytes"] == need * 4096
         assert info["max_total_num_tokens"] == engine.runner_info["kv_pool_tokens"] == need - 16
         assert engine.get_load()["max_total_num_tokens"] == need - 16  # the scheduler's books
