@@ -73,13 +73,14 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int64_t G = a.H / a.Hkv;
   const int64_t D = DC ? DC : a.D, S = SC ? SC : a.S;
   const int64_t nq = int64_t(it.t1 - it.t0) * G;
-  scratch.assign(size_t(nq * (2 * D + 2 + S) + 2 * S * D), 0.f);
-  float* acc = scratch.data();        // [nq, D]
-  float* qs = acc + nq * D;           // [nq, D] the queries, scaled
-  float* m = qs + nq * D;             // [nq] running max
-  float* l = m + nq;                  // [nq] running denominator
-  float* s = l + nq;                  // [nq, S] this page's scores, then probabilities
-  float* kbuf = s + nq * S;           // [D, S] the page's keys as f32
+  const int64_t nqp = (nq + 3) / 4 * 4;  // rows padded for the 4-query register blocks (zeros)
+  scratch.assign(size_t(nqp * (2 * D + 2 + S) + 2 * S * D), 0.f);
+  float* acc = scratch.data();        // [nqp, D]
+  float* qs = acc + nqp * D;          // [nqp, D] the queries, scaled
+  float* m = qs + nqp * D;            // [nqp] running max
+  float* l = m + nqp;                 // [nqp] running denominator
+  float* s = l + nqp;                 // [nqp, S] this page's scores, then probabilities
+  float* kbuf = s + nqp * S;          // [D, S] the page's keys as f32
   float* vbuf = kbuf + D * S;         // [S, D] the page's values as f32
   int32_t max_pos = 0, min_pos = INT32_MAX;
   for (int32_t t = it.t0; t < it.t1; ++t) {
@@ -111,14 +112,30 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       kpage = static_cast<const float*>(a.k) + p_off;
       vpage = static_cast<const float*>(a.v) + p_off;
     }
-    // scores of every query at once: each key row kbuf[d] is read once for all of them
-    for (int64_t e = 0; e < nq * S; ++e) s[e] = 0.f;
-    for (int64_t d = 0; d < D; ++d) {
-      const float* kr = kpage + d * S;
-      for (int64_t qi = 0; qi < nq; ++qi) {
-        const float qd = qs[qi * D + d];
-        float* sc = s + qi * S;
-        for (int64_t j = 0; j < S; ++j) sc[j] += qd * kr[j];
+    // scores of every query at once: each key row kpage[d] is read once for all of them
+    if constexpr (SC > 0 && DC > 0) {  // 4 queries' 16 scores held in registers over the head dim
+      for (int64_t q0 = 0; q0 < nqp; q0 += 4) {
+        float r[4][SC] = {};
+        const float* qb = qs + q0 * DC;
+        for (int64_t d = 0; d < DC; ++d) {
+          const float* kr = kpage + d * SC;
+          for (int b = 0; b < 4; ++b) {
+            const float qd = qb[b * DC + d];
+            for (int j = 0; j < SC; ++j) r[b][j] += qd * kr[j];
+          }
+        }
+        for (int b = 0; b < 4; ++b)
+          for (int j = 0; j < SC; ++j) s[(q0 + b) * SC + j] = r[b][j];
+      }
+    } else {
+      for (int64_t e = 0; e < nq * S; ++e) s[e] = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kr = kpage + d * S;
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const float qd = qs[qi * D + d];
+          float* sc = s + qi * S;
+          for (int64_t j = 0; j < S; ++j) sc[j] += qd * kr[j];
+        }
       }
     }
     const int64_t key0 = pg * S;
@@ -149,13 +166,31 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
         for (int64_t d = 0; d < D; ++d) ac[d] *= corr;
       }
     }
-    // values: each value row vbuf[j] is read once for every query
-    for (int64_t j = 0; j < S; ++j) {
-      const float* vr = vpage + j * D;
-      for (int64_t qi = 0; qi < nq; ++qi) {
-        const float p = s[qi * S + j];
-        float* ac = acc + qi * D;
-        for (int64_t d = 0; d < D; ++d) ac[d] += p * vr[d];
+    // values: each value row vpage[j] is read once for every query
+    if constexpr (SC > 0 && DC > 0) {  // 2 queries' outputs held in registers over the page's keys
+      for (int64_t q0 = 0; q0 < nqp; q0 += 2) {  // padded rows have p = 0 (their scores stay 0s)
+        float o[2][DC];
+        for (int b = 0; b < 2; ++b)
+          for (int d = 0; d < DC; ++d) o[b][d] = acc[(q0 + b) * DC + d];
+        for (int j = 0; j < SC; ++j) {
+          const float* vr = vpage + j * DC;
+          const float p0 = s[q0 * SC + j], p1 = s[(q0 + 1) * SC + j];
+          for (int d = 0; d < DC; ++d) {
+            o[0][d] += p0 * vr[d];
+            o[1][d] += p1 * vr[d];
+          }
+        }
+        for (int b = 0; b < 2; ++b)
+          for (int d = 0; d < DC; ++d) acc[(q0 + b) * DC + d] = o[b][d];
+      }
+    } else {
+      for (int64_t j = 0; j < S; ++j) {
+        const float* vr = vpage + j * D;
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const float p = s[qi * S + j];
+          float* ac = acc + qi * D;
+          for (int64_t d = 0; d < D; ++d) ac[d] += p * vr[d];
+        }
       }
     }
   }
