@@ -147,7 +147,7 @@ class ModelExecutor:
         self.cfg = cfg
         self.mesh = make_mesh(cfg.tp_size)
         self.platform = jax.devices()[0].platform
-        self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret)
+        self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret, cfg.tp_size)
         if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
             # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
             log.warning("enable_deterministic_inference: attention backend %s -> bucketed", self.backend)

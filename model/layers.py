@@ -116,9 +116,6 @@ def invariant_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return rowwise(lambda a: a @ w, x)
 
 
-DOTS = ("xla", "invariant", "onednn")
-
-
 def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = False) -> jax.Array:
     """x @ w (w [K, N]; [N, K] with `transpose_w`), computed as `dot` says:
 

@@ -31,13 +31,13 @@ _AUTO = {"cpu": "native", "gpu": "bucketed", "cuda": "bucketed", "rocm": "bucket
 __all__ = ["BACKENDS", "AttentionBackend", "AttnGeometry", "StepShape", "make_backend", "resolve_backend"]
 
 
-def resolve_backend(requested: str, platform: str, interpret: bool = False) -> str:
+def resolve_backend(requested: str, platform: str, interpret: bool = False, tp: int = 1) -> str:
     """The backend that runs: `requested`, or the platform's default for "auto". Pallas kernels
     need their platform, or `interpret` (Pallas's interpreter, for tests on CPU)."""
     if requested not in BACKENDS:
         raise ValueError(f"attention_backend={requested!r}: choose one of {list(BACKENDS)}")
     name = _AUTO.get(platform, "native") if requested == "auto" else requested
-    if name == "native" and requested == "auto":
+    if name == "native" and requested == "auto" and tp == 1:  # the kernel is not sharded over `tp`
         from model.kernels import cpu_attention
 
         if (why := cpu_attention.reason()) is None:
@@ -46,6 +46,8 @@ def resolve_backend(requested: str, platform: str, interpret: bool = False) -> s
             log.info("attention_backend=auto: the native backend (the C++ kernel: %s)", why)
     if name == "cpu_kernel" and platform != "cpu":
         raise ValueError(f"attention_backend='cpu_kernel' runs on CPU only; this platform is {platform!r}")
+    if name == "cpu_kernel" and tp != 1:
+        raise ValueError(f"attention_backend='cpu_kernel' needs tp_size=1 (got {tp}): the kernel is not sharded")
     if name == "cpu_kernel" and (why := _kernel_reason()) is not None:
         raise ValueError(f"attention_backend='cpu_kernel' is not available here: {why}")
     if name == "pallas" and platform != "tpu" and not interpret:

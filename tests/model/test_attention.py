@@ -165,3 +165,21 @@ def test_pallas_interpret_tp2_matches_native(tiny_dir, native, tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["kv"].startswith("(None, None, 'tp'")
     with np.load(out) as got:
         assert_close([got[f"arr_{i}"] for i in range(len(got.files))], native)
+
+
+def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
+    from model.attention import resolve_backend
+    from model.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "reason", lambda: None)
+    assert resolve_backend("auto", "cpu") == "cpu_kernel"
+    assert resolve_backend("auto", "cpu", tp=2) == "native"  # the kernel is not sharded over tp
+    assert resolve_backend("auto", "gpu") == "bucketed"
+    with pytest.raises(ValueError, match=r"attention_backend='cpu_kernel' needs tp_size=1 \(got 2\)"):
+        resolve_backend("cpu_kernel", "cpu", tp=2)
+    with pytest.raises(ValueError, match="attention_backend='cpu_kernel' runs on CPU only; this platform is 'tpu'"):
+        resolve_backend("cpu_kernel", "tpu")
+    monkeypatch.setattr(cpu_attention, "reason", lambda: "no C++ compiler (g++, or $CXX)")
+    assert resolve_backend("auto", "cpu") == "native"  # falls back, with the reason logged
+    with pytest.raises(ValueError, match=r"'cpu_kernel' is not available here: no C\+\+ compiler"):
+        resolve_backend("cpu_kernel", "cpu")
