@@ -15,11 +15,13 @@ failed build is a reason the caller logs before it falls back to XLA.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -65,3 +67,28 @@ def build(name: str, flags: list[str], link: list[str] = ()) -> ctypes.CDLL:  # 
             raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
         tmp.replace(out)
     return ctypes.CDLL(str(out))
+
+
+def loader(name: str, flags: list[str], targets: dict[str, str], link: list[str] = (),  # type: ignore[assignment]
+           prepare: Callable[[], str | None] | None = None,
+           check: Callable[[ctypes.CDLL], str | None] | None = None) -> Callable[[], str | None]:  # fmt: skip
+    """A `reason()` for one kernel module: None once `<name>.cc` is built and each of `targets`
+    (XLA target name -> exported symbol) is registered on CPU, otherwise why not. The work runs
+    once per process, on the first call; `prepare()` runs before the build and `check(lib)`
+    after the load, each answering a reason to give up or None."""
+
+    @functools.cache
+    def reason() -> str | None:
+        if prepare is not None and (why := prepare()) is not None:
+            return why
+        try:
+            lib = build(name, flags, link)
+            if check is not None and (why := check(lib)) is not None:
+                return why
+            for target, symbol in targets.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        except (OSError, RuntimeError, AttributeError) as e:
+            return str(e)
+        return None
+
+    return reason

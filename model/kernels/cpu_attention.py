@@ -10,30 +10,9 @@ builds, the pure-JAX native backend where it does not.
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
-from model.kernels.build import build
+from model.kernels.build import loader
 
 TARGET = "ringserve_cpu_attention"
 
-
-@functools.cache
-def _load() -> tuple[bool, str]:
-    try:
-        lib = build("cpu_attention", ["-O3", "-march=native", "-ffast-math"])
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RingserveCpuAttention), platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        return False, str(e)
-    return True, ""
-
-
-def reason() -> str | None:
-    """None when the kernel runs here; otherwise why not."""
-    ok, why = _load()
-    return None if ok else why
-
-
-def available() -> bool:
-    return reason() is None
+reason = loader("cpu_attention", ["-O3", "-march=native", "-ffast-math"], {TARGET: "RingserveCpuAttention"})
+"""None when the kernel runs here; otherwise why not."""

@@ -16,8 +16,6 @@ unless the caller set it).
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import sys
 from pathlib import Path
@@ -25,9 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from model.kernels.build import build
-
-log = logging.getLogger(__name__)
+from model.kernels.build import loader
 
 TARGET, TARGET_Q8 = "ringserve_onednn_matmul", "ringserve_onednn_matmul_q8"
 
@@ -47,45 +43,34 @@ def _missing() -> str | None:
     return None
 
 
-@functools.cache
-def _load() -> tuple[bool, str]:
-    """(True, "") once the targets are registered with XLA; (False, why) otherwise. Once per
-    process; every later call answers from the first."""
-    why = _missing()
-    if why:
-        return False, why
+def _prepare() -> str | None:
+    if (why := _missing()) is not None:
+        return why
     icd = _prefix() / "lib" / "libintelocl.so"
     if icd.exists():
         os.environ.setdefault("OCL_ICD_FILENAMES", str(icd))
-    p = _prefix()
-    lib_file = p / "lib" / "libdnnl.so"
-    try:
-        lib = build("onednn_matmul", ["-O2", f"-I{p / 'include'}", f"-DRINGSERVE_DNNL={lib_file.stat().st_size}"],
-                    [f"-L{p / 'lib'}", "-ldnnl", f"-Wl,--disable-new-dtags,-rpath,{p / 'lib'}"])  # fmt: skip
-        if not lib.ringserve_onednn_ready():
-            return False, "oneDNN loaded but could not make a CPU engine (its CPU runtime is missing)"
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RingserveOnednnMatmul), platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.RingserveOnednnMatmulQ8), platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        return False, str(e)
-    return True, ""
+    return None
 
 
-def reason() -> str | None:
-    """None when the custom call can run here; otherwise why not (for logs and errors)."""
-    ok, why = _load()
-    return None if ok else why
+def _check(lib) -> str | None:
+    if not lib.ringserve_onednn_ready():
+        return "oneDNN loaded but could not make a CPU engine (its CPU runtime is missing)"
+    return None
 
 
-def available() -> bool:
-    return reason() is None
+_lib = _prefix() / "lib"
+_stamp = (_lib / "libdnnl.so").stat().st_size if (_lib / "libdnnl.so").exists() else 0  # a new oneDNN, a new build
+reason = loader("onednn_matmul", ["-O2", f"-I{_prefix() / 'include'}", f"-DRINGSERVE_DNNL={_stamp}"],
+                {TARGET: "RingserveOnednnMatmul", TARGET_Q8: "RingserveOnednnMatmulQ8"},
+                [f"-L{_lib}", "-ldnnl", f"-Wl,--disable-new-dtags,-rpath,{_lib}"], prepare=_prepare, check=_check)  # fmt: skip
+"""None when the custom call can run here; otherwise why not (for logs and errors)."""
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,
            out_dtype=None) -> jax.Array:  # fmt: skip
     """x [..., K] @ w, w [K, N] (or [N, K] with transpose_w): [..., N] in `out_dtype` (x's by
     default). `scale` [N] f32: w is int8 and column n is w[:, n] * scale[n]. CPU only; call
-    `available()` first (the targets must be registered before a program is traced)."""
+    `reason()` first (the targets must be registered before a program is traced)."""
     n = w.shape[0] if transpose_w else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), out_dtype or x.dtype)
     if scale is None:
