@@ -90,6 +90,11 @@ class ServerArgs:
         "auto", "projections and LM head on CPU: XLA's dot or oneDNN's matmul (pip install 'ringserve[onednn]'; "
         "bf16/f16 on AVX512-BF16/AMX); auto: oneDNN for bf16/f16 when it is installed and tp_size is 1"
     )
+    quantization: Literal["int8"] | None = _opt(
+        None, "weight-only int8: projections, LM head and embedding held as int8 with a f32 scale per output "
+        "column (per token row for the embedding), quantized at load and at every weight update; compute stays "
+        "in dtype (a GGUF's Q8_0 blocks are requantized per column)"
+    )
     attention_interpret: bool = _opt(False, "run Pallas attention kernels in their interpreter (CPU tests)")
     precompile: bool = _opt(True, "compile every shape bucket at start-up")
     serve_while_compiling: bool = _opt(
@@ -384,8 +389,8 @@ class ServerArgs:
                 )
                 continue
             choices = _literal_choices(tp)
-            if choices is not None:
-                parser.add_argument(flag, choices=choices, default=f.default, help=helptext)
+            if choices is not None:  # an optional Literal's None is its default, not a flag value
+                parser.add_argument(flag, choices=[c for c in choices if c is not None], default=f.default, help=helptext)
                 continue
             if get_origin(tp) is tuple:  # a list of strings: --flag a b c
                 parser.add_argument(flag, nargs="*", type=str, default=f.default, help=helptext)
@@ -418,6 +423,10 @@ def _hints() -> dict[str, Any]:
 
 
 def _literal_choices(tp: Any) -> tuple | None:
+    """A Literal's values (an optional Literal's, and None)."""
+    if _is_optional(tp):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return (*get_args(inner[0]), None) if len(inner) == 1 and get_origin(inner[0]) is Literal else None
     return get_args(tp) if get_origin(tp) is Literal else None
 
 

@@ -63,7 +63,8 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cpu_matmul: str = "auto"):
+def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cpu_matmul: str = "auto",
+             quantization: str | None = None):  # fmt: skip
     from model.executor import ExecutorConfig, ModelExecutor
 
     page = 16
@@ -73,7 +74,7 @@ def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cp
     cfg = ExecutorConfig(page_size=page, num_pages=pages + 2, max_context_len=max(ctx, 16), max_batch=max(2, max_batch),
                          max_extend_tokens=max(16, max(b * n for k, b, n in cases if k == "extend") if any(
                              k == "extend" for k, _, _ in cases) else 16), dtype=dtype, attention_backend=backend,
-                         precompile=precompile, cpu_matmul=cpu_matmul)  # fmt: skip
+                         precompile=precompile, cpu_matmul=cpu_matmul, quantization=quantization)  # fmt: skip
     return ModelExecutor(path, cfg)
 
 
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto", help="attention backend of the measured step")
     ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "onednn"],
                     help="projections on CPU: XLA's dot or oneDNN's (auto: oneDNN for bf16 where installed)")
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 projections")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--startup", action="store_true", help="also time a cold start-up (no compilation cache)")
@@ -159,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = parse_cases(a.cases)
     path = model_dir(a.model)
-    main_ex = executor(path, a.backend, a.dtype, cases, cpu_matmul=a.cpu_matmul)
-    floor_ex = executor(path, "none", a.dtype, cases, cpu_matmul=a.cpu_matmul)
+    main_ex = executor(path, a.backend, a.dtype, cases, cpu_matmul=a.cpu_matmul, quantization=a.quantization)
+    floor_ex = executor(path, "none", a.dtype, cases, cpu_matmul=a.cpu_matmul, quantization=a.quantization)
     hf = None
     if not a.no_hf:
         import torch
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         if jax.devices()[0].platform == "gpu" and torch.cuda.is_available():
             hf = hf.cuda()
     platform = jax.devices()[0].platform
-    print(f"# {a.model} {a.dtype} on {platform} ({jax.devices()[0].device_kind}); attention: {main_ex.backend}; matmul: {main_ex.dot}")
+    print(f"# {a.model} {a.dtype} on {platform} ({jax.devices()[0].device_kind}); attention: {main_ex.backend}; matmul: {main_ex.dot}; "
+          f"quantization: {a.quantization}")
     print(f"{'case':>18} {'step_ms':>9} {'floor_ms':>9} {'hf_ms':>9} {'tok_s':>10} {'vs_hf':>6}")
     rows = []
     for kind, b, n in cases:
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(f"{r['case']:>18} {step:9.2f} {floor:9.2f} {hf_ms:9.2f} {r['tok_s']:10.1f} {r['vs_hf']:6.2f}", flush=True)
     report = {"model": a.model, "dtype": a.dtype, "platform": platform, "backend": main_ex.backend, "matmul": main_ex.dot,
-              "cases": rows}
+              "quantization": a.quantization, "cases": rows}
     if a.startup:
         del main_ex, floor_ex
         report["startup"] = startup(path, a.dtype)

@@ -37,7 +37,7 @@ from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
-from model.params import build_host_state, build_lazy_state
+from model.params import QUANT_MODES, build_host_state, build_lazy_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
@@ -67,6 +67,7 @@ class ExecutorConfig:
     layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
     layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
     cpu_matmul: str = "auto"  # "xla" | "onednn" (model/kernels/onednn.py) | "auto": resolve_dot
+    quantization: str | None = None  # "int8": weight-only int8 projections, LM head, embedding (model/params.py)
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
@@ -131,7 +132,8 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
         if (why := onednn.reason()) is not None:
             raise ValueError(f"cpu_matmul='onednn' is not available here: {why}")
         return "onednn"
-    if want == "auto" and platform == "cpu" and cfg.tp_size == 1 and cfg.dtype in ("bfloat16", "float16"):
+    if want == "auto" and platform == "cpu" and cfg.tp_size == 1 and (cfg.dtype in ("bfloat16", "float16")
+                                                                     or cfg.quantization is not None):  # fmt: skip
         from model.kernels import onednn
 
         if (why := onednn.reason()) is None:
@@ -144,6 +146,8 @@ class ModelExecutor:
     def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
         if cfg.dtype not in DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
+        if cfg.quantization is not None and cfg.quantization not in QUANT_MODES:
+            raise ValueError(f"quantization={cfg.quantization!r}: choose None or one of {list(QUANT_MODES)}")
         self.cfg = cfg
         self.mesh = make_mesh(cfg.tp_size)
         self.platform = jax.devices()[0].platform
@@ -168,7 +172,7 @@ class ModelExecutor:
         self.dot = resolve_dot(cfg, self.platform)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
                               cfg.deterministic, logits_vocab_major=self.platform == "cpu",
-                              lora_gather=cfg.lora_gather, dot=self.dot)  # fmt: skip
+                              lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization)  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
@@ -210,7 +214,8 @@ class ModelExecutor:
         missing or misshapen tensor. Many hosts: each reads only its own devices' shards of the
         (memory-mapped) tensors (build_lazy_state), never the whole model into host memory."""
         build = build_lazy_state if jax.process_count() > 1 else build_host_state
-        host = build(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan")
+        host = build(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan",
+                     self.cfg.quantization)  # fmt: skip
         return self.model.place(host, self.mesh)
 
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:

@@ -46,37 +46,47 @@ class RMSNorm(nnx.Module):
 class Linear(nnx.Module):
     """x [T, in] @ weight [in, out] (+ bias [out], which shares the weight's output split).
     `sharding` of the weight: (None, "tp") column-parallel, ("tp", None) row-parallel, ().
-    `dot`: how the product is computed (`matmul`)."""
+    `dot`: how the product is computed (`matmul`). `quant="int8"`: weight-only int8, the weight
+    int8 and `scale` [out] f32 (column n is weight[:, n] * scale[n]; model/params.py quantizes)."""
 
     def __init__(self, n_in: int, n_out: int, dtype, sharding: Sharding = (), bias: bool = False,
-                 dot: str = "xla"):  # fmt: skip
-        self.weight = param((n_in, n_out), dtype, sharding)
+                 dot: str = "xla", quant: str | None = None):  # fmt: skip
+        self.weight = param((n_in, n_out), jnp.int8 if quant else dtype, sharding)
+        self.scale = param((n_out,), jnp.float32, sharding[1:]) if quant else None
         self.bias = param((n_out,), dtype, sharding[1:]) if bias else None
         self.dot = dot
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...], self.dot)
+        scale = None if self.scale is None else self.scale[...]
+        y = matmul(x, self.weight[...], self.dot, scale=scale)
         return y if self.bias is None else y + self.bias[...]
 
 
 class Embedding(nnx.Module):
-    """Token embedding, weight [V, H] (replicated); a tied checkpoint's LM head reads it too."""
+    """Token embedding, weight [V, H] (replicated); a tied checkpoint's LM head reads it too.
+    `quant="int8"`: weight int8 and `scale` [V] f32, one per token's row (the LM head's columns)."""
 
-    def __init__(self, vocab: int, hidden: int, dtype):
-        self.weight = param((vocab, hidden), dtype)
+    def __init__(self, vocab: int, hidden: int, dtype, quant: str | None = None):
+        self.weight = param((vocab, hidden), jnp.int8 if quant else dtype)
+        self.scale = param((vocab,), jnp.float32) if quant else None
+        self.dtype = dtype
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        rows = jnp.take(self.weight[...], ids, axis=0)
+        if self.scale is None:
+            return rows
+        return (rows.astype(jnp.float32) * jnp.take(self.scale[...], ids)[:, None]).astype(self.dtype)
 
 
 class GatedMLP(nnx.Module):
     """down(silu(gate(x)) * up(x)), the Llama/Qwen/Mistral MLP: gate/up column-parallel, down
     row-parallel (each replicated if `tp` does not divide the intermediate size)."""
 
-    def __init__(self, hidden: int, inter: int, dtype, column: Sharding, row: Sharding, dot: str = "xla"):
-        self.gate_proj = Linear(hidden, inter, dtype, column, dot=dot)
-        self.up_proj = Linear(hidden, inter, dtype, column, dot=dot)
-        self.down_proj = Linear(inter, hidden, dtype, row, dot=dot)
+    def __init__(self, hidden: int, inter: int, dtype, column: Sharding, row: Sharding, dot: str = "xla",
+                 quant: str | None = None):  # fmt: skip
+        self.gate_proj = Linear(hidden, inter, dtype, column, dot=dot, quant=quant)
+        self.up_proj = Linear(hidden, inter, dtype, column, dot=dot, quant=quant)
+        self.down_proj = Linear(inter, hidden, dtype, row, dot=dot, quant=quant)
 
     def __call__(self, x: jax.Array, lora: Any = None) -> jax.Array:
         """`lora`: the layer's adapters (model/lora.py LayerLora), added to each projection."""
@@ -111,24 +121,36 @@ def rowwise(f, x: jax.Array) -> jax.Array:
     return out.reshape(-1, *out.shape[2:])[:t]
 
 
-def invariant_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def invariant_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [T, K] @ w [K, N], batch-invariant (see `rowwise`)."""
-    return rowwise(lambda a: a @ w, x)
+    return rowwise(lambda a: jnp.matmul(a, w, preferred_element_type=out_dtype), x)
 
 
-def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = False) -> jax.Array:
-    """x @ w (w [K, N]; [N, K] with `transpose_w`), computed as `dot` says:
+def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = False,
+           scale: jax.Array | None = None, out_dtype=None) -> jax.Array:  # fmt: skip
+    """x @ w (w [K, N]; [N, K] with `transpose_w`) in `out_dtype` (x's by default), computed as
+    `dot` says:
 
         xla        XLA's dot
         invariant  batch-invariant (`rowwise`): the deterministic mode's projections and LM head
         onednn     oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
-    """
+
+    `scale` [N] f32: w is int8, weight-only quantized (column n is w[:, n] * scale[n]); XLA's
+    paths convert w to x's dtype inside the dot and scale its f32 result, the custom call
+    dequantizes as it multiplies."""
+    out_dtype = out_dtype or x.dtype
     if dot == "onednn":
         from model.kernels import onednn
 
-        return onednn.matmul(x, w, transpose_w=transpose_w)
+        return onednn.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype)
     w = w.T if transpose_w else w
-    return invariant_matmul(x, w) if dot == "invariant" else jnp.matmul(x, w)
+    if scale is not None:
+        w = w.astype(x.dtype)
+    if dot == "invariant":
+        y = invariant_matmul(x, w, None if scale is None else jnp.float32)
+    else:
+        y = jnp.matmul(x, w, preferred_element_type=None if scale is None else jnp.float32)
+    return (y if scale is None else y * scale).astype(out_dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

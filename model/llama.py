@@ -53,13 +53,14 @@ class Attention(nnx.Module):
     """q/k/v projections (column-parallel by heads), q/k RMSNorm (Qwen3), RoPE, the backend's
     KV write and attention, and the row-parallel output projection."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str,
+                 quant: str | None = None):  # fmt: skip
         h, q, kv, det = cfg.hidden_size, cfg.q_size, cfg.kv_size, dot == "invariant"
         col_q, col_kv = tp_split(2, 1, cfg.num_heads, tp), tp_split(2, 1, cfg.num_kv_heads, tp)
-        self.q_proj = Linear(h, q, dtype, col_q, cfg.qkv_bias, dot)
-        self.k_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, dot)
-        self.v_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, dot)
-        self.o_proj = Linear(q, h, dtype, tp_split(2, 0, q, tp), dot=dot)
+        self.q_proj = Linear(h, q, dtype, col_q, cfg.qkv_bias, dot, quant)
+        self.k_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, dot, quant)
+        self.v_proj = Linear(h, kv, dtype, col_kv, cfg.qkv_bias, dot, quant)
+        self.o_proj = Linear(q, h, dtype, tp_split(2, 0, q, tp), dot=dot, quant=quant)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, det) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, det) if cfg.qk_norm else None
         self.cfg = cfg
@@ -83,12 +84,13 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and gated MLP, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str,
+                 quant: str | None = None):  # fmt: skip
         h, i, eps, det = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, dot == "invariant"
         self.input_layernorm = RMSNorm(h, eps, dtype, det)
-        self.self_attn = Attention(cfg, backend, dtype, tp, dot)
+        self.self_attn = Attention(cfg, backend, dtype, tp, dot, quant)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, det)
-        self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), dot)
+        self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), dot, quant)
 
     def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any]:
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb, lora)
@@ -102,15 +104,17 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla"):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla",
+                 quant: str | None = None):  # fmt: skip
         # how the projections and the LM head multiply (model/layers.py matmul): batch-invariant
         # in the deterministic mode, else XLA's dot or oneDNN's (ExecutorConfig.cpu_matmul)
         self.dot = "invariant" if deterministic else dot
 
         def layer() -> DecoderLayer:
-            return DecoderLayer(cfg, backend, dtype, tp, self.dot)
+            return DecoderLayer(cfg, backend, dtype, tp, self.dot, quant)
 
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # quant="int8": every projection, the LM head and the embedding are weight-only int8
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, quant)
         self.layers: nnx.List[DecoderLayer] | DecoderLayer
         if layer_loop == "unrolled":
             self.layers = nnx.List([layer() for _ in range(cfg.num_layers)])
@@ -120,11 +124,11 @@ class Decoder(nnx.Module):
             self.layers = stack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, deterministic)
         v, h = cfg.vocab_size, cfg.hidden_size
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(h, v, dtype, tp_split(2, 1, v, tp))
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(h, v, dtype, tp_split(2, 1, v, tp), quant=quant)
         self.cfg = cfg
         self.layer_unroll = layer_unroll
         self.deterministic = deterministic
-        self.logits_vocab_major = logits_vocab_major and self.dot == "xla"
+        self.logits_vocab_major = logits_vocab_major and self.dot == "xla" and quant is None
         self.lora_gather = lora_gather  # the adapters' product in its gather form (model/lora.py)
 
     def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
@@ -157,19 +161,19 @@ class Decoder(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
-        if self.dot == "onednn":  # f32 out of the kernel: the logits are never rounded to bf16
-            from model.kernels import onednn
-
-            if self.lm_head is not None:
-                return onednn.matmul(h, self.lm_head.weight[...], out_dtype=jnp.float32)
-            return onednn.matmul(h, self.embed_tokens.weight[...], transpose_w=True, out_dtype=jnp.float32)
-        w = self.lm_head.weight[...].T if self.lm_head is not None else self.embed_tokens.weight[...]  # [V, H]
+        if self.lm_head is not None:
+            head, transpose = self.lm_head, False  # [H, V]
+        else:
+            head, transpose = self.embed_tokens, True  # [V, H]
+        w, scale = head.weight[...], None if head.scale is None else head.scale[...]
         if self.logits_vocab_major:
             # [V, S] then transposed: XLA:CPU runs the [V, H] x [H, S] form 1.5-3.5x faster for a
             # few rows (SmolLM2's 49,152 x 576 head, 32 rows: 28.5 ms against 41.7 as h @ embed.T
             # and 102 as h @ lm_head; the same from 64 rows up)
+            w = w if transpose else w.T
             return jax.lax.dot_general(w, h, (((1,), (1,)), ((), ()))).T.astype(jnp.float32)
-        return matmul(h, w, self.dot, transpose_w=True).astype(jnp.float32)
+        # f32 out of the product: the logits are never rounded to bf16 by a custom call
+        return matmul(h, w, self.dot, transpose_w=transpose, scale=scale, out_dtype=jnp.float32)
 
 
 class CausalLM:
@@ -186,11 +190,12 @@ class CausalLM:
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
-                 logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla"):  # fmt: skip
+                 logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla",
+                 quant: str | None = None):  # fmt: skip
         self.cfg = cfg
         self.attn = attn
         decoder = nnx.eval_shape(lambda: Decoder(cfg, attn, dtype, tp, layer_loop, layer_unroll, deterministic,
-                                                 logits_vocab_major, lora_gather, dot))  # fmt: skip
+                                                 logits_vocab_major, lora_gather, dot, quant))  # fmt: skip
         self.graphdef, state = nnx.split(decoder)
         self.abstract: dict = nnx.to_pure_dict(state)
         self.specs: dict = nnx.to_pure_dict(nnx.get_partition_spec(state))

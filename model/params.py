@@ -26,6 +26,12 @@ Linear weights are `[in, out]` (the transpose of HF's `[out, in]`), so every pro
 layer body to compile) and passes a dozen buffers per step instead of ~10 per layer; on CPU,
 where XLA copies a scanned layer's slice, each layer's weights are buffers of their own.
 
+Weight-only int8 (`quant="int8"`, model/layers.py Linear and Embedding): every projection's
+weight, the LM head's and the embedding's are int8, and a f32 `scale` leaf sits beside each
+`weight`: one per output column of a projection ([..., out]), one per token row of the
+embedding ([V]; a tied LM head's columns). `quantize_int8` makes them from the checkpoint's
+floats at load and at every weight update (symmetric, round to nearest, max |w| -> 127).
+
 `hf_layout(cfg)` is THE map from HF tensor names to places in the state: loading uses it
 (`build_host_state`), and so does a weight update by HF name (model/weight_sync.py), which
 builds a whole new state the same way; the compiled programs take the state as an argument,
@@ -97,6 +103,43 @@ def hf_layout(cfg: ModelConfig) -> dict[str, Placement]:
     return out
 
 
+QUANTIZED = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+                       "embed_tokens"})  # fmt: skip
+QUANT_MODES = ("int8",)
+
+
+def quant_axis(module: str) -> int:
+    """The axis a quantized weight's scale reduces over: a projection's input features ([in, out]
+    or [L, in, out]), an embedding row's hidden features ([V, H])."""
+    return -1 if module == "embed_tokens" else -2
+
+
+def quantize_int8(a: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 weight, f32 scale) of float `a`: one scale per slice along `axis` (max |a| / 127; 1
+    for an all-zero slice), a = q * scale up to half a step. Stacked weights go one layer at a
+    time, so the f32 copy it needs is one layer's."""
+    axis = axis - a.ndim if axis >= 0 else axis
+    if a.ndim == 3:
+        parts = [quantize_int8(a[i], axis) for i in range(a.shape[0])]
+        return np.stack([q for q, _ in parts]), np.stack([sc for _, sc in parts])
+    f = np.asarray(a, np.float32)
+    amax = np.max(np.abs(f), axis=axis)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(f / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _quantize_tree(tree: Tree) -> None:
+    """Every quantized module's float `weight` -> int8 `weight` + `scale`, in place."""
+    for key, node in tree.items():
+        if not isinstance(node, dict):
+            continue
+        if key in QUANTIZED and "weight" in node:
+            node["weight"], node["scale"] = quantize_int8(node["weight"], quant_axis(key))
+        else:
+            _quantize_tree(node)
+
+
 def to_tree_layout(place: Placement, a: np.ndarray, dtype) -> np.ndarray:
     """One HF tensor as its Param holds it: transposed to [in, out] if a projection, cast."""
     a = np.asarray(a)
@@ -141,7 +184,8 @@ def _read_one(place: Placement, a: np.ndarray, idx: tuple[slice, ...], dtype) ->
     return np.ascontiguousarray(np.asarray(src).astype(dtype))
 
 
-def build_lazy_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool) -> Tree:
+def build_lazy_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool,
+                     quant: str | None = None) -> Tree:  # fmt: skip
     """`build_host_state`'s tree (the same structure, shapes and dtypes) of LazyLeafs: nothing is
     read until a shard is asked for (many hosts: each places only its own devices' shards,
     model/mesh.py place_host_array). Same checks, same errors."""
@@ -177,12 +221,40 @@ def build_lazy_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, st
         for k in parents:
             node = node.setdefault(k, {})
         node[key] = LazyLeaf(shape, dtype, read)
+    if quant:
+        _quantize_lazy(tree)
     return tree
 
 
-def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool) -> Tree:
-    """The state as host (NumPy) arrays, layers stacked or per layer. Raises ValueError naming a
-    missing tensor or one whose shape disagrees with config.json."""
+def _quantize_lazy(tree: Tree) -> None:
+    """`_quantize_tree` over LazyLeafs: a shard of the int8 weight or of its scale reads the whole
+    reduced axis of the float slice it covers (a row-parallel shard splits a column's inputs;
+    its scale is the whole column's), quantizes, and keeps its own part."""
+    for key, node in tree.items():
+        if not isinstance(node, dict):
+            continue
+        if key not in QUANTIZED or "weight" not in node:
+            _quantize_lazy(node)
+            continue
+        src: LazyLeaf = node["weight"]
+        axis = src.ndim + quant_axis(key)
+
+        def read_q(idx: tuple[slice, ...], src=src, axis=axis) -> np.ndarray:
+            whole = idx[:axis] + (slice(None),) + idx[axis + 1 :]
+            return quantize_int8(src[whole], axis)[0][(slice(None),) * axis + (idx[axis],)]
+
+        def read_scale(idx: tuple[slice, ...], src=src, axis=axis) -> np.ndarray:
+            return quantize_int8(src[idx[:axis] + (slice(None),) + idx[axis:]], axis)[1]
+
+        node["weight"] = LazyLeaf(src.shape, np.int8, read_q)
+        node["scale"] = LazyLeaf(src.shape[:axis] + src.shape[axis + 1 :], np.float32, read_scale)
+
+
+def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, stacked: bool,
+                     quant: str | None = None) -> Tree:  # fmt: skip
+    """The state as host (NumPy) arrays, layers stacked or per layer; `quant="int8"`: quantized
+    (see the module's docstring). Raises ValueError naming a missing tensor or one whose shape
+    disagrees with config.json."""
     layout = _checked_layout(cfg, tensors)
     tree: Tree = {}
     for name, place in layout.items():
@@ -197,6 +269,8 @@ def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, st
             if key not in node:
                 node[key] = np.empty((cfg.num_layers, *a.shape), a.dtype)
             node[key][place.layer] = a
+    if quant:
+        _quantize_tree(tree)
     if not stacked:
         # per layer as views of the stacked arrays: one host allocation per weight name. Freed
         # per-layer arrays of a few MB stay in the process's heap (SmolLM2: 311 MB more RSS

@@ -73,7 +73,7 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
     """The pool for `args` (pure: the memory is given). ValueError naming the fields and the
     numbers when not even one request of context_length plus a page fits."""
     fraction = args.mem_fraction_static or DEFAULT_FRACTION.get(plat, ACCELERATOR_FRACTION)
-    kv_token, weights = fp.kv_bytes_per_token(args.dtype), fp.weight_bytes(args.dtype)
+    kv_token, weights = fp.kv_bytes_per_token(args.dtype), fp.weight_bytes(args.dtype, args.quantization)
     need = need_tokens(args)
     budget = None
     if group_memory_bytes is not None:

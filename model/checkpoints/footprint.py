@@ -27,8 +27,10 @@ class Footprint:
         TPU backend that pads heads or head_dim holds more)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * ITEMSIZE[dtype]
 
-    def weight_bytes(self, dtype: str) -> int:
-        return self.num_params * ITEMSIZE[dtype]
+    def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
+        """Bytes of the served weights: int8 holds nearly every element in one byte (the
+        norms' few thousand and the per-column scales are left out of the estimate)."""
+        return self.num_params * (1 if quantization == "int8" else ITEMSIZE[dtype])
 
 
 def read_footprint(path: str | Path) -> Footprint:

@@ -1,0 +1,120 @@
+"""Weight-only int8 (`quantization="int8"`, model/params.py): the quantizer's error bound, the
+state's layout (int8 weight + f32 scale per output column, per token row for the embedding)
+in both layer layouts and lazily on many hosts, and the served model: its greedy tokens equal
+those of the same model whose float weights are the dequantized int8 ones, at load and after a
+weight update (which re-quantizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.checkpoints.weights import load_checkpoint
+from model.executor import ExecutorConfig, ModelExecutor
+from model.params import QUANTIZED, build_host_state, build_lazy_state, quantize_int8
+from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+
+CFG = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
+                     precompile=False, cpu_matmul="xla")  # fmt: skip
+
+
+def test_quantize_int8_is_within_half_a_step_per_column():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(3, 40, 24)).astype(np.float32) * rng.uniform(0.01, 3, size=(1, 1, 24)).astype(np.float32)
+    a[1, :, 5] = 0  # an all-zero column keeps scale 1, not a division by zero
+    q, s = quantize_int8(a, -2)
+    assert q.dtype == np.int8 and s.dtype == np.float32 and q.shape == a.shape and s.shape == (3, 24)
+    assert np.abs(q).max() == 127 and s[1, 5] == 1 and not q[1, :, 5].any()
+    assert np.all(np.abs(q * s[:, None, :] - a) <= s[:, None, :] / 2 + 1e-7)
+    q0, s0 = quantize_int8(a[0], 0)  # a positive axis means the same as its negative
+    np.testing.assert_array_equal(q0, q[0])
+    np.testing.assert_array_equal(s0, s[0])
+    qe, se = quantize_int8(a[0], -1)  # an embedding: one scale per row
+    assert se.shape == (40,) and np.all(np.abs(qe * se[:, None] - a[0]) <= se[:, None] / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_the_state_holds_int8_and_a_scale_beside_every_quantized_weight(tiny_dir, stacked):
+    cfg, tensors = load_checkpoint(tiny_dir("qwen2"))  # qkv biases stay float beside an int8 weight
+    built = build_host_state(cfg, tensors, np.float32, stacked, "int8")
+    layer = built["layers"] if stacked else built["layers"][0]
+    q = layer["self_attn"]["q_proj"]
+    assert q["weight"].dtype == np.int8 and q["bias"].dtype == np.float32
+    assert q["scale"].shape == q["weight"].shape[:-2] + q["weight"].shape[-1:]
+    emb = built["embed_tokens"]
+    assert emb["weight"].dtype == np.int8 and emb["scale"].shape == (cfg.vocab_size,)
+    assert layer["input_layernorm"]["weight"].dtype == np.float32  # norms stay float
+    lazy = build_lazy_state(cfg, tensors, np.float32, stacked, "int8")
+    assert jax.tree.structure(built) == jax.tree.structure(lazy)
+    for b, z in zip(jax.tree.leaves(built), jax.tree.leaves(lazy), strict=True):
+        assert (b.shape, b.dtype) == (z.shape, z.dtype)
+        np.testing.assert_array_equal(z[tuple(slice(None) for _ in b.shape)], b)
+        # a row-parallel shard splits the reduced axis: it still quantizes with the whole column's scale
+        half = tuple(slice(0, max(1, n // 2)) for n in b.shape)
+        np.testing.assert_array_equal(z[half], b[half])
+
+
+def dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint with each quantized weight replaced by its int8 image in float (HF [out, in]:
+    the scale is per row here, which is per column of ours)."""
+    out = {}
+    for name, a in tensors.items():
+        module = name.split(".")[-2]
+        if module in QUANTIZED and name.endswith(".weight"):
+            q, s = quantize_int8(np.asarray(a, np.float32), -1)
+            out[name] = q.astype(np.float32) * s[:, None]
+        else:
+            out[name] = a
+    return out
+
+
+@pytest.mark.parametrize("family,layer_loop", [("llama", "unrolled"), ("llama", "scan"), ("qwen2", "unrolled")])
+def test_int8_serves_the_tokens_of_its_dequantized_weights(tiny_dir, family, layer_loop):
+    cfg = dataclasses.replace(CFG, layer_loop=layer_loop)
+    ex = ModelExecutor(tiny_dir(family), dataclasses.replace(cfg, quantization="int8"))
+    assert ex.params["embed_tokens"]["weight"].dtype == jnp.int8
+    ref = ModelExecutor(tiny_dir(family), cfg)
+    deq = dequantized(ref.host_tensors)
+    ref.swap_params(ref.build_params(deq), deq)
+    prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
+    assert greedy_with_cached_prefix(ex, prompts, 16, 12) == greedy_with_cached_prefix(ref, prompts, 16, 12)
+
+
+def test_a_weight_update_requantizes(tiny_dir):
+    """New float weights through the update path come out int8 like a fresh load of them."""
+    ex = ModelExecutor(tiny_dir("llama"), dataclasses.replace(CFG, quantization="int8"))
+    rng = np.random.default_rng(1)
+    new = {k: (np.asarray(v, np.float32) * rng.uniform(0.5, 1.5)).astype(np.float32) for k, v in ex.host_tensors.items()}
+    params = ex.build_params(new)
+    ex.swap_params(params, new)
+    w = np.asarray(ex.params["layers"][1]["mlp"]["down_proj"]["weight"])
+    s = np.asarray(ex.params["layers"][1]["mlp"]["down_proj"]["scale"])
+    q, sc = quantize_int8(new["model.layers.1.mlp.down_proj.weight"].T, -2)
+    np.testing.assert_array_equal(w, q)
+    np.testing.assert_array_equal(s, sc)
+
+
+def test_an_unknown_quantization_is_refused_by_name(tiny_dir):
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        ModelExecutor(tiny_dir("llama"), dataclasses.replace(CFG, quantization="int4"))
+
+
+def test_int8_through_onednn_agrees_with_xla(tiny_dir):
+    """bf16 activations times int8 weights inside oneDNN (tied LM head: the [V, H] embedding with
+    its per-row scales) against XLA's dequantizing dot: greedy continuations agree."""
+    from model.kernels import onednn
+
+    if (why := onednn.reason()) is not None:
+        pytest.skip(f"oneDNN custom call: {why}")
+    cfg = dataclasses.replace(CFG, dtype="bfloat16", quantization="int8")
+    fast = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="onednn"))
+    ref = ModelExecutor(tiny_dir("llama"), cfg)
+    assert (fast.dot, ref.dot) == ("onednn", "xla")
+    prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
+    a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)
+    same = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+    assert same >= 0.9 * sum(map(len, a)), (a, b)
