@@ -4,6 +4,7 @@ it serves, and the command that starts it as a server on 127.0.0.1.
     system          kind       serves                                  installed by
     ringserve       ringserve  the HF-format directory, f32            this repository
     ringserve-bf16  ringserve  the same, --dtype bfloat16              this repository
+    ringserve-int8  ringserve  the same, --quantization int8 (bf16)    this repository
     vllm            vllm       the same directory, --dtype float32     tools/install_peers.sh vllm
     vllm-bf16       vllm       the same, --dtype bfloat16              tools/install_peers.sh vllm
     llamacpp        llamacpp   a GGUF of the same weights, F32         tools/install_peers.sh llamacpp
@@ -46,17 +47,18 @@ class Unavailable(RuntimeError):
 class System:
     name: str
     kind: str  # one of KINDS
-    precision: str  # one of PRECISIONS; q4_1 = as shipped
+    precision: str  # one of PRECISIONS; q4_1 = as shipped; q8_0 for ringserve: int8 weights, bf16 compute
 
     @property
     def dtype(self) -> str:
         """The --dtype of a ringserve or vLLM server."""
-        return {"f32": "float32", "bf16": "bfloat16"}[self.precision]
+        return {"f32": "float32", "bf16": "bfloat16", "q8_0": "bfloat16"}[self.precision]
 
 
 SYSTEMS = {s.name: s for s in (
     System("ringserve", "ringserve", "f32"),
     System("ringserve-bf16", "ringserve", "bf16"),
+    System("ringserve-int8", "ringserve", "q8_0"),
     System("vllm", "vllm", "f32"),
     System("vllm-bf16", "vllm", "bf16"),
     System("llamacpp", "llamacpp", "f32"),
@@ -138,6 +140,8 @@ def launch(
         argv = [sys.executable, "-m", "actors.cli.main", "serve", "--model", str(served), *host, "--no-socket",
                 "--dtype", s.dtype, "--context-length", str(lim.max_len),
                 "--max-running-requests", str(lim.parallel), "--log-level", "warning"]  # fmt: skip
+        if s.precision == "q8_0":
+            argv += ["--quantization", "int8"]
         return Launch([*argv, *extra], {})
     if s.kind == "vllm":
         argv = [str(layout.vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", str(served), *host,
