@@ -3,6 +3,7 @@ measured against HF transformers at float32, the truth.
 
     python -m bench.precision --model tiny --dtype bfloat16
     python -m bench.precision --model smollm2 --dtype bfloat16 --cpu-matmul xla --prompts 64 --new-tokens 32
+    python -m bench.precision --model smollm2 --quantization int8     # int8 weights, bf16 compute
 
 Prompts: `--prompts` seeded random token ids (`3 <= id < vocab`, as bench/workload.py draws
 them), lengths uniform in [16, 128]; nothing is downloaded (smollm2 must already be fetched).
@@ -105,13 +106,32 @@ def compare(system: str, dtype: str, got: Outputs, truth: Outputs, seconds: floa
                     float(np.mean([p == n_new for p in prefixes])), float(np.mean(prefixes)), seconds)  # fmt: skip
 
 
-def hf_outputs(path: Path, prompts: list[list[int]], n_new: int, dtype: str) -> Outputs:
+def int8_weights(m) -> None:
+    """HF model `m`'s projections, LM head and embedding replaced in place by their int8 images
+    (model/params.py quantize_int8, one scale per output row of HF's [out, in]): HF at the
+    precision ringserve's `quantization="int8"` serves."""
+    import torch
+
+    from model.params import QUANTIZED, quantize_int8
+
+    with torch.no_grad():
+        for name, p in m.named_parameters():  # a tied head shares the embedding's tensor: done once
+            if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+                q, s = quantize_int8(p.detach().float().numpy(), -1)
+                p.copy_(torch.from_numpy(q.astype(np.float32) * s[:, None]).to(p.dtype))
+
+
+def hf_outputs(path: Path, prompts: list[list[int]], n_new: int, dtype: str, int8: bool = False) -> Outputs:
     """HF transformers generate, one prompt at a time; the first step's logits are generate's
-    raw logits of step 0 (the model's own output dtype, widened to f32)."""
+    raw logits of step 0 (the model's own output dtype, widened to f32). `int8`: on the int8
+    images of the weights (`int8_weights`), computed in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32 if int8 else getattr(torch, dtype)).eval()
+    if int8:
+        int8_weights(m)
+        m = m.to(getattr(torch, dtype))
     logits, greedy = [], []
     with torch.no_grad():
         for p in prompts:
@@ -123,7 +143,7 @@ def hf_outputs(path: Path, prompts: list[list[int]], n_new: int, dtype: str) -> 
 
 
 def ringserve_outputs(
-    path: Path, prompts: list[list[int]], n_new: int, dtype: str, cpu_matmul: str = "auto"
+    path: Path, prompts: list[list[int]], n_new: int, dtype: str, cpu_matmul: str = "auto", quantization: str | None = None
 ) -> Outputs:
     """ModelExecutor's diagnostic logits path (one prompt at a time, pages reused), then
     model/generate.py's greedy generation of all prompts on a fresh cache."""
@@ -135,7 +155,7 @@ def ringserve_outputs(
     cfg = ExecutorConfig(page_size=PAGE, num_pages=1 + sum(cdiv(len(p) + n_new, PAGE) for p in prompts),
                          max_context_len=cdiv(longest, PAGE) * PAGE, max_batch=len(prompts),
                          max_extend_tokens=PROMPT_LEN[1], dtype=dtype, cpu_matmul=cpu_matmul,
-                         precompile=False)  # fmt: skip
+                         quantization=quantization, precompile=False)  # fmt: skip
     ex = ModelExecutor(path, cfg)
     logits = []
     for p in prompts:
@@ -148,16 +168,21 @@ def ringserve_outputs(
 
 
 def measure(path: Path, dtype: str, n_prompts: int, n_new: int, cpu_matmul: str = "auto", seed: int = 0,
-            log=lambda msg: None) -> list[Accuracy]:  # fmt: skip
-    """Rows: HF and ringserve at float32, then at `dtype`, each against HF float32."""
+            log=lambda msg: None, quantization: str | None = None) -> list[Accuracy]:  # fmt: skip
+    """Rows: HF and ringserve at float32, then at `dtype`, each against HF float32. With
+    `quantization="int8"` the low-precision rows are int8 weights computed in `dtype`: HF on
+    the weights' int8 images, ringserve quantized at load."""
     if dtype not in LOW_DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {LOW_DTYPES} (float32 is always run, as the truth)")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(n_prompts, vocab, seed)
+    int8 = quantization == "int8"
+    low = f"int8/{dtype}" if int8 else dtype
     runs = [("hf", "float32", lambda: hf_outputs(path, prompts, n_new, "float32")),
             ("ringserve", "float32", lambda: ringserve_outputs(path, prompts, n_new, "float32")),
-            ("hf", dtype, lambda: hf_outputs(path, prompts, n_new, dtype)),
-            (f"ringserve ({cpu_matmul})", dtype, lambda: ringserve_outputs(path, prompts, n_new, dtype, cpu_matmul))]  # fmt: skip
+            ("hf", low, lambda: hf_outputs(path, prompts, n_new, dtype, int8)),
+            (f"ringserve ({cpu_matmul})", low,
+             lambda: ringserve_outputs(path, prompts, n_new, dtype, cpu_matmul, quantization))]  # fmt: skip
     truth, rows = None, []
     for system, dt, run in runs:
         t0 = time.perf_counter()
@@ -186,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dtype", default="bfloat16", choices=LOW_DTYPES)
     ap.add_argument("--cpu-matmul", default="auto", choices=("auto", "xla", "onednn"))
+    ap.add_argument("--quantization", default=None, choices=("int8",),
+                    help="the low-precision rows: int8 weights computed in --dtype")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -201,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
 
         path, _ = resolve_model(a.model)
     rows = measure(path, a.dtype, a.prompts, a.new_tokens, a.cpu_matmul, a.seed,
-                   log=lambda msg: print(msg, file=sys.stderr, flush=True))  # fmt: skip
+                   log=lambda msg: print(msg, file=sys.stderr, flush=True), quantization=a.quantization)  # fmt: skip
     print(f"{a.model}: {a.prompts} prompts of {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens, {a.new_tokens} greedy tokens; "
           "errors and agreement against HF float32")  # fmt: skip
     print(format_rows(rows))
-    print(json.dumps({"model": a.model, "dtype": a.dtype, "cpu_matmul": a.cpu_matmul, "prompts": a.prompts,
+    print(json.dumps({"model": a.model, "dtype": a.dtype, "quantization": a.quantization,
+                      "cpu_matmul": a.cpu_matmul, "prompts": a.prompts,
                       "new_tokens": a.new_tokens, "seed": a.seed, "rows": [dataclasses.asdict(r) for r in rows]}))  # fmt: skip
     return 0
 

@@ -12,7 +12,7 @@ import pytest
 from bench.precision import compare, hf_outputs, make_prompts, ringserve_outputs
 
 N_PROMPTS, N_NEW = 8, 8
-pytestmark = pytest.mark.slow  # ~100 s on 2 cores: two HF runs, three ringserve runs
+pytestmark = pytest.mark.slow  # ~140 s on 2 cores: three HF runs, five ringserve runs
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,17 @@ def test_bfloat16_logit_error_within_hf_bfloat16(case, hf_bf16, cpu_matmul):
     assert ours.max_err > 1e-4 * scale, "ringserve ran at f32, not bf16"
     assert ours.max_err <= 2 * hf_bf16.max_err + 1e-3, (ours, hf_bf16)
     assert ours.mean_err <= 2 * hf_bf16.mean_err + 1e-3, (ours, hf_bf16)
+
+
+@pytest.mark.parametrize("cpu_matmul", ["xla", "auto"])
+def test_int8_logit_error_within_hf_on_the_same_int8_weights(case, cpu_matmul):
+    """int8 weights, bf16 compute: ringserve's error against HF f32 is within 2x (+ 1e-3) of HF's
+    own on the same int8 images of the weights in bf16."""
+    path, prompts, truth = case
+    hf = compare("hf", "int8/bfloat16", hf_outputs(path, prompts, N_NEW, "bfloat16", int8=True), truth, 0.0)
+    ours = compare("ringserve", "int8/bfloat16",
+                   ringserve_outputs(path, prompts, N_NEW, "bfloat16", cpu_matmul, "int8"), truth, 0.0)  # fmt: skip
+    scale = np.abs(truth.logits).max()
+    assert ours.max_err > 1e-4 * scale, "ringserve ran without quantizing or at f32"
+    assert ours.max_err <= 2 * hf.max_err + 1e-3, (ours, hf)
+    assert ours.mean_err <= 2 * hf.mean_err + 1e-3, (ours, hf)
