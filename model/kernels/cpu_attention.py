@@ -14,5 +14,5 @@ from model.kernels.build import loader
 
 TARGET = "ringserve_cpu_attention"
 
-reason = loader("cpu_attention", ["-O3", "-march=native", "-ffast-math"], {TARGET: "RingserveCpuAttention"})
+reason = loader("cpu_attention", ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], {TARGET: "RingserveCpuAttention"})
 """None when the kernel runs here; otherwise why not."""
