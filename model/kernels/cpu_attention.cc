@@ -68,6 +68,21 @@ struct Item {
   int32_t row, head, t0, t1;
 };
 
+#if defined(__AVX512F__)
+// NB queries' scores against one page of 16 keys (k: [D, 16]) into s [NB, 16]: NB accumulators,
+// one per query, each an independent FMA chain over the head dim (8 of them hide the latency).
+template <int NB, int DC>
+inline void scores16(const float* q, const float* k, float* s) {
+  __m512 r[NB];
+  for (int b = 0; b < NB; ++b) r[b] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < DC; ++d) {
+    const __m512 kr = _mm512_loadu_ps(k + d * 16);
+    for (int b = 0; b < NB; ++b) r[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[b * DC + d]), kr, r[b]);
+  }
+  for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + b * 16, r[b]);
+}
+#endif
+
 // One work item: queries t0..t1-1 of row `row`, the G query heads of KV head `head`. SC, DC:
 // the page size and head dim when known at compile time (the common 16 x 64 and 16 x 128),
 // else 0 (read from `a`): fixed trip counts let the compiler keep a page's 16 scores in one
@@ -77,7 +92,8 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int64_t G = a.H / a.Hkv;
   const int64_t D = DC ? DC : a.D, S = SC ? SC : a.S;
   const int64_t nq = int64_t(it.t1 - it.t0) * G;
-  const int64_t nqp = (nq + 7) / 8 * 8;  // rows padded for the 8-query register blocks (zeros)
+  // rows padded for the register blocks (zeros): 8 queries, or 4 for a decode token's few heads
+  const int64_t nqp = nq <= 4 ? 4 : (nq + 7) / 8 * 8;
   scratch.assign(size_t(nqp * (2 * D + 2 + S) + 2 * S * D), 0.f);
   float* acc = scratch.data();        // [nqp, D]
   float* qs = acc + nqp * D;          // [nqp, D] the queries, scaled
@@ -118,16 +134,11 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     }
     // scores of every query at once: each key row kpage[d] is read once for all of them
 #if defined(__AVX512F__)
-    if constexpr (SC == 16 && DC > 0) {  // 8 queries' 16 scores in 8 registers over the head dim
-      for (int64_t q0 = 0; q0 < nqp; q0 += 8) {  // (8 independent FMA chains hide the latency)
-        __m512 r[8];
-        for (int b = 0; b < 8; ++b) r[b] = _mm512_setzero_ps();
-        const float* qb = qs + q0 * DC;
-        for (int64_t d = 0; d < DC; ++d) {
-          const __m512 kr = _mm512_loadu_ps(kpage + d * 16);
-          for (int b = 0; b < 8; ++b) r[b] = _mm512_fmadd_ps(_mm512_set1_ps(qb[b * DC + d]), kr, r[b]);
-        }
-        for (int b = 0; b < 8; ++b) _mm512_storeu_ps(s + (q0 + b) * 16, r[b]);
+    if constexpr (SC == 16 && DC > 0) {  // 8 (or 4) queries' 16 scores in registers over the head dim
+      if (nqp == 4) {
+        scores16<4, DC>(qs, kpage, s);
+      } else {
+        for (int64_t q0 = 0; q0 < nqp; q0 += 8) scores16<8, DC>(qs + q0 * DC, kpage, s + q0 * 16);
       }
     } else
 #endif
