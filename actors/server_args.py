@@ -86,9 +86,11 @@ class ServerArgs:
         "auto", "decoder layers: one scan over stacked weights, or unrolled over per-layer weights (auto: unrolled on CPU)"
     )
     layer_unroll: int = _opt(1, "decoder layers per iteration of the layer scan")
-    cpu_matmul: Literal["auto", "xla", "onednn"] = _opt(
-        "auto", "projections and LM head on CPU: XLA's dot or oneDNN's matmul (pip install 'ringserve[onednn]'; "
-        "bf16/f16 on AVX512-BF16/AMX); auto: oneDNN for bf16/f16 when it is installed and tp_size is 1"
+    cpu_matmul: Literal["auto", "xla", "onednn", "kernel"] = _opt(
+        "auto", "projections and LM head on CPU: XLA's dot, oneDNN's matmul (pip install 'ringserve[onednn]'; "
+        "bf16/f16 on AVX512-BF16/AMX), or kernel: ringserve's own for decode's few rows (g++, built on first use), "
+        "larger steps on oneDNN for bf16/int8 where installed, else XLA; auto: the best of these that runs here "
+        "(tp_size 1)"
     )
     quantization: Literal["int8"] | None = _opt(
         None, "weight-only int8: projections, LM head and embedding held as int8 with a f32 scale per output "

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default="tiny", help="'tiny', 'smollm2' (already fetched) or a model directory"
     )
     ap.add_argument("--dtype", default="bfloat16", choices=LOW_DTYPES)
-    ap.add_argument("--cpu-matmul", default="auto", choices=("auto", "xla", "onednn"))
+    ap.add_argument("--cpu-matmul", default="auto", choices=("auto", "xla", "onednn", "kernel"))
     ap.add_argument("--quantization", default=None, choices=("int8",),
                     help="the low-precision rows: int8 weights computed in --dtype")
     ap.add_argument("--prompts", type=int, default=64)

@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--backend", default="auto", help="attention backend of the measured step")
-    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "onednn"],
-                    help="projections on CPU: XLA's dot or oneDNN's (auto: oneDNN for bf16 where installed)")
+    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "onednn", "kernel"],
+                    help="projections on CPU: XLA's dot, oneDNN's, or ringserve's kernel for few rows (auto: the best that runs)")
     ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 projections")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-hf", action="store_true")

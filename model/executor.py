@@ -66,7 +66,7 @@ class ExecutorConfig:
     context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
     layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
     layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
-    cpu_matmul: str = "auto"  # "xla" | "onednn" (model/kernels/onednn.py) | "auto": resolve_dot
+    cpu_matmul: str = "auto"  # "xla" | "onednn" | "kernel" (model/kernels/) | "auto": resolve_dot
     quantization: str | None = None  # "int8": weight-only int8 projections, LM head, embedding (model/params.py)
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
@@ -108,37 +108,60 @@ def resolve_layer_loop(layer_loop: str, platform: str) -> str:
     return layer_loop
 
 
+CPU_MATMULS = ("auto", "xla", "onednn", "kernel")
+
+
 def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
-    """How the projections and the LM head multiply (model/layers.py `matmul`): "invariant" in
-    the deterministic mode; "onednn" where asked for, or by "auto" for bf16/f16 on CPU with one
-    device when the custom call is installed (XLA:CPU has no fast bf16 dot: on 2 Zen 4 cores its
-    bf16 dots ran at 45-140 GF/s against oneDNN's 290-400); "xla" otherwise (f32 on CPU, where
-    XLA's dot is as fast as oneDNN's, and every accelerator)."""
+    """How the projections and the LM head multiply (model/layers.py `matmul`):
+
+        invariant      the deterministic mode (its batch-invariant dot)
+        kernel         CPU, f32/bf16: decode's few rows through ringserve's own kernel, which
+                       streams the weights on every core (model/kernels/cpu_matmul.py: XLA:CPU's
+                       one-row dot runs on one core), larger steps on XLA's dot
+        kernel+onednn  the same, larger steps through oneDNN: bf16 and int8 weights, where XLA:CPU
+                       has no fast dot (its bf16 dots: 45-140 GF/s on 2 Zen 4 cores, oneDNN 290-400)
+        onednn         oneDNN for every step (asked for; or auto for f16, which the kernel lacks)
+        xla            every accelerator, and CPU where neither custom call builds
+
+    `cpu_matmul` asks for one ("auto": the best that runs here; "kernel" or "onednn": that one or
+    a ValueError naming why it cannot run). The custom calls are not sharded: tp_size 1 only."""
     want = cfg.cpu_matmul
-    if want not in ("auto", "xla", "onednn"):
-        raise ValueError(f"cpu_matmul={want!r}: must be 'auto', 'xla' or 'onednn'")
+    if want not in CPU_MATMULS:
+        raise ValueError(f"cpu_matmul={want!r}: must be one of {list(CPU_MATMULS)}")
     if cfg.deterministic:
-        if want == "onednn":
-            raise ValueError("cpu_matmul='onednn' with enable_deterministic_inference: the deterministic mode "
+        if want in ("onednn", "kernel"):
+            raise ValueError(f"cpu_matmul={want!r} with enable_deterministic_inference: the deterministic mode "
                              "keeps its batch-invariant dot (use cpu_matmul='auto' or 'xla')")  # fmt: skip
         return "invariant"
-    if want == "onednn":
-        from model.kernels import onednn
+    if want == "xla":
+        return "xla"
+    from model.kernels import cpu_matmul, onednn
 
+    def why_not(name: str) -> str | None:
         if platform != "cpu":
-            raise ValueError(f"cpu_matmul='onednn' runs on CPU only; this platform is {platform!r}")
+            return f"it runs on CPU only; this platform is {platform!r}"
         if cfg.tp_size != 1:
-            raise ValueError(f"cpu_matmul='onednn' needs tp_size=1 (got {cfg.tp_size}): the custom call is not sharded")
-        if (why := onednn.reason()) is not None:
-            raise ValueError(f"cpu_matmul='onednn' is not available here: {why}")
-        return "onednn"
-    if want == "auto" and platform == "cpu" and cfg.tp_size == 1 and (cfg.dtype in ("bfloat16", "float16")
-                                                                     or cfg.quantization is not None):  # fmt: skip
-        from model.kernels import onednn
+            return f"it needs tp_size=1 (got {cfg.tp_size}): the custom call is not sharded"
+        if name == "kernel" and cfg.dtype not in ("float32", "bfloat16"):
+            return f"it computes in float32 or bfloat16, not {cfg.dtype}"
+        return (cpu_matmul if name == "kernel" else onednn).reason()
 
-        if (why := onednn.reason()) is None:
+    slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
+    if want != "auto":
+        if (why := why_not(want)) is not None:
+            raise ValueError(f"cpu_matmul={want!r} is not available here: {why}")
+        if want == "onednn":
             return "onednn"
-        log.info("cpu_matmul=auto: XLA's dot (%s)", why)
+        return "kernel+onednn" if slow_on_xla and why_not("onednn") is None else "kernel"
+    if platform != "cpu":
+        return "xla"
+    kernel_why = why_not("kernel")
+    onednn_why = why_not("onednn") if slow_on_xla else "not needed"
+    if kernel_why is None:
+        return "kernel+onednn" if onednn_why is None else "kernel"
+    if onednn_why is None:
+        return "onednn"
+    log.info("cpu_matmul=auto: XLA's dot (kernel: %s; oneDNN: %s)", kernel_why, onednn_why)
     return "xla"
 
 

@@ -131,14 +131,23 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     """x @ w (w [K, N]; [N, K] with `transpose_w`) in `out_dtype` (x's by default), computed as
     `dot` says:
 
-        xla        XLA's dot
-        invariant  batch-invariant (`rowwise`): the deterministic mode's projections and LM head
-        onednn     oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
+        xla            XLA's dot
+        invariant      batch-invariant (`rowwise`): the deterministic mode's projections and LM head
+        onednn         oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
+        kernel         up to KERNEL_ROWS rows (decode): ringserve's own custom call, which streams
+                       the weights on every core (model/kernels/cpu_matmul.py); more rows: XLA's dot
+        kernel+onednn  the same, more rows through oneDNN
 
     `scale` [N] f32: w is int8, weight-only quantized (column n is w[:, n] * scale[n]); XLA's
     paths convert w to x's dtype inside the dot and scale its f32 result, the custom call
     dequantizes as it multiplies."""
     out_dtype = out_dtype or x.dtype
+    if dot.startswith("kernel"):
+        if few_rows(dot, x):
+            from model.kernels import cpu_matmul
+
+            return cpu_matmul.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype)
+        dot = "onednn" if dot == "kernel+onednn" else "xla"
     if dot == "onednn":
         from model.kernels import onednn
 
@@ -151,6 +160,14 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     else:
         y = jnp.matmul(x, w, preferred_element_type=None if scale is None else jnp.float32)
     return (y if scale is None else y * scale).astype(out_dtype)
+
+
+KERNEL_ROWS = 16  # the most rows the "kernel" dots send to cpu_matmul (decode batches of up to 16)
+
+
+def few_rows(dot: str, x: jax.Array) -> bool:
+    """Whether `matmul(x, ..., dot)` runs on the small-row kernel (rows are static in a trace)."""
+    return dot.startswith("kernel") and math.prod(x.shape[:-1]) <= KERNEL_ROWS
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

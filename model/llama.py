@@ -41,6 +41,7 @@ from model.layers import (
     Linear,
     RMSNorm,
     apply_rope,
+    few_rows,
     matmul,
     rope_inv_freq,
     rope_tables,
@@ -128,7 +129,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.layer_unroll = layer_unroll
         self.deterministic = deterministic
-        self.logits_vocab_major = logits_vocab_major and self.dot == "xla" and quant is None
+        self.logits_vocab_major = logits_vocab_major and self.dot in ("xla", "kernel") and quant is None
         self.lora_gather = lora_gather  # the adapters' product in its gather form (model/lora.py)
 
     def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
@@ -166,7 +167,7 @@ class Decoder(nnx.Module):
         else:
             head, transpose = self.embed_tokens, True  # [V, H]
         w, scale = head.weight[...], None if head.scale is None else head.scale[...]
-        if self.logits_vocab_major:
+        if self.logits_vocab_major and not few_rows(self.dot, h):
             # [V, S] then transposed: XLA:CPU runs the [V, H] x [H, S] form 1.5-3.5x faster for a
             # few rows (SmolLM2's 49,152 x 576 head, 32 rows: 28.5 ms against 41.7 as h @ embed.T
             # and 102 as h @ lm_head; the same from 64 rows up)

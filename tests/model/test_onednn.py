@@ -15,31 +15,47 @@ from model.kernels import onednn
 needs_onednn = pytest.mark.skipif(onednn.reason() is not None, reason=f"oneDNN custom call: {onednn.reason()}")
 
 
-def test_auto_picks_onednn_only_for_16_bit_on_one_cpu_device(monkeypatch):
+def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
+    from model.kernels import cpu_matmul
+
     monkeypatch.setattr(onednn, "reason", lambda: None)
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "onednn"
-    assert resolve_dot(ExecutorConfig(dtype="float16"), "cpu") == "onednn"
-    assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "xla"  # XLA's f32 dot is as fast
+    monkeypatch.setattr(cpu_matmul, "reason", lambda: None)
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel+onednn"
+    assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"
+    assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "kernel"  # XLA's f32 dot for larger steps
+    assert resolve_dot(ExecutorConfig(dtype="float16"), "cpu") == "onednn"  # the kernel has no f16
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", tp_size=2), "cpu") == "xla"
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "gpu") == "xla"
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", deterministic=True), "cpu") == "invariant"
     assert resolve_dot(ExecutorConfig(dtype="float32", cpu_matmul="onednn"), "cpu") == "onednn"
-    monkeypatch.setattr(onednn, "reason", lambda: "no C++ compiler")
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="xla"), "cpu") == "xla"
+    monkeypatch.setattr(onednn, "reason", lambda: "no oneDNN")
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
+    monkeypatch.setattr(cpu_matmul, "reason", lambda: "no C++ compiler")
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "xla"  # auto falls back
+    monkeypatch.setattr(onednn, "reason", lambda: None)
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "onednn"
 
 
 @pytest.mark.parametrize(
     "cfg, platform, message",
     [
-        (ExecutorConfig(cpu_matmul="mkl"), "cpu", "cpu_matmul='mkl': must be 'auto', 'xla' or 'onednn'"),
+        (ExecutorConfig(cpu_matmul="mkl"), "cpu", "cpu_matmul='mkl': must be one of ['auto', 'xla', 'onednn', 'kernel']"),
         (ExecutorConfig(cpu_matmul="onednn", deterministic=True), "cpu", "deterministic mode keeps"),
+        (ExecutorConfig(cpu_matmul="kernel", deterministic=True), "cpu", "deterministic mode keeps"),
         (ExecutorConfig(cpu_matmul="onednn"), "tpu", "runs on CPU only; this platform is 'tpu'"),
-        (ExecutorConfig(cpu_matmul="onednn", tp_size=2), "cpu", "needs tp_size=1 (got 2)"),
+        (ExecutorConfig(cpu_matmul="kernel", tp_size=2), "cpu", "needs tp_size=1 (got 2)"),
+        (ExecutorConfig(cpu_matmul="kernel", dtype="float16"), "cpu", "float32 or bfloat16, not float16"),
         (ExecutorConfig(cpu_matmul="onednn"), "cpu", "is not available here: no C++ compiler"),
+        (ExecutorConfig(cpu_matmul="kernel"), "cpu", "is not available here: no C++ compiler"),
     ],
 )
-def test_asking_for_onednn_where_it_cannot_run_names_why(monkeypatch, cfg, platform, message):
+def test_asking_for_a_dot_that_cannot_run_names_why(monkeypatch, cfg, platform, message):
+    from model.kernels import cpu_matmul
+
     monkeypatch.setattr(onednn, "reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(cpu_matmul, "reason", lambda: "no C++ compiler")
     with pytest.raises(ValueError, match="cpu_matmul") as e:
         resolve_dot(cfg, platform)
     assert message in str(e.value)
@@ -82,17 +98,19 @@ def test_leading_axes_are_rows_and_int8_weights_scale_per_column():
 
 
 @needs_onednn
-def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla(tiny_dir):
-    """The tiny model in bf16, its projections and LM head through oneDNN, against the same
-    model on XLA's dot: the cache is stored as uint16 (no whole-cache conversions on CPU) and
-    greedy continuations agree (the LM head's f32 logits may break a near-tie differently)."""
+@pytest.mark.parametrize("cpu_matmul, dot", [("onednn", "onednn"), ("kernel", "kernel+onednn")])
+def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla(tiny_dir, cpu_matmul, dot):
+    """The tiny model in bf16, its projections and LM head through oneDNN (or decode's through
+    ringserve's small-row kernel), against the same model on XLA's dot: the cache is stored as
+    uint16 (no whole-cache conversions on CPU) and greedy continuations agree (the LM head's
+    f32 logits may break a near-tie differently)."""
     from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
     cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
-                         precompile=False, dtype="bfloat16")  # fmt: skip
+                         precompile=False, dtype="bfloat16", cpu_matmul=cpu_matmul)  # fmt: skip
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
     fast = ModelExecutor(tiny_dir("llama"), cfg)
-    assert fast.dot == "onednn" and fast.kv[0].dtype == jnp.uint16
+    assert fast.dot == dot and fast.kv[0].dtype == jnp.uint16
     ref = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**{**_fields(cfg), "cpu_matmul": "xla"}))
     assert ref.dot == "xla"
     a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)
