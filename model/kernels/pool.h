@@ -1,0 +1,64 @@
+// Dealing a custom call's work items to every thread of XLA's intra-op pool (shared by
+// cpu_attention.cc and cpu_matmul.cc; model/kernels/build.py rebuilds both when this changes).
+//
+// Items 0..n-1 are dealt from an atomic counter to the calling thread and to helpers scheduled
+// on the pool; the caller waits for the items, not for the helpers (a helper that starts late
+// finds nothing left and returns), so a busy pool never deadlocks it. The shared state lives in
+// a shared_ptr: a late helper may still touch it after the caller has returned.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ringserve {
+
+// At most this many threads per call, from the environment variable `name` (tests and
+// benchmarks); unset: no cap. Read once per kernel: keep the answer in a static.
+inline int64_t thread_cap(const char* name) {
+  const char* e = std::getenv(name);
+  return e && *e ? std::max<int64_t>(1, std::atoll(e)) : INT64_MAX;
+}
+
+// run(i) for every i in [0, n), on the caller and on up to min(pool threads - 1, n - 1,
+// cap - 1) helpers; returns once every item has run.
+inline void deal(xla::ffi::ThreadPool& pool, int64_t n, int64_t cap, std::function<void(int64_t)> run) {
+  if (n <= 0) return;
+  struct Shared {
+    std::function<void(int64_t)> run;
+    int64_t n;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto sh = std::make_shared<Shared>();
+  sh->run = std::move(run);
+  sh->n = n;
+  auto work = [](const std::shared_ptr<Shared>& s) {
+    int64_t finished = 0;
+    for (int64_t i; (i = s->next.fetch_add(1)) < s->n;) {
+      s->run(i);
+      ++finished;
+    }
+    if (finished && s->done.fetch_add(finished) + finished == s->n) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->cv.notify_all();
+    }
+  };
+  const int64_t helpers = std::min({std::max<int64_t>(pool.num_threads() - 1, 0), n - 1, cap - 1});
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh, work] { work(sh); });
+  work(sh);
+  std::unique_lock<std::mutex> lock(sh->mu);
+  sh->cv.wait(lock, [&] { return sh->done.load() == n; });
+}
+
+}  // namespace ringserve
