@@ -1,0 +1,362 @@
+// y = x @ w on CPU for few rows (decode), as an XLA FFI custom call on every thread of XLA's
+// intra-op pool (model/kernels/cpu_matmul.py builds and registers it). No dependency beyond g++.
+//
+//   ringserve_cpu_matmul     x [..., K] f32 | bf16, w [K, N] or [N, K] f32 | bf16
+//   ringserve_cpu_matmul_q8  the same with w int8 and scale f32 [N]: column n is w[:, n] * scale[n]
+//   result                   y [..., N] f32 | bf16 (the caller's choice; bf16 rounded to nearest even)
+//   attribute transpose_w    the weight is stored [N, K] (a tied embedding as the LM head)
+//
+// A step of decode is one row of x against every weight: the time is the time to stream the
+// weights from memory once, and one core does not draw the memory's bandwidth alone. So the
+// output columns are dealt across the pool's threads (pool.h) in items of tens to hundreds of
+// KB of weights, and each thread streams its columns once for all of x's rows:
+//   w [K, N]  a tile of 64-256 columns: x[m, k] broadcast against row k's slice of the tile,
+//             16-column vectors accumulated in registers over all of K (rows prefetched ahead)
+//   w [N, K]  4 or 8 weight rows at a time: contiguous dot products with every row of x,
+//             summed across the vector at the end
+// x's rows are register-blocked (up to 4 per pass over a tile; more rows loop over the tile
+// while it sits in L2). Weights widen to f32 in registers (bf16: a 16-bit shift; int8: sign
+// extension and a convert; the scale multiplies the sum) and every sum accumulates in f32.
+// AVX-512 (F, BW, VL) where the compiler targets it (-march=native), plain loops elsewhere.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define RINGSERVE_AVX512 1
+#endif
+
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Args {
+  const float* x;      // [M, K] f32 (bf16 inputs widened first)
+  const void* w;       // [K, N] or [N, K]
+  const float* scale;  // [N] (int8 weights) or null
+  void* y;             // [M, N]
+  bool y_bf16;
+  int64_t M, K, N;
+};
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_f32(v); }
+inline float widen(int8_t v) { return float(v); }
+
+inline void store1(const Args& a, int64_t m, int64_t n, float v) {
+  if (a.scale) v *= a.scale[n];
+  if (a.y_bf16)
+    static_cast<uint16_t*>(a.y)[m * a.N + n] = f32_to_bf16(v);
+  else
+    static_cast<float*>(a.y)[m * a.N + n] = v;
+}
+
+#ifdef RINGSERVE_AVX512
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+inline __mmask16 mask_of(int64_t left) { return left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1); }
+
+// y[m, n:n+16] (lanes in `msk`) = v, scaled, in y's dtype
+inline void store16(const Args& a, int64_t m, int64_t n, __m512 v, __mmask16 msk) {
+  if (a.scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(msk, a.scale + n));
+  if (a.y_bf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + m * a.N + n, msk, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(a.y) + m * a.N + n, msk, v);
+  }
+}
+
+// w [K, N]: rows m0..m0+MB-1 of y (at most M) x columns n0..n0+16*NV-1 (at most N)
+template <int MB, int NV, class T>
+void kn_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K, N = a.N;
+  const T* w = static_cast<const T*>(a.w) + n0;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  __m512 acc[MB][NV];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  constexpr int kRowBytes = 16 * NV * int(sizeof(T));
+  constexpr int64_t kAhead = std::max(4, 4096 / kRowBytes);  // rows prefetched ahead: ~4 KB in flight
+  const size_t stride = size_t(N) * sizeof(T);
+  if (n0 + 16 * NV <= N) {
+    const char* pf = reinterpret_cast<const char*>(w) + kAhead * stride;
+    const bool odd = (reinterpret_cast<uintptr_t>(pf) | stride) & 63;  // rows straddle one more line
+    for (int64_t k = 0; k < K; ++k, pf += stride) {
+      if (k + kAhead < K) {
+        for (int b = 0; b < kRowBytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        if (odd) _mm_prefetch(pf + kRowBytes - 1, _MM_HINT_T0);
+      }
+      const T* wr = w + k * N;
+      __m512 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = load16(wr + 16 * v);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xb = _mm512_set1_ps(xr[i][k]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+      }
+    }
+  } else {  // the last, partial tile
+    __mmask16 msk[NV];
+    for (int v = 0; v < NV; ++v) msk[v] = mask_of(N - n0 - 16 * v);
+    for (int64_t k = 0; k < K; ++k) {
+      const T* wr = w + k * N;
+      __m512 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = load16(wr + 16 * v, msk[v]);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xb = _mm512_set1_ps(xr[i][k]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int v = 0; v < NV; ++v)
+      if (n0 + 16 * v < N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(N - n0 - 16 * v));
+}
+
+// w [N, K]: rows m0..m0+MB-1 of y x columns n0..n0+NB-1 (weight rows; past N: the last one
+// again, not stored)
+template <int MB, int NB, class T>
+void nk_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const T* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = static_cast<const T*>(a.w) + std::min(n0 + j, a.N - 1) * K;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 msk = mask_of(K - k);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k, msk);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(msk, xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+#else  // plain loops (the compiler vectorises what it can)
+
+template <int MB, int NV, class T>
+void kn_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K, N = a.N, n1 = std::min(n0 + 16 * NV, N);
+  const T* w = static_cast<const T*>(a.w);
+  for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+    const float* xr = a.x + (m0 + i) * K;
+    float acc[16 * NV] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float xk = xr[k];
+      const T* wr = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) acc[n - n0] += xk * widen(wr[n]);
+    }
+    for (int64_t n = n0; n < n1; ++n) store1(a, m0 + i, n, acc[n - n0]);
+  }
+}
+
+template <int MB, int NB, class T>
+void nk_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+    const float* xr = a.x + (m0 + i) * K;
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) {
+      const T* wr = static_cast<const T*>(a.w) + (n0 + j) * K;
+      float acc[16] = {};  // 16 partial sums: vectorises without reassociating
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += xr[k + l] * widen(wr[k + l]);
+      for (; k < K; ++k) acc[k % 16] += xr[k] * widen(wr[k]);
+      float s = 0.f;
+      for (int l = 0; l < 16; ++l) s += acc[l];
+      store1(a, m0 + i, n0 + j, s);
+    }
+  }
+}
+
+#endif
+
+using Tile = void (*)(const Args&, int64_t, int64_t);
+
+// The kernel for a block of `mb` rows (1..4) with `width` (vectors for [K, N], weight rows for
+// [N, K]); the combinations plan() asks for.
+template <class T>
+Tile kn_kernel(int mb, int nv) {
+  switch (mb * 100 + nv) {
+    case 104: return kn_tile<1, 4, T>;
+    case 108: return kn_tile<1, 8, T>;
+    case 116: return kn_tile<1, 16, T>;
+    case 204: return kn_tile<2, 4, T>;
+    case 208: return kn_tile<2, 8, T>;
+    case 304: return kn_tile<3, 4, T>;
+    default: return kn_tile<4, 4, T>;
+  }
+}
+
+template <class T>
+Tile nk_kernel(int mb, int nb) {
+  switch (mb * 100 + nb) {
+    case 108: return nk_tile<1, 8, T>;
+    case 208: return nk_tile<2, 8, T>;
+    case 104: return nk_tile<1, 4, T>;
+    case 204: return nk_tile<2, 4, T>;
+    case 304: return nk_tile<3, 4, T>;
+    default: return nk_tile<4, 4, T>;
+  }
+}
+
+template <class T>
+void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
+  static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
+  const int64_t M = a.M, N = a.N, K = a.K;
+  // Columns per tile: [K, N] 16 * nv (one row of x: wider tiles while there are 4 per thread);
+  // [N, K] nb weight rows. Rows of x are taken 4 at a time (fewer: one block of M).
+  int width;
+  if (!transpose_w)
+    width = M == 1 ? (N >= 256 * 4 * threads ? 16 : N >= 128 * 4 * threads ? 8 : 4) : M == 2 ? (N >= 128 * 4 * threads ? 8 : 4) : 4;
+  else
+    width = M <= 2 ? 8 : 4;
+  const int64_t cols = transpose_w ? width : 16 * width;
+  const int64_t tiles = (N + cols - 1) / cols;
+  // items of whole tiles, ~1/8 of the call's weights per thread, within 32 KB..512 KB
+  const int64_t tile_bytes = std::max<int64_t>(1, cols * K * int64_t(sizeof(T)));
+  const int64_t target = std::clamp<int64_t>(tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
+  const int64_t per_item = std::max<int64_t>(1, target / tile_bytes);
+  const int64_t items = (tiles + per_item - 1) / per_item;
+  const int mb = int(std::min<int64_t>(M, 4)), rest = int(M % 4);
+  const Tile main = transpose_w ? nk_kernel<T>(mb, width) : kn_kernel<T>(mb, width);
+  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width) : kn_kernel<T>(rest, width)) : nullptr;
+  const int64_t full_rows = M > 4 ? M - rest : M;
+  ringserve::deal(pool, items, cap, [&](int64_t item) {
+    const int64_t t0 = item * per_item, t1 = std::min(tiles, t0 + per_item);
+    for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
+      for (int64_t m = 0; m < full_rows; m += mb) main(a, m, t * cols);
+      if (tail) tail(a, full_rows, t * cols);
+    }
+  });
+}
+
+ffi::Error matmul_any(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale,
+                      ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || xd.size() < 1 || yd.size() != xd.size())
+    return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+  Args a;
+  a.K = xd.back();
+  a.N = transpose_w ? wd[0] : wd[1];
+  a.M = 1;
+  for (size_t d = 0; d + 1 < xd.size(); ++d) a.M *= xd[d];
+  if ((transpose_w ? wd[1] : wd[0]) != a.K || yd.back() != a.N)
+    return ffi::Error::InvalidArgument("cpu_matmul: inner dimensions disagree");
+  const auto xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
+  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
+  if (scale ? wt != ffi::DataType::S8 : (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(scale ? "cpu_matmul_q8: w must be int8" : "cpu_matmul: w must be f32 or bf16");
+  if (scale && (scale->element_type() != ffi::DataType::F32 || int64_t(scale->element_count()) != a.N))
+    return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N]");
+  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
+  a.y = y->untyped_data();
+  a.y_bf16 = yt == ffi::DataType::BF16;
+  if (a.K == 0) {  // an empty sum
+    std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
+    return ffi::Error::Success();
+  }
+  std::vector<float> wide;
+  if (xt == ffi::DataType::BF16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+    wide.resize(size_t(a.M * a.K));
+    for (size_t e = 0; e < wide.size(); ++e) wide[e] = bf16_to_f32(xb[e]);
+    a.x = wide.data();
+  } else {
+    a.x = static_cast<const float*>(x.untyped_data());
+  }
+  a.w = w.untyped_data();
+  a.scale = scale ? static_cast<const float*>(scale->untyped_data()) : nullptr;
+  if (wt == ffi::DataType::F32)
+    run<float>(pool, a, transpose_w);
+  else if (wt == ffi::DataType::BF16)
+    run<uint16_t>(pool, a, transpose_w);
+  else
+    run<int8_t>(pool, a, transpose_w);
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                  bool transpose_w) {
+  return matmul_any(pool, x, w, nullptr, y, transpose_w);
+}
+
+ffi::Error matmul_q8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                     ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
+  return matmul_any(pool, x, w, &scale, y, transpose_w);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmul, matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmulQ8, matmul_q8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_w"));
