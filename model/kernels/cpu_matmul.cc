@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -38,6 +39,7 @@ namespace {
 
 struct Args {
   const float* x;      // [M, K] f32 (bf16 inputs widened first)
+  const uint16_t* xh;  // [M, K] x's bf16 bits, or null (f32 x)
   const void* w;       // [K, N] or [N, K]
   const float* scale;  // [N] (int8 weights) or null
   void* y;             // [M, N]
@@ -89,6 +91,11 @@ inline __m512 load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
+#ifndef RINGSERVE_NK_AHEAD
+#define RINGSERVE_NK_AHEAD 1024
+#endif
+constexpr int kNkAhead = RINGSERVE_NK_AHEAD;  // bytes prefetched ahead along each weight row ([N, K])
+
 inline __mmask16 mask_of(int64_t left) { return left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1); }
 
 // y[m, n:n+16] (lanes in `msk`) = v, scaled, in y's dtype
@@ -103,6 +110,52 @@ inline void store16(const Args& a, int64_t m, int64_t n, __m512 v, __mmask16 msk
   } else {
     _mm512_mask_storeu_ps(static_cast<float*>(a.y) + m * a.N + n, msk, v);
   }
+}
+
+// w [K, N] for few rows of x (MB = M <= 4): rows k0..k1-1 of w, one contiguous block, read
+// once in order, KG rows at a time (KG sequential streams); the sums over those rows go to
+// part [MB, N] (plain stores into a buffer that stays in L1/L2)
+template <int MB, int KG, class T>
+inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
+  const int64_t N = a.N, K = a.K;
+  const T* wr[KG];
+  __m512 xb[MB][KG];
+  for (int j = 0; j < KG; ++j) {
+    wr[j] = static_cast<const T*>(a.w) + (k + j) * N;
+    for (int i = 0; i < MB; ++i) xb[i][j] = _mm512_set1_ps(a.x[i * K + k + j]);
+  }
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) {
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + i * N + n);
+    for (int j = 0; j < KG; ++j) {
+      const __m512 wv = load16(wr[j] + n);
+      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(xb[i][j], wv, acc[i]);
+    }
+    for (int i = 0; i < MB; ++i) _mm512_storeu_ps(part + i * N + n, acc[i]);
+  }
+  if (n < N) {
+    const __mmask16 msk = mask_of(N - n);
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(msk, part + i * N + n);
+    for (int j = 0; j < KG; ++j) {
+      const __m512 wv = load16(wr[j] + n, msk);
+      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(xb[i][j], wv, acc[i]);
+    }
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(part + i * N + n, msk, acc[i]);
+  }
+}
+
+// y rows 0..MB-1 from the partial sums of `items` row blocks, in block order
+inline void kn_reduce(const Args& a, const float* part, int64_t items) {
+  const int64_t MN = a.M * a.N;
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t n = 0; n < a.N; n += 16) {
+      const __mmask16 msk = mask_of(a.N - n);
+      __m512 s = _mm512_maskz_loadu_ps(msk, part + m * a.N + n);
+      for (int64_t i = 1; i < items; ++i) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(msk, part + i * MN + m * a.N + n));
+      store16(a, m, n, s, msk);
+    }
 }
 
 // w [K, N]: rows m0..m0+MB-1 of y (at most M) x columns n0..n0+16*NV-1 (at most N)
@@ -152,6 +205,36 @@ void kn_tile(const Args& a, int64_t m0, int64_t n0) {
       if (n0 + 16 * v < N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(N - n0 - 16 * v));
 }
 
+// w [N, K] for one or two rows of x: weight rows n0..n0+NB-1 one after the other (the group
+// is one contiguous block, read as one sequential stream), 4 vectors of K in flight per row
+template <int MB, int NB, class T>
+void nk_seq(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  for (int j = 0; j < NB && n0 + j < a.N; ++j) {
+    const T* wr = static_cast<const T*>(a.w) + (n0 + j) * K;
+    __m512 acc[MB][4];
+    for (int i = 0; i < MB; ++i)
+      for (int u = 0; u < 4; ++u) acc[i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+      for (int u = 0; u < 4; ++u) {
+        const __m512 wv = load16(wr + k + 16 * u);
+        for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[i] + k + 16 * u), wv, acc[i][u]);
+      }
+    for (int u = 0; k < K; k += 16, ++u) {
+      const __mmask16 msk = mask_of(K - k);
+      const __m512 wv = load16(wr + k, msk);
+      for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(msk, xr[i] + k), wv, acc[i][u]);
+    }
+    for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
+      store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(s));
+    }
+  }
+}
+
 // w [N, K]: rows m0..m0+MB-1 of y x columns n0..n0+NB-1 (weight rows; past N: the last one
 // again, not stored)
 template <int MB, int NB, class T>
@@ -167,6 +250,8 @@ void nk_tile(const Args& a, int64_t m0, int64_t n0) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
+    if (sizeof(T) == 4 || (k & (64 / sizeof(T) - 1)) == 0)  // a line ahead per row, each new line
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNkAhead, _MM_HINT_T0);
     for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_loadu_ps(xr[i] + k);
@@ -186,7 +271,133 @@ void nk_tile(const Args& a, int64_t m0, int64_t n0) {
     for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
 }
 
+#ifdef __AVX512BF16__
+// bf16 x and bf16 w: vdpbf16ps multiplies pairs of bf16 exactly and adds both products to an
+// f32 lane, 32 weights an instruction (the widen-then-FMA path takes 3 for 16); the pair runs
+// along K (inputs and results below f32's normal range are flushed to zero).
+
+inline __m512bh bh(__m512i v) { return (__m512bh)v; }
+
+// w [K, N] rows k..k+2*KP-1 in pairs for MB rows of x into part [MB, N] (natural column order:
+// a pair of rows is interleaved 16-bit-wise into (w[k, n], w[k+1, n]) lanes)
+template <int MB, int KP>
+inline void kn_pairs_dp(const Args& a, int64_t k, float* part, bool first) {
+  const int64_t N = a.N, K = a.K;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                          6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // fmt: skip
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const uint16_t* r[2 * KP];
+  __m512i xp[MB][KP];
+  for (int p = 0; p < KP; ++p) {
+    r[2 * p] = w + (k + 2 * p) * N;
+    r[2 * p + 1] = r[2 * p] + N;
+    for (int i = 0; i < MB; ++i)
+      xp[i][p] = _mm512_set1_epi32(int32_t(uint32_t(a.xh[i * K + k + 2 * p]) | uint32_t(a.xh[i * K + k + 2 * p + 1]) << 16));
+  }
+  for (int64_t n = 0; n < N; n += 32) {
+    const __mmask32 m32 = N - n >= 32 ? ~__mmask32(0) : __mmask32((1u << (N - n)) - 1);
+    const __mmask16 m0 = mask_of(N - n), m1 = mask_of(N - n - 16);
+    __m512 lo[MB], hi[MB];
+    for (int i = 0; i < MB; ++i) {
+      lo[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, part + i * N + n);
+      hi[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, part + i * N + n + 16);
+    }
+    for (int p = 0; p < KP; ++p) {
+      const __m512i r0 = _mm512_maskz_loadu_epi16(m32, r[2 * p] + n), r1 = _mm512_maskz_loadu_epi16(m32, r[2 * p + 1] + n);
+      const __m512i wl = _mm512_permutex2var_epi16(r0, lo_idx, r1), wh = _mm512_permutex2var_epi16(r0, hi_idx, r1);
+      for (int i = 0; i < MB; ++i) {
+        lo[i] = _mm512_dpbf16_ps(lo[i], bh(xp[i][p]), bh(wl));
+        hi[i] = _mm512_dpbf16_ps(hi[i], bh(xp[i][p]), bh(wh));
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      _mm512_mask_storeu_ps(part + i * N + n, m0, lo[i]);
+      if (m1) _mm512_mask_storeu_ps(part + i * N + n + 16, m1, hi[i]);
+    }
+  }
+}
+
+// nk_seq for bf16 x and w: 32 k an instruction
+template <int MB, int NB>
+void nk_seq_dp(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const uint16_t* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.xh + std::min(m0 + i, a.M - 1) * K;
+  for (int j = 0; j < NB && n0 + j < a.N; ++j) {
+    const uint16_t* wr = static_cast<const uint16_t*>(a.w) + (n0 + j) * K;
+    __m512 acc[MB][4];
+    for (int i = 0; i < MB; ++i)
+      for (int u = 0; u < 4; ++u) acc[i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128)
+      for (int u = 0; u < 4; ++u) {
+        const __m512i wv = _mm512_loadu_si512(wr + k + 32 * u);
+        for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], bh(_mm512_loadu_si512(xr[i] + k + 32 * u)), bh(wv));
+      }
+    for (int u = 0; k < K; k += 32, ++u) {
+      const __mmask32 m32 = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+      const __m512i wv = _mm512_maskz_loadu_epi16(m32, wr + k);
+      for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], bh(_mm512_maskz_loadu_epi16(m32, xr[i] + k)), bh(wv));
+    }
+    for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
+      store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(s));
+    }
+  }
+}
+
+// w [N, K]: rows m0..m0+MB-1 of y x weight rows n0..n0+NB-1 (as nk_tile), 32 k a step
+template <int MB, int NB>
+void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const uint16_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = static_cast<const uint16_t*>(a.w) + std::min(n0 + j, a.N - 1) * K;
+  const uint16_t* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.xh + std::min(m0 + i, a.M - 1) * K;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 m32 = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNkAhead, _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(m32, wr[j] + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(m32, xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], bh(xv), bh(wv[j]));
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+#endif
+
 #else  // plain loops (the compiler vectorises what it can)
+
+template <int MB, int KG, class T>
+inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
+  const int64_t N = a.N, K = a.K;
+  if (first) std::fill(part, part + MB * N, 0.f);
+  for (int j = 0; j < KG; ++j) {
+    const T* wr = static_cast<const T*>(a.w) + (k + j) * N;
+    for (int i = 0; i < MB; ++i) {
+      const float xk = a.x[i * K + k + j];
+      float* p = part + i * N;
+      for (int64_t n = 0; n < N; ++n) p[n] += xk * widen(wr[n]);
+    }
+  }
+}
+
+inline void kn_reduce(const Args& a, const float* part, int64_t items) {
+  const int64_t MN = a.M * a.N;
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t n = 0; n < a.N; ++n) {
+      float s = part[m * a.N + n];
+      for (int64_t i = 1; i < items; ++i) s += part[i * MN + m * a.N + n];
+      store1(a, m, n, s);
+    }
+}
 
 template <int MB, int NV, class T>
 void kn_tile(const Args& a, int64_t m0, int64_t n0) {
@@ -223,7 +434,28 @@ void nk_tile(const Args& a, int64_t m0, int64_t n0) {
   }
 }
 
+template <int MB, int NB, class T>
+void nk_seq(const Args& a, int64_t m0, int64_t n0) {
+  nk_tile<MB, NB, T>(a, m0, n0);
+}
+
 #endif
+
+// part [MB, N] = x[:, k0:k1] @ w[k0:k1, :]: groups of 4 rows, then the rest one by one
+template <int MB, class T>
+void kn_block(const Args& a, int64_t k0, int64_t k1, float* part) {
+  int64_t k = k0;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (a.xh) {  // pairs of rows through vdpbf16ps; an odd last row below
+      for (; k + 8 <= k1; k += 8) kn_pairs_dp<MB, 4>(a, k, part, k == k0);
+      for (; k + 2 <= k1; k += 2) kn_pairs_dp<MB, 1>(a, k, part, k == k0);
+    }
+  }
+#endif
+  for (; k + 4 <= k1; k += 4) kn_rows<MB, 4, T>(a, k, part, k == k0);
+  for (; k < k1; ++k) kn_rows<MB, 1, T>(a, k, part, k == k0);
+}
 
 using Tile = void (*)(const Args&, int64_t, int64_t);
 
@@ -243,10 +475,20 @@ Tile kn_kernel(int mb, int nv) {
 }
 
 template <class T>
-Tile nk_kernel(int mb, int nb) {
+Tile nk_kernel(int mb, int nb, bool dp) {
+#ifdef __AVX512BF16__
+  if (std::is_same_v<T, uint16_t> && dp) switch (mb * 100 + nb) {
+      case 108: return nk_seq_dp<1, 8>;
+      case 208: return nk_seq_dp<2, 8>;
+      case 104: return nk_tile_dp<1, 4>;
+      case 204: return nk_tile_dp<2, 4>;
+      case 304: return nk_tile_dp<3, 4>;
+      default: return nk_tile_dp<4, 4>;
+    }
+#endif
   switch (mb * 100 + nb) {
-    case 108: return nk_tile<1, 8, T>;
-    case 208: return nk_tile<2, 8, T>;
+    case 108: return nk_seq<1, 8, T>;
+    case 208: return nk_seq<2, 8, T>;
     case 104: return nk_tile<1, 4, T>;
     case 204: return nk_tile<2, 4, T>;
     case 304: return nk_tile<3, 4, T>;
@@ -259,6 +501,21 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
   static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
   const int64_t M = a.M, N = a.N, K = a.K;
+  if (!transpose_w && M <= 4) {  // blocks of w's rows, each contiguous, summed across blocks at the end
+    // ~64 KB and more per block, at most 16 blocks (the partial sums stay small); the split
+    // depends on the shapes alone, so the sums do not depend on the thread count
+    const int64_t bytes = K * N * int64_t(sizeof(T));
+    const int64_t want = std::clamp<int64_t>(bytes / (64 << 10), 1, 16);
+    const int64_t rows = std::min(K, ((K + want - 1) / want + 3) / 4 * 4), items = (K + rows - 1) / rows;
+    std::vector<float> part(size_t(items * M * N));
+    using Block = void (*)(const Args&, int64_t, int64_t, float*);
+    const Block block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
+    ringserve::deal(pool, items, cap, [&](int64_t i) {
+      block(a, i * rows, std::min(K, (i + 1) * rows), part.data() + i * M * N);
+    });
+    kn_reduce(a, part.data(), items);
+    return;
+  }
   // Columns per tile: [K, N] 16 * nv (one row of x: wider tiles while there are 4 per thread);
   // [N, K] nb weight rows. Rows of x are taken 4 at a time (fewer: one block of M).
   int width;
@@ -274,8 +531,8 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
   const int64_t per_item = std::max<int64_t>(1, target / tile_bytes);
   const int64_t items = (tiles + per_item - 1) / per_item;
   const int mb = int(std::min<int64_t>(M, 4)), rest = int(M % 4);
-  const Tile main = transpose_w ? nk_kernel<T>(mb, width) : kn_kernel<T>(mb, width);
-  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width) : kn_kernel<T>(rest, width)) : nullptr;
+  const Tile main = transpose_w ? nk_kernel<T>(mb, width, a.xh != nullptr) : kn_kernel<T>(mb, width);
+  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest, width)) : nullptr;
   const int64_t full_rows = M > 4 ? M - rest : M;
   ringserve::deal(pool, items, cap, [&](int64_t item) {
     const int64_t t0 = item * per_item, t1 = std::min(tiles, t0 + per_item);
@@ -318,8 +575,10 @@ ffi::Error matmul_any(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
     wide.resize(size_t(a.M * a.K));
     for (size_t e = 0; e < wide.size(); ++e) wide[e] = bf16_to_f32(xb[e]);
     a.x = wide.data();
+    a.xh = xb;
   } else {
     a.x = static_cast<const float*>(x.untyped_data());
+    a.xh = nullptr;
   }
   a.w = w.untyped_data();
   a.scale = scale ? static_cast<const float*>(scale->untyped_data()) : nullptr;

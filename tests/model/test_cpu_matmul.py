@@ -19,7 +19,7 @@ from model.kernels import cpu_matmul
 pytestmark = pytest.mark.skipif(cpu_matmul.reason() is not None, reason=f"cpu_matmul: {cpu_matmul.reason()}")
 
 # (K, N): odd (not 16- or 64-multiples), SmolLM2's gate/up, wide (one row: 256-column tiles)
-SHAPES = [(72, 200), (576, 1536), (40, 2100)]
+SHAPES = [(71, 200), (576, 1536), (40, 2100)]
 
 
 def _rel_err(got, want) -> float:
