@@ -441,7 +441,7 @@ void nk_seq(const Args& a, int64_t m0, int64_t n0) {
 
 #endif
 
-// part [MB, N] = x[:, k0:k1] @ w[k0:k1, :]: groups of 4 rows, then the rest one by one
+// part [MB, N] = x[:, k0:k1] @ w[k0:k1, :]: groups of KG rows, then 4, then one by one
 template <int MB, class T>
 void kn_block(const Args& a, int64_t k0, int64_t k1, float* part) {
   int64_t k = k0;
@@ -453,6 +453,10 @@ void kn_block(const Args& a, int64_t k0, int64_t k1, float* part) {
     }
   }
 #endif
+  // rows a pass: more where a row of weights is little work (the partial sums are loaded and
+  // stored once a pass), while MB x KG broadcasts stay in registers
+  constexpr int KG = MB == 1 ? 8 : 4;
+  for (; k + KG <= k1; k += KG) kn_rows<MB, KG, T>(a, k, part, k == k0);
   for (; k + 4 <= k1; k += 4) kn_rows<MB, 4, T>(a, k, part, k == k0);
   for (; k < k1; ++k) kn_rows<MB, 1, T>(a, k, part, k == k0);
 }
@@ -506,7 +510,7 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
     // depends on the shapes alone, so the sums do not depend on the thread count
     const int64_t bytes = K * N * int64_t(sizeof(T));
     const int64_t want = std::clamp<int64_t>(bytes / (64 << 10), 1, 16);
-    const int64_t rows = std::min(K, ((K + want - 1) / want + 3) / 4 * 4), items = (K + rows - 1) / rows;
+    const int64_t rows = std::min(K, ((K + want - 1) / want + 15) / 16 * 16), items = (K + rows - 1) / rows;
     std::vector<float> part(size_t(items * M * N));
     using Block = void (*)(const Args&, int64_t, int64_t, float*);
     const Block block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
