@@ -16,12 +16,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -34,41 +36,101 @@ inline int64_t thread_cap(const char* name) {
   return e && *e ? std::max<int64_t>(1, std::atoll(e)) : INT64_MAX;
 }
 
+namespace pool_detail {
+
+struct Job {
+  std::function<void(int64_t)> run;
+  int64_t n = 0, limit = 1;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<int64_t> joined{1};  // threads working on it (the caller first)
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+inline void work(Job& s) {
+  int64_t finished = 0;
+  for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) {
+    s.run(i);
+    ++finished;
+  }
+  if (finished && s.done.fetch_add(finished) + finished == s.n) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.cv.notify_all();
+  }
+}
+
+// Opt-in (RINGSERVE_POOL_SPIN_US > 0): one helper thread of this library's own that spins that
+// long after each job for the next before it sleeps, instead of helpers from XLA's pool.
+struct Spinner {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::shared_ptr<Job> job;
+  std::atomic<uint64_t> gen{0};
+  int64_t spin_us;
+  explicit Spinner(int64_t us) : spin_us(us) { std::thread([this] { loop(); }).detach(); }
+  void post(std::shared_ptr<Job> j) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      job = std::move(j);
+      gen.fetch_add(1);
+    }
+    cv.notify_one();
+  }
+  void loop() {
+    using clock = std::chrono::steady_clock;
+    uint64_t seen = 0;
+    for (;;) {
+      const auto until = clock::now() + std::chrono::microseconds(spin_us);
+      for (int i = 0; gen.load(std::memory_order_acquire) == seen; ++i) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        if (i % 64 == 0 && clock::now() > until) break;
+      }
+      std::shared_ptr<Job> j;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return gen.load() != seen; });
+        seen = gen.load();
+        j = std::move(job);
+      }
+      if (j && j->joined.fetch_add(1) < j->limit) work(*j);
+    }
+  }
+};
+
+inline Spinner* spinner() {
+  static Spinner* s = [] {
+    const char* e = std::getenv("RINGSERVE_POOL_SPIN_US");
+    const int64_t us = e && *e ? std::atoll(e) : 0;
+    return us > 0 ? new Spinner(us) : nullptr;
+  }();
+  return s;
+}
+
+}  // namespace pool_detail
+
 // run(i) for every i in [0, n), on the caller and helpers, at most min(pool threads, cap)
 // threads at once; returns once every item has run.
 inline void deal(xla::ffi::ThreadPool& pool, int64_t n, int64_t cap, std::function<void(int64_t)> run) {
+  using namespace pool_detail;
   if (n <= 0) return;
-  struct Shared {
-    std::function<void(int64_t)> run;
-    int64_t n;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::atomic<int64_t> joined{1};  // threads working (the caller first)
-    int64_t limit;
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto sh = std::make_shared<Shared>();
+  auto sh = std::make_shared<Job>();
   sh->run = std::move(run);
   sh->n = n;
   sh->limit = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), cap);
-  auto work = [](const std::shared_ptr<Shared>& s) {
-    int64_t finished = 0;
-    for (int64_t i; (i = s->next.fetch_add(1)) < s->n;) {
-      s->run(i);
-      ++finished;
-    }
-    if (finished && s->done.fetch_add(finished) + finished == s->n) {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->cv.notify_all();
-    }
-  };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1) * (sh->limit > 1);
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([sh, work] {
-      if (sh->joined.fetch_add(1) < sh->limit) work(sh);
-    });
-  work(sh);
+  if (helpers > 0 && spinner() != nullptr) {
+    sh->limit = 2;
+    spinner()->post(sh);
+  } else {
+    for (int64_t i = 0; i < helpers; ++i)
+      pool.Schedule([sh] {
+        if (sh->joined.fetch_add(1) < sh->limit) work(*sh);
+      });
+  }
+  work(*sh);
   std::unique_lock<std::mutex> lock(sh->mu);
   sh->cv.wait(lock, [&] { return sh->done.load() == n; });
 }
