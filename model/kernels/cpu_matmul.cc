@@ -506,18 +506,21 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
   const int64_t M = a.M, N = a.N, K = a.K;
   if (!transpose_w && M <= 4) {  // blocks of w's rows, each contiguous, summed across blocks at the end
-    // ~64 KB and more per block, at most 16 blocks (the partial sums stay small); the split
-    // depends on the shapes alone, so the sums do not depend on the thread count
+    // ~64 KB and more per block, at most 8 blocks (the partial sums, f32 [M, N] a block, are
+    // written, then summed by the caller alone: few, or they cost as much as int8 weights);
+    // the split depends on the shapes alone, so the sums do not depend on the thread count
     const int64_t bytes = K * N * int64_t(sizeof(T));
-    const int64_t want = std::clamp<int64_t>(bytes / (64 << 10), 1, 16);
+    const int64_t want = std::clamp<int64_t>(bytes / (64 << 10), 1, 8);
     const int64_t rows = std::min(K, ((K + want - 1) / want + 15) / 16 * 16), items = (K + rows - 1) / rows;
-    std::vector<float> part(size_t(items * M * N));
+    thread_local std::vector<float> part;  // reused from call to call (grows, never cleared)
+    if (part.size() < size_t(items * M * N)) part.resize(size_t(items * M * N));
+    float* const sums = part.data();  // the caller's buffer (a helper's `part` is its own)
     using Block = void (*)(const Args&, int64_t, int64_t, float*);
     const Block block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
     ringserve::deal(pool, items, cap, [&](int64_t i) {
-      block(a, i * rows, std::min(K, (i + 1) * rows), part.data() + i * M * N);
+      block(a, i * rows, std::min(K, (i + 1) * rows), sums + i * M * N);
     });
-    kn_reduce(a, part.data(), items);
+    kn_reduce(a, sums, items);
     return;
   }
   // Columns per tile: [K, N] 16 * nv (one row of x: wider tiles while there are 4 per thread);
