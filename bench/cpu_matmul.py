@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {m}: skipped ({why})")
     ref = read_bandwidth()
     load = os.getloadavg()[0]
+    spin = os.environ.get("RINGSERVE_POOL_SPIN_US", "0")
     print(f"# 2-thread read: {ref:.1f} GB/s   load1 {load:.2f}   threads cap "
-          f"{os.environ.get('RINGSERVE_MATMUL_THREADS', 'none')}")  # fmt: skip
+          f"{os.environ.get('RINGSERVE_MATMUL_THREADS', 'none')}   RINGSERVE_POOL_SPIN_US={spin}")  # fmt: skip
     print(f"{'dtype':>5} {'M':>3} {'method':>7} {'ms':>8} {'GB/s':>6} {'%read':>6} {'vs xla':>7}")
     rows = []
     rng = np.random.default_rng(1)
@@ -167,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                 vs = f"{row['vs_xla']:.2f}x" if base else "-"
                 print(f"{dtype:>5} {m:>3} {method:>7} {sec * 1e3:8.2f} {gbs:6.1f} {gbs / ref:6.0%} {vs:>7}", flush=True)
         del stack, head
-    print(json.dumps({"read_gb_s": round(ref, 2), "load1": round(load, 2), "weight_layers": args.layers,
-                      "rows": rows}))  # fmt: skip
+    after = read_bandwidth()  # the host's bandwidth drifts (shared machine): measured again
+    print(f"# 2-thread read after: {after:.1f} GB/s   load1 {os.getloadavg()[0]:.2f}")
+    print(json.dumps({"read_gb_s": round(ref, 2), "read_after_gb_s": round(after, 2), "load1": round(load, 2),
+                      "pool_spin_us": spin, "weight_layers": args.layers, "rows": rows}))  # fmt: skip
     return 0
 
 

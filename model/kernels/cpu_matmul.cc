@@ -1,5 +1,6 @@
-// y = x @ w on CPU for few rows (decode), as an XLA FFI custom call on every thread of XLA's
-// intra-op pool (model/kernels/cpu_matmul.py builds and registers it). No dependency beyond g++.
+// y = x @ w on CPU for few rows (decode), as an XLA FFI custom call dealt to the threads of
+// XLA's intra-op pool (model/kernels/cpu_matmul.py builds and registers it; pool.h). No
+// dependency beyond g++.
 //
 //   ringserve_cpu_matmul     x [..., K] f32 | bf16, w [K, N] or [N, K] f32 | bf16
 //   ringserve_cpu_matmul_q8  the same with w int8 and scale f32 [N]: column n is w[:, n] * scale[n]
@@ -7,17 +8,23 @@
 //   attribute transpose_w    the weight is stored [N, K] (a tied embedding as the LM head)
 //
 // A step of decode is one row of x against every weight: the time is the time to stream the
-// weights from memory once, and one core does not draw the memory's bandwidth alone. So the
-// output columns are dealt across the pool's threads (pool.h) in items of tens to hundreds of
-// KB of weights, and each thread streams its columns once for all of x's rows:
-//   w [K, N]  a tile of 64-256 columns: x[m, k] broadcast against row k's slice of the tile,
-//             16-column vectors accumulated in registers over all of K (rows prefetched ahead)
-//   w [N, K]  4 or 8 weight rows at a time: contiguous dot products with every row of x,
-//             summed across the vector at the end
-// x's rows are register-blocked (up to 4 per pass over a tile; more rows loop over the tile
-// while it sits in L2). Weights widen to f32 in registers (bf16: a 16-bit shift; int8: sign
-// extension and a convert; the scale multiplies the sum) and every sum accumulates in f32.
-// AVX-512 (F, BW, VL) where the compiler targets it (-march=native), plain loops elsewhere.
+// weights from memory once. Items of tens to hundreds of KB of weights are dealt to the pool's
+// threads (pool.h); each reads its weights once, in address order where it can:
+//   w [K, N], M <= 4   blocks of w's rows (each one contiguous run of memory), 8 rows a pass
+//                      (8 sequential streams) into partial sums [M, N] per block; the caller
+//                      adds the blocks' sums in block order. The split depends on the shapes
+//                      only: the same bits on any number of threads.
+//   w [K, N], M > 4    tiles of 64 columns over all of K, 16-column vectors in registers for
+//                      4 rows of x at a time, the tile re-read from L2 for each 4 rows
+//   w [N, K], M <= 2   groups of 8 weight rows, each row read start to end (one stream), 4
+//                      vectors of K in flight, summed across the vector at the end
+//   w [N, K], M > 2    4 weight rows x 4 rows of x in registers, 16 k a step
+// Weights widen to f32 in registers (bf16: a 16-bit shift; int8: sign extension and a
+// convert; the int8 scale multiplies the sum) and every sum accumulates in f32. bf16 x with
+// bf16 w goes through vdpbf16ps instead ([N, K] always, [K, N] at M <= 4: exact products of
+// pairs along K, f32 sums; inputs below f32's normal range flush to zero). AVX-512 (F, BW,
+// VL; BF16 for the pairs) where the compiler targets it (-march=native), plain loops
+// elsewhere.
 
 #include <algorithm>
 #include <cstdint>
@@ -466,14 +473,11 @@ using Tile = void (*)(const Args&, int64_t, int64_t);
 // The kernel for a block of `mb` rows (1..4) with `width` (vectors for [K, N], weight rows for
 // [N, K]); the combinations plan() asks for.
 template <class T>
-Tile kn_kernel(int mb, int nv) {
-  switch (mb * 100 + nv) {
-    case 104: return kn_tile<1, 4, T>;
-    case 108: return kn_tile<1, 8, T>;
-    case 116: return kn_tile<1, 16, T>;
-    case 204: return kn_tile<2, 4, T>;
-    case 208: return kn_tile<2, 8, T>;
-    case 304: return kn_tile<3, 4, T>;
+Tile kn_kernel(int mb) {
+  switch (mb) {
+    case 1: return kn_tile<1, 4, T>;
+    case 2: return kn_tile<2, 4, T>;
+    case 3: return kn_tile<3, 4, T>;
     default: return kn_tile<4, 4, T>;
   }
 }
@@ -523,13 +527,9 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
     kn_reduce(a, sums, items);
     return;
   }
-  // Columns per tile: [K, N] 16 * nv (one row of x: wider tiles while there are 4 per thread);
-  // [N, K] nb weight rows. Rows of x are taken 4 at a time (fewer: one block of M).
-  int width;
-  if (!transpose_w)
-    width = M == 1 ? (N >= 256 * 4 * threads ? 16 : N >= 128 * 4 * threads ? 8 : 4) : M == 2 ? (N >= 128 * 4 * threads ? 8 : 4) : 4;
-  else
-    width = M <= 2 ? 8 : 4;
+  // Columns per tile: [K, N] 64; [N, K] 8 weight rows (M <= 2), else 4. Rows of x are taken 4
+  // at a time (fewer: one block of M).
+  const int width = transpose_w && M <= 2 ? 8 : 4;
   const int64_t cols = transpose_w ? width : 16 * width;
   const int64_t tiles = (N + cols - 1) / cols;
   // items of whole tiles, ~1/8 of the call's weights per thread, within 32 KB..512 KB
@@ -538,8 +538,8 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
   const int64_t per_item = std::max<int64_t>(1, target / tile_bytes);
   const int64_t items = (tiles + per_item - 1) / per_item;
   const int mb = int(std::min<int64_t>(M, 4)), rest = int(M % 4);
-  const Tile main = transpose_w ? nk_kernel<T>(mb, width, a.xh != nullptr) : kn_kernel<T>(mb, width);
-  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest, width)) : nullptr;
+  const Tile main = transpose_w ? nk_kernel<T>(mb, width, a.xh != nullptr) : kn_kernel<T>(mb);
+  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
   const int64_t full_rows = M > 4 ? M - rest : M;
   ringserve::deal(pool, items, cap, [&](int64_t item) {
     const int64_t t0 = item * per_item, t1 = std::min(tiles, t0 + per_item);

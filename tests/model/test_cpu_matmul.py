@@ -18,7 +18,7 @@ from model.kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(cpu_matmul.reason() is not None, reason=f"cpu_matmul: {cpu_matmul.reason()}")
 
-# (K, N): odd (not 16- or 64-multiples), SmolLM2's gate/up, wide (one row: 256-column tiles)
+# (K, N): odd (not 16- or 64-multiples), SmolLM2's gate/up, short and wide
 SHAPES = [(71, 200), (576, 1536), (40, 2100)]
 
 
