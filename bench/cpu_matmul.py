@@ -14,7 +14,9 @@ each weight dtype (f32: x f32; bf16: x bf16; int8 + per-column f32 scale: x f32)
     onednn   model/kernels/onednn.py (where `onednn.reason()` is None)
 
 It prints the median ms per full pass over `--repeats` and the effective bandwidth (weight
-bytes / time), against a plain read of 1 GiB by 2 threads (numpy, the GIL released).
+bytes / time), against a plain read of 1 GiB by 2 threads (numpy, the GIL released), measured
+before and after (the host's bandwidth drifts). Run it once more with
+RINGSERVE_POOL_SPIN_US=300 for the kernel with its own spinning helper (model/kernels/pool.h).
 """
 
 from __future__ import annotations

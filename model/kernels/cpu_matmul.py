@@ -1,12 +1,25 @@
-"""y = x @ w for few rows on CPU (decode) as a custom call (cpu_matmul.cc), on every core.
+"""y = x @ w for few rows on CPU (decode) as a custom call (cpu_matmul.cc), on the pool's cores.
 
 Decoding one token reads every weight once for one row of x: the step's time is the time to
-stream the weights from memory. XLA:CPU's dot at M=1 runs on about one core (~15 GB/s on the
-2 Zen 4 cores measured), and oneDNN's custom call (onednn.py) pays ~55 us of queue overhead per
-call (~12 ms over SmolLM2's 211 calls a step). This kernel deals column tiles to every thread of
-XLA's intra-op pool, widens bf16 / int8 weights to f32 in registers and accumulates in f32; it
-needs only g++ (built on first use, `-march=native`, model/kernels/build.py). Measured by
-`python -m bench.cpu_matmul`: see its docstring for the figures.
+stream the weights from memory. XLA:CPU's dot does that badly at M=1 (f32 ~6 GB/s over a whole
+SmolLM2 pass; bf16 and dequantized int8 far worse), and oneDNN's custom call (onednn.py) pays
+~55 us of queue overhead per call (~12 ms over SmolLM2's 211 calls a step). This kernel reads
+each weight once in address order, widens bf16 / int8 weights to f32 in registers (bf16 x
+bf16: vdpbf16ps) and accumulates in f32; it needs only g++ (built on first use,
+`-march=native`, model/kernels/build.py).
+
+`python -m bench.cpu_matmul` (2 Zen 4 cores, SmolLM2-135M's 30 layers + LM head, weights not
+cache-hot, a 2-thread read at ~36 GB/s; M=1 ms per full pass):
+
+    weights   XLA     kernel   kernel, RINGSERVE_POOL_SPIN_US=300   oneDNN
+    f32       87      29.9     21.2 (70% of the read)               37.1
+    bf16      150     19.8     12.3 (60%)                           24.3
+    int8      297     14.9     10.4 (36%)                           26.3
+
+At M=4 f32 it is even with XLA (0.9x; 1.1x spinning) and at M=16 f32 slower (0.9x): use it
+for f32 below M=4, for bf16 and int8 weights at any M measured (4.8-11x XLA's time at M=16).
+With XLA's own pool the helper often starts after a short call is over; pool.h's opt-in
+spinning helper is what reaches the memory's bandwidth (see pool.h).
 """
 
 from __future__ import annotations
