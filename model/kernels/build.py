@@ -5,7 +5,7 @@ $CXX) against jax's FFI headers into
 
     $RINGSERVE_CACHE/kernels/<name>-<hash>.so
 
-where the hash covers the source, the headers beside it (`*.h`, e.g. pool.h), the flags,
+where the hash covers the source, the headers beside it (`*.h`: pool.h, bf16.h), the flags,
 jax's version and, for `-march=native` builds, this processor's model and flags (a cache
 shared between machines never loads another CPU's build). The build is atomic (written
 aside, then renamed), so processes starting together may both build but never load half a

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,15 +31,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using ringserve::bf16_to_f32;
+
 constexpr int kBlock = 8;          // query tokens per work item
 constexpr float kNegInf = -1e30f;  // finite: a fully masked query gives zeros, not NaN
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 struct Args {
   const float* q;

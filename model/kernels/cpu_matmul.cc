@@ -37,12 +37,16 @@
 #define RINGSERVE_AVX512 1
 #endif
 
+#include "bf16.h"
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using ringserve::bf16_to_f32;
+using ringserve::f32_to_bf16;
 
 struct Args {
   const float* x;      // [M, K] f32 (bf16 inputs widened first)
@@ -53,20 +57,6 @@ struct Args {
   bool y_bf16;
   int64_t M, K, N;
 };
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_f32(v); }
