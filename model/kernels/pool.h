@@ -11,6 +11,13 @@
 // helper alone often came too late for a 200 us call). So as many helpers are scheduled as
 // the pool has threads, and the first ones to start join until `limit` threads (the caller
 // included) are working: the rest return at once.
+//
+// Even so a helper from the pool mostly joins too late for the short calls of a decode step
+// (SmolLM2 at M=1 ran as fast on 1 thread as on 2). RINGSERVE_POOL_SPIN_US > 0 replaces them
+// with one thread of the library's own that spins that long after each job before it sleeps:
+// the step's calls then find it awake (f32 pass 29.9 -> 21.2 ms, bench/cpu_matmul.py), at the
+// cost of a core spinning through the gaps (and up to that long after the last call). Off by
+// default: it is a thread XLA does not know about; callers and helpers are then 2 at most.
 
 #pragma once
 
@@ -61,7 +68,8 @@ inline void work(Job& s) {
 }
 
 // Opt-in (RINGSERVE_POOL_SPIN_US > 0): one helper thread of this library's own that spins that
-// long after each job for the next before it sleeps, instead of helpers from XLA's pool.
+// long after each job for the next before it sleeps, instead of helpers from XLA's pool (a
+// job then runs on the caller and this thread: 2 threads).
 struct Spinner {
   std::mutex mu;
   std::condition_variable cv;
