@@ -5,11 +5,12 @@ $CXX) against jax's FFI headers into
 
     $RINGSERVE_CACHE/kernels/<name>-<hash>.so
 
-where the hash covers the source, the flags, jax's version and, for `-march=native` builds,
-this processor's model and flags (a cache shared between machines never loads another CPU's
-build). The build is atomic (written aside, then renamed), so processes starting together
-may both build but never load half a file. Nothing here is required: a missing compiler or a
-failed build is a reason the caller logs before it falls back to XLA.
+where the hash covers the source, the headers beside it (`*.h`: pool.h, bf16.h), the flags,
+jax's version and, for `-march=native` builds, this processor's model and flags (a cache
+shared between machines never loads another CPU's build). The build is atomic (written
+aside, then renamed), so processes starting together may both build but never load half a
+file. Nothing here is required: a missing compiler or a failed build is a reason the caller
+logs before it falls back to XLA.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def build(name: str, flags: list[str], link: list[str] = ()) -> ctypes.CDLL:  # 
         raise RuntimeError("no C++ compiler (g++, or $CXX)")
     source = HERE / f"{name}.cc"
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(HERE.glob("*.h")):  # included as "pool.h": a changed header rebuilds
+        h.update(header.name.encode() + header.read_bytes())
     h.update(" ".join([*flags, *link, jax.__version__]).encode())
     if "-march=native" in flags:
         h.update(_cpu_identity())

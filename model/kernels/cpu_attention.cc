@@ -15,21 +15,16 @@
 //
 // Work items are (row, KV head, block of up to 8 query tokens); each walks its row's pages in
 // order with an online softmax, so a query's sums are the same whatever else is in the batch.
-// Items are dealt from an atomic counter to the calling thread and to helpers scheduled on
-// XLA's intra-op pool; the caller waits for the items, not for the helpers (a helper that
-// starts late finds nothing left), so a busy pool never deadlocks it.
+// Items are dealt to the calling thread and to helpers on XLA's intra-op pool (pool.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "bf16.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -40,15 +35,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using ringserve::bf16_to_f32;
+
 constexpr int kBlock = 8;          // query tokens per work item
 constexpr float kNegInf = -1e30f;  // finite: a fully masked query gives zeros, not NaN
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 struct Args {
   const float* q;
@@ -274,29 +264,6 @@ void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
   run_item<0, 0>(a, it, scratch);
 }
 
-struct Shared {
-  Args args;
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-void work(const std::shared_ptr<Shared>& sh) {
-  thread_local std::vector<float> scratch;
-  const int64_t n = int64_t(sh->items.size());
-  int64_t finished = 0;
-  for (int64_t i; (i = sh->next.fetch_add(1)) < n;) {
-    run_any(sh->args, sh->items[size_t(i)], scratch);
-    ++finished;
-  }
-  if (finished && sh->done.fetch_add(finished) + finished == n) {
-    std::lock_guard<std::mutex> lock(sh->mu);
-    sh->cv.notify_all();
-  }
-}
-
 ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> kv_len,
                   ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
@@ -307,8 +274,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const bool bits = k.element_type() == ffi::DataType::U16;
   if (!bits && k.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("cpu_attention: the cache must be f32 or bf16 bits (u16)");
-  auto sh = std::make_shared<Shared>();
-  Args& a = sh->args;
+  Args a;
+  std::vector<Item> items;
   a.q = q.typed_data();
   a.k = k.untyped_data();
   a.v = v.untyped_data();
@@ -332,23 +299,18 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     if (a.kv_len[r] <= 0) continue;
     const int32_t t0 = a.row_start[r], t1 = std::min<int64_t>(a.row_start[r + 1], a.T);
     for (int32_t b = t0; b < t1; b += kBlock)
-      for (int32_t h = 0; h < a.Hkv; ++h) sh->items.push_back({r, h, b, std::min(b + kBlock, t1)});
+      for (int32_t h = 0; h < a.Hkv; ++h) items.push_back({r, h, b, std::min(b + kBlock, t1)});
   }
   // longest first: items of long rows start early, the short ones fill the gaps
-  const int64_t n = int64_t(sh->items.size());
-  if (n == 0) return ffi::Error::Success();
-  std::stable_sort(sh->items.begin(), sh->items.end(), [&](const Item& x, const Item& y) {
+  if (items.empty()) return ffi::Error::Success();
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
     return a.kv_len[x.row] > a.kv_len[y.row];
   });
-  static const int64_t cap = [] {
-    const char* e = std::getenv("RINGSERVE_ATTN_THREADS");  // at most this many threads (tests, benchmarks)
-    return e ? std::max<int64_t>(1, std::atoll(e)) : INT64_MAX;
-  }();
-  const int64_t helpers = std::min({std::max<int64_t>(pool.num_threads() - 1, 0), n - 1, cap - 1});
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(sh); });
-  work(sh);
-  std::unique_lock<std::mutex> lock(sh->mu);
-  sh->cv.wait(lock, [&] { return sh->done.load() == n; });
+  static const int64_t cap = ringserve::thread_cap("RINGSERVE_ATTN_THREADS");
+  ringserve::deal(pool, int64_t(items.size()), cap, [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    run_any(a, items[size_t(i)], scratch);
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,618 @@
+// y = x @ w on CPU for few rows (decode), as an XLA FFI custom call dealt to the threads of
+// XLA's intra-op pool (model/kernels/cpu_matmul.py builds and registers it; pool.h). No
+// dependency beyond g++.
+//
+//   ringserve_cpu_matmul     x [..., K] f32 | bf16, w [K, N] or [N, K] f32 | bf16
+//   ringserve_cpu_matmul_q8  the same with w int8 and scale f32 [N]: column n is w[:, n] * scale[n]
+//   result                   y [..., N] f32 | bf16 (the caller's choice; bf16 rounded to nearest even)
+//   attribute transpose_w    the weight is stored [N, K] (a tied embedding as the LM head)
+//
+// A step of decode is one row of x against every weight: the time is the time to stream the
+// weights from memory once. Items of tens to hundreds of KB of weights are dealt to the pool's
+// threads (pool.h); each reads its weights once, in address order where it can:
+//   w [K, N], M <= 4   blocks of w's rows (each one contiguous run of memory), 8 rows a pass
+//                      (8 sequential streams) into partial sums [M, N] per block; the caller
+//                      adds the blocks' sums in block order. The split depends on the shapes
+//                      only: the same bits on any number of threads.
+//   w [K, N], M > 4    tiles of 64 columns over all of K, 16-column vectors in registers for
+//                      4 rows of x at a time, the tile re-read from L2 for each 4 rows
+//   w [N, K], M <= 2   groups of 8 weight rows, each row read start to end (one stream), 4
+//                      vectors of K in flight, summed across the vector at the end
+//   w [N, K], M > 2    4 weight rows x 4 rows of x in registers, 16 k a step
+// Weights widen to f32 in registers (bf16: a 16-bit shift; int8: sign extension and a
+// convert; the int8 scale multiplies the sum) and every sum accumulates in f32. bf16 x with
+// bf16 w goes through vdpbf16ps instead ([N, K] always, [K, N] at M <= 4: exact products of
+// pairs along K, f32 sums; inputs below f32's normal range flush to zero). AVX-512 (F, BW,
+// VL; BF16 for the pairs) where the compiler targets it (-march=native), plain loops
+// elsewhere.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define RINGSERVE_AVX512 1
+#endif
+
+#include "bf16.h"
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using ringserve::bf16_to_f32;
+using ringserve::f32_to_bf16;
+
+struct Args {
+  const float* x;      // [M, K] f32 (bf16 inputs widened first)
+  const uint16_t* xh;  // [M, K] x's bf16 bits, or null (f32 x)
+  const void* w;       // [K, N] or [N, K]
+  const float* scale;  // [N] (int8 weights) or null
+  void* y;             // [M, N]
+  bool y_bf16;
+  int64_t M, K, N;
+};
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_f32(v); }
+inline float widen(int8_t v) { return float(v); }
+
+inline void store1(const Args& a, int64_t m, int64_t n, float v) {
+  if (a.scale) v *= a.scale[n];
+  if (a.y_bf16)
+    static_cast<uint16_t*>(a.y)[m * a.N + n] = f32_to_bf16(v);
+  else
+    static_cast<float*>(a.y)[m * a.N + n] = v;
+}
+
+#ifdef RINGSERVE_AVX512
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+#ifndef RINGSERVE_NK_AHEAD
+#define RINGSERVE_NK_AHEAD 1024
+#endif
+constexpr int kNkAhead = RINGSERVE_NK_AHEAD;  // bytes prefetched ahead along each weight row ([N, K])
+
+inline __mmask16 mask_of(int64_t left) { return left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1); }
+
+// y[m, n:n+16] (lanes in `msk`) = v, scaled, in y's dtype
+inline void store16(const Args& a, int64_t m, int64_t n, __m512 v, __mmask16 msk) {
+  if (a.scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(msk, a.scale + n));
+  if (a.y_bf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + m * a.N + n, msk, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(a.y) + m * a.N + n, msk, v);
+  }
+}
+
+// w [K, N] for few rows of x (MB = M <= 4): rows k0..k1-1 of w, one contiguous block, read
+// once in order, KG rows at a time (KG sequential streams); the sums over those rows go to
+// part [MB, N] (plain stores into a buffer that stays in L1/L2)
+template <int MB, int KG, class T>
+inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
+  const int64_t N = a.N, K = a.K;
+  const T* wr[KG];
+  __m512 xb[MB][KG];
+  for (int j = 0; j < KG; ++j) {
+    wr[j] = static_cast<const T*>(a.w) + (k + j) * N;
+    for (int i = 0; i < MB; ++i) xb[i][j] = _mm512_set1_ps(a.x[i * K + k + j]);
+  }
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) {
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + i * N + n);
+    for (int j = 0; j < KG; ++j) {
+      const __m512 wv = load16(wr[j] + n);
+      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(xb[i][j], wv, acc[i]);
+    }
+    for (int i = 0; i < MB; ++i) _mm512_storeu_ps(part + i * N + n, acc[i]);
+  }
+  if (n < N) {
+    const __mmask16 msk = mask_of(N - n);
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(msk, part + i * N + n);
+    for (int j = 0; j < KG; ++j) {
+      const __m512 wv = load16(wr[j] + n, msk);
+      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(xb[i][j], wv, acc[i]);
+    }
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(part + i * N + n, msk, acc[i]);
+  }
+}
+
+// y rows 0..MB-1 from the partial sums of `items` row blocks, in block order
+inline void kn_reduce(const Args& a, const float* part, int64_t items) {
+  const int64_t MN = a.M * a.N;
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t n = 0; n < a.N; n += 16) {
+      const __mmask16 msk = mask_of(a.N - n);
+      __m512 s = _mm512_maskz_loadu_ps(msk, part + m * a.N + n);
+      for (int64_t i = 1; i < items; ++i) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(msk, part + i * MN + m * a.N + n));
+      store16(a, m, n, s, msk);
+    }
+}
+
+// w [K, N]: rows m0..m0+MB-1 of y (at most M) x columns n0..n0+16*NV-1 (at most N)
+template <int MB, int NV, class T>
+void kn_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K, N = a.N;
+  const T* w = static_cast<const T*>(a.w) + n0;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  __m512 acc[MB][NV];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  constexpr int kRowBytes = 16 * NV * int(sizeof(T));
+  constexpr int64_t kAhead = std::max(4, 4096 / kRowBytes);  // rows prefetched ahead: ~4 KB in flight
+  const size_t stride = size_t(N) * sizeof(T);
+  if (n0 + 16 * NV <= N) {
+    const char* pf = reinterpret_cast<const char*>(w) + kAhead * stride;
+    const bool odd = (reinterpret_cast<uintptr_t>(pf) | stride) & 63;  // rows straddle one more line
+    for (int64_t k = 0; k < K; ++k, pf += stride) {
+      if (k + kAhead < K) {
+        for (int b = 0; b < kRowBytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        if (odd) _mm_prefetch(pf + kRowBytes - 1, _MM_HINT_T0);
+      }
+      const T* wr = w + k * N;
+      __m512 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = load16(wr + 16 * v);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xb = _mm512_set1_ps(xr[i][k]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+      }
+    }
+  } else {  // the last, partial tile
+    __mmask16 msk[NV];
+    for (int v = 0; v < NV; ++v) msk[v] = mask_of(N - n0 - 16 * v);
+    for (int64_t k = 0; k < K; ++k) {
+      const T* wr = w + k * N;
+      __m512 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = load16(wr + 16 * v, msk[v]);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xb = _mm512_set1_ps(xr[i][k]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int v = 0; v < NV; ++v)
+      if (n0 + 16 * v < N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(N - n0 - 16 * v));
+}
+
+// w [N, K] for one or two rows of x: weight rows n0..n0+NB-1 one after the other (the group
+// is one contiguous block, read as one sequential stream), 4 vectors of K in flight per row
+template <int MB, int NB, class T>
+void nk_seq(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  for (int j = 0; j < NB && n0 + j < a.N; ++j) {
+    const T* wr = static_cast<const T*>(a.w) + (n0 + j) * K;
+    __m512 acc[MB][4];
+    for (int i = 0; i < MB; ++i)
+      for (int u = 0; u < 4; ++u) acc[i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+      for (int u = 0; u < 4; ++u) {
+        const __m512 wv = load16(wr + k + 16 * u);
+        for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[i] + k + 16 * u), wv, acc[i][u]);
+      }
+    for (int u = 0; k < K; k += 16, ++u) {
+      const __mmask16 msk = mask_of(K - k);
+      const __m512 wv = load16(wr + k, msk);
+      for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(msk, xr[i] + k), wv, acc[i][u]);
+    }
+    for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
+      store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(s));
+    }
+  }
+}
+
+// w [N, K]: rows m0..m0+MB-1 of y x columns n0..n0+NB-1 (weight rows; past N: the last one
+// again, not stored)
+template <int MB, int NB, class T>
+void nk_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const T* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = static_cast<const T*>(a.w) + std::min(n0 + j, a.N - 1) * K;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NB];
+    if (sizeof(T) == 4 || (k & (64 / sizeof(T) - 1)) == 0)  // a line ahead per row, each new line
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNkAhead, _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 msk = mask_of(K - k);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k, msk);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(msk, xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+#ifdef __AVX512BF16__
+// bf16 x and bf16 w: vdpbf16ps multiplies pairs of bf16 exactly and adds both products to an
+// f32 lane, 32 weights an instruction (the widen-then-FMA path takes 3 for 16); the pair runs
+// along K (inputs and results below f32's normal range are flushed to zero).
+
+inline __m512bh bh(__m512i v) { return (__m512bh)v; }
+
+// w [K, N] rows k..k+2*KP-1 in pairs for MB rows of x into part [MB, N] (natural column order:
+// a pair of rows is interleaved 16-bit-wise into (w[k, n], w[k+1, n]) lanes)
+template <int MB, int KP>
+inline void kn_pairs_dp(const Args& a, int64_t k, float* part, bool first) {
+  const int64_t N = a.N, K = a.K;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                          6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // fmt: skip
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const uint16_t* r[2 * KP];
+  __m512i xp[MB][KP];
+  for (int p = 0; p < KP; ++p) {
+    r[2 * p] = w + (k + 2 * p) * N;
+    r[2 * p + 1] = r[2 * p] + N;
+    for (int i = 0; i < MB; ++i)
+      xp[i][p] = _mm512_set1_epi32(int32_t(uint32_t(a.xh[i * K + k + 2 * p]) | uint32_t(a.xh[i * K + k + 2 * p + 1]) << 16));
+  }
+  for (int64_t n = 0; n < N; n += 32) {
+    const __mmask32 m32 = N - n >= 32 ? ~__mmask32(0) : __mmask32((1u << (N - n)) - 1);
+    const __mmask16 m0 = mask_of(N - n), m1 = mask_of(N - n - 16);
+    __m512 lo[MB], hi[MB];
+    for (int i = 0; i < MB; ++i) {
+      lo[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, part + i * N + n);
+      hi[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, part + i * N + n + 16);
+    }
+    for (int p = 0; p < KP; ++p) {
+      const __m512i r0 = _mm512_maskz_loadu_epi16(m32, r[2 * p] + n), r1 = _mm512_maskz_loadu_epi16(m32, r[2 * p + 1] + n);
+      const __m512i wl = _mm512_permutex2var_epi16(r0, lo_idx, r1), wh = _mm512_permutex2var_epi16(r0, hi_idx, r1);
+      for (int i = 0; i < MB; ++i) {
+        lo[i] = _mm512_dpbf16_ps(lo[i], bh(xp[i][p]), bh(wl));
+        hi[i] = _mm512_dpbf16_ps(hi[i], bh(xp[i][p]), bh(wh));
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      _mm512_mask_storeu_ps(part + i * N + n, m0, lo[i]);
+      if (m1) _mm512_mask_storeu_ps(part + i * N + n + 16, m1, hi[i]);
+    }
+  }
+}
+
+// nk_seq for bf16 x and w: 32 k an instruction
+template <int MB, int NB>
+void nk_seq_dp(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const uint16_t* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.xh + std::min(m0 + i, a.M - 1) * K;
+  for (int j = 0; j < NB && n0 + j < a.N; ++j) {
+    const uint16_t* wr = static_cast<const uint16_t*>(a.w) + (n0 + j) * K;
+    __m512 acc[MB][4];
+    for (int i = 0; i < MB; ++i)
+      for (int u = 0; u < 4; ++u) acc[i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128)
+      for (int u = 0; u < 4; ++u) {
+        const __m512i wv = _mm512_loadu_si512(wr + k + 32 * u);
+        for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], bh(_mm512_loadu_si512(xr[i] + k + 32 * u)), bh(wv));
+      }
+    for (int u = 0; k < K; k += 32, ++u) {
+      const __mmask32 m32 = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+      const __m512i wv = _mm512_maskz_loadu_epi16(m32, wr + k);
+      for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], bh(_mm512_maskz_loadu_epi16(m32, xr[i] + k)), bh(wv));
+    }
+    for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
+      store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(s));
+    }
+  }
+}
+
+// w [N, K]: rows m0..m0+MB-1 of y x weight rows n0..n0+NB-1 (as nk_tile), 32 k a step
+template <int MB, int NB>
+void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const uint16_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = static_cast<const uint16_t*>(a.w) + std::min(n0 + j, a.N - 1) * K;
+  const uint16_t* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.xh + std::min(m0 + i, a.M - 1) * K;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 m32 = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNkAhead, _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(m32, wr[j] + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(m32, xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], bh(xv), bh(wv[j]));
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+#endif
+
+#else  // plain loops (the compiler vectorises what it can)
+
+template <int MB, int KG, class T>
+inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
+  const int64_t N = a.N, K = a.K;
+  if (first) std::fill(part, part + MB * N, 0.f);
+  for (int j = 0; j < KG; ++j) {
+    const T* wr = static_cast<const T*>(a.w) + (k + j) * N;
+    for (int i = 0; i < MB; ++i) {
+      const float xk = a.x[i * K + k + j];
+      float* p = part + i * N;
+      for (int64_t n = 0; n < N; ++n) p[n] += xk * widen(wr[n]);
+    }
+  }
+}
+
+inline void kn_reduce(const Args& a, const float* part, int64_t items) {
+  const int64_t MN = a.M * a.N;
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t n = 0; n < a.N; ++n) {
+      float s = part[m * a.N + n];
+      for (int64_t i = 1; i < items; ++i) s += part[i * MN + m * a.N + n];
+      store1(a, m, n, s);
+    }
+}
+
+template <int MB, int NV, class T>
+void kn_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K, N = a.N, n1 = std::min(n0 + 16 * NV, N);
+  const T* w = static_cast<const T*>(a.w);
+  for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+    const float* xr = a.x + (m0 + i) * K;
+    float acc[16 * NV] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float xk = xr[k];
+      const T* wr = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) acc[n - n0] += xk * widen(wr[n]);
+    }
+    for (int64_t n = n0; n < n1; ++n) store1(a, m0 + i, n, acc[n - n0]);
+  }
+}
+
+template <int MB, int NB, class T>
+void nk_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  for (int i = 0; i < MB && m0 + i < a.M; ++i) {
+    const float* xr = a.x + (m0 + i) * K;
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) {
+      const T* wr = static_cast<const T*>(a.w) + (n0 + j) * K;
+      float acc[16] = {};  // 16 partial sums: vectorises without reassociating
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += xr[k + l] * widen(wr[k + l]);
+      for (; k < K; ++k) acc[k % 16] += xr[k] * widen(wr[k]);
+      float s = 0.f;
+      for (int l = 0; l < 16; ++l) s += acc[l];
+      store1(a, m0 + i, n0 + j, s);
+    }
+  }
+}
+
+template <int MB, int NB, class T>
+void nk_seq(const Args& a, int64_t m0, int64_t n0) {
+  nk_tile<MB, NB, T>(a, m0, n0);
+}
+
+#endif
+
+// part [MB, N] = x[:, k0:k1] @ w[k0:k1, :]: groups of KG rows, then 4, then one by one
+template <int MB, class T>
+void kn_block(const Args& a, int64_t k0, int64_t k1, float* part) {
+  int64_t k = k0;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (a.xh) {  // pairs of rows through vdpbf16ps; an odd last row below
+      for (; k + 8 <= k1; k += 8) kn_pairs_dp<MB, 4>(a, k, part, k == k0);
+      for (; k + 2 <= k1; k += 2) kn_pairs_dp<MB, 1>(a, k, part, k == k0);
+    }
+  }
+#endif
+  // rows a pass: more where a row of weights is little work (the partial sums are loaded and
+  // stored once a pass), while MB x KG broadcasts stay in registers
+  constexpr int KG = MB == 1 ? 8 : 4;
+  for (; k + KG <= k1; k += KG) kn_rows<MB, KG, T>(a, k, part, k == k0);
+  for (; k + 4 <= k1; k += 4) kn_rows<MB, 4, T>(a, k, part, k == k0);
+  for (; k < k1; ++k) kn_rows<MB, 1, T>(a, k, part, k == k0);
+}
+
+using Tile = void (*)(const Args&, int64_t, int64_t);
+
+// The kernel for a block of `mb` rows (1..4) with `width` (vectors for [K, N], weight rows for
+// [N, K]); the combinations plan() asks for.
+template <class T>
+Tile kn_kernel(int mb) {
+  switch (mb) {
+    case 1: return kn_tile<1, 4, T>;
+    case 2: return kn_tile<2, 4, T>;
+    case 3: return kn_tile<3, 4, T>;
+    default: return kn_tile<4, 4, T>;
+  }
+}
+
+template <class T>
+Tile nk_kernel(int mb, int nb, bool dp) {
+#ifdef __AVX512BF16__
+  if (std::is_same_v<T, uint16_t> && dp) switch (mb * 100 + nb) {
+      case 108: return nk_seq_dp<1, 8>;
+      case 208: return nk_seq_dp<2, 8>;
+      case 104: return nk_tile_dp<1, 4>;
+      case 204: return nk_tile_dp<2, 4>;
+      case 304: return nk_tile_dp<3, 4>;
+      default: return nk_tile_dp<4, 4>;
+    }
+#endif
+  switch (mb * 100 + nb) {
+    case 108: return nk_seq<1, 8, T>;
+    case 208: return nk_seq<2, 8, T>;
+    case 104: return nk_tile<1, 4, T>;
+    case 204: return nk_tile<2, 4, T>;
+    case 304: return nk_tile<3, 4, T>;
+    default: return nk_tile<4, 4, T>;
+  }
+}
+
+template <class T>
+void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
+  static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
+  const int64_t M = a.M, N = a.N, K = a.K;
+  if (!transpose_w && M <= 4) {  // blocks of w's rows, each contiguous, summed across blocks at the end
+    // ~64 KB and more per block, at most 8 blocks (the partial sums, f32 [M, N] a block, are
+    // written, then summed by the caller alone: few, or they cost as much as int8 weights);
+    // the split depends on the shapes alone, so the sums do not depend on the thread count
+    const int64_t bytes = K * N * int64_t(sizeof(T));
+    const int64_t want = std::clamp<int64_t>(bytes / (64 << 10), 1, 8);
+    const int64_t rows = std::min(K, ((K + want - 1) / want + 15) / 16 * 16), items = (K + rows - 1) / rows;
+    thread_local std::vector<float> part;  // reused from call to call (grows, never cleared)
+    if (part.size() < size_t(items * M * N)) part.resize(size_t(items * M * N));
+    float* const sums = part.data();  // the caller's buffer (a helper's `part` is its own)
+    using Block = void (*)(const Args&, int64_t, int64_t, float*);
+    const Block block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
+    ringserve::deal(pool, items, cap, [&](int64_t i) {
+      block(a, i * rows, std::min(K, (i + 1) * rows), sums + i * M * N);
+    });
+    kn_reduce(a, sums, items);
+    return;
+  }
+  // Columns per tile: [K, N] 64; [N, K] 8 weight rows (M <= 2), else 4. Rows of x are taken 4
+  // at a time (fewer: one block of M).
+  const int width = transpose_w && M <= 2 ? 8 : 4;
+  const int64_t cols = transpose_w ? width : 16 * width;
+  const int64_t tiles = (N + cols - 1) / cols;
+  // items of whole tiles, ~1/8 of the call's weights per thread, within 32 KB..512 KB
+  const int64_t tile_bytes = std::max<int64_t>(1, cols * K * int64_t(sizeof(T)));
+  const int64_t target = std::clamp<int64_t>(tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
+  const int64_t per_item = std::max<int64_t>(1, target / tile_bytes);
+  const int64_t items = (tiles + per_item - 1) / per_item;
+  const int mb = int(std::min<int64_t>(M, 4)), rest = int(M % 4);
+  const Tile main = transpose_w ? nk_kernel<T>(mb, width, a.xh != nullptr) : kn_kernel<T>(mb);
+  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
+  const int64_t full_rows = M > 4 ? M - rest : M;
+  ringserve::deal(pool, items, cap, [&](int64_t item) {
+    const int64_t t0 = item * per_item, t1 = std::min(tiles, t0 + per_item);
+    for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
+      for (int64_t m = 0; m < full_rows; m += mb) main(a, m, t * cols);
+      if (tail) tail(a, full_rows, t * cols);
+    }
+  });
+}
+
+ffi::Error matmul_any(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale,
+                      ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || xd.size() < 1 || yd.size() != xd.size())
+    return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+  Args a;
+  a.K = xd.back();
+  a.N = transpose_w ? wd[0] : wd[1];
+  a.M = 1;
+  for (size_t d = 0; d + 1 < xd.size(); ++d) a.M *= xd[d];
+  if ((transpose_w ? wd[1] : wd[0]) != a.K || yd.back() != a.N)
+    return ffi::Error::InvalidArgument("cpu_matmul: inner dimensions disagree");
+  const auto xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
+  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
+  if (scale ? wt != ffi::DataType::S8 : (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(scale ? "cpu_matmul_q8: w must be int8" : "cpu_matmul: w must be f32 or bf16");
+  if (scale && (scale->element_type() != ffi::DataType::F32 || int64_t(scale->element_count()) != a.N))
+    return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N]");
+  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
+  a.y = y->untyped_data();
+  a.y_bf16 = yt == ffi::DataType::BF16;
+  if (a.K == 0) {  // an empty sum
+    std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
+    return ffi::Error::Success();
+  }
+  std::vector<float> wide;
+  if (xt == ffi::DataType::BF16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+    wide.resize(size_t(a.M * a.K));
+    for (size_t e = 0; e < wide.size(); ++e) wide[e] = bf16_to_f32(xb[e]);
+    a.x = wide.data();
+    a.xh = xb;
+  } else {
+    a.x = static_cast<const float*>(x.untyped_data());
+    a.xh = nullptr;
+  }
+  a.w = w.untyped_data();
+  a.scale = scale ? static_cast<const float*>(scale->untyped_data()) : nullptr;
+  if (wt == ffi::DataType::F32)
+    run<float>(pool, a, transpose_w);
+  else if (wt == ffi::DataType::BF16)
+    run<uint16_t>(pool, a, transpose_w);
+  else
+    run<int8_t>(pool, a, transpose_w);
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                  bool transpose_w) {
+  return matmul_any(pool, x, w, nullptr, y, transpose_w);
+}
+
+ffi::Error matmul_q8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                     ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
+  return matmul_any(pool, x, w, &scale, y, transpose_w);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmul, matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmulQ8, matmul_q8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_w"));

@@ -1,0 +1,48 @@
+"""y = x @ w for few rows on CPU (decode) as a custom call (cpu_matmul.cc), on the pool's cores.
+
+Decoding one token reads every weight once for one row of x: the step's time is the time to
+stream the weights from memory. XLA:CPU's dot does that badly at M=1 (f32 ~6 GB/s over a whole
+SmolLM2 pass; bf16 and dequantized int8 far worse), and oneDNN's custom call (onednn.py) pays
+~55 us of queue overhead per call (~12 ms over SmolLM2's 211 calls a step). This kernel reads
+each weight once in address order, widens bf16 / int8 weights to f32 in registers (bf16 x
+bf16: vdpbf16ps) and accumulates in f32; it needs only g++ (built on first use,
+`-march=native`, model/kernels/build.py).
+
+`python -m bench.cpu_matmul` (2 Zen 4 cores, SmolLM2-135M's 30 layers + LM head, weights not
+cache-hot, a 2-thread read at ~36 GB/s; M=1 ms per full pass):
+
+    weights   XLA     kernel   kernel, RINGSERVE_POOL_SPIN_US=300   oneDNN
+    f32       87      29.9     21.2 (70% of the read)               37.1
+    bf16      150     19.8     12.3 (60%)                           24.3
+    int8      297     14.9     10.4 (36%)                           26.3
+
+At M=4 f32 it is even with XLA (0.9x; 1.1x spinning) and at M=16 f32 slower (0.9x): use it
+for f32 below M=4, for bf16 and int8 weights at any M measured (4.8-11x XLA's time at M=16).
+With XLA's own pool the helper often starts after a short call is over; pool.h's opt-in
+spinning helper is what reaches the memory's bandwidth (see pool.h).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from model.kernels.build import loader
+
+TARGET, TARGET_Q8 = "ringserve_cpu_matmul", "ringserve_cpu_matmul_q8"
+
+reason = loader("cpu_matmul", ["-O3", "-march=native"], {TARGET: "RingserveCpuMatmul", TARGET_Q8: "RingserveCpuMatmulQ8"})
+"""None when the kernel runs here; otherwise why not."""
+
+
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,
+           out_dtype=None) -> jax.Array:  # fmt: skip
+    """x [..., K] @ w, w [K, N] (or [N, K] with transpose_w): [..., N] in `out_dtype` (x's by
+    default). x f32 or bf16; w f32 or bf16, or int8 with `scale` [N] f32 (column n is
+    w[:, n] * scale[n]); sums in f32. CPU only; call `reason()` first (the targets must be
+    registered before a program is traced)."""
+    n = w.shape[0] if transpose_w else w.shape[1]
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), out_dtype or x.dtype)
+    if scale is None:
+        return jax.ffi.ffi_call(TARGET, out)(x, w, transpose_w=transpose_w)
+    return jax.ffi.ffi_call(TARGET_Q8, out)(x, w, scale.astype(jnp.float32), transpose_w=transpose_w)

@@ -1,0 +1,146 @@
+// Dealing a custom call's work items to every thread of XLA's intra-op pool (shared by
+// cpu_attention.cc and cpu_matmul.cc; model/kernels/build.py rebuilds both when this changes).
+//
+// Items 0..n-1 are dealt from an atomic counter to the calling thread and to helpers scheduled
+// on the pool; the caller waits for the items, not for the helpers (a helper that starts late
+// finds nothing left and returns), so a busy pool never deadlocks it. The shared state lives in
+// a shared_ptr: a late helper may still touch it after the caller has returned.
+//
+// XLA's caller is often not one of the pool's threads, and a task scheduled on the pool may
+// start a few microseconds later or only after the caller is done (measured on 2 cores: one
+// helper alone often came too late for a 200 us call). So as many helpers are scheduled as
+// the pool has threads, and the first ones to start join until `limit` threads (the caller
+// included) are working: the rest return at once.
+//
+// Even so a helper from the pool mostly joins too late for the short calls of a decode step
+// (SmolLM2 at M=1 ran as fast on 1 thread as on 2). RINGSERVE_POOL_SPIN_US > 0 replaces them
+// with one thread of the library's own that spins that long after each job before it sleeps:
+// the step's calls then find it awake (f32 pass 29.9 -> 21.2 ms, bench/cpu_matmul.py), at the
+// cost of a core spinning through the gaps (and up to that long after the last call). Off by
+// default: it is a thread XLA does not know about; callers and helpers are then 2 at most.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ringserve {
+
+// At most this many threads per call, from the environment variable `name` (tests and
+// benchmarks); unset: no cap. Read once per kernel: keep the answer in a static.
+inline int64_t thread_cap(const char* name) {
+  const char* e = std::getenv(name);
+  return e && *e ? std::max<int64_t>(1, std::atoll(e)) : INT64_MAX;
+}
+
+namespace pool_detail {
+
+struct Job {
+  std::function<void(int64_t)> run;
+  int64_t n = 0, limit = 1;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<int64_t> joined{1};  // threads working on it (the caller first)
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+inline void work(Job& s) {
+  int64_t finished = 0;
+  for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) {
+    s.run(i);
+    ++finished;
+  }
+  if (finished && s.done.fetch_add(finished) + finished == s.n) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.cv.notify_all();
+  }
+}
+
+// Opt-in (RINGSERVE_POOL_SPIN_US > 0): one helper thread of this library's own that spins that
+// long after each job for the next before it sleeps, instead of helpers from XLA's pool (a
+// job then runs on the caller and this thread: 2 threads).
+struct Spinner {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::shared_ptr<Job> job;
+  std::atomic<uint64_t> gen{0};
+  int64_t spin_us;
+  explicit Spinner(int64_t us) : spin_us(us) { std::thread([this] { loop(); }).detach(); }
+  void post(std::shared_ptr<Job> j) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      job = std::move(j);
+      gen.fetch_add(1);
+    }
+    cv.notify_one();
+  }
+  void loop() {
+    using clock = std::chrono::steady_clock;
+    uint64_t seen = 0;
+    for (;;) {
+      const auto until = clock::now() + std::chrono::microseconds(spin_us);
+      for (int i = 0; gen.load(std::memory_order_acquire) == seen; ++i) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        if (i % 64 == 0 && clock::now() > until) break;
+      }
+      std::shared_ptr<Job> j;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return gen.load() != seen; });
+        seen = gen.load();
+        j = std::move(job);
+      }
+      if (j && j->joined.fetch_add(1) < j->limit) work(*j);
+    }
+  }
+};
+
+inline Spinner* spinner() {
+  static Spinner* s = [] {
+    const char* e = std::getenv("RINGSERVE_POOL_SPIN_US");
+    const int64_t us = e && *e ? std::atoll(e) : 0;
+    return us > 0 ? new Spinner(us) : nullptr;
+  }();
+  return s;
+}
+
+}  // namespace pool_detail
+
+// run(i) for every i in [0, n), on the caller and helpers, at most min(pool threads, cap)
+// threads at once; returns once every item has run.
+inline void deal(xla::ffi::ThreadPool& pool, int64_t n, int64_t cap, std::function<void(int64_t)> run) {
+  using namespace pool_detail;
+  if (n <= 0) return;
+  auto sh = std::make_shared<Job>();
+  sh->run = std::move(run);
+  sh->n = n;
+  sh->limit = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), cap);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1) * (sh->limit > 1);
+  if (helpers > 0 && spinner() != nullptr) {
+    sh->limit = 2;
+    spinner()->post(sh);
+  } else {
+    for (int64_t i = 0; i < helpers; ++i)
+      pool.Schedule([sh] {
+        if (sh->joined.fetch_add(1) < sh->limit) work(*sh);
+      });
+  }
+  work(*sh);
+  std::unique_lock<std::mutex> lock(sh->mu);
+  sh->cv.wait(lock, [&] { return sh->done.load() == n; });
+}
+
+}  // namespace ringserve

@@ -1,0 +1,143 @@
+"""The small-M matmul custom call (model/kernels/cpu_matmul.py) against numpy in f32: every x
+dtype x weight dtype x layout, row counts around the kernel's 4-row blocks, shapes that are
+not multiples of its 16-lane vectors or 64-column tiles, and SmolLM2's. Skips with the reason
+where the kernel does not build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.kernels import cpu_matmul
+
+pytestmark = pytest.mark.skipif(cpu_matmul.reason() is not None, reason=f"cpu_matmul: {cpu_matmul.reason()}")
+
+# (K, N): odd (not 16- or 64-multiples), SmolLM2's gate/up, short and wide
+SHAPES = [(71, 200), (576, 1536), (40, 2100)]
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def _weights(rng, k: int, n: int, wdtype: str):
+    """(w as stored [K, N], scale or None, the f32 weights the product means)."""
+    if wdtype == "int8":
+        q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+        scale = (rng.random(n) * 0.02 + 0.001).astype(np.float32)
+        return jnp.asarray(q), jnp.asarray(scale), q.astype(np.float32) * scale
+    w = jnp.asarray(rng.standard_normal((k, n)), wdtype)
+    return w, None, np.asarray(w, np.float32)
+
+
+@pytest.fixture(scope="module")
+def calls():
+    """One jitted call per (layout, out dtype): retraced per shape, never rebuilt per test."""
+    return {
+        (t, od): jax.jit(lambda x, w, s, t=t, od=od: cpu_matmul.matmul(x, w, transpose_w=t, scale=s, out_dtype=od))
+        for t in (False, True)
+        for od in (jnp.float32, None)
+    }
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("xdtype", ["float32", "bfloat16"])
+def test_matches_numpy_in_both_layouts_for_every_dtype(calls, xdtype, wdtype, k, n):
+    rng = np.random.default_rng(k + n)
+    w, scale, wf = _weights(rng, k, n, wdtype)
+    wt = jnp.asarray(np.asarray(w).T.copy())  # [N, K]
+    for m in (1, 3, 4, 5, 17):
+        x = jnp.asarray(rng.standard_normal((m, k)), xdtype)
+        want = np.asarray(x, np.float32) @ wf  # the same (rounded) inputs, in f32
+        for t, wl in ((False, w), (True, wt)):
+            got = calls[(t, jnp.float32)](x, wl, scale)
+            assert got.shape == (m, n) and got.dtype == jnp.float32
+            assert _rel_err(got, want) < 1e-5, (m, t)  # f32 sums either way
+            same = calls[(t, None)](x, wl, scale)  # x's dtype out
+            assert same.dtype == jnp.dtype(xdtype)
+            assert _rel_err(same, want) < (8e-3 if xdtype == "bfloat16" else 1e-5), (m, t)
+
+
+def test_bf16_out_rounds_to_nearest_even_like_jax():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 200)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((200, 72)), jnp.float32)
+    f32 = cpu_matmul.matmul(x, w, out_dtype=jnp.float32)
+    b16 = cpu_matmul.matmul(x, w, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16)))
+
+
+def test_leading_axes_are_rows():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    got = jax.jit(cpu_matmul.matmul)(x, w)
+    assert got.shape == (2, 3, 48)
+    assert _rel_err(got, np.asarray(x) @ np.asarray(w)) < 1e-5
+
+
+@pytest.mark.parametrize("shape_x, shape_w", [((0, 64), (64, 48)), ((3, 64), (64, 0)), ((3, 0), (0, 48))])
+def test_empty_operands_give_empty_or_zero_results(shape_x, shape_w):
+    x, w = jnp.zeros(shape_x, jnp.float32), jnp.ones(shape_w, jnp.float32)
+    got = cpu_matmul.matmul(x, w)
+    assert got.shape == (shape_x[0], shape_w[1])
+    np.testing.assert_array_equal(np.asarray(got), 0.0)
+
+
+def test_wrong_dtypes_are_refused_by_name():
+    x, w = jnp.ones((2, 8), jnp.float32), jnp.ones((8, 4), jnp.int8)
+    with pytest.raises(Exception, match="cpu_matmul: w must be f32 or bf16"):
+        jax.block_until_ready(cpu_matmul.matmul(x, w))
+    with pytest.raises(Exception, match="cpu_matmul: x and y must be f32 or bf16"):
+        jax.block_until_ready(cpu_matmul.matmul(x.astype(jnp.float16), w.astype(jnp.float16)))
+
+
+def test_same_sums_on_one_thread_as_on_all():
+    """The columns are dealt to threads, never split along K: one thread (a fresh process with
+    RINGSERVE_MATMUL_THREADS=1) gives the bits this process gives with the variable unset."""
+    code = (
+        "import numpy as np, jax.numpy as jnp\n"
+        "from model.kernels import cpu_matmul\n"
+        "assert cpu_matmul.reason() is None\n"
+        "r = np.random.default_rng(3)\n"
+        "x = jnp.asarray(r.standard_normal((3, 576)), jnp.float32)\n"
+        "w = jnp.asarray(r.standard_normal((576, 1536)), jnp.bfloat16)\n"
+        "y = cpu_matmul.matmul(x, w) + cpu_matmul.matmul(x, w.T, transpose_w=True)\n"
+        "print(np.asarray(y).tobytes().hex())\n"
+    )  # fmt: skip
+    assert "RINGSERVE_MATMUL_THREADS" not in os.environ
+    env = {**os.environ, "RINGSERVE_MATMUL_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    r = np.random.default_rng(3)
+    x = jnp.asarray(r.standard_normal((3, 576)), jnp.float32)
+    w = jnp.asarray(r.standard_normal((576, 1536)), jnp.bfloat16)
+    here = cpu_matmul.matmul(x, w) + cpu_matmul.matmul(x, w.T, transpose_w=True)
+    assert out.stdout.strip() == np.asarray(here).tobytes().hex()
+
+
+def test_the_plain_loops_without_avx512_agree():
+    """The portable build (no -march: plain loops, no AVX-512) under test-only target names."""
+    from model.kernels.build import loader
+
+    names = {"ringserve_cpu_matmul_plain": "RingserveCpuMatmul", "ringserve_cpu_matmul_q8_plain": "RingserveCpuMatmulQ8"}
+    assert loader("cpu_matmul", ["-O2", "-mno-avx512f"], names)() is None
+    rng = np.random.default_rng(5)
+    for wdtype in ("float32", "bfloat16", "int8"):
+        w, scale, wf = _weights(rng, 72, 200, wdtype)
+        for m in (1, 5):
+            x = jnp.asarray(rng.standard_normal((m, 72)), jnp.bfloat16)
+            want = np.asarray(x, np.float32) @ wf
+            for t, wl in ((False, w), (True, jnp.asarray(np.asarray(w).T.copy()))):
+                target = "ringserve_cpu_matmul_plain" if scale is None else "ringserve_cpu_matmul_q8_plain"
+                out = jax.ShapeDtypeStruct((m, 200), jnp.float32)
+                ops = (x, wl) if scale is None else (x, wl, scale)
+                got = jax.ffi.ffi_call(target, out)(*ops, transpose_w=t)
+                assert _rel_err(got, want) < 1e-5, (wdtype, m, t)
