@@ -134,7 +134,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
         xla            XLA's dot
         invariant      batch-invariant (`rowwise`): the deterministic mode's projections and LM head
         onednn         oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
-        kernel         up to KERNEL_ROWS rows (decode): ringserve's own custom call, which streams
+        kernel         a few rows (decode, KERNEL_ROWS): ringserve's own custom call, which streams
                        the weights on every core (model/kernels/cpu_matmul.py); more rows: XLA's dot
         kernel+onednn  the same, more rows through oneDNN
 
@@ -143,7 +143,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     dequantizes as it multiplies."""
     out_dtype = out_dtype or x.dtype
     if dot.startswith("kernel"):
-        if few_rows(dot, x):
+        if few_rows(dot, x, w):
             from model.kernels import cpu_matmul
 
             return cpu_matmul.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype)
@@ -162,12 +162,16 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     return (y if scale is None else y * scale).astype(out_dtype)
 
 
-KERNEL_ROWS = 16  # the most rows the "kernel" dots send to cpu_matmul (decode batches of up to 16)
+# The most rows the "kernel" dots send to cpu_matmul, by weight dtype (python -m bench.cpu_matmul,
+# SmolLM2's weights streamed once, 2 Zen 4 cores): f32 beats XLA's dot only below 4 rows (1 row:
+# 29.9 ms a pass against 87; 4: 36.4 against 32.1); bf16 beats oneDNN at 1 row (19.8 against
+# 24.3), loses at 16 (45.4 against 37.8); int8 wins at 16 too (34.9 against 46.1).
+KERNEL_ROWS = {"float32": 2, "bfloat16": 4, "int8": 16}
 
 
-def few_rows(dot: str, x: jax.Array) -> bool:
-    """Whether `matmul(x, ..., dot)` runs on the small-row kernel (rows are static in a trace)."""
-    return dot.startswith("kernel") and math.prod(x.shape[:-1]) <= KERNEL_ROWS
+def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `matmul(x, w, dot)` runs on the small-row kernel (rows are static in a trace)."""
+    return dot.startswith("kernel") and math.prod(x.shape[:-1]) <= KERNEL_ROWS.get(jnp.dtype(w.dtype).name, 0)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

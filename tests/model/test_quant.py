@@ -118,3 +118,19 @@ def test_int8_through_onednn_agrees_with_xla(tiny_dir):
     a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)
     same = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
     assert same >= 0.9 * sum(map(len, a)), (a, b)
+
+
+@pytest.mark.parametrize("quantization, prompts", [(None, [9]), (None, [5, 30]), ("int8", [5, 30, 9, 17])])
+def test_decode_through_the_small_row_kernel_keeps_xla_tokens(tiny_dir, quantization, prompts):
+    """f32 decode steps of 1-2 rows, and int8 ones of up to 16, through ringserve's kernel
+    (model/kernels/cpu_matmul.py): the greedy tokens of XLA's dot on the same weights."""
+    from model.kernels import cpu_matmul
+
+    if (why := cpu_matmul.reason()) is not None:
+        pytest.skip(f"cpu_matmul kernel: {why}")
+    cfg = dataclasses.replace(CFG, quantization=quantization)
+    fast = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="kernel"))
+    ref = ModelExecutor(tiny_dir("llama"), cfg)
+    assert fast.dot.startswith("kernel") and ref.dot == "xla"
+    ps = prompts_with_shared_prefix(16, prompts)
+    assert greedy_with_cached_prefix(fast, ps, 16, 12) == greedy_with_cached_prefix(ref, ps, 16, 12)
