@@ -100,7 +100,6 @@ def dot_fn(method: str):
 def forward(mm):
     """One pass of x through every layer's projections (every output used) and the head."""
     import jax
-    import jax.numpy as jnp
 
     def run(x, stack, head):
         for (wq, sq), (wk, sk), (wv, sv), (wo, so), (wg, sg), (wu, su), (wd, sd) in stack:
