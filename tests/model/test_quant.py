@@ -134,3 +134,38 @@ def test_decode_through_the_small_row_kernel_keeps_xla_tokens(tiny_dir, quantiza
     assert fast.dot.startswith("kernel") and ref.dot == "xla"
     ps = prompts_with_shared_prefix(16, prompts)
     assert greedy_with_cached_prefix(fast, ps, 16, 12) == greedy_with_cached_prefix(ref, ps, 16, 12)
+
+
+TP_INT8 = r"""
+import json, sys
+from model.executor import ExecutorConfig, ModelExecutor
+from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+path, tp, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128, tp_size=tp,
+                     precompile=False, layer_loop=loop, quantization="int8", cpu_matmul="xla")
+ex = ModelExecutor(path, cfg)
+scale = ex.params["layers"]["self_attn"]["q_proj"]["scale"] if loop == "scan" else ex.params["layers"][0]["self_attn"]["q_proj"]["scale"]
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts_with_shared_prefix(16, [5, 30, 9]), 16, 12),
+                  "scale_spec": repr(tuple(scale.sharding.spec))}))
+"""
+
+
+def test_int8_under_tensor_parallelism_matches_tp1(tiny_dir):
+    """The scales shard with their weights' output columns (column-parallel: split; row-parallel:
+    replicated), and tp 2 serves tp 1's greedy tokens, unrolled and scanned."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = str(tiny_dir("llama"))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = {}
+    for tp, loop in ((1, "unrolled"), (2, "unrolled"), (2, "scan")):
+        r = subprocess.run([sys.executable, "-c", TP_INT8, path, str(tp), loop], env=env, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[tp, loop] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out[2, "unrolled"]["tokens"] == out[1, "unrolled"]["tokens"]
+    assert out[2, "scan"]["tokens"] == out[1, "unrolled"]["tokens"]
+    assert out[2, "unrolled"]["scale_spec"] == "('tp',)" and out[2, "scan"]["scale_spec"] == "(None, 'tp')"
