@@ -39,6 +39,15 @@ SmolLM2-135M-Instruct, 16 prompts, 16 tokens (64 x 32 ran past 7 minutes for HF 
     hf         bfloat16  0.836     0.123    0.250    6.94
     ringserve  bfloat16  0.486     0.092    0.688   12.06
 
+SmolLM2-135M-Instruct, 64 prompts, 32 tokens (one run each, quiet machine; int8: the weights'
+int8 images, bf16 compute, on both sides):
+
+    ringserve  float32        8.5e-05   1.1e-05  1.000   32.00
+    hf         bfloat16       0.739     0.123    0.484   18.00
+    ringserve  bfloat16       0.630     0.103    0.641   22.05
+    hf         int8/bfloat16  1.41      0.221    0.281   12.03
+    ringserve  int8/bfloat16  1.89      0.225    0.359   14.95
+
 The tiny checkpoints' top-2 logit gaps (>= ~0.03, model/checkpoints/tiny.py) are far below bf16's
 error at their logit scale (~50), so greedy agreement at bf16 is low on both sides.
 """
