@@ -28,19 +28,29 @@ def _cleanup(argv: list[str]) -> int:
     return cleanup_main(argv)
 
 
+def _owned_process() -> None:
+    """This process is ringserve's alone (serve, generate): it need not import torch."""
+    from actors.transport.actor import without_torch
+
+    without_torch()
+
+
 def _generate(argv: list[str]) -> int:
+    _owned_process()
     from actors.cli.generate import main
 
     return main(argv)
 
 
 def _generate_static(argv: list[str]) -> int:
+    _owned_process()
     from actors.cli.generate import main_static
 
     return main_static(argv)
 
 
 def _serve(argv: list[str]) -> int:
+    _owned_process()
     from actors.cli.serve import main
 
     return main(argv)

@@ -25,7 +25,7 @@ import msgspec
 
 from actors.transport.ring import RingClosed, unlink_name
 
-__all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target"]
+__all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target", "without_torch"]
 
 _S = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -155,12 +155,21 @@ def _orphaned(ctx: ActorContext) -> None:
     os._exit(70)
 
 
+def without_torch() -> None:
+    """Make torch unimportable in this process unless it is already imported: `find_spec` then
+    finds none and `import torch` raises ImportError, so transformers takes its torch-less paths
+    (model/checkpoints/tokenizer.py says what that saves). Only for processes ringserve owns (its
+    actors, `ringserve serve` / `generate`), before transformers is imported."""
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+
 def actor_main(conn: Connection, spec_bytes: bytes) -> None:
     """Entry point of an actor process (the spawn target). Exits 0 when the actor returns, or
     returns after a stop request (a RingClosed then is part of stopping); otherwise sends the
     formatted traceback to the parent and exits 1."""
     spec = msgspec.msgpack.decode(spec_bytes, type=ActorSpec)
     os.environ.update(spec.env)  # before the target (and JAX, in a runner) is imported
+    without_torch()  # no actor needs torch, and transformers would import it
     faulthandler.enable()  # a hard crash still prints a Python stack on stderr
     ctx = ActorContext(spec, conn)
     root = logging.getLogger()

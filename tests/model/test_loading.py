@@ -181,3 +181,38 @@ def test_malformed_safetensors_header(tiny_dir, tmp_path):
     (d / "model.safetensors").write_bytes((12).to_bytes(8, "little") + b"{not json!!}")
     with pytest.raises(ValueError, match=r"model.safetensors: malformed safetensors header"):
         load_checkpoint(d)
+
+
+_TOKENIZE = """
+import json, sys
+if sys.argv[1] == "hide":
+    from actors.transport.actor import without_torch
+    without_torch()
+from model.checkpoints.tokenizer import load_tokenizer
+out = {}
+for d in sys.argv[2:]:
+    t = load_tokenizer(d)
+    s = "Hello world, <|im_start|> \\u00fcn\\u00efcode 123  spaces\\n\\n x"
+    ids = t(s)["input_ids"]
+    chat = t.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    out[d] = [type(t).__name__, ids, t.decode(ids), t.all_special_ids, t.eos_token_id, chat]
+print(json.dumps([out, sys.modules.get("torch") is not None]))
+"""
+
+
+def test_tokenizers_load_the_same_without_torch(tiny_dir):
+    """Actors and `ringserve serve` hide torch so transformers does not import it (~2.5 s and
+    ~250 MB a process); each family's tokenizer must load as the same class and tokenize the
+    same way as with torch importable."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    dirs = [str(tiny_dir(f)) for f in ("llama", "qwen2", "qwen3", "mistral")]
+    runs = {}
+    for mode in ("show", "hide"):
+        argv = [sys.executable, "-c", _TOKENIZE, mode, *dirs]
+        p = subprocess.run(argv, capture_output=True, text=True, check=True)
+        runs[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert runs["hide"][0] == runs["show"][0]
+    assert runs["show"][1] and not runs["hide"][1]  # torch imported only where it was not hidden
