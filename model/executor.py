@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 
 from kvmem.allocator import cdiv
 from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
-from model.checkpoints.weights import load_checkpoint
+from model.checkpoints.weights import load_checkpoint, release_pages
 from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
@@ -239,7 +239,9 @@ class ModelExecutor:
         build = build_lazy_state if jax.process_count() > 1 else build_host_state
         host = build(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan",
                      self.cfg.quantization)  # fmt: skip
-        return self.model.place(host, self.mesh)
+        params = jax.block_until_ready(self.model.place(host, self.mesh))
+        release_pages(tensors)  # the checkpoint's pages, read once, leave this process's RSS
+        return params
 
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
         """A new state beside the served one (same structure, avals and shardings)."""

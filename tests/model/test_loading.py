@@ -216,3 +216,30 @@ def test_tokenizers_load_the_same_without_torch(tiny_dir):
         runs[mode] = json.loads(p.stdout.strip().splitlines()[-1])
     assert runs["hide"][0] == runs["show"][0]
     assert runs["show"][1] and not runs["hide"][1]  # torch imported only where it was not hidden
+
+
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_release_pages_drops_checkpoint_pages_and_keeps_values(tmp_path):
+    """After the served state is built the executor releases the checkpoint's mapped pages: RSS
+    falls by the file's size and the tensors read back unchanged (from the page cache)."""
+    from safetensors.numpy import save_file
+
+    from model.checkpoints.weights import read_safetensors, release_pages
+
+    rng = np.random.default_rng(0)
+    want = {f"w{i}": rng.standard_normal((1024, 2048), np.float32) for i in range(8)}  # 64 MiB
+    save_file(want, str(tmp_path / "m.safetensors"))
+    got = dict(read_safetensors(tmp_path / "m.safetensors"))
+    sums = {k: float(v.sum()) for k, v in got.items()}  # reads every page
+    before = _rss_file_kb()
+    assert release_pages(got) >= 64 * 2**20
+    after = _rss_file_kb()
+    assert before - after > 48 * 1024, (before, after)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v)
+        assert float(got[k].sum()) == sums[k]
+    assert release_pages({"plain": np.zeros(4)}) == 0  # arrays not mapped from a file are left alone
