@@ -78,6 +78,10 @@ class ServerArgs:
     new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay from init to min")
     # compiled shapes / attention
     extend_block: int = _opt(16, "query tile of prefill steps (attention works on tiles of this many tokens)")
+    decode_bucket_step: int = _opt(
+        8, "decode batch sizes compiled: powers of two up to 2x this, then every this many up to "
+        "max_running_requests (SGLang's cuda graph sizes); 0: powers of two only (fewer programs, more padding)"
+    )
     attn_chunk_tokens: int = _opt(64, "keys per work item of the native (CPU) attention")
     context_bucket_min: int = _opt(
         512, "smallest context length compiled by static-loop attention (bucketed, pallas_gpu); then x2"
@@ -209,6 +213,7 @@ class ServerArgs:
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"chunked_prefill_size={self.chunked_prefill_size}: -1 (off) or >= 1",
         )
+        need(self.decode_bucket_step >= 0, f"decode_bucket_step={self.decode_bucket_step}: must be >= 0 (0: powers of two)")
         need(
             self.max_prefill_tokens >= self.extend_block,
             f"max_prefill_tokens={self.max_prefill_tokens}: must be >= extend_block={self.extend_block}",

@@ -56,6 +56,7 @@ class ExecutorConfig:
     max_batch: int = 64  # largest decode bucket (= max running requests)
     max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
     extend_block: int = 16  # query tile of extend steps
+    decode_bucket_step: int = 8  # decode batches: powers of two up to 2x this, then every this many
     dtype: str = "float32"
     tp_size: int = 1
     top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
@@ -196,7 +197,7 @@ class ModelExecutor:
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
                               cfg.deterministic, logits_vocab_major=self.platform == "cpu",
                               lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization)  # fmt: skip
-        self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block)
+        self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block, cfg.decode_bucket_step)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
         self.params = self._build(tensors)  # the Decoder's state (model/params.py), what every program takes first

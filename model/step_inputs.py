@@ -179,15 +179,24 @@ class Buckets:
     max_rows: int  # rows of an extend program (= the largest decode batch)
 
     @staticmethod
-    def make(max_batch: int, max_extend_tokens: int, extend_block: int) -> Buckets:
+    def make(max_batch: int, max_extend_tokens: int, extend_block: int, decode_step: int = 0) -> Buckets:
+        """Decode batches: powers of two from 2 up to 2 x `decode_step`, then every `decode_step`
+        up to `max_batch` (SGLang's CUDA graph sizes; 0: powers of two all the way). A step of
+        `n` rows runs in the smallest that holds it; padding rows cost as much as real ones in
+        the matmuls, so powers of two alone waste a quarter of a large batch on average (SmolLM2's
+        64-request burst on CPU, bf16: decode 25.8 -> 23.5 s with steps of 8)."""
         if max_extend_tokens % extend_block:
             raise ValueError(
                 f"max_extend_tokens={max_extend_tokens} must be a multiple of extend_block={extend_block}"
             )
         # No 1-token program: with T == 1, XLA CPU rewrites the KV scatter into a form that
         # copies every layer's whole cache each step (measured: 89 ms vs 2.6 ms at T == 2).
+        dec = _pow2_up_to(min(2, max_batch), max_batch)
+        if decode_step > 0:
+            dec = tuple(sorted({b for b in dec if b <= 2 * decode_step} | set(range(2 * decode_step, max_batch, decode_step))
+                               | {max_batch}))  # fmt: skip
         return Buckets(
-            _pow2_up_to(min(2, max_batch), max_batch),
+            dec,
             _pow2_up_to(extend_block, max_extend_tokens),
             extend_block,
             max_batch,

@@ -38,6 +38,7 @@ def executor_config(args) -> ExecutorConfig:
             verify * args.max_running_requests + args.extend_block,  # a verify step: a round per request
         ) // args.extend_block * args.extend_block,
         extend_block=args.extend_block,
+        decode_bucket_step=args.decode_bucket_step,
         attn_chunk_tokens=args.attn_chunk_tokens,
         context_bucket_min=args.context_bucket_min,
         layer_loop=args.layer_loop,

@@ -270,8 +270,12 @@ class SchedulerCore:
         a = self.args
         chunk = None if a.chunked_prefill_size == -1 else a.chunked_prefill_size
         reserved = sum(decode_reserve(r, self.ratio.value) for r in self.running)
-        adder = PrefillAdder(self.cache, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens,
-                             chunk_size=chunk, new_token_ratio=self.ratio.value)  # fmt: skip
+        # mixed: the decode rows ride in this step, so they come off its token budgets (SGLang's
+        # mixed_with_decode_tokens); else the step outgrows the extend bucket its budget fits
+        mixed = len(self.running) if a.enable_mixed_chunk else 0
+        adder = PrefillAdder(self.cache, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens - mixed,
+                             chunk_size=None if chunk is None else chunk - mixed,
+                             new_token_ratio=self.ratio.value)  # fmt: skip
         admitted: list[Req] = []
         if self.chunked is not None:
             self._cache_prefix(self.chunked)

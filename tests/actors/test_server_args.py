@@ -51,6 +51,7 @@ def test_frozen():
         (dict(schedule_policy="random"), "schedule_policy='random': choose one of ['fcfs', 'lpm']"),
         (dict(dtype="int4"), "dtype='int4': choose one of"),
         (dict(chunked_prefill_size=0), "chunked_prefill_size=0: -1 (off) or >= 1"),
+        (dict(decode_bucket_step=-8), "decode_bucket_step=-8: must be >= 0"),
         (dict(max_total_tokens=16, page_size=16), "max_total_tokens=16: must hold at least 2 pages"),
         (dict(max_total_tokens=4096, context_length=4096, page_size=16),
          "max_total_tokens=4096: the KV pool must hold one request of context_length=4096 plus a page (4128 tokens)"),

@@ -76,6 +76,20 @@ def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
         assert b.pick(False, 1, 5) == StepShape(block, 16 if block == 16 else 8, 4)
 
 
+def test_decode_buckets_step_past_powers_of_two():
+    """Decode batches: powers of two up to 2 x step, then every step (SGLang's CUDA graph sizes);
+    a batch runs in the smallest that holds it."""
+    from model.step_inputs import Buckets, StepShape
+
+    assert Buckets.make(64, 1024, 16, 8).decode_batches == (2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert Buckets.make(64, 1024, 16, 0).decode_batches == (2, 4, 8, 16, 32, 64)
+    assert Buckets.make(64, 1024, 16, 16).decode_batches == (2, 4, 8, 16, 32, 48, 64)
+    assert Buckets.make(20, 1024, 16, 8).decode_batches == (2, 4, 8, 16, 20)
+    assert Buckets.make(16, 1024, 16, 8).decode_batches == (2, 4, 8, 16)  # the tests' engines: unchanged
+    b = Buckets.make(64, 1024, 16, 8)
+    assert b.pick(True, 33, 33) == StepShape(1, 40, 40) and b.pick(True, 49, 49) == StepShape(1, 56, 56)
+
+
 @pytest.mark.parametrize("backend", ["native", "bucketed"])
 def test_serves_while_the_other_programs_compile(tiny_dir, backend):
     """background_compile: the executor is ready once the largest decode and extend programs
