@@ -59,7 +59,8 @@ class ServerArgs:
     context_length: int = _opt(4096, "longest prompt + output of one request")
     # scheduling
     chunked_prefill_size: int = _opt(
-        512, "max new tokens of one request per prefill step; -1 disables chunking"
+        2048, "max new tokens per prefill step, all its requests together (a longer prompt is cut into chunks, as "
+        "SGLang's); -1 disables chunking"
     )
     max_prefill_tokens: int = _opt(2048, "max new tokens in one prefill batch (largest extend bucket)")
     enable_mixed_chunk: bool = _opt(False, "run a prefill chunk and the decode batch in one step")

@@ -2,7 +2,8 @@
 
 Budgets of one prefill batch (as in SGLang's PrefillAdder, seed 003):
 - rem_input : new tokens this batch may compute (max_prefill_tokens)
-- rem_chunk : new tokens one request may compute this batch (chunked_prefill_size; None = off)
+- rem_chunk : new tokens this batch may still compute before a request is cut to a chunk
+              (chunked_prefill_size, spent by every request as in SGLang; None = off)
 - rem_total : KV tokens left after reserving, for every running request and every request
               admitted here, `min(remaining max_new_tokens, CLIP) * new_token_ratio` decode room
 
