@@ -2,10 +2,17 @@
 // XLA's intra-op pool (model/kernels/cpu_matmul.py builds and registers it; pool.h). No
 // dependency beyond g++.
 //
-//   ringserve_cpu_matmul     x [..., K] f32 | bf16, w [K, N] or [N, K] f32 | bf16
-//   ringserve_cpu_matmul_q8  the same with w int8 and scale f32 [N]: column n is w[:, n] * scale[n]
-//   result                   y [..., N] f32 | bf16 (the caller's choice; bf16 rounded to nearest even)
-//   attribute transpose_w    the weight is stored [N, K] (a tied embedding as the LM head)
+//   ringserve_cpu_matmul   x [..., K] f32 | bf16, then G weights w_g [K, N_g] or [N_g, K] f32 |
+//                          bf16 | int8, then for int8 weights their G scales f32 [N_g] (column n
+//                          is w_g[:, n] * scale_g[n])
+//   results                y_g [..., N_g] f32 | bf16 (the caller's choice; bf16 rounded to
+//                          nearest even), one per weight
+//   attribute transpose_w  the weights are stored [N, K] (a tied embedding as the LM head)
+//
+// G > 1: the projections that read the same x (q/k/v, gate/up). Each weight is planned as if
+// alone (the same items, the same sums: y_g has the bits of a call with w_g only), and the
+// items of all G weights are dealt to the pool in one dispatch: fewer, longer calls, which the
+// pool's helpers join in time more often than 100-300 us ones.
 //
 // A step of decode is one row of x against every weight: the time is the time to stream the
 // weights from memory once. Items of tens to hundreds of KB of weights are dealt to the pool's
