@@ -11,6 +11,7 @@ each weight dtype (f32: x f32; bf16: x bf16; int8 + per-column f32 scale: x f32)
 
     xla      jnp.matmul (int8: w.astype(x) * scale, then the dot)
     kernel   model/kernels/cpu_matmul.py
+    grouped  the same, q/k/v and gate/up each as one call (`cpu_matmul.matmuls`, as the model runs it)
     onednn   model/kernels/onednn.py (where `onednn.reason()` is None)
 
 It prints the median ms per full pass over `--repeats` and the effective bandwidth (weight
@@ -88,7 +89,7 @@ def dot_fn(method: str):
             return x @ (w.T if t else w)
 
         return mm
-    if method == "kernel":
+    if method in ("kernel", "grouped"):
         from model.kernels import cpu_matmul
 
         return lambda x, w, s, t: cpu_matmul.matmul(x, w, transpose_w=t, scale=s)
@@ -97,15 +98,25 @@ def dot_fn(method: str):
     return lambda x, w, s, t: onednn.matmul(x, w, transpose_w=t, scale=s)
 
 
-def forward(mm):
-    """One pass of x through every layer's projections (every output used) and the head."""
+def forward(mm, grouped: bool = False):
+    """One pass of x through every layer's projections (every output used) and the head;
+    `grouped`: the projections that share x as one kernel call each (q/k/v, gate/up)."""
     import jax
+
+    from model.kernels import cpu_matmul
+
+    def group(x, pairs):
+        if not grouped:
+            return [mm(x, w, s, False) for w, s in pairs]
+        scales = None if pairs[0][1] is None else [s for _, s in pairs]
+        return cpu_matmul.matmuls(x, [w for w, _ in pairs], scales=scales)
 
     def run(x, stack, head):
         for (wq, sq), (wk, sk), (wv, sv), (wo, so), (wg, sg), (wu, su), (wd, sd) in stack:
-            q, k, v = mm(x, wq, sq, False), mm(x, wk, sk, False), mm(x, wv, sv, False)
+            q, k, v = group(x, [(wq, sq), (wk, sk), (wv, sv)])
             o = mm(q, wo, so, False)
-            h = mm(x, wg, sg, False) * mm(x, wu, su, False)
+            g, u = group(x, [(wg, sg), (wu, su)])
+            h = g * u
             kv = (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True)) * 1e-3
             x = (x + o + mm(h, wd, sd, False) + kv.astype(x.dtype)) * 0.5
         return mm(x, head[0], head[1], True)
@@ -138,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = []
     for m in args.methods.split(","):
-        why = cpu_matmul.reason() if m == "kernel" else onednn.reason() if m == "onednn" else None
+        why = None if m == "xla" else onednn.reason() if m == "onednn" else cpu_matmul.reason()
         if why is None:
             methods.append(m)
         else:
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             x = jnp.asarray(rng.standard_normal((m, 576)), xdt)
             base = None
             for method in methods:
-                sec = time_pass(forward(dot_fn(method)), x, stack, head, args.repeats)
+                sec = time_pass(forward(dot_fn(method), method == "grouped"), x, stack, head, args.repeats)
                 base = sec if method == "xla" else base
                 gbs = nbytes / sec / 1e9
                 row = {"dtype": dtype, "m": m, "method": method, "ms": round(sec * 1e3, 3),

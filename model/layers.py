@@ -57,9 +57,23 @@ class Linear(nnx.Module):
         self.dot = dot
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = None if self.scale is None else self.scale[...]
-        y = matmul(x, self.weight[...], self.dot, scale=scale)
-        return y if self.bias is None else y + self.bias[...]
+        return project(x, self)[0]
+
+
+def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
+    """[lin(x) for lin in linears]: projections that share x (q/k/v, gate/up) as one custom call
+    when each would run on the few-row kernel alone (`few_rows`; cpu_matmul.py `matmuls`: the
+    same bits, one dispatch to the pool's threads instead of one per projection)."""
+    ws = [lin.weight[...] for lin in linears]
+    scales = [None if lin.scale is None else lin.scale[...] for lin in linears]
+    kernel = all(few_rows(lin.dot, x, w) for lin, w in zip(linears, ws, strict=True))
+    if len(linears) > 1 and kernel and len({s is None for s in scales}) == 1:
+        from model.kernels import cpu_matmul
+
+        ys = cpu_matmul.matmuls(x, ws, scales=None if scales[0] is None else scales)
+    else:
+        ys = [matmul(x, w, lin.dot, scale=s) for lin, w, s in zip(linears, ws, scales, strict=True)]
+    return [y if lin.bias is None else y + lin.bias[...] for lin, y in zip(linears, ys, strict=True)]
 
 
 class Embedding(nnx.Module):
@@ -90,10 +104,10 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, lora: Any = None) -> jax.Array:
         """`lora`: the layer's adapters (model/lora.py LayerLora), added to each projection."""
+        g, u = project(x, self.gate_proj, self.up_proj)
         if lora is None:
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-        g = lora.apply("gate_proj", x, self.gate_proj(x))
-        h = jax.nn.silu(g) * lora.apply("up_proj", x, self.up_proj(x))
+            return self.down_proj(jax.nn.silu(g) * u)
+        h = jax.nn.silu(lora.apply("gate_proj", x, g)) * lora.apply("up_proj", x, u)
         return lora.apply("down_proj", h, self.down_proj(h))
 
 

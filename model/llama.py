@@ -43,6 +43,7 @@ from model.layers import (
     apply_rope,
     few_rows,
     matmul,
+    project,
     rope_inv_freq,
     rope_tables,
 )
@@ -71,9 +72,10 @@ class Attention(nnx.Module):
         """x [T, H] (normed) -> attention output [T, H], and the KV cache with layer `layer`'s
         new keys and values written; `lora`: the layer's adapters (model/lora.py), if served."""
         cfg, t = self.cfg, x.shape[0]
-        q = apply_lora(lora, "q_proj", x, self.q_proj(x)).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = apply_lora(lora, "k_proj", x, self.k_proj(x)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = apply_lora(lora, "v_proj", x, self.v_proj(x)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)  # one custom call where it can
+        q = apply_lora(lora, "q_proj", x, q).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = apply_lora(lora, "k_proj", x, k).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = apply_lora(lora, "v_proj", x, v).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

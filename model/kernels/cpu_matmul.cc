@@ -2,10 +2,17 @@
 // XLA's intra-op pool (model/kernels/cpu_matmul.py builds and registers it; pool.h). No
 // dependency beyond g++.
 //
-//   ringserve_cpu_matmul     x [..., K] f32 | bf16, w [K, N] or [N, K] f32 | bf16
-//   ringserve_cpu_matmul_q8  the same with w int8 and scale f32 [N]: column n is w[:, n] * scale[n]
-//   result                   y [..., N] f32 | bf16 (the caller's choice; bf16 rounded to nearest even)
-//   attribute transpose_w    the weight is stored [N, K] (a tied embedding as the LM head)
+//   ringserve_cpu_matmul   x [..., K] f32 | bf16, then G weights w_g [K, N_g] or [N_g, K] f32 |
+//                          bf16 | int8, then for int8 weights their G scales f32 [N_g] (column n
+//                          is w_g[:, n] * scale_g[n])
+//   results                y_g [..., N_g] f32 | bf16 (the caller's choice; bf16 rounded to
+//                          nearest even), one per weight
+//   attribute transpose_w  the weights are stored [N, K] (a tied embedding as the LM head)
+//
+// G > 1: the projections that read the same x (q/k/v, gate/up). Each weight is planned as if
+// alone (the same items, the same sums: y_g has the bits of a call with w_g only), and the
+// items of all G weights are dealt to the pool in one dispatch: fewer, longer calls, which the
+// pool's helpers join in time more often than 100-300 us ones.
 //
 // A step of decode is one row of x against every weight: the time is the time to stream the
 // weights from memory once. Items of tens to hundreds of KB of weights are dealt to the pool's
@@ -494,10 +501,38 @@ Tile nk_kernel(int mb, int nb, bool dp) {
   }
 }
 
+// One weight's share of a call: its items, dealt together with the other weights' (one
+// dispatch for all the weights that share x), and how to run item i
+struct Plan {
+  Args a;
+  int64_t items = 0;
+  // w [K, N], M <= 4: blocks of `rows` rows of w into partial sums, added by finish()
+  void (*block)(const Args&, int64_t, int64_t, float*) = nullptr;
+  int64_t rows = 0;
+  float* sums = nullptr;  // [items, M, N]
+  // otherwise: items of `per_item` tiles of `cols` columns, rows of x `mb` at a time
+  Tile main = nullptr, tail = nullptr;
+  int64_t cols = 0, tiles = 0, per_item = 0, full_rows = 0;
+  int mb = 0;
+
+  int64_t part_size() const { return block ? items * a.M * a.N : 0; }
+  void item(int64_t i) const {
+    if (block) return block(a, i * rows, std::min(a.K, (i + 1) * rows), sums + i * a.M * a.N);
+    const int64_t t0 = i * per_item, t1 = std::min(tiles, t0 + per_item);
+    for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
+      for (int64_t m = 0; m < full_rows; m += mb) main(a, m, t * cols);
+      if (tail) tail(a, full_rows, t * cols);
+    }
+  }
+  void finish() const {
+    if (block) kn_reduce(a, sums, items);
+  }
+};
+
 template <class T>
-void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
-  static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
+Plan plan(const Args& a, bool transpose_w, int64_t threads) {
+  Plan p;
+  p.a = a;
   const int64_t M = a.M, N = a.N, K = a.K;
   if (!transpose_w && M <= 4) {  // blocks of w's rows, each contiguous, summed across blocks at the end
     // ~64 KB and more per block, at most 8 blocks (the partial sums, f32 [M, N] a block, are
@@ -505,67 +540,65 @@ void run(ffi::ThreadPool& pool, const Args& a, bool transpose_w) {
     // the split depends on the shapes alone, so the sums do not depend on the thread count
     const int64_t bytes = K * N * int64_t(sizeof(T));
     const int64_t want = std::clamp<int64_t>(bytes / (64 << 10), 1, 8);
-    const int64_t rows = std::min(K, ((K + want - 1) / want + 15) / 16 * 16), items = (K + rows - 1) / rows;
-    thread_local std::vector<float> part;  // reused from call to call (grows, never cleared)
-    if (part.size() < size_t(items * M * N)) part.resize(size_t(items * M * N));
-    float* const sums = part.data();  // the caller's buffer (a helper's `part` is its own)
-    using Block = void (*)(const Args&, int64_t, int64_t, float*);
-    const Block block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
-    ringserve::deal(pool, items, cap, [&](int64_t i) {
-      block(a, i * rows, std::min(K, (i + 1) * rows), sums + i * M * N);
-    });
-    kn_reduce(a, sums, items);
-    return;
+    p.rows = std::min(K, ((K + want - 1) / want + 15) / 16 * 16);
+    p.items = (K + p.rows - 1) / p.rows;
+    p.block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
+    return p;
   }
   // Columns per tile: [K, N] 64; [N, K] 8 weight rows (M <= 2), else 4. Rows of x are taken 4
   // at a time (fewer: one block of M).
   const int width = transpose_w && M <= 2 ? 8 : 4;
-  const int64_t cols = transpose_w ? width : 16 * width;
-  const int64_t tiles = (N + cols - 1) / cols;
-  // items of whole tiles, ~1/8 of the call's weights per thread, within 32 KB..512 KB
-  const int64_t tile_bytes = std::max<int64_t>(1, cols * K * int64_t(sizeof(T)));
-  const int64_t target = std::clamp<int64_t>(tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
-  const int64_t per_item = std::max<int64_t>(1, target / tile_bytes);
-  const int64_t items = (tiles + per_item - 1) / per_item;
-  const int mb = int(std::min<int64_t>(M, 4)), rest = int(M % 4);
-  const Tile main = transpose_w ? nk_kernel<T>(mb, width, a.xh != nullptr) : kn_kernel<T>(mb);
-  const Tile tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
-  const int64_t full_rows = M > 4 ? M - rest : M;
-  ringserve::deal(pool, items, cap, [&](int64_t item) {
-    const int64_t t0 = item * per_item, t1 = std::min(tiles, t0 + per_item);
-    for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
-      for (int64_t m = 0; m < full_rows; m += mb) main(a, m, t * cols);
-      if (tail) tail(a, full_rows, t * cols);
-    }
-  });
+  p.cols = transpose_w ? width : 16 * width;
+  p.tiles = (N + p.cols - 1) / p.cols;
+  // items of whole tiles, ~1/8 of the weight per thread, within 32 KB..512 KB
+  const int64_t tile_bytes = std::max<int64_t>(1, p.cols * K * int64_t(sizeof(T)));
+  const int64_t target = std::clamp<int64_t>(p.tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
+  p.per_item = std::max<int64_t>(1, target / tile_bytes);
+  p.items = (p.tiles + p.per_item - 1) / p.per_item;
+  p.mb = int(std::min<int64_t>(M, 4));
+  const int rest = int(M % 4);
+  p.main = transpose_w ? nk_kernel<T>(p.mb, width, a.xh != nullptr) : kn_kernel<T>(p.mb);
+  p.tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
+  p.full_rows = M > 4 ? M - rest : M;
+  return p;
 }
 
-ffi::Error matmul_any(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale,
-                      ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (wd.size() != 2 || xd.size() < 1 || yd.size() != xd.size())
-    return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+// Every item of every plan in one deal to the pool; then the block sums, in block order
+void run(ffi::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
+  size_t need = 0;
+  for (const Plan& p : plans) need += size_t(p.part_size());
+  thread_local std::vector<float> part;  // reused from call to call (grows, never cleared)
+  if (part.size() < need) part.resize(need);
+  std::vector<int64_t> first(plans.size() + 1, 0);  // plan g's items are first[g]..first[g+1]-1
+  float* sums = part.data();                         // the caller's buffer (a helper's `part` is its own)
+  for (size_t g = 0; g < plans.size(); ++g) {
+    plans[g].sums = sums;
+    sums += plans[g].part_size();
+    first[g + 1] = first[g] + plans[g].items;
+  }
+  ringserve::deal(pool, first.back(), cap, [&](int64_t i) {
+    const size_t g = std::upper_bound(first.begin() + 1, first.end(), i) - first.begin() - 1;
+    plans[g].item(i - first[g]);
+  });
+  for (const Plan& p : plans) p.finish();
+}
+
+// x [..., K] and G weights (then G int8 scales, or none) -> G results y_g = x @ w_g
+ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  bool transpose_w) {
+  const size_t G = rets.size();
+  const bool q8 = args.size() == 2 * G;
+  if (G == 0 || (args.size() != G && !q8))
+    return ffi::Error::InvalidArgument("cpu_matmul: x, G weights (and G scales for int8), G results");
+  auto xd = x.dimensions();
+  const auto xt = x.element_type();
+  if (xd.size() < 1) return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
   Args a;
   a.K = xd.back();
-  a.N = transpose_w ? wd[0] : wd[1];
   a.M = 1;
   for (size_t d = 0; d + 1 < xd.size(); ++d) a.M *= xd[d];
-  if ((transpose_w ? wd[1] : wd[0]) != a.K || yd.back() != a.N)
-    return ffi::Error::InvalidArgument("cpu_matmul: inner dimensions disagree");
-  const auto xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
-  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
-  if (scale ? wt != ffi::DataType::S8 : (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument(scale ? "cpu_matmul_q8: w must be int8" : "cpu_matmul: w must be f32 or bf16");
-  if (scale && (scale->element_type() != ffi::DataType::F32 || int64_t(scale->element_count()) != a.N))
-    return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N]");
-  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
-  a.y = y->untyped_data();
-  a.y_bf16 = yt == ffi::DataType::BF16;
-  if (a.K == 0) {  // an empty sum
-    std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
-    return ffi::Error::Success();
-  }
   std::vector<float> wide;
   if (xt == ffi::DataType::BF16) {
     const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
@@ -577,42 +610,54 @@ ffi::Error matmul_any(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
     a.x = static_cast<const float*>(x.untyped_data());
     a.xh = nullptr;
   }
-  a.w = w.untyped_data();
-  a.scale = scale ? static_cast<const float*>(scale->untyped_data()) : nullptr;
-  if (wt == ffi::DataType::F32)
-    run<float>(pool, a, transpose_w);
-  else if (wt == ffi::DataType::BF16)
-    run<uint16_t>(pool, a, transpose_w);
-  else
-    run<int8_t>(pool, a, transpose_w);
+  static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
+  std::vector<Plan> plans;
+  for (size_t g = 0; g < G; ++g) {
+    auto w = args.get<ffi::AnyBuffer>(g);
+    auto y = rets.get<ffi::AnyBuffer>(g);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_matmul: buffers expected");
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != xd.size())
+      return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+    a.N = transpose_w ? wd[0] : wd[1];
+    if ((transpose_w ? wd[1] : wd[0]) != a.K || yd.back() != a.N)
+      return ffi::Error::InvalidArgument("cpu_matmul: inner dimensions disagree");
+    const auto wt = w->element_type(), yt = (*y)->element_type();
+    if (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16)
+      return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
+    if (q8 ? wt != ffi::DataType::S8 : (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16))
+      return ffi::Error::InvalidArgument(q8 ? "cpu_matmul_q8: w must be int8" : "cpu_matmul: w must be f32 or bf16");
+    a.scale = nullptr;
+    if (q8) {
+      auto s = args.get<ffi::AnyBuffer>(G + g);
+      if (!s.has_value() || s->element_type() != ffi::DataType::F32 || int64_t(s->element_count()) != a.N)
+        return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N]");
+      a.scale = static_cast<const float*>(s->untyped_data());
+    }
+    a.w = w->untyped_data();
+    a.y = (*y)->untyped_data();
+    a.y_bf16 = yt == ffi::DataType::BF16;
+    if (a.M == 0 || a.N == 0) continue;
+    if (a.K == 0) {  // an empty sum
+      std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
+      continue;
+    }
+    plans.push_back(wt == ffi::DataType::F32    ? plan<float>(a, transpose_w, threads)
+                    : wt == ffi::DataType::BF16 ? plan<uint16_t>(a, transpose_w, threads)
+                                                : plan<int8_t>(a, transpose_w, threads));
+  }
+  run(pool, cap, plans);
   return ffi::Error::Success();
-}
-
-ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                  bool transpose_w) {
-  return matmul_any(pool, x, w, nullptr, y, transpose_w);
-}
-
-ffi::Error matmul_q8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                     ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
-  return matmul_any(pool, x, w, &scale, y, transpose_w);
 }
 
 }  // namespace
 
+// x, then G weights, then (int8 weights) their G scales; G results
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmul, matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_w"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmulQ8, matmul_q8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<bool>("transpose_w"));

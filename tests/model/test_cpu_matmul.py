@@ -66,6 +66,47 @@ def test_matches_numpy_in_both_layouts_for_every_dtype(calls, xdtype, wdtype, k,
             assert _rel_err(same, want) < (8e-3 if xdtype == "bfloat16" else 1e-5), (m, t)
 
 
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("xdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_call_gives_each_single_calls_bits(xdtype, wdtype, transpose):
+    """`matmuls` (one call for the weights that share x: q/k/v, gate/up) returns, bit for bit,
+    what a call per weight returns: 1 and 4 rows, uneven N, both out dtypes."""
+    rng = np.random.default_rng(7)
+    k, ns = 200, (576, 72, 71)  # a [K, N] weight of 576 columns splits into several row blocks
+    made = [_weights(rng, k, n, wdtype) for n in ns]
+    ws = [jnp.asarray(np.asarray(w).T.copy()) if transpose else w for w, _, _ in made]
+    scales = None if wdtype != "int8" else [s for _, s, _ in made]
+    for m in (1, 4):
+        x = jnp.asarray(rng.standard_normal((m, k)), xdtype)
+        for od in (jnp.float32, None):
+            group = jax.jit(lambda x, ws, ss, od=od: cpu_matmul.matmuls(x, ws, transpose_w=transpose, scales=ss,
+                                                                        out_dtype=od))(x, ws, scales)  # fmt: skip
+            for g, w in enumerate(ws):
+                s = None if scales is None else scales[g]
+                one = cpu_matmul.matmul(x, w, transpose_w=transpose, scale=s, out_dtype=od)
+                assert group[g].shape == one.shape and group[g].dtype == one.dtype
+                np.testing.assert_array_equal(np.asarray(group[g]), np.asarray(one), err_msg=f"{m} {od} {g}")
+
+
+def test_project_is_one_call_for_the_kernel_and_per_linear_otherwise():
+    """layers.project: one custom call for q/k/v-like projections on the kernel dot (biases added
+    after), the same values as each Linear alone; XLA's dot or too many rows: one dot each."""
+    from model.layers import Linear, project
+
+    lins = [Linear(64, n, jnp.float32, bias=True, dot="kernel") for n in (64, 32, 32)]
+    rng = np.random.default_rng(9)
+    for lin in lins:
+        lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float32)
+        lin.bias[...] = jnp.asarray(rng.standard_normal(lin.bias.shape), jnp.float32)
+    for rows, calls in ((1, 1), (8, 0)):  # f32 takes the kernel up to 2 rows
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        text = jax.jit(lambda x: project(x, *lins)).lower(x).as_text()
+        assert text.count("ringserve_cpu_matmul") == calls, rows
+        for got, lin in zip(project(x, *lins), lins, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(lin(x)))
+
+
 def test_bf16_out_rounds_to_nearest_even_like_jax():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 200)), jnp.float32)
@@ -127,8 +168,8 @@ def test_the_plain_loops_without_avx512_agree():
     """The portable build (no -march: plain loops, no AVX-512) under test-only target names."""
     from model.kernels.build import loader
 
-    names = {"ringserve_cpu_matmul_plain": "RingserveCpuMatmul", "ringserve_cpu_matmul_q8_plain": "RingserveCpuMatmulQ8"}
-    assert loader("cpu_matmul", ["-O2", "-mno-avx512f"], names)() is None
+    plain = loader("cpu_matmul", ["-O2", "-mno-avx512f"], {"ringserve_cpu_matmul_plain": "RingserveCpuMatmul"})
+    assert plain() is None
     rng = np.random.default_rng(5)
     for wdtype in ("float32", "bfloat16", "int8"):
         w, scale, wf = _weights(rng, 72, 200, wdtype)
@@ -136,8 +177,7 @@ def test_the_plain_loops_without_avx512_agree():
             x = jnp.asarray(rng.standard_normal((m, 72)), jnp.bfloat16)
             want = np.asarray(x, np.float32) @ wf
             for t, wl in ((False, w), (True, jnp.asarray(np.asarray(w).T.copy()))):
-                target = "ringserve_cpu_matmul_plain" if scale is None else "ringserve_cpu_matmul_q8_plain"
                 out = jax.ShapeDtypeStruct((m, 200), jnp.float32)
                 ops = (x, wl) if scale is None else (x, wl, scale)
-                got = jax.ffi.ffi_call(target, out)(*ops, transpose_w=t)
+                got = jax.ffi.ffi_call("ringserve_cpu_matmul_plain", out)(*ops, transpose_w=t)
                 assert _rel_err(got, want) < 1e-5, (wdtype, m, t)
