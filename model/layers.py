@@ -176,11 +176,12 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     return (y if scale is None else y * scale).astype(out_dtype)
 
 
-# The most rows the "kernel" dots send to cpu_matmul, by weight dtype (python -m bench.cpu_matmul,
-# SmolLM2's weights streamed once, 2 Zen 4 cores): f32 beats XLA's dot only below 4 rows (1 row:
-# 29.9 ms a pass against 87; 4: 36.4 against 32.1); bf16 beats oneDNN at 1 row (19.8 against
-# 24.3), loses at 16 (45.4 against 37.8); int8 wins at 16 too (34.9 against 46.1).
-KERNEL_ROWS = {"float32": 2, "bfloat16": 4, "int8": 16}
+# The most rows the "kernel" dots send to cpu_matmul, by weight dtype. SmolLM2's whole decode
+# step at 256 tokens of context, 2 Zen 4 cores, with the grouped call (q/k/v, gate/up as one):
+# f32 kernel against XLA's dot 32.9 vs 38.7 ms at 4 rows, 45.6 vs 51.4 at 8, 67.3 vs 62.9 at 16;
+# bf16 kernel against oneDNN 33.5 vs 45 at 8 rows, even at 16 (51-57 vs 51-52); int8 wins at 16
+# (python -m bench.cpu_matmul: 34.9 against 46.1 ms a pass).
+KERNEL_ROWS = {"float32": 8, "bfloat16": 8, "int8": 16}
 
 
 def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:

@@ -16,8 +16,9 @@ cache-hot, a 2-thread read at ~36 GB/s; M=1 ms per full pass):
     bf16      150     19.8     12.3 (60%)                           24.3
     int8      297     14.9     10.4 (36%)                           26.3
 
-At M=4 f32 it is even with XLA (0.9x; 1.1x spinning) and at M=16 f32 slower (0.9x): use it
-for f32 below M=4, for bf16 and int8 weights at any M measured (4.8-11x XLA's time at M=16).
+At M=4 f32 it is even with XLA in this benchmark (0.9x; 1.1x spinning) and at M=16 f32 slower
+(0.9x); in a whole decode step, with q/k/v and gate/up grouped, it wins up to 8 rows for f32 and
+bf16 (model/layers.py KERNEL_ROWS has the figures) and at 16 for int8.
 With XLA's own pool the helper often starts after a short call is over; pool.h's opt-in
 spinning helper is what reaches the memory's bandwidth (see pool.h).
 
