@@ -113,6 +113,16 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     const int64_t pid = int64_t(table[pg]) + a.layer_offset;
     const size_t p_off = (size_t(it.head) * size_t(a.pages_per_head) + size_t(pid)) * page_elems;
     const float *kpage = kbuf, *vpage = vbuf;  // f32 caches are read in place, bf16 ones widened
+    if ((pg + 1) * S <= max_pos) {  // the next page is elsewhere in memory: ask for it now
+      const size_t n_off = (size_t(it.head) * size_t(a.pages_per_head) + size_t(table[pg + 1] + a.layer_offset)) *
+                           page_elems * (a.bits ? 2 : 4);
+      const char* nk = static_cast<const char*>(a.k) + n_off;
+      const char* nv = static_cast<const char*>(a.v) + n_off;
+      for (size_t b = 0; b < page_elems * (a.bits ? 2 : 4); b += 64) {
+        __builtin_prefetch(nk + b);
+        __builtin_prefetch(nv + b);
+      }
+    }
     if (a.bits) {
       const uint16_t* kp = static_cast<const uint16_t*>(a.k) + p_off;
       const uint16_t* vp = static_cast<const uint16_t*>(a.v) + p_off;
