@@ -45,13 +45,19 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Module):
     """x [T, in] @ weight [in, out] (+ bias [out], which shares the weight's output split).
-    `sharding` of the weight: (None, "tp") column-parallel, ("tp", None) row-parallel, ().
+    `sharding` of the [in, out] weight: (None, "tp") column-parallel, ("tp", None) row-parallel, ().
     `dot`: how the product is computed (`matmul`). `quant="int8"`: weight-only int8, the weight
-    int8 and `scale` [out] f32 (column n is weight[:, n] * scale[n]; model/params.py quantizes)."""
+    int8 and `scale` [out] f32 (output n is (x @ weight[n, :]) * scale[n]; model/params.py
+    quantizes), stored [out, in] (`transposed`, HF's own layout): each output's inputs are then
+    one run of bytes, which the decode kernel streams 1.65x faster than [in, out]'s strided rows
+    (SmolLM2's layers at M=1: 7.3 -> 4.4 ms; a whole bf16 + int8 decode step 14.7 -> 13.7 ms, medians
+    of 4 alternating runs, 64 rows even; bf16 gains 1.14x and f32 1.09x alone: they stay [in, out])."""
 
     def __init__(self, n_in: int, n_out: int, dtype, sharding: Sharding = (), bias: bool = False,
                  dot: str = "xla", quant: str | None = None):  # fmt: skip
-        self.weight = param((n_in, n_out), jnp.int8 if quant else dtype, sharding)
+        self.transposed = quant is not None
+        shape, split = ((n_out, n_in), tuple(reversed(sharding))) if quant else ((n_in, n_out), sharding)
+        self.weight = param(shape, jnp.int8 if quant else dtype, split)
         self.scale = param((n_out,), jnp.float32, sharding[1:]) if quant else None
         self.bias = param((n_out,), dtype, sharding[1:]) if bias else None
         self.dot = dot
@@ -67,12 +73,13 @@ def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
     ws = [lin.weight[...] for lin in linears]
     scales = [None if lin.scale is None else lin.scale[...] for lin in linears]
     kernel = all(few_rows(lin.dot, x, w) for lin, w in zip(linears, ws, strict=True))
-    if len(linears) > 1 and kernel and len({s is None for s in scales}) == 1:
+    if len(linears) > 1 and kernel and len({lin.transposed for lin in linears}) == 1:
         from model.kernels import cpu_matmul
 
-        ys = cpu_matmul.matmuls(x, ws, scales=None if scales[0] is None else scales)
+        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed,
+                                scales=None if scales[0] is None else scales)  # fmt: skip
     else:
-        ys = [matmul(x, w, lin.dot, scale=s) for lin, w, s in zip(linears, ws, scales, strict=True)]
+        ys = [matmul(x, w, lin.dot, lin.transposed, s) for lin, w, s in zip(linears, ws, scales, strict=True)]
     return [y if lin.bias is None else y + lin.bias[...] for lin, y in zip(linears, ys, strict=True)]
 
 

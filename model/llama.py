@@ -165,7 +165,7 @@ class Decoder(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
         head: Linear | Embedding = self.embed_tokens if self.lm_head is None else self.lm_head
-        transpose = self.lm_head is None  # the embedding is [V, H], a head [H, V]
+        transpose = self.lm_head is None or self.lm_head.transposed  # the embedding, an int8 head: [V, H]
         w, scale = head.weight[...], None if head.scale is None else head.scale[...]
         if self.logits_vocab_major and not few_rows(self.dot, h, w):
             # [V, S] then transposed: XLA:CPU runs the [V, H] x [H, S] form 1.5-3.5x faster for a

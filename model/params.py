@@ -30,7 +30,9 @@ Weight-only int8 (`quant="int8"`, model/layers.py Linear and Embedding): every p
 weight, the LM head's and the embedding's are int8, and a f32 `scale` leaf sits beside each
 `weight`: one per output column of a projection ([..., out]), one per token row of the
 embedding ([V]; a tied LM head's columns). `quantize_int8` makes them from the checkpoint's
-floats at load and at every weight update (symmetric, round to nearest, max |w| -> 127).
+floats at load and at every weight update (symmetric, round to nearest, max |w| -> 127). An
+int8 projection's weight is stored `[out, in]` (`[L, out, in]` stacked; Linear.transposed):
+the decode kernel streams each output's inputs as one run.
 
 `hf_layout(cfg)` is THE map from HF tensor names to places in the state: loading uses it
 (`build_host_state`), and so does a weight update by HF name (model/weight_sync.py), which
@@ -129,13 +131,20 @@ def quantize_int8(a: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
+def quant_transposed(module: str) -> bool:
+    """Whether the int8 weight of `module` is stored [out, in] (every projection; the embedding
+    is [V, H] either way)."""
+    return module != "embed_tokens"
+
+
 def _quantize_tree(tree: Tree) -> None:
     """Every quantized module's float `weight` -> int8 `weight` + `scale`, in place."""
     for key, node in tree.items():
         if not isinstance(node, dict):
             continue
         if key in QUANTIZED and "weight" in node:
-            node["weight"], node["scale"] = quantize_int8(node["weight"], quant_axis(key))
+            q, node["scale"] = quantize_int8(node["weight"], quant_axis(key))
+            node["weight"] = np.ascontiguousarray(np.swapaxes(q, -1, -2)) if quant_transposed(key) else q
         else:
             _quantize_tree(node)
 
@@ -238,15 +247,20 @@ def _quantize_lazy(tree: Tree) -> None:
             continue
         src: LazyLeaf = node["weight"]
         axis = src.ndim + quant_axis(key)
+        t = quant_transposed(key)
 
-        def read_q(idx: tuple[slice, ...], src=src, axis=axis) -> np.ndarray:
+        def read_q(idx: tuple[slice, ...], src=src, axis=axis, t=t) -> np.ndarray:
+            if t:  # a slice of the [.., out, in] int8 weight is the swapped slice of the float one
+                idx = (*idx[:-2], idx[-1], idx[-2])
             whole = idx[:axis] + (slice(None),) + idx[axis + 1 :]
-            return quantize_int8(src[whole], axis)[0][(slice(None),) * axis + (idx[axis],)]
+            q = quantize_int8(src[whole], axis)[0][(slice(None),) * axis + (idx[axis],)]
+            return np.ascontiguousarray(np.swapaxes(q, -1, -2)) if t else q
 
         def read_scale(idx: tuple[slice, ...], src=src, axis=axis) -> np.ndarray:
             return quantize_int8(src[idx[:axis] + (slice(None),) + idx[axis:]], axis)[1]
 
-        node["weight"] = LazyLeaf(src.shape, np.int8, read_q)
+        shape = (*src.shape[:-2], src.shape[-1], src.shape[-2]) if t else src.shape
+        node["weight"] = LazyLeaf(shape, np.int8, read_q)
         node["scale"] = LazyLeaf(src.shape[:axis] + src.shape[axis + 1 :], np.float32, read_scale)
 
 

@@ -44,7 +44,12 @@ def test_the_state_holds_int8_and_a_scale_beside_every_quantized_weight(tiny_dir
     layer = built["layers"] if stacked else built["layers"][0]
     q = layer["self_attn"]["q_proj"]
     assert q["weight"].dtype == np.int8 and q["bias"].dtype == np.float32
-    assert q["scale"].shape == q["weight"].shape[:-2] + q["weight"].shape[-1:]
+    # stored [out, in] (HF's layout): one scale per output row of it
+    assert q["weight"].shape[-2:] == (cfg.q_size, cfg.hidden_size) and q["weight"].flags.c_contiguous
+    assert q["scale"].shape == q["weight"].shape[:-1]
+    hf = np.asarray(tensors["model.layers.0.self_attn.q_proj.weight"], np.float32)
+    q0 = q["weight"][0] if stacked else q["weight"]
+    np.testing.assert_array_equal(q0, quantize_int8(hf, -1)[0])
     emb = built["embed_tokens"]
     assert emb["weight"].dtype == np.int8 and emb["scale"].shape == (cfg.vocab_size,)
     assert layer["input_layernorm"]["weight"].dtype == np.float32  # norms stay float
@@ -94,7 +99,7 @@ def test_a_weight_update_requantizes(tiny_dir):
     w = np.asarray(ex.params["layers"][1]["mlp"]["down_proj"]["weight"])
     s = np.asarray(ex.params["layers"][1]["mlp"]["down_proj"]["scale"])
     q, sc = quantize_int8(new["model.layers.1.mlp.down_proj.weight"].T, -2)
-    np.testing.assert_array_equal(w, q)
+    np.testing.assert_array_equal(w, q.T)  # int8 projections are stored [out, in]
     np.testing.assert_array_equal(s, sc)
 
 
