@@ -76,8 +76,8 @@ def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
     if len(linears) > 1 and kernel and len({lin.transposed for lin in linears}) == 1:
         from model.kernels import cpu_matmul
 
-        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed,
-                                scales=None if scales[0] is None else scales)  # fmt: skip
+        given = [s for s in scales if s is not None]  # every projection int8 (transposed), or none
+        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed, scales=given or None)
     else:
         ys = [matmul(x, w, lin.dot, lin.transposed, s) for lin, w, s in zip(linears, ws, scales, strict=True)]
     return [y if lin.bias is None else y + lin.bias[...] for lin, y in zip(linears, ys, strict=True)]
