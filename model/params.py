@@ -137,6 +137,11 @@ def quant_transposed(module: str) -> bool:
     return module != "embed_tokens"
 
 
+def _out_in(q: np.ndarray) -> np.ndarray:
+    """A projection's int8 weight [..., in, out] as stored: [..., out, in], contiguous."""
+    return np.ascontiguousarray(np.swapaxes(q, -1, -2))
+
+
 def _quantize_tree(tree: Tree) -> None:
     """Every quantized module's float `weight` -> int8 `weight` + `scale`, in place."""
     for key, node in tree.items():
@@ -144,7 +149,7 @@ def _quantize_tree(tree: Tree) -> None:
             continue
         if key in QUANTIZED and "weight" in node:
             q, node["scale"] = quantize_int8(node["weight"], quant_axis(key))
-            node["weight"] = np.ascontiguousarray(np.swapaxes(q, -1, -2)) if quant_transposed(key) else q
+            node["weight"] = _out_in(q) if quant_transposed(key) else q
         else:
             _quantize_tree(node)
 
@@ -254,7 +259,7 @@ def _quantize_lazy(tree: Tree) -> None:
                 idx = (*idx[:-2], idx[-1], idx[-2])
             whole = idx[:axis] + (slice(None),) + idx[axis + 1 :]
             q = quantize_int8(src[whole], axis)[0][(slice(None),) * axis + (idx[axis],)]
-            return np.ascontiguousarray(np.swapaxes(q, -1, -2)) if t else q
+            return _out_in(q) if t else q
 
         def read_scale(idx: tuple[slice, ...], src=src, axis=axis) -> np.ndarray:
             return quantize_int8(src[idx[:axis] + (slice(None),) + idx[axis:]], axis)[1]

@@ -108,17 +108,19 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, int64_t(min_pos) - a.window + 1) : 0;
   const int32_t* table = a.pages + int64_t(it.row) * a.MP;
   const size_t page_elems = size_t(D * S);
+  const size_t page_bytes = page_elems * (a.bits ? 2 : 4);
+  // k_cache [Hkv, L*P, D, S] and v_cache [Hkv, L*P, S, D]: page pg of the row, KV head `head`
+  auto page_off = [&](int64_t pg) {  // in elements
+    return (size_t(it.head) * size_t(a.pages_per_head) + size_t(int64_t(table[pg]) + a.layer_offset)) * page_elems;
+  };
   for (int64_t pg = first_key / S; pg * S <= max_pos; ++pg) {
-    // k_cache [Hkv, L*P, D, S] and v_cache [Hkv, L*P, S, D]: page `pid` of KV head `head`
-    const int64_t pid = int64_t(table[pg]) + a.layer_offset;
-    const size_t p_off = (size_t(it.head) * size_t(a.pages_per_head) + size_t(pid)) * page_elems;
+    const size_t p_off = page_off(pg);
     const float *kpage = kbuf, *vpage = vbuf;  // f32 caches are read in place, bf16 ones widened
     if ((pg + 1) * S <= max_pos) {  // the next page is elsewhere in memory: ask for it now
-      const size_t n_off = (size_t(it.head) * size_t(a.pages_per_head) + size_t(table[pg + 1] + a.layer_offset)) *
-                           page_elems * (a.bits ? 2 : 4);
+      const size_t n_off = page_off(pg + 1) * (page_bytes / page_elems);
       const char* nk = static_cast<const char*>(a.k) + n_off;
       const char* nv = static_cast<const char*>(a.v) + n_off;
-      for (size_t b = 0; b < page_elems * (a.bits ? 2 : 4); b += 64) {
+      for (size_t b = 0; b < page_bytes; b += 64) {
         __builtin_prefetch(nk + b);
         __builtin_prefetch(nv + b);
       }
