@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -59,18 +60,55 @@ struct Item {
 };
 
 #if defined(__AVX512F__)
+// 16 cache values at p as f32: f32 caches loaded, bf16 ones (BITS) widened in the register
+// (exact: bf16 is f32's upper half), so a page is never copied out to be widened first.
+template <bool BITS>
+inline __m512 load16(const void* p, int64_t i) {
+  if constexpr (BITS) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
 // NB queries' scores against one page of 16 keys (k: [D, 16]) into s [NB, 16]: NB accumulators,
 // one per query, each an independent FMA chain over the head dim (8 of them hide the latency).
-template <int NB, int DC>
-inline void scores16(const float* q, const float* k, float* s) {
+template <int NB, int DC, bool BITS>
+inline void scores16(const float* q, const void* k, float* s) {
   __m512 r[NB];
   for (int b = 0; b < NB; ++b) r[b] = _mm512_setzero_ps();
   for (int64_t d = 0; d < DC; ++d) {
-    const __m512 kr = _mm512_loadu_ps(k + d * 16);
+    const __m512 kr = load16<BITS>(k, d * 16);
     for (int b = 0; b < NB; ++b) r[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[b * DC + d]), kr, r[b]);
   }
   for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + b * 16, r[b]);
 }
+
+// QB queries' outputs (acc [nqp, DC]) += their probabilities (s [nqp, 16]) x the page's values
+// (v: [16, DC]), held in registers over the page's keys.
+template <int DC, bool BITS>
+inline void values16(const float* s, const void* v, float* acc, int64_t nqp) {
+  constexpr int V = DC / 16, QB = V <= 4 ? 4 : 2;  // registers per output row; rows per block
+  for (int64_t q0 = 0; q0 < nqp; q0 += QB) {  // padded rows have p = 0 (their scores stay 0s)
+    __m512 o[QB][V];
+    for (int b = 0; b < QB; ++b)
+      for (int c = 0; c < V; ++c) o[b][c] = _mm512_loadu_ps(acc + (q0 + b) * DC + c * 16);
+    for (int j = 0; j < 16; ++j) {
+      __m512 vv[V];
+      for (int c = 0; c < V; ++c) vv[c] = load16<BITS>(v, j * DC + c * 16);
+      for (int b = 0; b < QB; ++b) {
+        const __m512 p = _mm512_set1_ps(s[(q0 + b) * 16 + j]);
+        for (int c = 0; c < V; ++c) o[b][c] = _mm512_fmadd_ps(p, vv[c], o[b][c]);
+      }
+    }
+    for (int b = 0; b < QB; ++b)
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (q0 + b) * DC + c * 16, o[b][c]);
+  }
+}
+constexpr bool kRegisterPages = true;  // 16-key pages of a head dim of 16s read straight from the cache
+#else
+constexpr bool kRegisterPages = false;
 #endif
 
 // One work item: queries t0..t1-1 of row `row`, the G query heads of KV head `head`. SC, DC:
@@ -115,7 +153,7 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   };
   for (int64_t pg = first_key / S; pg * S <= max_pos; ++pg) {
     const size_t p_off = page_off(pg);
-    const float *kpage = kbuf, *vpage = vbuf;  // f32 caches are read in place, bf16 ones widened
+    const float *kpage = kbuf, *vpage = vbuf;  // the generic paths: f32 pages
     if ((pg + 1) * S <= max_pos) {  // the next page is elsewhere in memory: ask for it now
       const size_t n_off = page_off(pg + 1) * (page_bytes / page_elems);
       const char* nk = static_cast<const char*>(a.k) + n_off;
@@ -125,23 +163,31 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
         __builtin_prefetch(nv + b);
       }
     }
-    if (a.bits) {
-      const uint16_t* kp = static_cast<const uint16_t*>(a.k) + p_off;
-      const uint16_t* vp = static_cast<const uint16_t*>(a.v) + p_off;
+    // the page in the cache's own dtype (the register paths read it there)
+    const char* kraw = static_cast<const char*>(a.k) + p_off * (page_bytes / page_elems);
+    const char* vraw = static_cast<const char*>(a.v) + p_off * (page_bytes / page_elems);
+    constexpr bool in_registers = kRegisterPages && SC == 16 && DC > 0 && DC % 16 == 0;
+    if (!a.bits) {
+      kpage = reinterpret_cast<const float*>(kraw);
+      vpage = reinterpret_cast<const float*>(vraw);
+    } else if (!in_registers) {  // f32 caches are read in place, bf16 ones widened here
+      const uint16_t* kp = reinterpret_cast<const uint16_t*>(kraw);
+      const uint16_t* vp = reinterpret_cast<const uint16_t*>(vraw);
       for (size_t e = 0; e < page_elems; ++e) kbuf[e] = bf16_to_f32(kp[e]);
       for (size_t e = 0; e < page_elems; ++e) vbuf[e] = bf16_to_f32(vp[e]);
-    } else {
-      kpage = static_cast<const float*>(a.k) + p_off;
-      vpage = static_cast<const float*>(a.v) + p_off;
     }
     // scores of every query at once: each key row kpage[d] is read once for all of them
 #if defined(__AVX512F__)
-    if constexpr (SC == 16 && DC > 0) {  // 8 (or 4) queries' 16 scores in registers over the head dim
-      if (nqp == 4) {
-        scores16<4, DC>(qs, kpage, s);
-      } else {
-        for (int64_t q0 = 0; q0 < nqp; q0 += 8) scores16<8, DC>(qs + q0 * DC, kpage, s + q0 * 16);
-      }
+    if constexpr (in_registers) {  // 8 (or 4) queries' 16 scores in registers over the head dim
+      auto scores = [&](auto bits) {
+        constexpr bool B = decltype(bits)::value;
+        if (nqp == 4) {
+          scores16<4, DC, B>(qs, kraw, s);
+        } else {
+          for (int64_t q0 = 0; q0 < nqp; q0 += 8) scores16<8, DC, B>(qs + q0 * DC, kraw, s + q0 * 16);
+        }
+      };
+      if (a.bits) scores(std::true_type{}); else scores(std::false_type{});
     } else
 #endif
     if constexpr (SC > 0 && DC > 0) {  // 4 queries' 16 scores held in registers over the head dim
@@ -213,24 +259,8 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     }
     // values: each value row vpage[j] is read once for every query
 #if defined(__AVX512F__)
-    if constexpr (SC > 0 && DC % 16 == 0 && DC > 0) {  // QB queries' outputs in registers over the keys
-      constexpr int V = DC / 16, QB = V <= 4 ? 4 : 2;  // registers per output row; rows per block
-      for (int64_t q0 = 0; q0 < nqp; q0 += QB) {  // padded rows have p = 0 (their scores stay 0s)
-        __m512 o[QB][V];
-        for (int b = 0; b < QB; ++b)
-          for (int c = 0; c < V; ++c) o[b][c] = _mm512_loadu_ps(acc + (q0 + b) * DC + c * 16);
-        for (int j = 0; j < SC; ++j) {
-          const float* vr = vpage + j * DC;
-          __m512 vv[V];
-          for (int c = 0; c < V; ++c) vv[c] = _mm512_loadu_ps(vr + c * 16);
-          for (int b = 0; b < QB; ++b) {
-            const __m512 p = _mm512_set1_ps(s[(q0 + b) * SC + j]);
-            for (int c = 0; c < V; ++c) o[b][c] = _mm512_fmadd_ps(p, vv[c], o[b][c]);
-          }
-        }
-        for (int b = 0; b < QB; ++b)
-          for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (q0 + b) * DC + c * 16, o[b][c]);
-      }
+    if constexpr (in_registers) {  // QB queries' outputs in registers over the keys
+      if (a.bits) values16<DC, true>(s, vraw, acc, nqp); else values16<DC, false>(s, vraw, acc, nqp);
     } else
 #endif
     if constexpr (SC > 0 && DC > 0) {  // 2 queries' outputs held in registers over the page's keys
