@@ -114,6 +114,62 @@ def test_mixed_step_matches_native(tiny_dir, native, backend):
     assert_close(run_scenario(executor(tiny_dir("llama"), backend)), native)
 
 
+def _kernel_case(d: int, bits: bool, seed: int = 0):
+    """The C++ kernel called directly on a hand-made batch: 4 rows (a decode token after a
+    partial page, an extend of 21 tokens from 0, a decode at exactly a page's end, and a padding
+    row), 6 query heads over 2 KV heads, pages of 16 scattered over layer 1's range. The caches
+    hold bf16-representable values, as f32 or as bf16 bits. Returns (out, reference)."""
+    import jax
+    import jax.numpy as jnp
+
+    from model.kernels import cpu_attention
+
+    if (why := cpu_attention.reason()) is not None:
+        pytest.skip(f"the C++ attention kernel: {why}")
+    rng = np.random.default_rng(seed)
+    h, hkv, s, num_pages, layers = 6, 2, 16, 24, 2
+    kv_len = np.array([37, 21, 32, 0], np.int32)
+    new = [1, 21, 1, 0]  # tokens this step per row
+    row_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    positions = np.concatenate([np.arange(kv_len[r] - new[r], kv_len[r]) for r in range(4)]).astype(np.int32)
+    pages = rng.permutation(np.arange(1, num_pages))[:12].reshape(4, 3).astype(np.int32)
+    q = rng.normal(size=(len(positions), h, d)).astype(np.float32)
+    k = jnp.asarray(rng.normal(size=(hkv, layers * num_pages, d, s)).astype(np.float32)).astype(jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(hkv, layers * num_pages, s, d)).astype(np.float32)).astype(jnp.bfloat16)
+    kf, vf = np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32))
+    if bits:
+        k, v = jax.lax.bitcast_convert_type(k, jnp.uint16), jax.lax.bitcast_convert_type(v, jnp.uint16)
+    else:
+        k, v = jnp.asarray(kf), jnp.asarray(vf)
+    scale = 1.0 / np.sqrt(d)
+    call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = np.asarray(call(q, k, v, pages, row_start, kv_len, positions, np.int32(1), num_pages=np.int64(num_pages),
+                          window=np.int64(0), scale=np.float32(scale)))  # fmt: skip
+    ref = np.zeros_like(out)
+    for r in range(4):
+        ids = [pages[r, j // s] + num_pages for j in range(kv_len[r])]  # layer 1's pages
+        for t in range(row_start[r], row_start[r + 1]):
+            for head in range(h):
+                g = head // (h // hkv)
+                keys = np.stack([kf[g, ids[j], :, j % s] for j in range(positions[t] + 1)])
+                vals = np.stack([vf[g, ids[j], j % s, :] for j in range(positions[t] + 1)])
+                w = keys @ q[t, head] * scale
+                w = np.exp(w - w.max())
+                ref[t, head] = w @ vals / w.sum()
+    return out, ref
+
+
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_cpu_kernel_reads_bf16_pages_as_their_f32_values(d):
+    """Head dims 64 and 128 read a bf16 page straight into AVX-512 registers; 48 widens it into
+    a scratch page first. Either way a bf16-bits cache gives exactly the f32 cache's output (the
+    widening is exact and the sums run in the same order), and both match a NumPy reference."""
+    got, ref = _kernel_case(d, bits=True)
+    want, _ = _kernel_case(d, bits=False)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch, dtype", [("mistral", "float32"), ("qwen3", "bfloat16")])
 def test_cpu_kernel_matches_native_with_a_window_and_in_bf16(tiny_dir, arch, dtype):
     """The C++ kernel against the pure-JAX native backend: Mistral's sliding window (f32, to the
@@ -177,7 +233,9 @@ def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
     assert resolve_backend("auto", "gpu") == "bucketed"
     with pytest.raises(ValueError, match=r"attention_backend='cpu_kernel' needs tp_size=1 \(got 2\)"):
         resolve_backend("cpu_kernel", "cpu", tp=2)
-    with pytest.raises(ValueError, match="attention_backend='cpu_kernel' runs on CPU only; this platform is 'tpu'"):
+    with pytest.raises(
+        ValueError, match="attention_backend='cpu_kernel' runs on CPU only; this platform is 'tpu'"
+    ):
         resolve_backend("cpu_kernel", "tpu")
     monkeypatch.setattr(cpu_attention, "reason", lambda: "no C++ compiler (g++, or $CXX)")
     assert resolve_backend("auto", "cpu") == "native"  # falls back, with the reason logged
