@@ -196,7 +196,8 @@ class ModelExecutor:
         self.dot = resolve_dot(cfg, self.platform)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
                               cfg.deterministic, logits_vocab_major=self.platform == "cpu",
-                              lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization)  # fmt: skip
+                              lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization,
+                              rope_table_positions=cfg.max_pages * cfg.page_size if self.platform == "cpu" else None)  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block, cfg.decode_bucket_step)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)

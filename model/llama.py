@@ -108,7 +108,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
                  logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla",
-                 quant: str | None = None):  # fmt: skip
+                 quant: str | None = None, rope_table_positions: int | None = None):  # fmt: skip
         # how the projections and the LM head multiply (model/layers.py matmul): batch-invariant
         # in the deterministic mode, else XLA's dot or oneDNN's (ExecutorConfig.cpu_matmul)
         self.dot = "invariant" if deterministic else dot
@@ -133,11 +133,13 @@ class Decoder(nnx.Module):
         self.deterministic = deterministic
         self.logits_vocab_major = logits_vocab_major and self.dot in ("xla", "kernel") and quant is None
         self.lora_gather = lora_gather  # the adapters' product in its gather form (model/lora.py)
+        self.rope_table_positions = rope_table_positions  # RoPE from host-made tables (layers.rope_tables)
 
     def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache. `lora`:
         each row's adapter slot and the adapter pool (model/lora.py), when adapters are served."""
-        cos, sin = rope_tables(fb.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
+        cos, sin = rope_tables(fb.positions, inv_freq, self.rope_table_positions)
         x = self.embed_tokens(ids)
         tok_slot = token_slots(lora.row_slot, fb.row_start, fb.num_rows, ids.shape[0]) if lora is not None else None
 
@@ -192,11 +194,12 @@ class CausalLM:
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, dtype=jnp.float32, tp: int = 1,
                  layer_loop: str = "scan", layer_unroll: int = 1, deterministic: bool = False,
                  logits_vocab_major: bool = False, lora_gather: bool = False, dot: str = "xla",
-                 quant: str | None = None):  # fmt: skip
+                 quant: str | None = None, rope_table_positions: int | None = None):  # fmt: skip
         self.cfg = cfg
         self.attn = attn
         decoder = nnx.eval_shape(lambda: Decoder(cfg, attn, dtype, tp, layer_loop, layer_unroll, deterministic,
-                                                 logits_vocab_major, lora_gather, dot, quant))  # fmt: skip
+                                                 logits_vocab_major, lora_gather, dot, quant,
+                                                 rope_table_positions))  # fmt: skip
         self.graphdef, state = nnx.split(decoder)
         self.abstract: dict = nnx.to_pure_dict(state)
         self.specs: dict = nnx.to_pure_dict(nnx.get_partition_spec(state))
