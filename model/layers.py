@@ -7,6 +7,7 @@ model/mesh.py); the loader places it so (model/llama.py: `CausalLM.place`), noth
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -222,6 +223,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 ROPE_TABLE_MAX = 1 << 20
 
 
+@functools.lru_cache(maxsize=8)
+def _rope_table(positions: int, inv_freq: bytes) -> np.ndarray:
+    """[2, positions, D/2]: cos and sin of position x inv_freq (f32 angles), made once for every
+    program that traces them (a server traces a few dozen)."""
+    angles = np.arange(positions, dtype=np.float32)[:, None] * np.frombuffer(inv_freq, np.float32)[None, :]
+    return np.stack([np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))]).astype(np.float32)
+
+
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray, table_positions: int | None = None,
                 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(cos, sin) [T, 1, D/2] for the step's positions, used by every layer.
@@ -233,8 +242,7 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, table_positions: int
     a layer in the q rotation's fusion (0.4 ms with the tables). The tables hold the same f32
     angles' cos and sin, correctly rounded (computed in float64)."""
     if table_positions is not None and table_positions * inv_freq.size <= ROPE_TABLE_MAX:
-        angles = np.arange(table_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
-        table = np.stack([np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))]).astype(np.float32)
+        table = _rope_table(table_positions, inv_freq.astype(np.float32).tobytes())
         cs = jnp.take(jnp.asarray(table), positions, axis=1, mode="clip")  # [2, T, D/2]
         return cs[0][:, None, :], cs[1][:, None, :]
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]

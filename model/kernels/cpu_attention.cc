@@ -122,14 +122,16 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int64_t nq = int64_t(it.t1 - it.t0) * G;
   // rows padded for the register blocks (zeros): 8 queries, or 4 for a decode token's few heads
   const int64_t nqp = nq <= 4 ? 4 : (nq + 7) / 8 * 8;
-  scratch.assign(size_t(nqp * (2 * D + 2 + S) + 2 * S * D), 0.f);
+  // 16-key pages of a head dim of 16s are read straight from the cache: no f32 page buffers
+  constexpr bool in_registers = kRegisterPages && SC == 16 && DC > 0 && DC % 16 == 0;
+  scratch.assign(size_t(nqp * (2 * D + 2 + S) + (in_registers ? 0 : 2 * S * D)), 0.f);
   float* acc = scratch.data();        // [nqp, D]
   float* qs = acc + nqp * D;          // [nqp, D] the queries, scaled
   float* m = qs + nqp * D;            // [nqp] running max
   float* l = m + nqp;                 // [nqp] running denominator
   float* s = l + nqp;                 // [nqp, S] this page's scores, then probabilities
-  float* kbuf = s + nqp * S;          // [D, S] the page's keys as f32
-  float* vbuf = kbuf + D * S;         // [S, D] the page's values as f32
+  float* kbuf = in_registers ? nullptr : s + nqp * S;  // [D, S] the page's keys as f32
+  float* vbuf = in_registers ? nullptr : kbuf + D * S;  // [S, D] the page's values as f32
   int32_t max_pos = 0, min_pos = INT32_MAX;
   for (int32_t t = it.t0; t < it.t1; ++t) {
     max_pos = std::max(max_pos, a.positions[t]);
@@ -147,30 +149,26 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int32_t* table = a.pages + int64_t(it.row) * a.MP;
   const size_t page_elems = size_t(D * S);
   const size_t page_bytes = page_elems * (a.bits ? 2 : 4);
-  // k_cache [Hkv, L*P, D, S] and v_cache [Hkv, L*P, S, D]: page pg of the row, KV head `head`
-  auto page_off = [&](int64_t pg) {  // in elements
-    return (size_t(it.head) * size_t(a.pages_per_head) + size_t(int64_t(table[pg]) + a.layer_offset)) * page_elems;
+  // k_cache [Hkv, L*P, D, S] and v_cache [Hkv, L*P, S, D]: page pg of the row, KV head `head`,
+  // in the cache's own dtype
+  auto page_at = [&](const void* cache, int64_t pg) {
+    const size_t page = size_t(it.head) * size_t(a.pages_per_head) + size_t(int64_t(table[pg]) + a.layer_offset);
+    return static_cast<const char*>(cache) + page * page_bytes;
   };
   for (int64_t pg = first_key / S; pg * S <= max_pos; ++pg) {
-    const size_t p_off = page_off(pg);
-    const float *kpage = kbuf, *vpage = vbuf;  // the generic paths: f32 pages
     if ((pg + 1) * S <= max_pos) {  // the next page is elsewhere in memory: ask for it now
-      const size_t n_off = page_off(pg + 1) * (page_bytes / page_elems);
-      const char* nk = static_cast<const char*>(a.k) + n_off;
-      const char* nv = static_cast<const char*>(a.v) + n_off;
+      const char *nk = page_at(a.k, pg + 1), *nv = page_at(a.v, pg + 1);
       for (size_t b = 0; b < page_bytes; b += 64) {
         __builtin_prefetch(nk + b);
         __builtin_prefetch(nv + b);
       }
     }
-    // the page in the cache's own dtype (the register paths read it there)
-    const char* kraw = static_cast<const char*>(a.k) + p_off * (page_bytes / page_elems);
-    const char* vraw = static_cast<const char*>(a.v) + p_off * (page_bytes / page_elems);
-    constexpr bool in_registers = kRegisterPages && SC == 16 && DC > 0 && DC % 16 == 0;
-    if (!a.bits) {
+    const char *kraw = page_at(a.k, pg), *vraw = page_at(a.v, pg);  // the register paths read these
+    const float *kpage = kbuf, *vpage = vbuf;  // what the generic paths read: f32 pages
+    if (!a.bits) {  // f32 caches are read in place
       kpage = reinterpret_cast<const float*>(kraw);
       vpage = reinterpret_cast<const float*>(vraw);
-    } else if (!in_registers) {  // f32 caches are read in place, bf16 ones widened here
+    } else if (!in_registers) {  // bf16 ones widened here
       const uint16_t* kp = reinterpret_cast<const uint16_t*>(kraw);
       const uint16_t* vp = reinterpret_cast<const uint16_t*>(vraw);
       for (size_t e = 0; e < page_elems; ++e) kbuf[e] = bf16_to_f32(kp[e]);
