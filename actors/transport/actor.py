@@ -167,6 +167,11 @@ def actor_main(conn: Connection, spec_bytes: bytes) -> None:
     """Entry point of an actor process (the spawn target). Exits 0 when the actor returns, or
     returns after a stop request (a RingClosed then is part of stopping); otherwise sends the
     formatted traceback to the parent and exits 1."""
+    # A session of its own: a signal to the parent's process group (Ctrl-C in a terminal, a
+    # harness's killpg) reaches the parent alone, which stops its actors; otherwise each actor
+    # died of it too and the supervisor took that for a crash and restarted them mid-shutdown.
+    # The parent's death still ends the actor (the pipe's EOF, _watch_parent).
+    os.setsid()
     spec = msgspec.msgpack.decode(spec_bytes, type=ActorSpec)
     os.environ.update(spec.env)  # before the target (and JAX, in a runner) is imported
     without_torch()  # no actor needs torch, and transformers would import it
