@@ -20,8 +20,9 @@ One run of one system:
                    /v1/completions (bench/backends.py): offline output tok/s, TTFT median
     single stream  `--single` other requests (default 8) one at a time: ITL and TTFT medians
 
-Also per run: seconds to ready and to compiled from the start of the process, peak RSS and PSS
-of the server's process tree over its whole life (bench/proc_tree.py), cores its tree kept busy
+Also per run: seconds to ready and to compiled from the start of the process, peak RSS of the
+server's process tree over its whole life and peak PSS at the ends of its phases (PSS is costly to
+read, so never during a timed phase: bench/proc_tree.py), cores its tree kept busy
 during the burst, and the 1-minute load average when the run began (the machine may be shared:
 read a figure next to it). Ratios use each system's median over rounds; > 1: ringserve better.
 """
@@ -252,10 +253,13 @@ def run_one(s: ps.System, served: Path, wl: Workload, a: argparse.Namespace, lay
         run["compiled_s"] = time.perf_counter() - t0
         warm = [Request(r.prompt[:16], 4) for r in wl.single[: a.warmup]]
         asyncio.run(send_all(url, model, warm, None, "warm-up", False))
-        cpu0 = tree_usage(proc.pid)["cpu_s"]
+        sampler.sample(pss=True)
+        cpu0 = tree_usage(proc.pid, pss=False)["cpu_s"]
         burst = asyncio.run(send_all(url, model, wl.burst, None, f"{s.name} burst", not a.disable_tqdm))
-        cpu1 = tree_usage(proc.pid)["cpu_s"]
+        cpu1 = tree_usage(proc.pid, pss=False)["cpu_s"]
+        sampler.sample(pss=True)
         single = asyncio.run(send_all(url, model, wl.single, 1, f"{s.name} single", not a.disable_tqdm))
+        sampler.sample(pss=True)
         mb, m1 = compute_metrics(burst), compute_metrics(single)
         run.update(headline(mb, m1), burst=mb, single=m1)
         if mb.get("duration_s"):

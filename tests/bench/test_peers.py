@@ -160,6 +160,8 @@ def test_tree_sampler_counts_children():
             time.sleep(0.05)
         s = TreeSampler(os.getpid(), interval=0.05).start()
         time.sleep(0.2)
+        assert s.peak_pss_mb == 0  # the loop reads RSS only (statm): smaps_rollup costs the server CPU
+        s.sample(pss=True)
         s.stop()
         assert s.peak_rss_mb >= tree_usage(child.pid)["rss_mb"] >= 64
         assert s.peak_pss_mb > 0
