@@ -34,6 +34,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _import_servers() -> None:
+    import uvicorn  # noqa: F401
+
+    import actors.frontend.server  # noqa: F401
+
+
 def main(argv: list[str]) -> int:
     from actors.server_args import ServerArgs
 
@@ -55,11 +61,16 @@ def main(argv: list[str]) -> int:
             for s, h in previous.items():
                 signal.signal(s, h)
     from actors.frontend.engine import Engine
-    from actors.frontend.server import Servers
 
     t0 = time.perf_counter()
+    # the HTTP stack (fastapi, uvicorn: ~0.6 s of imports) loads while the engine starts
+    importing = threading.Thread(target=_import_servers, name="ringserve-import", daemon=True)
+    importing.start()
     print("ringserve serve: loading the model and compiling its step programs ...", file=sys.stderr, flush=True)
     engine = Engine(**server_args)
+    importing.join()
+    from actors.frontend.server import Servers
+
     servers = None
     died = False
     try:

@@ -21,6 +21,7 @@ every caller gets EngineDead).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -54,12 +55,14 @@ class Engine:
         # the KV pool's size, once: every actor (and every restart) gets this max_total_tokens
         args, self.kv_pool = resolve_memory(args, self.model_dir)
         self.args = args
-        self.tokenizer = load_tokenizer(tok_dir)
+        # The tokenizer (~0.9 s) loads while the actors start (each loads its own); the scheduler
+        # adds its eos id to the model's. A GGUF's vocabulary is its tokenizer's: needed first.
+        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-tokenizer")
+        tokenizer = loading.submit(load_tokenizer, tok_dir)
+        loading.shutdown(wait=False)
         mc = ModelConfig.from_dir(self.model_dir) if self.model_dir.is_dir() else None
         eos = set(mc.eos_token_ids if mc else ())
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.vocab_size = mc.vocab_size if mc else len(self.tokenizer)
+        self.vocab_size = mc.vocab_size if mc else len(tokenizer.result())
         self.served_model_name = args.served_model_name or self.model_dir.name
 
         envs = group_envs(args.dp_size, args.tp_size)  # each group's devices, once (a restart reuses them)
@@ -69,14 +72,18 @@ class Engine:
                     for rank in range(args.dp_size)]  # fmt: skip
             return start_engine(args, cfgs, on_failure, envs)
 
-        self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
+        def frontend() -> TokenizerManager:  # made while the actors start
+            self.tokenizer = tokenizer.result()
+            self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
+            self.frontend.actor_pids = self.supervisor.pids
+            self.frontend.runner_info = lambda: self.runner_info
+            return self.frontend
+
         policy = RestartPolicy(args.max_restarts if args.restartable else 0, args.restart_window_s)
         journal = Journal(str(self.model_dir), args.lora_adapters if args.enable_lora else None)
-        self.supervisor = Supervisor(self.frontend, launch, policy, journal, READY_TIMEOUT_S)
-        self.frontend.actor_pids = self.supervisor.pids
-        self.frontend.runner_info = lambda: self.runner_info
+        self.supervisor = Supervisor(None, launch, policy, journal, READY_TIMEOUT_S)
         try:
-            self.supervisor.start()
+            self.supervisor.start(frontend)
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "max_total_num_tokens": (args.num_pages - 1) * args.page_size,
                                          "kv_pool": self.kv_pool.as_dict()}  # fmt: skip

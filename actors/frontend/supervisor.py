@@ -149,15 +149,22 @@ class Supervisor:
         self._closed = False
         self._exiting = False
         self._lock = threading.Lock()
-        if policy.max_restarts:
-            frontend.journal = journal
+        if frontend is not None:
+            self._take(frontend)
         _LIVE.add(self)
 
+    def _take(self, frontend: Any) -> None:
+        self.frontend = frontend
+        if self.policy.max_restarts:
+            frontend.journal = self.journal
+
     # ---- the engine's verbs ------------------------------------------------------------------
-    def start(self) -> dict[str, bytes]:
-        """Start the actors the first time (ActorFailed / TimeoutError raise: nothing is left)."""
+    def start(self, make_frontend: Callable[[], Any] | None = None) -> dict[str, bytes]:
+        """Start the actors the first time (ActorFailed / TimeoutError raise: nothing is left).
+        `make_frontend()`, if given, makes the frontend (None at construction) while they start:
+        the engine's tokenizer then loads beside their start-up instead of before it."""
         gen = next(self._gens)
-        group, links, ready = self._start(gen)
+        group, links, ready = self._start(gen, make_frontend)
         self.frontend.attach(links)
         self._adopt(gen, group, ready)
         return ready
@@ -184,7 +191,7 @@ class Supervisor:
             self._exiting = True
 
     # ---- starting a group --------------------------------------------------------------------
-    def _start(self, gen: int) -> tuple[ActorGroup, EngineLinks, dict[str, bytes]]:
+    def _start(self, gen: int, make_frontend: Callable[[], Any] | None = None) -> tuple[ActorGroup, EngineLinks, dict[str, bytes]]:
         with self.journal.start_weights() as weights:
             group, links = self.launch(self.journal.model_dir, weights, functools.partial(self._failed, gen))
             with self._lock:
@@ -194,6 +201,8 @@ class Supervisor:
                 group.shutdown()
                 raise EngineDead("the engine was shut down")
             try:
+                if make_frontend is not None:
+                    self._take(make_frontend())
                 ready = group.wait_ready(self.ready_timeout)
             except BaseException:
                 if group.wait_closed(0):  # (torn down: nobody here holds its rings)

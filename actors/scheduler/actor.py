@@ -345,6 +345,8 @@ def run(ctx) -> None:
     from model.checkpoints.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer_dir)
+    own_eos = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
+    eos_ids = sorted({*cfg.eos_ids, *own_eos})  # the model's and the tokenizer's (the engine sends the model's)
 
     def decode_tail(ids: list[int]) -> str:
         return str(tok.decode(ids, skip_special_tokens=True))
@@ -352,11 +354,11 @@ def run(ctx) -> None:
     def ll_tokenizer():  # the vocabulary mapped once, for every grammar (ids past the tokenizer's: never)
         from llguidance.hf import from_tokenizer
 
-        return from_tokenizer(tok, n_vocab=max(cfg.vocab_size, len(tok)), eos_token=sorted(cfg.eos_ids) or None)
+        return from_tokenizer(tok, n_vocab=max(cfg.vocab_size, len(tok)), eos_token=eos_ids or None)
 
     spin = args.spin_us
     actor = SchedulerActor(
-        args, cfg.eos_ids, decode_tail, grammars=Grammars(ll_tokenizer, cfg.vocab_size, args.json_options),
+        args, eos_ids, decode_tail, grammars=Grammars(ll_tokenizer, cfg.vocab_size, args.json_options),
         inbox=Ring.attach(ctx.rings["inbox"], spin_us=spin),
         to_runner=BroadcastRing.attach(ctx.rings["to_runner"], reader=None, spin_us=spin),  # the writer
         from_runner=Ring.attach(ctx.rings["from_runner"], spin_us=spin),
