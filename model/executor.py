@@ -230,7 +230,7 @@ class ModelExecutor:
         self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8))
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
-        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num)
+        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)
         self.programs = ProgramSet(self._compile, order, lead, contexts)
         if cfg.precompile:
             self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1)

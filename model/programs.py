@@ -81,15 +81,18 @@ def program_keys(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: 
     return [(s._replace(context=c), top_n) for s in buckets.shapes(verify) for c in contexts]
 
 
-def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int) -> tuple[list[Key], int]:
+def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int,
+                  small_prefill_leads: bool = False) -> tuple[list[Key], int]:  # fmt: skip
     """Every program key in the order to compile them, and how many lead (compiled before the
     engine serves).
 
     Programs of one family (decode, extend, verify) are ordered by size (tokens, then context);
-    the largest of a family serves any step of it (padded), so each family's largest leads. So
-    does the smallest extend program: a request's first step is a prefill, and a short prompt
-    padded to the largest one is seconds (SmolLM2, a 2-token prompt in the 3072-token program:
-    3.9 s), where a decode step padded to the largest batch costs a fraction of one. After them
+    the largest of a family serves any step of it (padded), so each family's largest leads.
+    With `small_prefill_leads` (CPU, where padding costs what real tokens do) so does the
+    smallest extend program: a request's first step is a prefill, and a short prompt padded to
+    the largest one is seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s),
+    where a decode step padded to the largest batch costs a fraction of one. On an accelerator
+    the padding costs little and a program's compile much (TPU: tens of seconds). After them
     each family's smallest, then the families take turns, each adding the program in the middle
     of its widest run of missing ones, so padding shrinks fastest (decode 2..64: 64, 2, 32, 16, 48, ...)."""
     orders = []
@@ -97,7 +100,7 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
         keys = [(s._replace(context=c), top_n) for s in family for c in contexts]  # ascending
         orders.append([keys[i] for i in widest_gap_first(len(keys))])
     extend = orders[1] if len(orders) > 1 else []  # families: decode, extend, verify
-    lead = list(dict.fromkeys([o[0] for o in orders] + extend[1:2]))
+    lead = list(dict.fromkeys([o[0] for o in orders] + (extend[1:2] if small_prefill_leads else [])))
     rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
     return list(dict.fromkeys(lead + rest)), len(lead)
 

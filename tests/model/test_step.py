@@ -61,6 +61,18 @@ def test_compile_order_covers_first_then_splits_the_widest_gap():
     assert _widest_gap_first(6) == [5, 0, 3, 2, 1, 4]
 
 
+def test_the_smallest_prefill_program_leads_where_padding_costs_as_real_tokens():
+    from model.programs import compile_order
+    from model.step_inputs import Buckets, StepShape
+
+    b = Buckets.make(4, 64, 16)
+    order, lead = compile_order(b, [0], 0, 5)  # an accelerator: the covering programs alone
+    assert [k[0] for k in order[:lead]] == [StepShape(1, 4, 4), StepShape(16, 64, 4)]
+    cpu_order, lead = compile_order(b, [0], 0, 5, small_prefill_leads=True)
+    assert [k[0] for k in cpu_order[:lead]] == [StepShape(1, 4, 4), StepShape(16, 64, 4), StepShape(16, 16, 4)]
+    assert sorted(cpu_order) == sorted(order) and len(set(order)) == len(order)
+
+
 def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
     from model.step_inputs import Buckets, StepShape
 
