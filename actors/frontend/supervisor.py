@@ -202,7 +202,11 @@ class Supervisor:
                 raise EngineDead("the engine was shut down")
             try:
                 if make_frontend is not None:
-                    self._take(make_frontend())
+                    try:
+                        self._take(make_frontend())
+                    except BaseException:
+                        group.shutdown()  # the actors run: nothing else would stop them
+                        raise
                 ready = group.wait_ready(self.ready_timeout)
             except BaseException:
                 if group.wait_closed(0):  # (torn down: nobody here holds its rings)

@@ -319,6 +319,30 @@ def supervised(tm, policy: RestartPolicy, journal: Journal, starts: list[bool] |
     return sup, groups
 
 
+def test_a_frontend_that_fails_while_the_actors_start_stops_them(bare_tm):
+    """Engine makes its frontend (its tokenizer) while the actors start: if that raises, the
+    group started is torn down and released, and the error is the caller's."""
+    from actors.frontend.supervisor import Supervisor
+
+    groups: list[FakeGroup] = []
+
+    def launch(model_dir, weights, on_failure):
+        groups.append(FakeGroup(on_failure, fail_start=False))
+        return groups[-1], groups[-1].rings
+
+    def broken_tokenizer():
+        raise ValueError("tokenizer.json: not a tokenizer")
+
+    sup = Supervisor(None, launch, RestartPolicy(3, 60.0), Journal("/m"), ready_timeout=5)
+    with pytest.raises(ValueError, match="not a tokenizer"):
+        sup.start(broken_tokenizer)
+    assert len(groups) == 1 and groups[0].down.is_set() and groups[0].released
+    assert sup.group is None
+    sup.start(lambda: bare_tm)  # a later start makes and attaches its frontend
+    assert sup.frontend is bare_tm and sup.group is groups[1] and bare_tm.journal is sup.journal
+    sup.close()
+
+
 def wait_for(cond, timeout: float = 10.0) -> None:
     import time
 
