@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -167,6 +168,15 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
     return "xla"
 
 
+def _release_packed(owner: list[int | None]) -> None:
+    """Release the weights registered under owner[0] (oneDNN's packed copies), once."""
+    if owner[0] is not None:
+        from model.kernels import onednn
+
+        onednn.release_weights(owner[0])
+        owner[0] = None
+
+
 class ModelExecutor:
     def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
         if cfg.dtype not in DTYPES:
@@ -204,6 +214,8 @@ class ModelExecutor:
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
         self.params = self._build(tensors)  # the Decoder's state (model/params.py), what every program takes first
         self.params_avals = _avals(self.params)  # what every compiled program takes (updates must match it)
+        self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
+        weakref.finalize(self, _release_packed, self._packed)
         self.kv_avals = self._kv_avals()  # programs compile against these
         # Zeroing the KV pool (on CPU: first touches of ~1 GiB, 1.1-1.5 s at start-up) runs on a
         # thread while the lead programs are traced and loaded here.
@@ -263,9 +275,21 @@ class ModelExecutor:
 
     def swap_params(self, params: Any, tensors: dict[str, np.ndarray]) -> None:
         old, self.params, self.host_tensors = self.params, params, tensors
+        _release_packed(self._packed)  # before the old buffers are freed (their addresses get reused)
         if old is not None:
             for leaf in jax.tree_util.tree_leaves(old):
                 leaf.delete()
+        self._packed[0] = self._register_packed(params)
+
+    def _register_packed(self, params: Any) -> int | None:
+        """Register the weights with oneDNN's custom call, which then reads each from a copy in its
+        blocked layout (model/kernels/onednn_matmul.cc); the token to release them by, or None
+        where no step multiplies through oneDNN."""
+        if params is None or "onednn" not in self.dot:
+            return None
+        from model.kernels import onednn
+
+        return onednn.register_weights(jax.tree_util.tree_leaves(params))
 
     def discard_params(self, params: Any) -> None:
         """Free a state built by `build_params` that will not be served (an update refused)."""

@@ -16,6 +16,8 @@ unless the caller set it).
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -24,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from model.kernels.build import loader
+
+_owners = itertools.count(1)
 
 TARGET, TARGET_Q8 = "ringserve_onednn_matmul", "ringserve_onednn_matmul_q8"
 
@@ -52,9 +56,17 @@ def _prepare() -> str | None:
     return None
 
 
+_LIB: list[ctypes.CDLL] = []  # the built library, once `reason()` has loaded it
+
+
 def _check(lib) -> str | None:
     if not lib.ringserve_onednn_ready():
         return "oneDNN loaded but could not make a CPU engine (its CPU runtime is missing)"
+    lib.ringserve_onednn_register.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ringserve_onednn_release.argtypes = [ctypes.c_int64]
+    lib.ringserve_onednn_packed_bytes.argtypes = [ctypes.c_int64]
+    lib.ringserve_onednn_packed_bytes.restype = ctypes.c_int64
+    _LIB.append(lib)
     return None
 
 
@@ -76,3 +88,30 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.
     if scale is None:
         return jax.ffi.ffi_call(TARGET, out)(x, w, transpose_w=transpose_w)
     return jax.ffi.ffi_call(TARGET_Q8, out)(x, w, scale.astype(jnp.float32), transpose_w=transpose_w)
+
+
+def register_weights(arrays: list[jax.Array]) -> int | None:
+    """Register `arrays` (the executor's weights, CPU) as buffers whose contents stay as they are
+    until `release_weights(owner)`: the custom call then packs each into oneDNN's blocked layout
+    on its first call of 8 or more rows and reads the packed copy from then on (onednn_matmul.cc).
+    Returns the owner token, or None where the custom call is not built (nothing to register).
+    The caller must release before it frees, replaces or changes any of them."""
+    if not _LIB:
+        return None
+    bufs = [a for a in arrays if a.ndim == 2]  # only a matrix is ever a matmul's weight
+    addrs = (ctypes.c_uint64 * len(bufs))(*(a.unsafe_buffer_pointer() for a in bufs))
+    sizes = (ctypes.c_uint64 * len(bufs))(*(a.nbytes for a in bufs))
+    owner = next(_owners)
+    _LIB[0].ringserve_onednn_register(owner, addrs, sizes, len(bufs))
+    return owner
+
+
+def release_weights(owner: int | None) -> None:
+    """Forget the buffers registered under `owner` and free their packed copies."""
+    if owner is not None and _LIB:
+        _LIB[0].ringserve_onednn_release(owner)
+
+
+def packed_bytes(owner: int | None = None) -> int:
+    """Bytes of packed weight copies held (for `owner`, or all)."""
+    return _LIB[0].ringserve_onednn_packed_bytes(-1 if owner is None else owner) if _LIB else 0

@@ -122,3 +122,64 @@ def _fields(cfg: ExecutorConfig) -> dict:
     import dataclasses
 
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+@needs_onednn
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_a_registered_weight_is_packed_once_and_multiplies_to_the_same_bits(quant, transpose_w):
+    """A weight registered as the executor's is copied into oneDNN's blocked layout on its first
+    call of 8 rows or more and read from the copy after: the same bits as the plain weight gives.
+    Fewer rows read the plain weight; a release frees the copy."""
+    rng = np.random.default_rng(3)
+    k, n = 96, 200
+    shape = (n, k) if transpose_w else (k, n)
+    if quant:
+        w = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+        scale = jnp.asarray(rng.random(n) * 0.02 + 0.001, jnp.float32)
+    else:
+        w, scale = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), None
+    x = jnp.asarray(rng.standard_normal((64, k)), jnp.bfloat16)
+    f = jax.jit(lambda x, w: onednn.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=jnp.float32))
+    plain, plain_few = np.asarray(f(x, w)), np.asarray(f(x[:4], w))
+    owner = onednn.register_weights([w, jnp.zeros((7,), jnp.float32)])  # a vector is never a weight: skipped
+    try:
+        np.testing.assert_array_equal(np.asarray(f(x[:4], w)), plain_few)
+        assert onednn.packed_bytes(owner) == 0  # 4 rows: the plain weight
+        np.testing.assert_array_equal(np.asarray(f(x, w)), plain)
+        packed = onednn.packed_bytes(owner)
+        assert packed >= w.nbytes
+        np.testing.assert_array_equal(np.asarray(f(x[:16], w)), plain[:16])
+        assert onednn.packed_bytes(owner) == packed  # one copy serves every row count
+    finally:
+        onednn.release_weights(owner)
+    assert onednn.packed_bytes(owner) == 0
+    np.testing.assert_array_equal(np.asarray(f(x, w)), plain)
+
+
+@needs_onednn
+def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
+    """The executor registers its weights; a swap releases the old ones before they are freed
+    and registers the new, whose steps then give what a fresh executor on them gives."""
+    from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+
+    cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=16, max_extend_tokens=128,
+                         precompile=False, dtype="bfloat16", cpu_matmul="onednn")  # fmt: skip
+    prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17, 3, 8, 12, 20, 6])  # 9 rows: decode packs too
+    ex = ModelExecutor(tiny_dir("llama"), cfg)
+    first = ex._packed[0]
+    assert first is not None and onednn.packed_bytes(first) == 0  # packed on first use
+    greedy_with_cached_prefix(ex, prompts, 16, 4)
+    assert onednn.packed_bytes(first) > 0
+    rng = np.random.default_rng(5)
+    new = {k: (np.asarray(v, np.float32) * rng.uniform(0.5, 1.5, np.shape(v))).astype(np.float32)
+           for k, v in ex.host_tensors.items()}  # fmt: skip
+    ex.swap_params(ex.build_params(new), new)
+    assert onednn.packed_bytes(first) == 0 and ex._packed[0] not in (None, first)
+    got = greedy_with_cached_prefix(ex, prompts, 16, 8)
+    assert onednn.packed_bytes(ex._packed[0]) > 0
+    fresh = ModelExecutor(tiny_dir("llama"), cfg)
+    fresh.swap_params(fresh.build_params(new), new)
+    assert got == greedy_with_cached_prefix(fresh, prompts, 16, 8)
+    ex.drop_params()
+    assert ex._packed[0] is None
