@@ -75,3 +75,23 @@ def test_params_carry_their_tp_sharding(tiny_dir):
     assert stacked["layers", "mlp", "down_proj", "weight"] == PartitionSpec(None, "tp", None)
     assert stacked["layers", "post_attention_layernorm", "weight"] == rep
     assert set(flat(model(cfg, 1, "scan").specs).values()) == {rep}  # one device: nothing split
+
+
+def test_silu_rounds_once_as_torch_does_in_bf16():
+    """The MLP's activation in bf16 is torch's: computed in f32 and rounded once (jax.nn.silu
+    rounds after each of its ops, and differs from torch on some inputs)."""
+    import jax.numpy as jnp
+    import torch
+
+    from model.layers import silu
+
+    x = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32) * 6
+    xb = jnp.asarray(x, jnp.bfloat16)
+    want = torch.nn.functional.silu(torch.tensor(np.asarray(xb.astype(jnp.float32))).to(torch.bfloat16))
+    got = silu(xb)
+    assert got.dtype == jnp.bfloat16
+    got32, want32 = np.asarray(got.astype(jnp.float32)), want.float().numpy()
+    ulp = np.abs(got32 - want32) / np.maximum(np.abs(want32), 1e-30)
+    assert np.mean(got32 == want32) > 0.999 and ulp.max() <= 2**-8, ulp.max()  # at most one bf16 ulp, rarely
+    f32 = jnp.asarray(x)
+    np.testing.assert_array_equal(np.asarray(silu(f32)), np.asarray(f32 * (1 / (1 + jnp.exp(-f32)))))
