@@ -16,22 +16,22 @@
 // executor has registered as one of its parameters (`ringserve_onednn_register`: its buffers'
 // addresses, which XLA passes as they are) is copied into that layout once, on its first call
 // of MIN_PACKED_ROWS rows or more, and every later call reads the copy (SmolLM2's projections,
-// bf16, 64 rows: 1.2-1.6x faster; 2048 rows: 1.04-1.2x; int8 weights stay int8, packed too:
-// copying them as bf16 measured no faster and takes twice the memory). Only registered buffers are packed: any
-// other operand (a temporary of the program) may hold new values at the same address on the
-// next call. The executor releases its registration before it frees or replaces its weights,
-// so no address is ever packed from stale contents; a release while a step still reads a
-// packed copy frees it when that step is done (shared ownership).
+// bf16, 64 rows: 1.2-1.6x faster; 2048 rows: 1.04-1.2x). int8 weights are packed as int8
+// (copied as bf16 they measured no faster, at twice the memory). Only registered buffers are
+// packed: any other operand (a temporary of the program) may hold new values at the same
+// address on the next call. The executor releases its registration before it frees or
+// replaces its weights, so no address is ever packed from stale contents; a release while a
+// step still reads a packed copy frees it when that step is done (shared ownership).
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
-#include <string>
-#include <tuple>
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
