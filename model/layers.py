@@ -166,7 +166,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
         onednn         oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
         kernel         a few rows (decode, KERNEL_ROWS): ringserve's own custom call, which streams
                        the weights on every core (model/kernels/cpu_matmul.py); more rows: XLA's dot
-        kernel+onednn  the same, more rows through oneDNN
+        kernel+onednn  the same up to KERNEL_ROWS_BESIDE_ONEDNN rows, more rows through oneDNN
 
     `scale` [N] f32: w is int8, weight-only quantized (column n is w[:, n] * scale[n]); XLA's
     paths convert w to x's dtype inside the dot and scale its f32 result, the custom call
@@ -199,10 +199,21 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
 # (python -m bench.cpu_matmul: 34.9 against 46.1 ms a pass).
 KERNEL_ROWS = {"float32": 8, "bfloat16": 8, "int8": 16}
 
+# The same for "kernel+onednn", where the larger steps go to oneDNN reading its packed copy of
+# each weight (model/kernels/onednn_matmul.cc; 8 rows or more). SmolLM2's whole decode step at
+# 256 tokens of context, medians of 15, two runs: bf16 kernel 31.2/31.3 ms at 8 rows against
+# oneDNN's 27.6/27.3; int8 30.5/32.8 against 30.3/31.2 at 8 rows and 66.1/54.5 against
+# 42.1/39.6 at 16. At 4 rows the kernel wins (bf16 20.4/20.8 ms against 35.3/32.7: oneDNN reads
+# fewer than 8 rows from the plain weight).
+KERNEL_ROWS_BESIDE_ONEDNN = {"float32": 8, "bfloat16": 4, "int8": 4}
+
 
 def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `matmul(x, w, dot)` runs on the small-row kernel (rows are static in a trace)."""
-    return dot.startswith("kernel") and math.prod(x.shape[:-1]) <= KERNEL_ROWS.get(jnp.dtype(w.dtype).name, 0)
+    if not dot.startswith("kernel"):
+        return False
+    most = KERNEL_ROWS_BESIDE_ONEDNN if dot == "kernel+onednn" else KERNEL_ROWS
+    return math.prod(x.shape[:-1]) <= most.get(jnp.dtype(w.dtype).name, 0)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
