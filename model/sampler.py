@@ -192,13 +192,12 @@ def _uniform(x: jax.Array) -> jax.Array:
     return ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def _first_max(x: jax.Array, top: jax.Array | None = None) -> jax.Array:
-    """argmax over the last axis (lowest index on ties) as a max and a min of indices (`top`:
-    the rows' maxima [S, 1], when known): XLA CPU's argmax of noisy scores took 30 ms for
-    [32, 49152], this 7; of SmolLM2's 64 logits rows, 4.3-6.9 ms a step against ~1."""
+def _first_max(x: jax.Array) -> jax.Array:
+    """argmax over the last axis (lowest index on ties) as a max and a min of indices: XLA CPU's
+    argmax of noisy scores took 30 ms for [32, 49152], this 7; of SmolLM2's 64 logits rows,
+    4.3-6.9 ms a step against ~1 (the max is the one `_read_logprobs` takes: XLA computes it once)."""
     ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    top = x.max(-1, keepdims=True) if top is None else top
-    return jnp.min(jnp.where(x == top, ids, x.shape[-1] - 1), axis=-1)
+    return jnp.min(jnp.where(x == x.max(-1, keepdims=True), ids, x.shape[-1] - 1), axis=-1)
 
 
 def allowed_only(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -217,8 +216,7 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
     s, v = logits.shape
     if sp.mask is not None:
         logits = jax.lax.cond(sp.any_mask, lambda: allowed_only(logits, sp.mask), lambda: logits)
-    top = logits.max(-1, keepdims=True)
-    greedy = _first_max(logits, top)
+    greedy = _first_max(logits)
 
     def draw(_):
         scaled = logits / _temperature(sp)
@@ -228,15 +226,16 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(sp.any_random, draw, lambda _: greedy, None)
-    return SampleOut(tokens, *_read_logprobs(logits, top, tokens, top_n, sp.logprob_ids))
+    return SampleOut(tokens, *_read_logprobs(logits, tokens, top_n, sp.logprob_ids))
 
 
-def _read_logprobs(logits: jax.Array, top: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Array | None):
-    """(logprob of `tokens`, top-n ids, top-n logprobs, logprobs of `ids`) of logits rows [S, V]
-    whose maxima are `top` [S, 1]. Only the entries read are turned into logprobs, each as
+def _read_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Array | None):
+    """(logprob of `tokens`, top-n ids, top-n logprobs, logprobs of `ids`) of logits rows [S, V].
+    Only the entries read are turned into logprobs, each as
     `jax.nn.log_softmax` computes it ((x - max) - log(sum(exp(x - max))): the same bits), so
     no [S, V] array of logprobs is written and read back (SmolLM2, 64 rows: ~2.5 ms a step)."""
     s, v = logits.shape
+    top = logits.max(-1, keepdims=True)
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
 
     def logprob(x: jax.Array) -> jax.Array:  # x: entries of each row's logits [S, n]
@@ -274,8 +273,7 @@ def position_logprobs(logits_fn: Callable[[jax.Array], jax.Array], h: jax.Array,
     def body(i, outs):
         lo = i * group
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, group)  # noqa: E731
-        logits = logits_fn(h[cut(index)])
-        o = _read_logprobs(logits, logits.max(-1, keepdims=True), cut(target), top_n, lb.ids[cut(row)] if k else None)
+        o = _read_logprobs(logits_fn(h[cut(index)]), cut(target), top_n, lb.ids[cut(row)] if k else None)
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True))
 
     n = p + pad
