@@ -105,7 +105,7 @@ def test_load_unload_while_64_requests_run(lora_engine, adapters):
     e = lora_engine
     prompts = random_prompts(64, seed=21, lo=5, hi=40)
     names = [("a", None)[i % 2] for i in range(64)]
-    sp = {**GREEDY, "max_new_tokens": 24}
+    sp = {**GREEDY, "max_new_tokens": 96}  # long enough to outlast the loads below, however fast the steps
     quiet = _ids(e.generate(input_ids=prompts, sampling_params=sp, lora_path=names))
     traces = e.get_server_info()["runner_trace_count"]
     box: dict = {}
