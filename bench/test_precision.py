@@ -43,7 +43,7 @@ def test_float32_greedy_equals_hf(case):
 def test_bfloat16_logit_error_within_hf_bfloat16(case, hf_bf16, cpu_matmul):
     from model.kernels import onednn
 
-    if cpu_matmul == "onednn" and (why := onednn.reason()) is not None:
+    if cpu_matmul == "onednn" and (why := onednn.supports("bfloat16", "bfloat16")) is not None:
         pytest.skip(f"oneDNN custom call unavailable: {why}")
     path, prompts, truth = case
     ours = compare(

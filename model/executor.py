@@ -147,7 +147,9 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
             return f"it needs tp_size=1 (got {cfg.tp_size}): the custom call is not sharded"
         if name == "kernel" and cfg.dtype not in ("float32", "bfloat16"):
             return f"it computes in float32 or bfloat16, not {cfg.dtype}"
-        return (cpu_matmul if name == "kernel" else onednn).reason()
+        if name == "kernel":
+            return cpu_matmul.reason()
+        return onednn.supports(cfg.dtype, "int8" if cfg.quantization else cfg.dtype)
 
     slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
     if want != "auto":

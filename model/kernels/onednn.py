@@ -17,6 +17,7 @@ unless the caller set it).
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -66,6 +67,7 @@ def _check(lib) -> str | None:
     lib.ringserve_onednn_release.argtypes = [ctypes.c_int64]
     lib.ringserve_onednn_packed_bytes.argtypes = [ctypes.c_int64]
     lib.ringserve_onednn_packed_bytes.restype = ctypes.c_int64
+    lib.ringserve_onednn_supports.argtypes = [ctypes.c_int, ctypes.c_int]
     _LIB.append(lib)
     return None
 
@@ -76,6 +78,26 @@ reason = loader("onednn_matmul", ["-O2", f"-I{_prefix() / 'include'}", f"-DRINGS
                 {TARGET: "RingserveOnednnMatmul", TARGET_Q8: "RingserveOnednnMatmulQ8"},
                 [f"-L{_lib}", "-ldnnl", f"-Wl,--disable-new-dtags,-rpath,{_lib}"], prepare=_prepare, check=_check)  # fmt: skip
 """None when the custom call can run here; otherwise why not (for logs and errors)."""
+
+
+_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
+
+
+@functools.cache
+def supports(x_dtype: str, w_dtype: str) -> str | None:
+    """None where oneDNN makes every matmul a model of compute dtype `x_dtype` and weight dtype
+    `w_dtype` ("int8": weight-only quantized) asks for on this CPU; otherwise why not. The
+    library is the same everywhere, its kernels are not: on a processor without AVX512-BF16,
+    AMX or AVX2-VNNI-2 (AVX2 alone, as Zen 2 and 3 have) it has no bf16 source and no int8
+    weights beside a floating source, and a step would fail (onednn_matmul.cc
+    `ringserve_onednn_supports` asks it)."""
+    if (why := reason()) is not None:
+        return why
+    if x_dtype not in _CODES or w_dtype not in _CODES or x_dtype == "int8":
+        return f"no {x_dtype} x {w_dtype} matmul in the custom call"
+    if not _LIB[0].ringserve_onednn_supports(_CODES[x_dtype], _CODES[w_dtype]) & 1:
+        return f"oneDNN has no {x_dtype} x {w_dtype} matmul on this CPU"
+    return None
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,

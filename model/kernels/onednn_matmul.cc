@@ -68,6 +68,7 @@ using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, bool, bool, boo
 constexpr int64_t MIN_PACKED_ROWS = 8;  // fewer rows: the plain weight is as fast (1 row: faster)
 
 struct Cached {
+  bool ok = false;  // false: oneDNN has no kernel for this combination on this CPU (kept, not retried)
   dnnl::matmul prim;
   dnnl::memory::desc x, w, y, scale;
 };
@@ -78,6 +79,9 @@ std::map<Key, Cached>& cache() {
   return c;
 }
 
+// The primitive for these shapes and types (`ok` false where this CPU's oneDNN has none: a bf16
+// source needs AVX512-BF16, AMX or AVX2-VNNI-2, and int8 weights with a floating source the
+// same; a blocked weight layout may be missing where the plain one exists)
 const Cached& primitive(int64_t m, int64_t k, int64_t n, dt xt, dt wt, dt yt, bool transpose_w, bool quant,
                         bool packed) {
   Key key{m, k, n, int(xt), int(wt), int(yt), transpose_w, quant, packed};
@@ -94,8 +98,24 @@ const Cached& primitive(int64_t m, int64_t k, int64_t n, dt xt, dt wt, dt yt, bo
     attr.set_scales(DNNL_ARG_WEIGHTS, 1 << 1, {}, dt::f32);
     scale = dnnl::memory::desc({n}, dt::f32, tag::a);
   }
-  dnnl::matmul::primitive_desc pd(cpu_engine(), x, w, y, attr);
-  return cache().emplace(key, Cached{dnnl::matmul(pd), x, pd.weights_desc(), y, scale}).first->second;
+  dnnl::matmul::primitive_desc pd;
+  try {
+    pd = dnnl::matmul::primitive_desc(cpu_engine(), x, w, y, attr);
+  } catch (const dnnl::error& e) {
+    if (e.status != dnnl_unimplemented) throw;
+    return cache().emplace(key, Cached{}).first->second;
+  }
+  return cache().emplace(key, Cached{true, dnnl::matmul(pd), x, pd.weights_desc(), y, scale}).first->second;
+}
+
+const char* name(dt t) {
+  switch (t) {
+    case dt::f32: return "f32";
+    case dt::bf16: return "bf16";
+    case dt::f16: return "f16";
+    case dt::s8: return "int8";
+    default: return "?";
+  }
 }
 
 // ---- packed weights ---------------------------------------------------------------------------
@@ -152,9 +172,12 @@ ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, 
     if (m >= MIN_PACKED_ROWS) {
       const Cached& c = primitive(m, k, n, xt, wt, yt, transpose_w, quant, true);
       dnnl::memory::desc plain({k, n}, wt, transpose_w ? tag::ba : tag::ab);
-      if ((packed = packed_weight(w.untyped_data(), plain, c.w))) cp = &c;
+      if (c.ok && (packed = packed_weight(w.untyped_data(), plain, c.w))) cp = &c;
     }
     const Cached& c = cp ? *cp : primitive(m, k, n, xt, wt, yt, transpose_w, quant, false);
+    if (!c.ok)  // the executor asks `ringserve_onednn_supports` first; a direct caller may not
+      return ffi::Error::InvalidArgument(std::string("onednn_matmul: oneDNN has no ") + name(xt) + " x " + name(wt) +
+                                         " matmul on this CPU");
     dnnl::memory xm(c.x, eng, x.untyped_data()), ym(c.y, eng, y->untyped_data());
     dnnl::memory wm = packed ? *packed : dnnl::memory(c.w, eng, w.untyped_data());
     std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}};
@@ -213,6 +236,29 @@ extern "C" int64_t ringserve_onednn_packed_bytes(int64_t owner) {
     if (owner < 0 || r.owner == owner)
       for (auto& [desc, mem] : r.packed) total += int64_t(desc.get_size());
   return total;
+}
+
+// Whether oneDNN makes the matmuls a model of source dtype `x` and weight dtype `w` asks for on
+// this CPU (codes: 0 f32, 1 bf16, 2 f16, 3 int8; an int8 weight is weight-only quantized):
+// bit 0, from the plain weight (every step), with results in the source's dtype and in f32 (the
+// LM head's logits); bit 1, from a packed copy as well (calls of MIN_PACKED_ROWS rows or more).
+extern "C" int ringserve_onednn_supports(int x, int w) {
+  static const dt codes[] = {dt::f32, dt::bf16, dt::f16, dt::s8};
+  if (x < 0 || x > 2 || w < 0 || w > 3) return 0;
+  const dt xt = codes[x], wt = codes[w];
+  const bool quant = wt == dt::s8;
+  try {
+    int plain = 1, packed = 2;
+    for (dt yt : {xt, dt::f32})
+      for (bool transpose_w : {false, true}) {
+        plain &= int(primitive(1, 64, 64, xt, wt, yt, transpose_w, quant, false).ok);
+        plain &= int(primitive(MIN_PACKED_ROWS, 64, 64, xt, wt, yt, transpose_w, quant, false).ok);
+        packed &= int(primitive(MIN_PACKED_ROWS, 64, 64, xt, wt, yt, transpose_w, quant, true).ok) << 1;
+      }
+    return plain ? plain | packed : 0;
+  } catch (...) {
+    return 0;
+  }
 }
 
 extern "C" int ringserve_onednn_ready() {  // 1 if a CPU engine can be made (the runtime is there)

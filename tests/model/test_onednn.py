@@ -15,10 +15,17 @@ from model.kernels import onednn
 needs_onednn = pytest.mark.skipif(onednn.reason() is not None, reason=f"oneDNN custom call: {onednn.reason()}")
 
 
+def needs(x_dtype: str, w_dtype: str):
+    """Skip unless oneDNN makes x_dtype x w_dtype matmuls on this CPU (`onednn.supports`; an AVX2
+    processor has no bf16 ones: test_what_onednn_lacks_here_fails_by_name covers it there)."""
+    why = onednn.supports(x_dtype, w_dtype)
+    return pytest.mark.skipif(why is not None, reason=f"oneDNN custom call: {why}")
+
+
 def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     from model.kernels import cpu_matmul
 
-    monkeypatch.setattr(onednn, "reason", lambda: None)
+    monkeypatch.setattr(onednn, "supports", lambda x, w: None)
     monkeypatch.setattr(cpu_matmul, "reason", lambda: None)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"
@@ -29,12 +36,19 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", deterministic=True), "cpu") == "invariant"
     assert resolve_dot(ExecutorConfig(dtype="float32", cpu_matmul="onednn"), "cpu") == "onednn"
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="xla"), "cpu") == "xla"
-    monkeypatch.setattr(onednn, "reason", lambda: "no oneDNN")
+    # oneDNN present, but without bf16 kernels on this CPU (AVX2 alone): bf16 and int8 stay off it
+    monkeypatch.setattr(onednn, "supports", lambda x, w: None if (x, w) == ("float32", "float32") else "no bf16")
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", quantization="int8"), "cpu") == "kernel"
+    assert resolve_dot(ExecutorConfig(dtype="float32", cpu_matmul="onednn"), "cpu") == "onednn"
+    with pytest.raises(ValueError, match="cpu_matmul='onednn' is not available here: no bf16"):
+        resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="onednn"), "cpu")
+    monkeypatch.setattr(onednn, "supports", lambda x, w: "no oneDNN")
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
     monkeypatch.setattr(cpu_matmul, "reason", lambda: "no C++ compiler")
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "xla"  # auto falls back
-    monkeypatch.setattr(onednn, "reason", lambda: None)
+    monkeypatch.setattr(onednn, "supports", lambda x, w: None)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "onednn"
 
 
@@ -54,7 +68,7 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
 def test_asking_for_a_dot_that_cannot_run_names_why(monkeypatch, cfg, platform, message):
     from model.kernels import cpu_matmul
 
-    monkeypatch.setattr(onednn, "reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(onednn, "supports", lambda x, w: "no C++ compiler")
     monkeypatch.setattr(cpu_matmul, "reason", lambda: "no C++ compiler")
     with pytest.raises(ValueError, match="cpu_matmul") as e:
         resolve_dot(cfg, platform)
@@ -67,8 +81,26 @@ def _rel_err(got, want) -> float:
 
 
 @needs_onednn
+def test_what_onednn_lacks_here_fails_by_name():
+    """oneDNN's kernels depend on the processor (bf16 needs AVX512-BF16, AMX or AVX2-VNNI-2):
+    what `supports` says it lacks fails with a message naming the types, never a crash, and f32
+    is made everywhere. Where it has everything, the other tests here cover each."""
+    assert onednn.supports("float32", "float32") is None
+    assert "no int8 x float32" in onednn.supports("int8", "float32")
+    x = jnp.ones((8, 64), jnp.bfloat16)
+    for w, scale in ((jnp.ones((64, 32), jnp.bfloat16), None), (jnp.ones((64, 32), jnp.int8), jnp.ones(32))):
+        why = onednn.supports("bfloat16", jnp.dtype(w.dtype).name)
+        if why is None:
+            assert np.all(np.asarray(onednn.matmul(x, w, scale=scale), np.float32) == 64)
+            continue
+        assert why == f"oneDNN has no bfloat16 x {jnp.dtype(w.dtype).name} matmul on this CPU"
+        with pytest.raises(Exception, match=f"oneDNN has no bf16 x {'int8' if scale is not None else 'bf16'} matmul"):
+            jax.jit(lambda x, w: onednn.matmul(x, w, scale=scale))(x, w).block_until_ready()
+
+
+@needs_onednn
 @pytest.mark.parametrize("m", [1, 5, 64])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs("bfloat16", "bfloat16"))])
 def test_matmul_matches_numpy_in_both_weight_layouts(m, dtype):
     rng = np.random.default_rng(m)
     x = jnp.asarray(rng.standard_normal((m, 96)), dtype)
@@ -82,7 +114,7 @@ def test_matmul_matches_numpy_in_both_weight_layouts(m, dtype):
     assert same.dtype == jnp.dtype(dtype) and _rel_err(same, want) < (1e-2 if dtype == "bfloat16" else 1e-5)
 
 
-@needs_onednn
+@needs("bfloat16", "int8")
 def test_leading_axes_are_rows_and_int8_weights_scale_per_column():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.bfloat16)
@@ -97,7 +129,7 @@ def test_leading_axes_are_rows_and_int8_weights_scale_per_column():
     assert _rel_err(got_t, want) < 2e-2
 
 
-@needs_onednn
+@needs("bfloat16", "bfloat16")
 @pytest.mark.parametrize("cpu_matmul, dot", [("onednn", "onednn"), ("kernel", "kernel+onednn")])
 def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla(tiny_dir, cpu_matmul, dot):
     """The tiny model in bf16, its projections and LM head through oneDNN (or decode's through
@@ -124,8 +156,8 @@ def _fields(cfg: ExecutorConfig) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-@needs_onednn
-@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("quant", [pytest.param(False, marks=needs("bfloat16", "bfloat16")),
+                                   pytest.param(True, marks=needs("bfloat16", "int8"))])
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_a_registered_weight_is_packed_once_and_multiplies_to_the_same_bits(quant, transpose_w):
     """A weight registered as the executor's is copied into oneDNN's blocked layout on its first
@@ -157,7 +189,7 @@ def test_a_registered_weight_is_packed_once_and_multiplies_to_the_same_bits(quan
     np.testing.assert_array_equal(np.asarray(f(x, w)), plain)
 
 
-@needs_onednn
+@needs("bfloat16", "bfloat16")
 def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
     """The executor registers its weights; a swap releases the old ones before they are freed
     and registers the new, whose steps then give what a fresh executor on them gives."""

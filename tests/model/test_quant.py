@@ -113,7 +113,7 @@ def test_int8_through_onednn_agrees_with_xla(tiny_dir):
     its per-row scales) against XLA's dequantizing dot: greedy continuations agree."""
     from model.kernels import onednn
 
-    if (why := onednn.reason()) is not None:
+    if (why := onednn.supports("bfloat16", "int8")) is not None:
         pytest.skip(f"oneDNN custom call: {why}")
     cfg = dataclasses.replace(CFG, dtype="bfloat16", quantization="int8")
     fast = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="onednn"))
