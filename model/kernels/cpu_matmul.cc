@@ -22,16 +22,17 @@
 //                      adds the blocks' sums in block order. The split depends on the shapes
 //                      only: the same bits on any number of threads.
 //   w [K, N], M > 4    tiles of 64 columns over all of K, 16-column vectors in registers for
-//                      4 rows of x at a time, the tile re-read from L2 for each 4 rows
+//                      4 rows of x at a time, the tile re-read from L2 for each 4 rows (AVX-512)
 //   w [N, K], M <= 2   groups of 8 weight rows, each row read start to end (one stream), 4
 //                      vectors of K in flight, summed across the vector at the end
 //   w [N, K], M > 2    4 weight rows x 4 rows of x in registers, 16 k a step
 // Weights widen to f32 in registers (bf16: a 16-bit shift; int8: sign extension and a
 // convert; the int8 scale multiplies the sum) and every sum accumulates in f32. bf16 x with
 // bf16 w goes through vdpbf16ps instead ([N, K] always, [K, N] at M <= 4: exact products of
-// pairs along K, f32 sums; inputs below f32's normal range flush to zero). AVX-512 (F, BW,
-// VL; BF16 for the pairs) where the compiler targets it (-march=native), plain loops
-// elsewhere.
+// pairs along K, f32 sums; inputs below f32's normal range flush to zero). The kernels are
+// written once over simd.h's vectors: AVX-512 (F, BW, VL; BF16 for the pairs) or AVX2 + FMA
+// where the compiler targets it (-march=native; AVX2's tiles are narrower, 16 ymm registers
+// against 32 zmm: [K, N] 16 columns, [N, K] 2 weight rows), plain loops elsewhere.
 
 #include <algorithm>
 #include <cstdint>
@@ -39,13 +40,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define RINGSERVE_AVX512 1
-#endif
-
 #include "bf16.h"
 #include "pool.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -77,43 +74,27 @@ inline void store1(const Args& a, int64_t m, int64_t n, float v) {
     static_cast<float*>(a.y)[m * a.N + n] = v;
 }
 
-#ifdef RINGSERVE_AVX512
+#ifdef RINGSERVE_SIMD
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m512 load16(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
+namespace simd = ringserve::simd;
+constexpr int L = simd::L;
+constexpr int kKnVectors = L == 16 ? 4 : 2;  // [K, N] tiles: vectors of columns (MB x this accumulators)
+constexpr int kNkRows = L == 16 ? 4 : 2;     // [N, K] tiles of M > 2: weight rows (MB x this accumulators)
 
 #ifndef RINGSERVE_NK_AHEAD
 #define RINGSERVE_NK_AHEAD 1024
 #endif
 constexpr int kNkAhead = RINGSERVE_NK_AHEAD;  // bytes prefetched ahead along each weight row ([N, K])
 
-inline __mmask16 mask_of(int64_t left) { return left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1); }
+using simd::mask_of;
 
-// y[m, n:n+16] (lanes in `msk`) = v, scaled, in y's dtype
-inline void store16(const Args& a, int64_t m, int64_t n, __m512 v, __mmask16 msk) {
-  if (a.scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(msk, a.scale + n));
-  if (a.y_bf16) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + m * a.N + n, msk, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-  } else {
-    _mm512_mask_storeu_ps(static_cast<float*>(a.y) + m * a.N + n, msk, v);
-  }
+// y[m, n:n+L] (lanes in `msk`) = v, scaled, in y's dtype
+inline void store16(const Args& a, int64_t m, int64_t n, simd::V v, simd::Mask msk) {
+  if (a.scale) v = simd::mul(v, simd::load(a.scale + n, msk));
+  if (a.y_bf16)
+    simd::store_bf16(static_cast<uint16_t*>(a.y) + m * a.N + n, v, msk);
+  else
+    simd::store(static_cast<float*>(a.y) + m * a.N + n, v, msk);
 }
 
 // w [K, N] for few rows of x (MB = M <= 4): rows k0..k1-1 of w, one contiguous block, read
@@ -123,30 +104,30 @@ template <int MB, int KG, class T>
 inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
   const int64_t N = a.N, K = a.K;
   const T* wr[KG];
-  __m512 xb[MB][KG];
+  simd::V xb[MB][KG];
   for (int j = 0; j < KG; ++j) {
     wr[j] = static_cast<const T*>(a.w) + (k + j) * N;
-    for (int i = 0; i < MB; ++i) xb[i][j] = _mm512_set1_ps(a.x[i * K + k + j]);
+    for (int i = 0; i < MB; ++i) xb[i][j] = simd::set1(a.x[i * K + k + j]);
   }
   int64_t n = 0;
-  for (; n + 16 <= N; n += 16) {
-    __m512 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + i * N + n);
+  for (; n + L <= N; n += L) {
+    simd::V acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = first ? simd::zero() : simd::load(part + i * N + n);
     for (int j = 0; j < KG; ++j) {
-      const __m512 wv = load16(wr[j] + n);
-      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(xb[i][j], wv, acc[i]);
+      const simd::V wv = simd::load(wr[j] + n);
+      for (int i = 0; i < MB; ++i) acc[i] = simd::fma(xb[i][j], wv, acc[i]);
     }
-    for (int i = 0; i < MB; ++i) _mm512_storeu_ps(part + i * N + n, acc[i]);
+    for (int i = 0; i < MB; ++i) simd::store(part + i * N + n, acc[i]);
   }
   if (n < N) {
-    const __mmask16 msk = mask_of(N - n);
-    __m512 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(msk, part + i * N + n);
+    const simd::Mask msk = mask_of(N - n);
+    simd::V acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = first ? simd::zero() : simd::load(part + i * N + n, msk);
     for (int j = 0; j < KG; ++j) {
-      const __m512 wv = load16(wr[j] + n, msk);
-      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(xb[i][j], wv, acc[i]);
+      const simd::V wv = simd::load(wr[j] + n, msk);
+      for (int i = 0; i < MB; ++i) acc[i] = simd::fma(xb[i][j], wv, acc[i]);
     }
-    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(part + i * N + n, msk, acc[i]);
+    for (int i = 0; i < MB; ++i) simd::store(part + i * N + n, acc[i], msk);
   }
 }
 
@@ -154,28 +135,28 @@ inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
 inline void kn_reduce(const Args& a, const float* part, int64_t items) {
   const int64_t MN = a.M * a.N;
   for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t n = 0; n < a.N; n += 16) {
-      const __mmask16 msk = mask_of(a.N - n);
-      __m512 s = _mm512_maskz_loadu_ps(msk, part + m * a.N + n);
-      for (int64_t i = 1; i < items; ++i) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(msk, part + i * MN + m * a.N + n));
+    for (int64_t n = 0; n < a.N; n += L) {
+      const simd::Mask msk = mask_of(a.N - n);
+      simd::V s = simd::load(part + m * a.N + n, msk);
+      for (int64_t i = 1; i < items; ++i) s = simd::add(s, simd::load(part + i * MN + m * a.N + n, msk));
       store16(a, m, n, s, msk);
     }
 }
 
-// w [K, N]: rows m0..m0+MB-1 of y (at most M) x columns n0..n0+16*NV-1 (at most N)
+// w [K, N]: rows m0..m0+MB-1 of y (at most M) x columns n0..n0+L*NV-1 (at most N)
 template <int MB, int NV, class T>
 void kn_tile(const Args& a, int64_t m0, int64_t n0) {
   const int64_t K = a.K, N = a.N;
   const T* w = static_cast<const T*>(a.w) + n0;
   const float* xr[MB];
   for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
-  __m512 acc[MB][NV];
+  simd::V acc[MB][NV];
   for (int i = 0; i < MB; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  constexpr int kRowBytes = 16 * NV * int(sizeof(T));
+    for (int v = 0; v < NV; ++v) acc[i][v] = simd::zero();
+  constexpr int kRowBytes = L * NV * int(sizeof(T));
   constexpr int64_t kAhead = std::max(4, 4096 / kRowBytes);  // rows prefetched ahead: ~4 KB in flight
   const size_t stride = size_t(N) * sizeof(T);
-  if (n0 + 16 * NV <= N) {
+  if (n0 + L * NV <= N) {
     const char* pf = reinterpret_cast<const char*>(w) + kAhead * stride;
     const bool odd = (reinterpret_cast<uintptr_t>(pf) | stride) & 63;  // rows straddle one more line
     for (int64_t k = 0; k < K; ++k, pf += stride) {
@@ -184,29 +165,29 @@ void kn_tile(const Args& a, int64_t m0, int64_t n0) {
         if (odd) _mm_prefetch(pf + kRowBytes - 1, _MM_HINT_T0);
       }
       const T* wr = w + k * N;
-      __m512 wv[NV];
-      for (int v = 0; v < NV; ++v) wv[v] = load16(wr + 16 * v);
+      simd::V wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = simd::load(wr + L * v);
       for (int i = 0; i < MB; ++i) {
-        const __m512 xb = _mm512_set1_ps(xr[i][k]);
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+        const simd::V xb = simd::set1(xr[i][k]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = simd::fma(xb, wv[v], acc[i][v]);
       }
     }
   } else {  // the last, partial tile
-    __mmask16 msk[NV];
-    for (int v = 0; v < NV; ++v) msk[v] = mask_of(N - n0 - 16 * v);
+    simd::Mask msk[NV];
+    for (int v = 0; v < NV; ++v) msk[v] = mask_of(N - n0 - L * v);
     for (int64_t k = 0; k < K; ++k) {
       const T* wr = w + k * N;
-      __m512 wv[NV];
-      for (int v = 0; v < NV; ++v) wv[v] = load16(wr + 16 * v, msk[v]);
+      simd::V wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = simd::load(wr + L * v, msk[v]);
       for (int i = 0; i < MB; ++i) {
-        const __m512 xb = _mm512_set1_ps(xr[i][k]);
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+        const simd::V xb = simd::set1(xr[i][k]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = simd::fma(xb, wv[v], acc[i][v]);
       }
     }
   }
   for (int i = 0; i < MB && m0 + i < a.M; ++i)
     for (int v = 0; v < NV; ++v)
-      if (n0 + 16 * v < N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(N - n0 - 16 * v));
+      if (n0 + L * v < N) store16(a, m0 + i, n0 + L * v, acc[i][v], mask_of(N - n0 - L * v));
 }
 
 // w [N, K] for one or two rows of x: weight rows n0..n0+NB-1 one after the other (the group
@@ -218,23 +199,23 @@ void nk_seq(const Args& a, int64_t m0, int64_t n0) {
   for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
   for (int j = 0; j < NB && n0 + j < a.N; ++j) {
     const T* wr = static_cast<const T*>(a.w) + (n0 + j) * K;
-    __m512 acc[MB][4];
+    simd::V acc[MB][4];
     for (int i = 0; i < MB; ++i)
-      for (int u = 0; u < 4; ++u) acc[i][u] = _mm512_setzero_ps();
+      for (int u = 0; u < 4; ++u) acc[i][u] = simd::zero();
     int64_t k = 0;
-    for (; k + 64 <= K; k += 64)
+    for (; k + 4 * L <= K; k += 4 * L)
       for (int u = 0; u < 4; ++u) {
-        const __m512 wv = load16(wr + k + 16 * u);
-        for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[i] + k + 16 * u), wv, acc[i][u]);
+        const simd::V wv = simd::load(wr + k + L * u);
+        for (int i = 0; i < MB; ++i) acc[i][u] = simd::fma(simd::load(xr[i] + k + L * u), wv, acc[i][u]);
       }
-    for (int u = 0; k < K; k += 16, ++u) {
-      const __mmask16 msk = mask_of(K - k);
-      const __m512 wv = load16(wr + k, msk);
-      for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(msk, xr[i] + k), wv, acc[i][u]);
+    for (int u = 0; k < K; k += L, ++u) {
+      const simd::Mask msk = mask_of(K - k);
+      const simd::V wv = simd::load(wr + k, msk);
+      for (int i = 0; i < MB; ++i) acc[i][u] = simd::fma(simd::load(xr[i] + k, msk), wv, acc[i][u]);
     }
     for (int i = 0; i < MB && m0 + i < a.M; ++i) {
-      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
-      store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(s));
+      const simd::V s = simd::add(simd::add(acc[i][0], acc[i][1]), simd::add(acc[i][2], acc[i][3]));
+      store1(a, m0 + i, n0 + j, simd::reduce(s));
     }
   }
 }
@@ -248,31 +229,31 @@ void nk_tile(const Args& a, int64_t m0, int64_t n0) {
   for (int j = 0; j < NB; ++j) wr[j] = static_cast<const T*>(a.w) + std::min(n0 + j, a.N - 1) * K;
   const float* xr[MB];
   for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
-  __m512 acc[MB][NB];
+  simd::V acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[i][j] = simd::zero();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[NB];
-    if (sizeof(T) == 4 || (k & (64 / sizeof(T) - 1)) == 0)  // a line ahead per row, each new line
+  for (; k + L <= K; k += L) {
+    simd::V wv[NB];
+    if (sizeof(T) * L >= 64 || (k & (64 / sizeof(T) - 1)) == 0)  // a line ahead per row, each new line
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNkAhead, _MM_HINT_T0);
-    for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k);
+    for (int j = 0; j < NB; ++j) wv[j] = simd::load(wr[j] + k);
     for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_loadu_ps(xr[i] + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      const simd::V xv = simd::load(xr[i] + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = simd::fma(xv, wv[j], acc[i][j]);
     }
   }
   if (k < K) {
-    const __mmask16 msk = mask_of(K - k);
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load16(wr[j] + k, msk);
+    const simd::Mask msk = mask_of(K - k);
+    simd::V wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = simd::load(wr[j] + k, msk);
     for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(msk, xr[i] + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      const simd::V xv = simd::load(xr[i] + k, msk);
+      for (int j = 0; j < NB; ++j) acc[i][j] = simd::fma(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB && m0 + i < a.M; ++i)
-    for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+    for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, simd::reduce(acc[i][j]));
 }
 
 #ifdef __AVX512BF16__
@@ -379,6 +360,8 @@ void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
 
 #else  // plain loops (the compiler vectorises what it can)
 
+constexpr int L = 16, kKnVectors = 4, kNkRows = 4;  // the tiles' widths, as the vectors' above
+
 template <int MB, int KG, class T>
 inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
   const int64_t N = a.N, K = a.K;
@@ -405,11 +388,11 @@ inline void kn_reduce(const Args& a, const float* part, int64_t items) {
 
 template <int MB, int NV, class T>
 void kn_tile(const Args& a, int64_t m0, int64_t n0) {
-  const int64_t K = a.K, N = a.N, n1 = std::min(n0 + 16 * NV, N);
+  const int64_t K = a.K, N = a.N, n1 = std::min(n0 + L * NV, N);
   const T* w = static_cast<const T*>(a.w);
   for (int i = 0; i < MB && m0 + i < a.M; ++i) {
     const float* xr = a.x + (m0 + i) * K;
-    float acc[16 * NV] = {};
+    float acc[L * NV] = {};
     for (int64_t k = 0; k < K; ++k) {
       const float xk = xr[k];
       const T* wr = w + k * N;
@@ -472,10 +455,10 @@ using Tile = void (*)(const Args&, int64_t, int64_t);
 template <class T>
 Tile kn_kernel(int mb) {
   switch (mb) {
-    case 1: return kn_tile<1, 4, T>;
-    case 2: return kn_tile<2, 4, T>;
-    case 3: return kn_tile<3, 4, T>;
-    default: return kn_tile<4, 4, T>;
+    case 1: return kn_tile<1, kKnVectors, T>;
+    case 2: return kn_tile<2, kKnVectors, T>;
+    case 3: return kn_tile<3, kKnVectors, T>;
+    default: return kn_tile<4, kKnVectors, T>;
   }
 }
 
@@ -491,13 +474,12 @@ Tile nk_kernel(int mb, int nb, bool dp) {
       default: return nk_tile_dp<4, 4>;
     }
 #endif
-  switch (mb * 100 + nb) {
-    case 108: return nk_seq<1, 8, T>;
-    case 208: return nk_seq<2, 8, T>;
-    case 104: return nk_tile<1, 4, T>;
-    case 204: return nk_tile<2, 4, T>;
-    case 304: return nk_tile<3, 4, T>;
-    default: return nk_tile<4, 4, T>;
+  if (nb == 8) return mb == 1 ? nk_seq<1, 8, T> : nk_seq<2, 8, T>;
+  switch (mb) {
+    case 1: return nk_tile<1, kNkRows, T>;
+    case 2: return nk_tile<2, kNkRows, T>;
+    case 3: return nk_tile<3, kNkRows, T>;
+    default: return nk_tile<4, kNkRows, T>;
   }
 }
 
@@ -545,10 +527,10 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
     p.block = M == 1 ? kn_block<1, T> : M == 2 ? kn_block<2, T> : M == 3 ? kn_block<3, T> : kn_block<4, T>;
     return p;
   }
-  // Columns per tile: [K, N] 64; [N, K] 8 weight rows (M <= 2), else 4. Rows of x are taken 4
-  // at a time (fewer: one block of M).
-  const int width = transpose_w && M <= 2 ? 8 : 4;
-  p.cols = transpose_w ? width : 16 * width;
+  // Columns per tile: [K, N] kKnVectors vectors (AVX-512: 64 columns); [N, K] 8 weight rows
+  // (M <= 2), else kNkRows. Rows of x are taken 4 at a time (fewer: one block of M).
+  const int width = transpose_w ? (M <= 2 ? 8 : kNkRows) : kKnVectors;
+  p.cols = transpose_w ? width : L * width;
   p.tiles = (N + p.cols - 1) / p.cols;
   // items of whole tiles, ~1/8 of the weight per thread, within 32 KB..512 KB
   const int64_t tile_bytes = std::max<int64_t>(1, p.cols * K * int64_t(sizeof(T)));
