@@ -302,6 +302,22 @@ def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
 # ---- the whole comparison --------------------------------------------------------------------
 
 
+def machine() -> dict[str, Any]:
+    """The processor the figures belong to: machines of one name differ (2 Zen 4 cores with
+    AVX512-BF16 one day, 2 Zen 3 cores with AVX2 alone the next), and so does every system's
+    speed on them. `vectors`: the widest of avx512_bf16, avx512f, avx2 the CPU lists."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    block = info[: info.index("")] if "" in info else info  # the first processor's lines
+    first = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in block) if v}
+    flags = set(first.get("flags", "").split())
+    vectors = next((f for f in ("avx512_bf16", "avx512f", "avx2") if f in flags), "none listed")
+    return {"cpus": os.cpu_count(), "cpu": first.get("model name", "unknown"), "vectors": vectors}
+
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
     a = ap.add_argument
@@ -383,6 +399,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"skipping {name}: {reason}", file=sys.stderr, flush=True)
 
     n_in, n_out = sum(r.prompt_len for r in wl.burst), sum(r.output_len for r in wl.burst)
+    m = machine()
+    print(f"machine: {m['cpus']} x {m['cpu']} ({m['vectors']})", file=sys.stderr, flush=True)
     print(f"model {model_dir}; burst {len(wl.burst)} requests ({n_in} prompt, {n_out} output tokens), then "
           f"{len(wl.single)} one at a time; {a.rounds} rounds of {list(served)}", file=sys.stderr, flush=True)  # fmt: skip
     runs: list[dict[str, Any]] = []
@@ -397,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": str(model_dir), "systems": a.systems, "rounds": a.rounds, "reference": a.reference,
         "workload": {"burst": len(wl.burst), "single": len(wl.single), "input_len": a.input_len,
                      "output_len": a.output_len, "seed": a.seed, "max_len": a.max_len, "threads": a.threads},
-        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "machine": {**machine(), "loadavg_end": os.getloadavg()},
         "skipped": skipped, "runs": runs, "medians": med, "ratios": rat,
     }  # fmt: skip
     out.write_text(json.dumps(report, indent=1, default=str))
