@@ -7,7 +7,8 @@ Builds SmolLM2-135M's projections as distinct arrays, 30 layers of q 576x576, k 
 v 576x192, o 576x576, gate 576x1536, up 576x1536, down 1536x576 ([K, N]) and the LM head
 49152x576 ([N, K], a tied embedding), 134.5 M weights in all (538 MB f32), far more than the
 caches hold, and times one jitted function that runs M rows of x through all of them once, for
-each weight dtype (f32: x f32; bf16: x bf16; int8 + per-column f32 scale: x f32) and method:
+each weight dtype (f32: x f32; bf16: x bf16; int8 + per-column f32 scale: x f32, each int8
+weight stored [N, K] as the model stores it, model/layers.py `Linear`) and method:
 
     xla      jnp.matmul (int8: w.astype(x) * scale, then the dot)
     kernel   model/kernels/cpu_matmul.py
@@ -59,8 +60,8 @@ def make_weights(dtype: str, layers: int, seed: int = 0):
     rng = np.random.default_rng(seed)
 
     def one(k: int, n: int):
-        if dtype == "int8":
-            q = rng.integers(-127, 128, (k, n), dtype=np.int8)
+        if dtype == "int8":  # [N, K], as model/layers.py's Linear stores int8
+            q = rng.integers(-127, 128, (n, k), dtype=np.int8)
             return jnp.asarray(q), jnp.asarray((rng.random(n) * 1e-3).astype(np.float32))
         w = (rng.standard_normal((k, n), dtype=np.float32) * 0.02).astype(np.float32)
         return jnp.asarray(w, jnp.bfloat16 if dtype == "bf16" else jnp.float32), None
@@ -106,19 +107,20 @@ def forward(mm, grouped: bool = False):
     from model.kernels import cpu_matmul
 
     def group(x, pairs):
+        t = pairs[0][1] is not None  # int8 weights are [N, K]
         if not grouped:
-            return [mm(x, w, s, False) for w, s in pairs]
-        scales = None if pairs[0][1] is None else [s for _, s in pairs]
-        return cpu_matmul.matmuls(x, [w for w, _ in pairs], scales=scales)
+            return [mm(x, w, s, t) for w, s in pairs]
+        scales = None if not t else [s for _, s in pairs]
+        return cpu_matmul.matmuls(x, [w for w, _ in pairs], transpose_w=t, scales=scales)
 
     def run(x, stack, head):
         for (wq, sq), (wk, sk), (wv, sv), (wo, so), (wg, sg), (wu, su), (wd, sd) in stack:
             q, k, v = group(x, [(wq, sq), (wk, sk), (wv, sv)])
-            o = mm(q, wo, so, False)
+            o = group(q, [(wo, so)])[0]
             g, u = group(x, [(wg, sg), (wu, su)])
             h = g * u
             kv = (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True)) * 1e-3
-            x = (x + o + mm(h, wd, sd, False) + kv.astype(x.dtype)) * 0.5
+            x = (x + o + group(h, [(wd, sd)])[0] + kv.astype(x.dtype)) * 0.5
         return mm(x, head[0], head[1], True)
 
     return jax.jit(run)

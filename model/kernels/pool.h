@@ -55,6 +55,14 @@ struct Job {
   std::condition_variable cv;
 };
 
+constexpr int64_t kWaitSpinUs = 500;  // the most a caller spins for its helpers' last items
+
+inline void pause() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
 inline void work(Job& s) {
   int64_t finished = 0;
   for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) {
@@ -91,9 +99,7 @@ struct Spinner {
     for (;;) {
       const auto until = clock::now() + std::chrono::microseconds(spin_us);
       for (int i = 0; gen.load(std::memory_order_acquire) == seen; ++i) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
+        pause();
         if (i % 64 == 0 && clock::now() > until) break;
       }
       std::shared_ptr<Job> j;
@@ -139,8 +145,19 @@ inline void deal(xla::ffi::ThreadPool& pool, int64_t n, int64_t cap, std::functi
       });
   }
   work(*sh);
-  std::unique_lock<std::mutex> lock(sh->mu);
-  sh->cv.wait(lock, [&] { return sh->done.load() == n; });
+  // The items left run on helpers, each at most one item long: wait for them spinning, and only
+  // past kWaitSpinUs on the condition variable (a caller asleep on it was woken tens of us after
+  // the last item in a VM: most of a 1-row int8 projection's call)
+  using clock = std::chrono::steady_clock;
+  const auto until = clock::now() + std::chrono::microseconds(kWaitSpinUs);
+  for (int i = 1; sh->done.load(std::memory_order_acquire) != n; ++i) {
+    pause();
+    if (i % 64 == 0 && clock::now() > until) {
+      std::unique_lock<std::mutex> lock(sh->mu);
+      sh->cv.wait(lock, [&] { return sh->done.load() == n; });
+      break;
+    }
+  }
 }
 
 }  // namespace ringserve
