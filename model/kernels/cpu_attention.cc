@@ -26,11 +26,9 @@
 
 #include "bf16.h"
 #include "pool.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -59,52 +57,63 @@ struct Item {
   int32_t row, head, t0, t1;
 };
 
-#if defined(__AVX512F__)
-// 16 cache values at p as f32: f32 caches loaded, bf16 ones (BITS) widened in the register
+#ifdef RINGSERVE_SIMD
+namespace simd = ringserve::simd;
+constexpr int L = simd::L;
+constexpr int kPageVectors = 16 / L;  // vectors of one key row's 16 scores (a page's keys)
+
+// L cache values at p + i as f32: f32 caches loaded, bf16 ones (BITS) widened in the register
 // (exact: bf16 is f32's upper half), so a page is never copied out to be widened first.
 template <bool BITS>
-inline __m512 load16(const void* p, int64_t i) {
-  if constexpr (BITS) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  } else {
-    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
-  }
+inline simd::V load_page(const void* p, int64_t i) {
+  if constexpr (BITS)
+    return simd::load(static_cast<const uint16_t*>(p) + i);
+  else
+    return simd::load(static_cast<const float*>(p) + i);
 }
 
-// NB queries' scores against one page of 16 keys (k: [D, 16]) into s [NB, 16]: NB accumulators,
-// one per query, each an independent FMA chain over the head dim (8 of them hide the latency).
+// NB queries' scores against one page of 16 keys (k: [D, 16]) into s [NB, 16]: NB accumulators
+// (of kPageVectors vectors), one per query, each an independent FMA chain over the head dim.
 template <int NB, int DC, bool BITS>
 inline void scores16(const float* q, const void* k, float* s) {
-  __m512 r[NB];
-  for (int b = 0; b < NB; ++b) r[b] = _mm512_setzero_ps();
+  simd::V r[NB][kPageVectors];
+  for (int b = 0; b < NB; ++b)
+    for (int h = 0; h < kPageVectors; ++h) r[b][h] = simd::zero();
   for (int64_t d = 0; d < DC; ++d) {
-    const __m512 kr = load16<BITS>(k, d * 16);
-    for (int b = 0; b < NB; ++b) r[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[b * DC + d]), kr, r[b]);
+    simd::V kr[kPageVectors];
+    for (int h = 0; h < kPageVectors; ++h) kr[h] = load_page<BITS>(k, d * 16 + h * L);
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < kPageVectors; ++h) r[b][h] = simd::fma(simd::set1(q[b * DC + d]), kr[h], r[b][h]);
   }
-  for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + b * 16, r[b]);
+  for (int b = 0; b < NB; ++b)
+    for (int h = 0; h < kPageVectors; ++h) simd::store(s + b * 16 + h * L, r[b][h]);
 }
+// queries scored together: 8 accumulators hide the FMA latency; AVX2 holds 4 (2 vectors each)
+constexpr int kScoreBlock = L == 16 ? 8 : 4;
 
-// QB queries' outputs (acc [nqp, DC]) += their probabilities (s [nqp, 16]) x the page's values
-// (v: [16, DC]), held in registers over the page's keys.
+// The queries' outputs (acc [nqp, DC]) += their probabilities (s [nqp, 16]) x the page's values
+// (v: [16, DC]), QB queries' CW vectors of columns held in registers over the page's keys.
 template <int DC, bool BITS>
 inline void values16(const float* s, const void* v, float* acc, int64_t nqp) {
-  constexpr int V = DC / 16, QB = V <= 4 ? 4 : 2;  // registers per output row; rows per block
-  for (int64_t q0 = 0; q0 < nqp; q0 += QB) {  // padded rows have p = 0 (their scores stay 0s)
-    __m512 o[QB][V];
-    for (int b = 0; b < QB; ++b)
-      for (int c = 0; c < V; ++c) o[b][c] = _mm512_loadu_ps(acc + (q0 + b) * DC + c * 16);
-    for (int j = 0; j < 16; ++j) {
-      __m512 vv[V];
-      for (int c = 0; c < V; ++c) vv[c] = load16<BITS>(v, j * DC + c * 16);
-      for (int b = 0; b < QB; ++b) {
-        const __m512 p = _mm512_set1_ps(s[(q0 + b) * 16 + j]);
-        for (int c = 0; c < V; ++c) o[b][c] = _mm512_fmadd_ps(p, vv[c], o[b][c]);
+  constexpr int V = DC / L;  // vectors per output row
+  constexpr int CW = L == 16 ? V : V % 4 == 0 ? 4 : V % 2 == 0 ? 2 : 1;  // AVX2: 16 registers
+  constexpr int QB = L == 16 ? (V <= 4 ? 4 : 2) : 2;                     // rows per block
+  for (int64_t q0 = 0; q0 < nqp; q0 += QB)  // padded rows have p = 0 (their scores stay 0s)
+    for (int c0 = 0; c0 < V; c0 += CW) {
+      simd::V o[QB][CW];
+      for (int b = 0; b < QB; ++b)
+        for (int c = 0; c < CW; ++c) o[b][c] = simd::load(acc + (q0 + b) * DC + (c0 + c) * L);
+      for (int j = 0; j < 16; ++j) {
+        simd::V vv[CW];
+        for (int c = 0; c < CW; ++c) vv[c] = load_page<BITS>(v, j * DC + (c0 + c) * L);
+        for (int b = 0; b < QB; ++b) {
+          const simd::V p = simd::set1(s[(q0 + b) * 16 + j]);
+          for (int c = 0; c < CW; ++c) o[b][c] = simd::fma(p, vv[c], o[b][c]);
+        }
       }
+      for (int b = 0; b < QB; ++b)
+        for (int c = 0; c < CW; ++c) simd::store(acc + (q0 + b) * DC + (c0 + c) * L, o[b][c]);
     }
-    for (int b = 0; b < QB; ++b)
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (q0 + b) * DC + c * 16, o[b][c]);
-  }
 }
 constexpr bool kRegisterPages = true;  // 16-key pages of a head dim of 16s read straight from the cache
 #else
@@ -175,14 +184,15 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       for (size_t e = 0; e < page_elems; ++e) vbuf[e] = bf16_to_f32(vp[e]);
     }
     // scores of every query at once: each key row kpage[d] is read once for all of them
-#if defined(__AVX512F__)
+#ifdef RINGSERVE_SIMD
     if constexpr (in_registers) {  // 8 (or 4) queries' 16 scores in registers over the head dim
       auto scores = [&](auto bits) {
         constexpr bool B = decltype(bits)::value;
         if (nqp == 4) {
           scores16<4, DC, B>(qs, kraw, s);
         } else {
-          for (int64_t q0 = 0; q0 < nqp; q0 += 8) scores16<8, DC, B>(qs + q0 * DC, kraw, s + q0 * 16);
+          for (int64_t q0 = 0; q0 < nqp; q0 += kScoreBlock)
+            scores16<kScoreBlock, DC, B>(qs + q0 * DC, kraw, s + q0 * 16);
         }
       };
       if (a.bits) scores(std::true_type{}); else scores(std::false_type{});
@@ -256,7 +266,7 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       }
     }
     // values: each value row vpage[j] is read once for every query
-#if defined(__AVX512F__)
+#ifdef RINGSERVE_SIMD
     if constexpr (in_registers) {  // QB queries' outputs in registers over the keys
       if (a.bits) values16<DC, true>(s, vraw, acc, nqp); else values16<DC, false>(s, vraw, acc, nqp);
     } else
