@@ -164,7 +164,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
         xla            XLA's dot
         invariant      batch-invariant (`rowwise`): the deterministic mode's projections and LM head
         onednn         oneDNN's matmul as a custom call (model/kernels/onednn.py; CPU, bf16 above all)
-        kernel         a few rows (decode, KERNEL_ROWS): ringserve's own custom call, which streams
+        kernel         a few rows (decode, `kernel_rows`): ringserve's own custom call, which streams
                        the weights on every core (model/kernels/cpu_matmul.py); more rows: XLA's dot
         kernel+onednn  the same up to KERNEL_ROWS_BESIDE_ONEDNN rows, more rows through oneDNN
 
@@ -192,28 +192,45 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     return (y if scale is None else y * scale).astype(out_dtype)
 
 
-# The most rows the "kernel" dots send to cpu_matmul, by weight dtype. SmolLM2's whole decode
-# step at 256 tokens of context, 2 Zen 4 cores, with the grouped call (q/k/v, gate/up as one):
-# f32 kernel against XLA's dot 32.9 vs 38.7 ms at 4 rows, 45.6 vs 51.4 at 8, 67.3 vs 62.9 at 16;
-# bf16 kernel against oneDNN 33.5 vs 45 at 8 rows, even at 16 (51-57 vs 51-52); int8 wins at 16
-# (python -m bench.cpu_matmul: 34.9 against 46.1 ms a pass).
-KERNEL_ROWS = {"float32": 8, "bfloat16": 8, "int8": 16}
+# The most rows the "kernel" dots send to cpu_matmul, by the vectors the kernel computes with
+# (`cpu_matmul.lanes()`) and weight dtype; more rows go to XLA's dot. AVX-512 (2 Zen 4 cores),
+# SmolLM2's whole decode step at 256 tokens of context, with the grouped call (q/k/v, gate/up as
+# one): f32 kernel against XLA's dot 32.9 vs 38.7 ms at 4 rows, 45.6 vs 51.4 at 8, 67.3 vs 62.9
+# at 16; bf16 kernel against oneDNN 33.5 vs 45 at 8 rows, even at 16 (51-57 vs 51-52); int8 wins
+# at 16 (python -m bench.cpu_matmul: 34.9 against 46.1 ms a pass). AVX2 alone (2 Zen 3 cores, no
+# bf16 arithmetic, oneDNN without bf16 kernels): XLA's bf16 and int8 dots are slow at every
+# decode size (the same step at 64 rows: bf16 439 ms on XLA's dot, 405 on XLA's f32 dot of
+# widened operands, 252 on the kernel; int8 617 / 483 / 294; at 128 rows int8 753 on XLA's f32
+# dot, 639 on the kernel), f32 wins to 16 rows (80 vs 99 ms; 32: 183 vs 166).
+KERNEL_ROWS = {
+    16: {"float32": 8, "bfloat16": 8, "int8": 16},
+    8: {"float32": 16, "bfloat16": 128, "int8": 128},
+}
 
 # The same for "kernel+onednn", where the larger steps go to oneDNN reading its packed copy of
-# each weight (model/kernels/onednn_matmul.cc; 8 rows or more). SmolLM2's whole decode step at
-# 256 tokens of context, medians of 15, two runs: bf16 kernel 31.2/31.3 ms at 8 rows against
-# oneDNN's 27.6/27.3; int8 30.5/32.8 against 30.3/31.2 at 8 rows and 66.1/54.5 against
-# 42.1/39.6 at 16. At 4 rows the kernel wins (bf16 20.4/20.8 ms against 35.3/32.7: oneDNN reads
-# fewer than 8 rows from the plain weight).
+# each weight (model/kernels/onednn_matmul.cc; 8 rows or more): where oneDNN has bf16 kernels,
+# AVX-512 or newer. SmolLM2's whole decode step at 256 tokens of context, medians of 15, two
+# runs: bf16 kernel 31.2/31.3 ms at 8 rows against oneDNN's 27.6/27.3; int8 30.5/32.8 against
+# 30.3/31.2 at 8 rows and 66.1/54.5 against 42.1/39.6 at 16. At 4 rows the kernel wins (bf16
+# 20.4/20.8 ms against 35.3/32.7: oneDNN reads fewer than 8 rows from the plain weight).
 KERNEL_ROWS_BESIDE_ONEDNN = {"float32": 8, "bfloat16": 4, "int8": 4}
+
+
+def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:
+    """The most rows of x the "kernel" dots send to cpu_matmul for weights of `dtype` (plain
+    loops, or a width not measured: AVX-512's figures)."""
+    if beside_onednn:
+        return KERNEL_ROWS_BESIDE_ONEDNN.get(dtype, 0)
+    from model.kernels import cpu_matmul
+
+    return KERNEL_ROWS.get(cpu_matmul.lanes(), KERNEL_ROWS[16]).get(dtype, 0)
 
 
 def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `matmul(x, w, dot)` runs on the small-row kernel (rows are static in a trace)."""
     if not dot.startswith("kernel"):
         return False
-    most = KERNEL_ROWS_BESIDE_ONEDNN if dot == "kernel+onednn" else KERNEL_ROWS
-    return math.prod(x.shape[:-1]) <= most.get(jnp.dtype(w.dtype).name, 0)
+    return math.prod(x.shape[:-1]) <= kernel_rows(jnp.dtype(w.dtype).name, dot == "kernel+onednn")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

@@ -635,6 +635,16 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arg
 
 }  // namespace
 
+// The f32 lanes of the vectors this build computes with: 16 (AVX-512), 8 (AVX2), 1 (plain
+// loops); model/layers.py picks how many rows the kernel takes by it.
+extern "C" int ringserve_cpu_matmul_lanes() {
+#ifdef RINGSERVE_SIMD
+  return ringserve::simd::L;
+#else
+  return 1;
+#endif
+}
+
 // x, then G weights, then (int8 weights) their G scales; G results
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmul, matmul,
                               ffi::Ffi::Bind()

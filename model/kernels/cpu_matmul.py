@@ -44,8 +44,21 @@ from model.kernels.build import loader
 
 TARGET = "ringserve_cpu_matmul"
 
-reason = loader("cpu_matmul", ["-O3", "-march=native"], {TARGET: "RingserveCpuMatmul"})
+_LANES: list[int] = []
+
+
+def _check(lib) -> None:
+    _LANES.append(int(lib.ringserve_cpu_matmul_lanes()))
+
+
+reason = loader("cpu_matmul", ["-O3", "-march=native"], {TARGET: "RingserveCpuMatmul"}, check=_check)
 """None when the kernel runs here; otherwise why not."""
+
+
+def lanes() -> int:
+    """The f32 lanes of the vectors the built kernel computes with: 16 (AVX-512), 8 (AVX2 + FMA),
+    1 (plain loops); 0 where it is not built (`reason()` says why)."""
+    return _LANES[0] if reason() is None else 0
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,

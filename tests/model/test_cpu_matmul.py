@@ -99,7 +99,9 @@ def test_project_is_one_call_for_the_kernel_and_per_linear_otherwise():
     for lin in lins:
         lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float32)
         lin.bias[...] = jnp.asarray(rng.standard_normal(lin.bias.shape), jnp.float32)
-    for rows, calls in ((1, 1), (16, 0)):  # f32 takes the kernel up to KERNEL_ROWS (8) rows
+    from model.layers import kernel_rows
+
+    for rows, calls in ((1, 1), (kernel_rows("float32") + 1, 0)):  # f32 takes the kernel up to kernel_rows
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         text = jax.jit(lambda x: project(x, *lins)).lower(x).as_text()
         assert text.count("ringserve_cpu_matmul") == calls, rows

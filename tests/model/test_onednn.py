@@ -218,15 +218,17 @@ def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype, kernel_rows", [("bfloat16", 4), ("int8", 4)])
-def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, kernel_rows):
+@pytest.mark.parametrize("dtype, beside", [("bfloat16", 4), ("int8", 4)])
+def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside):
     """With oneDNN reading packed weights from 8 rows up, the small-row kernel keeps only the
     rows it is faster for (model/layers.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more."""
-    from model.layers import KERNEL_ROWS, few_rows
+    from model.layers import few_rows, kernel_rows
 
     w = jnp.zeros((64, 32), jnp.int8 if dtype == "int8" else jnp.bfloat16)
-    for rows in (1, kernel_rows, 8, 16):
+    alone = kernel_rows(dtype)
+    assert alone > beside
+    for rows in (1, beside, beside + 1, alone, alone + 1):
         x = jnp.zeros((rows, 64), jnp.bfloat16)
-        assert few_rows("kernel+onednn", x, w) == (rows <= kernel_rows), rows
-        assert few_rows("kernel", x, w) == (rows <= KERNEL_ROWS[dtype]), rows
+        assert few_rows("kernel+onednn", x, w) == (rows <= beside), rows
+        assert few_rows("kernel", x, w) == (rows <= alone), rows
     assert not few_rows("onednn", jnp.zeros((1, 64), jnp.bfloat16), w)
