@@ -168,10 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         stack, head = make_weights(dtype, args.layers)
         nbytes = weight_bytes(stack, head)
         xdt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+        xname, wname = ("bfloat16", "bfloat16") if dtype == "bf16" else ("float32", "int8" if dtype == "int8" else "float32")
+        lacks = onednn.supports(xname, wname) if "onednn" in methods else None
+        if lacks is not None:
+            print(f"# onednn, {dtype}: skipped ({lacks})")
         for m in [int(v) for v in args.m.split(",")]:
             x = jnp.asarray(rng.standard_normal((m, 576)), xdt)
             base = None
             for method in methods:
+                if method == "onednn" and lacks is not None:
+                    continue
                 sec = time_pass(forward(dot_fn(method), method == "grouped"), x, stack, head, args.repeats)
                 base = sec if method == "xla" else base
                 gbs = nbytes / sec / 1e9

@@ -22,7 +22,11 @@
 //                      adds the blocks' sums in block order. The split depends on the shapes
 //                      only: the same bits on any number of threads.
 //   w [K, N], M > 4    tiles of 64 columns over all of K, 16-column vectors in registers for
-//                      4 rows of x at a time, the tile re-read from L2 for each 4 rows (AVX-512)
+//                      4 rows of x at a time, the tile re-read from L2 for each 4 rows (AVX-512);
+//                      AVX2: tiles of 16 columns, 6 rows of x at a time, and above 6 rows the
+//                      tile first widened into an f32 panel [K, 16] that every block reads in
+//                      address order (bf16 and int8 widen once, not once a block; the same sums
+//                      in the same order: the same bits as one block)
 //   w [N, K], M <= 2   groups of 8 weight rows, each row read start to end (one stream), 4
 //                      vectors of K in flight, summed across the vector at the end
 //   w [N, K], M > 2    4 weight rows x 4 rows of x in registers, 16 k a step
@@ -79,6 +83,10 @@ inline void store1(const Args& a, int64_t m, int64_t n, float v) {
 namespace simd = ringserve::simd;
 constexpr int L = simd::L;
 constexpr int kKnVectors = L == 16 ? 4 : 2;  // [K, N] tiles: vectors of columns (MB x this accumulators)
+constexpr int kKnRows = L == 16 ? 4 : 6;     // [K, N] tiles: rows of x a block (AVX2: 6 x 2 accumulators of 16)
+// [K, N] tiles of more than one block of rows: the tile widened into a panel once, then every
+// block reads the panel (AVX2, measured there; AVX-512 reads the tile in place)
+constexpr bool kPackKn = L == 8;
 constexpr int kNkRows = L == 16 ? 4 : 2;     // [N, K] tiles of M > 2: weight rows (MB x this accumulators)
 
 #ifndef RINGSERVE_NK_AHEAD
@@ -187,6 +195,58 @@ void kn_tile(const Args& a, int64_t m0, int64_t n0) {
   }
   for (int i = 0; i < MB && m0 + i < a.M; ++i)
     for (int v = 0; v < NV; ++v)
+      if (n0 + L * v < N) store16(a, m0 + i, n0 + L * v, acc[i][v], mask_of(N - n0 - L * v));
+}
+
+// w [K, N]: the tile of columns n0..n0+C-1 (C = L * kKnVectors; past N: zeros) widened into
+// panel [K, C] f32, w read from memory once, row after row, prefetched ahead as in kn_tile
+template <class T>
+void kn_pack(const Args& a, int64_t n0, float* panel) {
+  constexpr int C = L * kKnVectors;
+  const int64_t K = a.K, N = a.N;
+  const T* w = static_cast<const T*>(a.w) + n0;
+  if (n0 + C <= N) {
+    constexpr int kRowBytes = C * int(sizeof(T));
+    constexpr int64_t kAhead = std::max(4, 4096 / kRowBytes);
+    const size_t stride = size_t(N) * sizeof(T);
+    const char* pf = reinterpret_cast<const char*>(w) + kAhead * stride;
+    const bool odd = (reinterpret_cast<uintptr_t>(pf) | stride) & 63;
+    for (int64_t k = 0; k < K; ++k, pf += stride) {
+      if (k + kAhead < K) {
+        for (int b = 0; b < kRowBytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        if (odd) _mm_prefetch(pf + kRowBytes - 1, _MM_HINT_T0);
+      }
+      for (int v = 0; v < kKnVectors; ++v) simd::store(panel + k * C + L * v, simd::load(w + k * N + L * v));
+    }
+    return;
+  }
+  simd::Mask msk[kKnVectors];
+  for (int v = 0; v < kKnVectors; ++v) msk[v] = mask_of(N - n0 - L * v);
+  for (int64_t k = 0; k < K; ++k)
+    for (int v = 0; v < kKnVectors; ++v) simd::store(panel + k * C + L * v, simd::load(w + k * N + L * v, msk[v]));
+}
+
+// kn_tile over a packed panel (kn_pack): rows m0..m0+MB-1 of y x the panel's columns from n0;
+// the same sums in the same order, so the same bits
+template <int MB>
+void kn_panel(const Args& a, const float* panel, int64_t m0, int64_t n0) {
+  constexpr int C = L * kKnVectors;
+  const int64_t K = a.K, N = a.N;
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.x + std::min(m0 + i, a.M - 1) * K;
+  simd::V acc[MB][kKnVectors];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < kKnVectors; ++v) acc[i][v] = simd::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    simd::V wv[kKnVectors];
+    for (int v = 0; v < kKnVectors; ++v) wv[v] = simd::load(panel + k * C + L * v);
+    for (int i = 0; i < MB; ++i) {
+      const simd::V xb = simd::set1(xr[i][k]);
+      for (int v = 0; v < kKnVectors; ++v) acc[i][v] = simd::fma(xb, wv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int v = 0; v < kKnVectors; ++v)
       if (n0 + L * v < N) store16(a, m0 + i, n0 + L * v, acc[i][v], mask_of(N - n0 - L * v));
 }
 
@@ -360,7 +420,8 @@ void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
 
 #else  // plain loops (the compiler vectorises what it can)
 
-constexpr int L = 16, kKnVectors = 4, kNkRows = 4;  // the tiles' widths, as the vectors' above
+constexpr int L = 16, kKnVectors = 4, kNkRows = 4, kKnRows = 4;  // the tiles' widths, as the vectors' above
+constexpr bool kPackKn = false;
 
 template <int MB, int KG, class T>
 inline void kn_rows(const Args& a, int64_t k, float* part, bool first) {
@@ -449,18 +510,45 @@ void kn_block(const Args& a, int64_t k0, int64_t k1, float* part) {
 }
 
 using Tile = void (*)(const Args&, int64_t, int64_t);
+using PanelTile = void (*)(const Args&, const float*, int64_t, int64_t);
+using Pack = void (*)(const Args&, int64_t, float*);
 
-// The kernel for a block of `mb` rows (1..4) with `width` (vectors for [K, N], weight rows for
-// [N, K]); the combinations plan() asks for.
+// The kernel for a block of `mb` rows (1..kKnRows for [K, N], 1..4 for [N, K]) with `width`
+// (vectors for [K, N], weight rows for [N, K]); the combinations plan() asks for.
 template <class T>
 Tile kn_kernel(int mb) {
   switch (mb) {
     case 1: return kn_tile<1, kKnVectors, T>;
     case 2: return kn_tile<2, kKnVectors, T>;
     case 3: return kn_tile<3, kKnVectors, T>;
-    default: return kn_tile<4, kKnVectors, T>;
+    case 4: return kn_tile<4, kKnVectors, T>;
+    case 5: return kn_tile<5, kKnVectors, T>;
+    default: return kn_tile<6, kKnVectors, T>;
   }
 }
+
+#ifdef RINGSERVE_SIMD
+inline PanelTile kn_panel_kernel(int mb) {
+  switch (mb) {
+    case 1: return kn_panel<1>;
+    case 2: return kn_panel<2>;
+    case 3: return kn_panel<3>;
+    case 4: return kn_panel<4>;
+    case 5: return kn_panel<5>;
+    default: return kn_panel<6>;
+  }
+}
+template <class T>
+Pack kn_packer() {
+  return kn_pack<T>;
+}
+#else
+inline PanelTile kn_panel_kernel(int) { return nullptr; }
+template <class T>
+Pack kn_packer() {
+  return nullptr;
+}
+#endif
 
 template <class T>
 Tile nk_kernel(int mb, int nb, bool dp) {
@@ -496,11 +584,24 @@ struct Plan {
   Tile main = nullptr, tail = nullptr;
   int64_t cols = 0, tiles = 0, per_item = 0, full_rows = 0;
   int mb = 0;
+  // [K, N] with kPackKn and more than one block of rows: each tile packed, then read by them all
+  Pack pack = nullptr;
+  PanelTile pmain = nullptr, ptail = nullptr;
 
   int64_t part_size() const { return block ? items * a.M * a.N : 0; }
   void item(int64_t i) const {
     if (block) return block(a, i * rows, std::min(a.K, (i + 1) * rows), sums + i * a.M * a.N);
     const int64_t t0 = i * per_item, t1 = std::min(tiles, t0 + per_item);
+    if (pack) {
+      thread_local std::vector<float> panel;  // [K, cols], reused from call to call
+      if (panel.size() < size_t(a.K * cols)) panel.resize(size_t(a.K * cols));
+      for (int64_t t = t0; t < t1; ++t) {
+        pack(a, t * cols, panel.data());
+        for (int64_t m = 0; m < full_rows; m += mb) pmain(a, panel.data(), m, t * cols);
+        if (ptail) ptail(a, panel.data(), full_rows, t * cols);
+      }
+      return;
+    }
     for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
       for (int64_t m = 0; m < full_rows; m += mb) main(a, m, t * cols);
       if (tail) tail(a, full_rows, t * cols);
@@ -537,11 +638,17 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
   const int64_t target = std::clamp<int64_t>(p.tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
   p.per_item = std::max<int64_t>(1, target / tile_bytes);
   p.items = (p.tiles + p.per_item - 1) / p.per_item;
-  p.mb = int(std::min<int64_t>(M, 4));
-  const int rest = int(M % 4);
+  const int block = transpose_w ? 4 : kKnRows;
+  p.mb = int(std::min<int64_t>(M, block));
+  const int rest = int(M % block);
   p.main = transpose_w ? nk_kernel<T>(p.mb, width, a.xh != nullptr) : kn_kernel<T>(p.mb);
-  p.tail = rest && M > 4 ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
-  p.full_rows = M > 4 ? M - rest : M;
+  p.tail = rest && M > block ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
+  p.full_rows = M > block ? M - rest : M;
+  if (!transpose_w && kPackKn && M > block) {
+    p.pack = kn_packer<T>();
+    p.pmain = kn_panel_kernel(p.mb);
+    p.ptail = rest ? kn_panel_kernel(rest) : nullptr;
+  }
   return p;
 }
 

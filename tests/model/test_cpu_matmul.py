@@ -143,6 +143,21 @@ def test_wrong_dtypes_are_refused_by_name():
         jax.block_until_ready(cpu_matmul.matmul(x.astype(jnp.float16), w.astype(jnp.float16)))
 
 
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+def test_a_row_has_the_same_bits_in_any_call_of_more_than_four_rows(calls, wdtype):
+    """Above 4 rows each result is one sum along K in order, whether its tile is read in place
+    (one block of rows) or packed first and read by several blocks (AVX2: more than 6 rows)."""
+    rng = np.random.default_rng(11)
+    w, scale, _ = _weights(rng, 576, 200, wdtype)
+    wt = jnp.asarray(np.asarray(w).T.copy())
+    x = jnp.asarray(rng.standard_normal((64, 576)), jnp.float32)
+    for t, wl in ((False, w), (True, wt)):
+        many = np.asarray(calls[(t, jnp.float32)](x, wl, scale))
+        for lo, hi in ((0, 5), (5, 11), (59, 64)):
+            few = np.asarray(calls[(t, jnp.float32)](x[lo:hi], wl, scale))
+            np.testing.assert_array_equal(many[lo:hi], few, err_msg=f"{wdtype} transpose_w={t} rows {lo}:{hi}")
+
+
 def test_same_sums_on_one_thread_as_on_all():
     """The columns are dealt to threads, never split along K: one thread (a fresh process with
     RINGSERVE_MATMUL_THREADS=1) gives the bits this process gives with the variable unset."""
