@@ -173,7 +173,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
     dequantizes as it multiplies."""
     out_dtype = out_dtype or x.dtype
     if dot.startswith("kernel"):
-        if few_rows(dot, x, w, transpose_w):
+        if few_rows(dot, x, w):
             from model.kernels import cpu_matmul
 
             return cpu_matmul.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype)
@@ -201,18 +201,16 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
 # bf16 arithmetic, oneDNN without bf16 kernels): XLA's bf16 and int8 dots are slow at every
 # decode size (the same step at 64 rows: bf16 439 ms on XLA's dot, 405 on XLA's f32 dot of
 # widened operands, 252 on the kernel; int8 617 / 483 / 294; at 128 rows int8 753 on XLA's f32
-# dot, 639 on the kernel), f32 wins to 16 rows (80 vs 99 ms; 32: 183 vs 166); with the packed
-# panels of AVX2's [K, N] tiles (cpu_matmul.cc) the kernel wins for f32 too: a pass over
-# SmolLM2's projections at 64 rows (python -m bench.cpu_matmul) f32 108 ms against XLA's 143, bf16
-# 191 against 299; the whole step, one process, the two alternating (medians of 11 and 9), 64 rows
-# 247 vs 256 ms, 32 rows 157 vs 173. The f32 LM head, read [V, H], stays on XLA's dot above 16
-# rows (64 rows: 34 ms against the kernel's 55).
+# dot, 639 on the kernel), f32 wins to 16 rows (80 vs 99 ms; 32: 183 vs 166); with AVX2's packed
+# panels (cpu_matmul.cc: above 6 rows each tile widened once, either layout) the kernel wins for
+# f32 too: a pass over SmolLM2's projections at 64 rows (python -m bench.cpu_matmul) f32 108 ms
+# against XLA's 143, bf16 140 against 283, int8 98 against 303; the LM head alone at 64 rows f32
+# 26 against 29, bf16 27 against 104, int8 42 against 91; the whole f32 step, one process,
+# alternating with XLA's dot (medians of 11 and 9), 64 rows 247 vs 256 ms, 32 rows 157 vs 173.
 KERNEL_ROWS = {
     16: {"float32": 8, "bfloat16": 8, "int8": 16},
     8: {"float32": 128, "bfloat16": 128, "int8": 128},
 }
-# Where an [N, K] weight (a tied LM head: the embedding) differs: XLA's dot of f32 [V, H] x [H, S]
-KERNEL_ROWS_NK = {8: {"float32": 16}}
 
 # The same for "kernel+onednn", where the larger steps go to oneDNN reading its packed copy of
 # each weight (model/kernels/onednn_matmul.cc; 8 rows or more): where oneDNN has bf16 kernels,
@@ -223,25 +221,21 @@ KERNEL_ROWS_NK = {8: {"float32": 16}}
 KERNEL_ROWS_BESIDE_ONEDNN = {"float32": 8, "bfloat16": 4, "int8": 4}
 
 
-def kernel_rows(dtype: str, beside_onednn: bool = False, transpose_w: bool = False) -> int:
-    """The most rows of x the "kernel" dots send to cpu_matmul for weights of `dtype`, stored
-    [N, K] with `transpose_w` (plain loops, or a width not measured: AVX-512's figures)."""
+def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:
+    """The most rows of x the "kernel" dots send to cpu_matmul for weights of `dtype` (plain
+    loops, or a width not measured: AVX-512's figures)."""
     if beside_onednn:
         return KERNEL_ROWS_BESIDE_ONEDNN.get(dtype, 0)
     from model.kernels import cpu_matmul
 
-    lanes = cpu_matmul.lanes() if cpu_matmul.lanes() in KERNEL_ROWS else 16
-    if transpose_w and dtype in KERNEL_ROWS_NK.get(lanes, {}):
-        return KERNEL_ROWS_NK[lanes][dtype]
-    return KERNEL_ROWS[lanes].get(dtype, 0)
+    return KERNEL_ROWS.get(cpu_matmul.lanes(), KERNEL_ROWS[16]).get(dtype, 0)
 
 
-def few_rows(dot: str, x: jax.Array, w: jax.Array, transpose_w: bool = False) -> bool:
-    """Whether `matmul(x, w, dot, transpose_w)` runs on the small-row kernel (rows are static in
-    a trace)."""
+def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `matmul(x, w, dot)` runs on the small-row kernel (rows are static in a trace)."""
     if not dot.startswith("kernel"):
         return False
-    return math.prod(x.shape[:-1]) <= kernel_rows(jnp.dtype(w.dtype).name, dot == "kernel+onednn", transpose_w)
+    return math.prod(x.shape[:-1]) <= kernel_rows(jnp.dtype(w.dtype).name, dot == "kernel+onednn")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

@@ -169,7 +169,7 @@ class Decoder(nnx.Module):
         head: Linear | Embedding = self.embed_tokens if self.lm_head is None else self.lm_head
         transpose = self.lm_head is None or self.lm_head.transposed  # the embedding, an int8 head: [V, H]
         w, scale = head.weight[...], None if head.scale is None else head.scale[...]
-        if self.logits_vocab_major and not few_rows(self.dot, h, w, transpose):
+        if self.logits_vocab_major and not few_rows(self.dot, h, w):
             # [V, S] then transposed: XLA:CPU runs the [V, H] x [H, S] form 1.5-3.5x faster for a
             # few rows (SmolLM2's 49,152 x 576 head, 32 rows: 28.5 ms against 41.7 as h @ embed.T
             # and 102 as h @ lm_head; the same from 64 rows up)

@@ -29,7 +29,9 @@
 //                      in the same order: the same bits as one block)
 //   w [N, K], M <= 2   groups of 8 weight rows, each row read start to end (one stream), 4
 //                      vectors of K in flight, summed across the vector at the end
-//   w [N, K], M > 2    4 weight rows x 4 rows of x in registers, 16 k a step
+//   w [N, K], M > 2    4 weight rows x 4 rows of x in registers, 16 k a step; AVX2 above 6
+//                      rows: 16 weight rows at a time transposed (8 x 8 blocks) into an f32
+//                      panel [K, 16], then as [K, N] (each result one sum along K in order)
 // Weights widen to f32 in registers (bf16: a 16-bit shift; int8: sign extension and a
 // convert; the int8 scale multiplies the sum) and every sum accumulates in f32. bf16 x with
 // bf16 w goes through vdpbf16ps instead ([N, K] always, [K, N] at M <= 4: exact products of
@@ -224,6 +226,30 @@ void kn_pack(const Args& a, int64_t n0, float* panel) {
   for (int v = 0; v < kKnVectors; ++v) msk[v] = mask_of(N - n0 - L * v);
   for (int64_t k = 0; k < K; ++k)
     for (int v = 0; v < kKnVectors; ++v) simd::store(panel + k * C + L * v, simd::load(w + k * N + L * v, msk[v]));
+}
+
+// w [N, K]: weight rows n0..n0+C-1 (past N: zeros) widened and transposed into panel [K, C]
+// f32, L x L blocks at a time (AVX2 only: kPackKn), each weight row read once in order
+template <class T>
+void nk_pack(const Args& a, int64_t n0, float* panel) {
+  constexpr int C = L * kKnVectors;
+  const int64_t K = a.K, N = a.N;
+  for (int j0 = 0; j0 < C; j0 += L) {
+    const T* wr[L];
+    for (int j = 0; j < L; ++j)
+      wr[j] = n0 + j0 + j < N ? static_cast<const T*>(a.w) + (n0 + j0 + j) * K : nullptr;
+    int64_t k = 0;
+#if RINGSERVE_SIMD == 256
+    for (; k + L <= K; k += L) {
+      simd::V r[L];
+      for (int j = 0; j < L; ++j) r[j] = wr[j] ? simd::load(wr[j] + k) : simd::zero();
+      simd::transpose(r);
+      for (int t = 0; t < L; ++t) simd::store(panel + (k + t) * C + j0, r[t]);
+    }
+#endif
+    for (; k < K; ++k)
+      for (int j = 0; j < L; ++j) panel[k * C + j0 + j] = wr[j] ? widen(wr[j][k]) : 0.f;
+  }
 }
 
 // kn_tile over a packed panel (kn_pack): rows m0..m0+MB-1 of y x the panel's columns from n0;
@@ -539,13 +565,14 @@ inline PanelTile kn_panel_kernel(int mb) {
   }
 }
 template <class T>
-Pack kn_packer() {
-  return kn_pack<T>;
+Pack packer(bool transpose_w) {
+  if constexpr (kPackKn) return transpose_w ? nk_pack<T> : kn_pack<T>;
+  return nullptr;
 }
 #else
 inline PanelTile kn_panel_kernel(int) { return nullptr; }
 template <class T>
-Pack kn_packer() {
+Pack packer(bool) {
   return nullptr;
 }
 #endif
@@ -629,26 +656,29 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
     return p;
   }
   // Columns per tile: [K, N] kKnVectors vectors (AVX-512: 64 columns); [N, K] 8 weight rows
-  // (M <= 2), else kNkRows. Rows of x are taken 4 at a time (fewer: one block of M).
+  // (M <= 2), else kNkRows; packed (kPackKn, more than one block of rows), either layout: the
+  // panel's L * kKnVectors columns. Rows of x: blocks of 4 ([N, K]) or kKnRows ([K, N], panels).
+  const bool packed = kPackKn && M > kKnRows;
   const int width = transpose_w ? (M <= 2 ? 8 : kNkRows) : kKnVectors;
-  p.cols = transpose_w ? width : L * width;
+  p.cols = transpose_w && !packed ? width : L * kKnVectors;
   p.tiles = (N + p.cols - 1) / p.cols;
   // items of whole tiles, ~1/8 of the weight per thread, within 32 KB..512 KB
   const int64_t tile_bytes = std::max<int64_t>(1, p.cols * K * int64_t(sizeof(T)));
   const int64_t target = std::clamp<int64_t>(p.tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
   p.per_item = std::max<int64_t>(1, target / tile_bytes);
   p.items = (p.tiles + p.per_item - 1) / p.per_item;
-  const int block = transpose_w ? 4 : kKnRows;
+  const int block = transpose_w && !packed ? 4 : kKnRows;
   p.mb = int(std::min<int64_t>(M, block));
   const int rest = int(M % block);
-  p.main = transpose_w ? nk_kernel<T>(p.mb, width, a.xh != nullptr) : kn_kernel<T>(p.mb);
-  p.tail = rest && M > block ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
   p.full_rows = M > block ? M - rest : M;
-  if (!transpose_w && kPackKn && M > block) {
-    p.pack = kn_packer<T>();
+  if (packed) {
+    p.pack = packer<T>(transpose_w);
     p.pmain = kn_panel_kernel(p.mb);
     p.ptail = rest ? kn_panel_kernel(rest) : nullptr;
+    return p;
   }
+  p.main = transpose_w ? nk_kernel<T>(p.mb, width, a.xh != nullptr) : kn_kernel<T>(p.mb);
+  p.tail = rest && M > block ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
   return p;
 }
 

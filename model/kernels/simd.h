@@ -110,6 +110,25 @@ inline V load(const T* p, Mask m) {  // no masked load below 32 bits: the lanes 
 
 inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline void store(float* p, V v, Mask m) { _mm256_maskstore_ps(p, lanes(m), v); }
+// r[i] lane j <-> r[j] lane i (AVX2 only: the packed panels of cpu_matmul.cc)
+inline void transpose(V (&r)[8]) {
+  V t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int h = 0; h < 2; ++h) {
+      u[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  // u[order[q]]: column q of rows 0-3 in its low half, column q + 4 in its high half; u[order[q] + 4]: rows 4-7
+  const int order[4] = {0, 2, 1, 3};
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2f128_ps(u[order[q]], u[order[q] + 4], 0x20);
+    r[q + 4] = _mm256_permute2f128_ps(u[order[q]], u[order[q] + 4], 0x31);
+  }
+}
 inline void store_bf16(uint16_t* p, V v, Mask m) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
