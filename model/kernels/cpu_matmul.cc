@@ -86,8 +86,9 @@ namespace simd = ringserve::simd;
 constexpr int L = simd::L;
 constexpr int kKnVectors = L == 16 ? 4 : 2;  // [K, N] tiles: vectors of columns (MB x this accumulators)
 constexpr int kKnRows = L == 16 ? 4 : 6;     // [K, N] tiles: rows of x a block (AVX2: 6 x 2 accumulators of 16)
-// [K, N] tiles of more than one block of rows: the tile widened into a panel once, then every
-// block reads the panel (AVX2, measured there; AVX-512 reads the tile in place)
+// Calls of more than one block of rows (kKnRows), either layout: each tile widened (and an
+// [N, K] one transposed) into an f32 panel once, then every block reads the panel (AVX2,
+// measured there; AVX-512 reads the tile in place)
 constexpr bool kPackKn = L == 8;
 constexpr int kNkRows = L == 16 ? 4 : 2;     // [N, K] tiles of M > 2: weight rows (MB x this accumulators)
 
@@ -611,7 +612,7 @@ struct Plan {
   Tile main = nullptr, tail = nullptr;
   int64_t cols = 0, tiles = 0, per_item = 0, full_rows = 0;
   int mb = 0;
-  // [K, N] with kPackKn and more than one block of rows: each tile packed, then read by them all
+  // kPackKn and more than one block of rows, either layout: each tile packed, then read by them all
   Pack pack = nullptr;
   PanelTile pmain = nullptr, ptail = nullptr;
 
