@@ -32,10 +32,10 @@ def serve(core: DetokenizerCore, inbox, outbox, stopping) -> None:
 def run(ctx) -> None:
     """Actor entry point: rings `inbox` (from the scheduler) and `outbox` (to the frontend)."""
     from actors.transport.ring import Ring
-    from model.checkpoints.tokenizer import load_tokenizer
+    from model.checkpoints.tokenizer import load_decoder
 
     cfg = m.actor_config.decode(ctx.config)
-    tok = load_tokenizer(cfg.tokenizer_dir)
+    tok = load_decoder(cfg.tokenizer_dir)  # `tokenizers` alone once cached (model/checkpoints/tokenizer.py)
     inbox = Ring.attach(ctx.rings["inbox"], spin_us=cfg.args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=cfg.args.spin_us)
     ctx.ready()

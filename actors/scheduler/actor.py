@@ -342,9 +342,9 @@ def run(ctx) -> None:
 
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
-    from model.checkpoints.tokenizer import load_tokenizer
+    from model.checkpoints.tokenizer import Decoder, load_decoder
 
-    tok = load_tokenizer(cfg.tokenizer_dir)
+    tok = load_decoder(cfg.tokenizer_dir)  # decoding only: `tokenizers` alone once cached
     own_eos = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
     eos_ids = sorted({*cfg.eos_ids, *own_eos})  # the model's and the tokenizer's (the engine sends the model's)
 
@@ -352,9 +352,14 @@ def run(ctx) -> None:
         return str(tok.decode(ids, skip_special_tokens=True))
 
     def ll_tokenizer():  # the vocabulary mapped once, for every grammar (ids past the tokenizer's: never)
+        n_vocab = max(cfg.vocab_size, len(tok))
+        if isinstance(tok, Decoder):  # what llguidance.hf.from_tokenizer maps, without transformers
+            from llguidance import LLTokenizer
+
+            return LLTokenizer(tok.backend_json, n_vocab=n_vocab, eos_token=eos_ids or tok.eos_token_id)
         from llguidance.hf import from_tokenizer
 
-        return from_tokenizer(tok, n_vocab=max(cfg.vocab_size, len(tok)), eos_token=eos_ids or None)
+        return from_tokenizer(tok, n_vocab=n_vocab, eos_token=eos_ids or None)
 
     spin = args.spin_us
     actor = SchedulerActor(

@@ -33,3 +33,114 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+# ---- the scheduler's and detokenizer's tokenizer: `tokenizers` alone ------------------------
+#
+# Those two actors only decode ids (and the scheduler maps the vocabulary for llguidance), which
+# transformers' fast tokenizer does by calling its `tokenizers` backend. Importing transformers
+# costs each ~2 s of CPU and ~70 MB at start-up, on the cores the runner is loading on. So a
+# tokenizer that transformers loaded once is kept as its backend's JSON with the few facts they
+# read (`decoder_spec`), under $RINGSERVE_CACHE/tokenizers/<hash of the tokenizer's files and
+# both libraries' versions>.json, and later starts load that with `tokenizers` (~0.15 s).
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
+
+
+class Decoder:
+    """A tokenizer's decoding from its `tokenizers` backend, with transformers' fast tokenizer's
+    answers: `decode(ids, skip_special_tokens=...)`, `eos_token_id`, `len()`; `backend_json`
+    is what llguidance maps the vocabulary from."""
+
+    def __init__(self, spec: dict[str, Any]):
+        import tokenizers
+
+        self.backend_json: str = spec["backend"]
+        self.backend = tokenizers.Tokenizer.from_str(self.backend_json)
+        self.eos_token_id: int | None = spec["eos_token_id"]
+        self._len = int(spec["len"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: Any) -> str:
+        # transformers 5's fast decode passes only skip_special_tokens to the backend (its
+        # `spaces_between_special_tokens` applies to slow tokenizers)
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def __len__(self) -> int:
+        return self._len
+
+
+def decoder_spec(tok: Any) -> dict[str, Any] | None:
+    """What `Decoder` needs of a transformers tokenizer, or None where its decode is more than
+    the backend's (a slow tokenizer; clean_up_tokenization_spaces in effect)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or not _decodes_as_fast(type(tok)):
+        return None
+    if tok.clean_up_tokenization_spaces and not (
+        type(backend.model).__name__ == "BPE"
+        and not getattr(tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    ):
+        return None  # transformers cleans the text up after the backend: keep transformers
+    from copy import copy
+
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    eos = tok.eos_token_id
+    return {"backend": backend.to_str(), "eos_token_id": None if eos is None else int(eos), "len": len(tok)}
+
+
+def _decodes_as_fast(cls: type) -> bool:
+    """`cls.decode` is transformers' fast tokenizer's, not a subclass's own."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode
+
+
+def _spec_path(path: Path) -> Path | None:
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    from model.checkpoints.paths import cache_dir
+
+    h = hashlib.sha256()
+    try:
+        h.update(f"transformers {version('transformers')} tokenizers {version('tokenizers')}\0".encode())
+    except PackageNotFoundError:
+        return None
+    found = False
+    for name in TOKENIZER_FILES:
+        f = path / name
+        if f.is_file():
+            found = True
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return cache_dir("tokenizers", h.hexdigest()[:24] + ".json") if found else None
+
+
+def load_decoder(path: str | Path) -> Any:
+    """The tokenizer at `path` for decoding: a `Decoder` from the cache when transformers has
+    loaded this tokenizer before (with these library versions), else transformers' tokenizer,
+    whose spec is then kept for the next start."""
+    import json
+
+    spec_file = _spec_path(Path(path))
+    if spec_file is not None and spec_file.is_file():
+        try:
+            return Decoder(json.loads(spec_file.read_text()))
+        except Exception:  # a damaged entry: rebuilt below
+            pass
+    tok = load_tokenizer(path)
+    spec = decoder_spec(tok)
+    if spec_file is not None and spec is not None:
+        import tempfile
+
+        spec_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".spec-", dir=spec_file.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(spec, f)
+            os.replace(tmp, spec_file)  # whole or not at all; a concurrent writer wrote the same
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+    return tok
