@@ -43,7 +43,7 @@ from model.params import QUANT_MODES, build_host_state, build_lazy_state
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
-from model.step_inputs import Buckets, DeviceRow, HostBatch, LogprobBatch, build_batch
+from model.step_inputs import Buckets, DeviceRow, HostBatch, LogprobBatch, NoProgramYet, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +366,14 @@ class ModelExecutor:
                 pass
             else:
                 ok = lambda s: self.programs.smallest_context(s, top_n, need) is not None  # noqa: E731
-        hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
-                         self.cfg.token_ids_logprob_num)  # fmt: skip
+        while True:
+            try:
+                hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
+                                 self.cfg.token_ids_logprob_num)  # fmt: skip
+                break
+            except NoProgramYet:  # (CPU: a prefill longer than the smallest program's) the next one may hold it
+                if not self.programs.wait_for_more():
+                    raise
         ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)
         assert ctx is not None  # `ok` accepted this shape for that reason
         hb.shape = hb.shape._replace(context=ctx)

@@ -88,21 +88,27 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
 
     Programs of one family (decode, extend, verify) are ordered by size (tokens, then context);
     the largest of a family serves any step of it (padded), so each family's largest leads.
-    With `small_prefill_leads` (CPU, where padding costs what real tokens do) so does the
-    smallest extend program: a request's first step is a prefill, and a short prompt padded to
-    the largest one is seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s),
-    where a decode step padded to the largest batch costs a fraction of one. On an accelerator
-    the padding costs little and a program's compile much (TPU: tens of seconds). After them
-    each family's smallest, then the families take turns, each adding the program in the middle
-    of its widest run of missing ones, so padding shrinks fastest (decode 2..64: 64, 2, 32, 16, 48, ...)."""
+    With `small_prefill_leads` (CPU, where padding costs what real tokens do) the smallest
+    extend program leads instead of the largest, and the largest is the first to compile after
+    them: a request's first step is a prefill, a short prompt padded to the largest program is
+    seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s), and the largest one's
+    load is a third of a warm start (its compile the most of a cold one); a prefill no compiled
+    program holds waits for it (`ProgramSet.wait_for_more`). A decode step padded to the
+    largest batch costs a fraction of one. On an accelerator the padding costs little and a
+    program's compile much (TPU: tens of seconds). After them each family's smallest, then the
+    families take turns, each adding the program in the middle of its widest run of missing
+    ones, so padding shrinks fastest (decode 2..64: 64, 2, 32, 16, 48, ...)."""
     orders = []
     for family in buckets.families(verify):
         keys = [(s._replace(context=c), top_n) for s in family for c in contexts]  # ascending
         orders.append([keys[i] for i in widest_gap_first(len(keys))])
-    extend = orders[1] if len(orders) > 1 else []  # families: decode, extend, verify
-    lead = list(dict.fromkeys([o[0] for o in orders] + (extend[1:2] if small_prefill_leads else [])))
+    lead, first = [o[0] for o in orders], []
+    if small_prefill_leads and len(orders) > 1 and len(orders[1]) > 1:  # families: decode, extend, verify
+        first = [lead[1]]  # the largest extend program
+        lead[1] = orders[1][1]  # the smallest
+    lead = list(dict.fromkeys(lead))
     rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
-    return list(dict.fromkeys(lead + rest)), len(lead)
+    return list(dict.fromkeys(lead + first + rest)), len(lead)
 
 
 def widest_gap_first(n: int) -> list[int]:
@@ -126,6 +132,7 @@ class ProgramSet:
         self.order, self.lead, self.contexts = order, lead, contexts
         self.compiled: dict[Key, Any] = {}
         self.pending = 0  # programs still compiling in the background
+        self._more = threading.Condition()  # notified as each background program is compiled
         self.compile_s = 0.0  # seconds every program took to compile (set once all are)
         self.error: str | None = None
         self._thread: threading.Thread | None = None
@@ -160,16 +167,28 @@ class ProgramSet:
             try:
                 for key in rest:
                     self.get(key)
-                    self.pending -= 1
+                    with self._more:
+                        self.pending -= 1
+                        self._more.notify_all()
                 self.compile_s = time.perf_counter() - t0
                 log.info("compiled the other %d step programs in the background (%.1f s in all)", len(rest), self.compile_s)
             except Exception as e:  # noqa: BLE001 -- serving goes on with the programs it has
-                self.error = f"{type(e).__name__}: {e}"
+                with self._more:
+                    self.error = f"{type(e).__name__}: {e}"
+                    self._more.notify_all()
                 log.exception("background compile failed; serving with %d programs", len(self.compiled))
 
         self._thread = threading.Thread(target=compile_rest, name="ringserve-compile", daemon=True)
         self._thread.start()
         return time.perf_counter() - t0
+
+    def wait_for_more(self) -> bool:
+        """Block until the background compile adds a program; False when none will come (all
+        compiled, or the compile failed)."""
+        with self._more:
+            have = len(self.compiled)
+            self._more.wait_for(lambda: len(self.compiled) > have or not self.pending or self.error)
+            return len(self.compiled) > have
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""

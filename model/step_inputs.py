@@ -169,6 +169,11 @@ def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+class NoProgramYet(RuntimeError):
+    """No compiled program holds the step yet (`Buckets.pick` given the compiled ones, while
+    the rest compile in the background)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Buckets:
     """The padded shapes compiled up front (context buckets are the attention backend's)."""
@@ -247,7 +252,7 @@ class Buckets:
         for s in fits:
             if ok is None or ok(s):
                 return s
-        raise RuntimeError(f"no compiled program holds a step of {n_rows} rows, {n_tokens} tokens")
+        raise NoProgramYet(f"no compiled program holds a step of {n_rows} rows, {n_tokens} tokens")
 
     def _extend_fits(self, n_rows: int, n_tokens: int) -> list[StepShape]:
         if n_rows > self.max_rows:

@@ -68,9 +68,9 @@ def test_the_smallest_prefill_program_leads_where_padding_costs_as_real_tokens()
     b = Buckets.make(4, 64, 16)
     order, lead = compile_order(b, [0], 0, 5)  # an accelerator: the covering programs alone
     assert [k[0] for k in order[:lead]] == [StepShape(1, 4, 4), StepShape(16, 64, 4)]
-    cpu_order, lead = compile_order(b, [0], 0, 5, small_prefill_leads=True)
-    assert [k[0] for k in cpu_order[:lead]] == [StepShape(1, 4, 4), StepShape(16, 64, 4), StepShape(16, 16, 4)]
-    assert sorted(cpu_order) == sorted(order) and len(set(order)) == len(order)
+    cpu_order, lead = compile_order(b, [0], 0, 5, small_prefill_leads=True)  # the largest prefill: first after
+    assert [k[0] for k in cpu_order[: lead + 1]] == [StepShape(1, 4, 4), StepShape(16, 16, 4), StepShape(16, 64, 4)]
+    assert lead == 2 and sorted(cpu_order) == sorted(order) and len(set(order)) == len(order)
 
 
 def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
@@ -104,11 +104,12 @@ def test_decode_buckets_step_past_powers_of_two():
 
 @pytest.mark.parametrize("backend", ["native", "bucketed"])
 def test_serves_while_the_other_programs_compile(tiny_dir, backend):
-    """background_compile: the executor is ready once the largest decode and extend programs
-    (at the longest context bucket) and the smallest extend program are compiled (a short
-    prompt's prefill is not padded to the largest); until the others are, a step runs in the
-    smallest compiled program that holds it (padded), with the tokens the exact program gives;
-    then every program is there, each traced once, and steps use the exact ones."""
+    """background_compile: the executor is ready once the largest decode program (at the
+    longest context bucket) and the smallest extend program are compiled (a short prompt's
+    prefill is not padded to the largest); until the others are, a step runs in the smallest
+    compiled program that holds it (padded), with the tokens the exact program gives, and a
+    prefill none holds waits for the largest extend program, compiled first; then every
+    program is there, each traced once, and steps use the exact ones."""
     import threading
 
     from model.step_inputs import StepShape
@@ -129,16 +130,16 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
     keys, lead = ex.programs.order, ex.programs.lead
     total = ex.num_programs_total
     assert len(keys) == total == (5 if backend == "native" else 6)
-    assert [k[0] for k in keys[:lead]] == [StepShape(1, nb, nb, top), StepShape(16, nt, nb, top), StepShape(16, 16, nb, low)]
-    assert ex.num_programs == 3 and ex.programs.pending == total - 3
+    assert [k[0] for k in keys[: lead + 1]] == [StepShape(1, nb, nb, top), StepShape(16, 16, nb, low), StepShape(16, nt, nb, top)]
+    assert ex.num_programs == 2 and ex.programs.pending == total - 2
     status = ex.compile_status()
-    assert (status["programs_compiled"], status["programs_total"], status["programs_pending"]) == (3, total, total - 3)
+    assert (status["programs_compiled"], status["programs_total"], status["programs_pending"]) == (2, total, total - 2)
 
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 2000, 5).astype(np.int32)
     pages = np.arange(1, 9, dtype=np.int32)
 
-    def generate() -> tuple[list[int], list[StepShape]]:
+    def generate(prompt=prompt) -> tuple[list[int], list[StepShape]]:
         ex.new_kv()
         rows = [DeviceRow(prompt, 0, pages, future_slot=0)]
         shapes, toks = [ex.prepare(rows).shape], []
@@ -153,13 +154,22 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
 
     padded, shapes = generate()
     assert shapes[0] == StepShape(16, 16, nb, low) and set(shapes[1:]) == {StepShape(1, nb, nb, top)}
-    assert ex.trace_count == 3
+    assert ex.trace_count == 2
+    long_prompt = rng.integers(3, 2000, 20).astype(np.int32)  # no compiled program holds its prefill
+    waited: list = []
+    waiter = threading.Thread(target=lambda: waited.append(generate(long_prompt)))
+    waiter.start()
+    waiter.join(2.0)
+    assert waiter.is_alive() and not waited  # it waits for the largest extend program
     gate.set()
+    waiter.join(300)
+    assert waited and waited[0][1][0][:2] == (16, nt)
     assert ex.wait_compiled(300) and ex.programs.pending == 0 and ex.programs.error is None
     assert ex.num_programs == ex.trace_count == total
     exact, shapes = generate()
     assert shapes[0] == StepShape(16, 16, nb, low) and set(shapes[1:]) == {StepShape(1, 2, 2, low)}
     assert exact == padded
+    assert generate(long_prompt)[0] == waited[0][0]
     assert ex.trace_count == total
 
 
