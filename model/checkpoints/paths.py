@@ -4,6 +4,7 @@
         models/tiny-<family>-s<seed>/   the generated tiny checkpoints (`tiny`)
         smollm2-135m-instruct/          `ringserve fetch-model smollm2`
         gguf-tokenizers/<hash>/         tokenizer files rebuilt from a .gguf
+        tokenizers/<hash>.json          a tokenizer's backend, for the actors that only decode
         xla/                            the persistent compilation cache
 """
 
