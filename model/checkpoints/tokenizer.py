@@ -90,7 +90,7 @@ def decoder_spec(tok: Any) -> dict[str, Any] | None:
     return {"backend": backend.to_str(), "eos_token_id": None if eos is None else int(eos), "len": len(tok)}
 
 
-def _decodes_as_fast(cls: type) -> bool:
+def _decodes_as_fast(cls: Any) -> bool:
     """`cls.decode` is transformers' fast tokenizer's, not a subclass's own."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
