@@ -133,14 +133,26 @@ def load_decoder(path: str | Path) -> Any:
     tok = load_tokenizer(path)
     spec = decoder_spec(tok)
     if spec_file is not None and spec is not None:
-        import tempfile
+        _keep(spec_file, spec)
+    return tok
 
+
+def _keep(spec_file: Path, spec: dict[str, Any]) -> None:
+    """Write the spec whole or not at all (0600; a concurrent writer writes the same); a cache
+    that cannot be written only costs the next start its speed."""
+    import json
+    import tempfile
+
+    tmp = None
+    try:
         spec_file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".spec-", dir=spec_file.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(spec, f)
-            os.replace(tmp, spec_file)  # whole or not at all; a concurrent writer wrote the same
-        except OSError:
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec, f)
+        os.replace(tmp, spec_file)
+    except OSError as e:
+        import logging
+
+        logging.getLogger(__name__).warning("tokenizer cache %s not written: %s", spec_file.parent, e)
+        if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-    return tok

@@ -95,3 +95,12 @@ def test_a_tokenizer_that_cleans_up_spaces_stays_with_transformers():
     assert decoder_spec(wrap(models.WordPiece(vocab, unk_token="[UNK]"), True)) is None  # " ." -> "."
     assert decoder_spec(wrap(models.WordPiece(vocab, unk_token="[UNK]"), False)) is not None
     assert decoder_spec(wrap(models.BPE(vocab, [], unk_token="[UNK]"), True)) is not None  # ignored for BPE
+
+
+def test_a_cache_that_cannot_be_written_only_costs_speed(tiny_dir, tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")  # the cache root is a file: nothing can be made under it
+    monkeypatch.setenv("RINGSERVE_CACHE", str(blocked))
+    d = tiny_dir("llama")
+    tok = load_decoder(d)
+    assert not isinstance(tok, Decoder) and tok.decode([5, 6]) == load_tokenizer(d).decode([5, 6])
