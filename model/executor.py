@@ -367,12 +367,13 @@ class ModelExecutor:
             else:
                 ok = lambda s: self.programs.smallest_context(s, top_n, need) is not None  # noqa: E731
         while True:
+            seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
             try:
                 hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
                                  self.cfg.token_ids_logprob_num)  # fmt: skip
                 break
             except NoProgramYet:  # (CPU: a prefill longer than the smallest program's) the next one may hold it
-                if not self.programs.wait_for_more():
+                if not self.programs.wait_for_more(seen):
                     raise
         ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)
         assert ctx is not None  # `ok` accepted this shape for that reason

@@ -182,13 +182,12 @@ class ProgramSet:
         self._thread.start()
         return time.perf_counter() - t0
 
-    def wait_for_more(self) -> bool:
-        """Block until the background compile adds a program; False when none will come (all
-        compiled, or the compile failed)."""
+    def wait_for_more(self, seen: int) -> bool:
+        """Block until more than `seen` programs are compiled (the background compile added
+        one); False when no more will come (all compiled, or the compile failed)."""
         with self._more:
-            have = len(self.compiled)
-            self._more.wait_for(lambda: len(self.compiled) > have or not self.pending or self.error)
-            return len(self.compiled) > have
+            self._more.wait_for(lambda: len(self.compiled) > seen or not self.pending or self.error)
+            return len(self.compiled) > seen
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""

@@ -240,3 +240,27 @@ def test_tensor_parallel_matches_tp1(tiny_dir, family):
     assert "(None, None, 'tp')" in results[4, "scan"]["specs"]
     assert "(None, 'tp', None)" in results[4, "scan"]["specs"]
     assert results[4, "unrolled"]["kv"].startswith("('tp',")  # KV cache split by KV head
+
+
+def test_a_program_compiled_between_the_failed_pick_and_the_wait_is_not_missed():
+    """The runner counts the compiled programs before it picks; a wait after the last one
+    landed returns at once with True (retry), and False only when no more will come."""
+    import threading
+
+    from model.programs import ProgramSet
+
+    gate = threading.Event()
+
+    def compile_one(key):
+        if threading.current_thread().name == "ringserve-compile":
+            assert gate.wait(60)
+        return key
+
+    ps = ProgramSet(compile_one, ["lead", "rest"], 1, [0])
+    ps.compile_all(background=True)
+    seen = len(ps.compiled)
+    assert seen == 1 and ps.pending == 1
+    gate.set()
+    assert ps.wait(60) and ps.pending == 0  # the last program landed before the wait
+    assert ps.wait_for_more(seen) is True
+    assert ps.wait_for_more(len(ps.compiled)) is False
