@@ -16,6 +16,7 @@ own process is never touched.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,6 @@ def load_decoder(path: str | Path) -> Any:
     """The tokenizer at `path` for decoding: a `Decoder` from the cache when transformers has
     loaded this tokenizer before (with these library versions), else transformers' tokenizer,
     whose spec is then kept for the next start."""
-    import json
-
     spec_file = _spec_path(Path(path))
     if spec_file is not None and spec_file.is_file():
         try:
@@ -140,7 +139,6 @@ def load_decoder(path: str | Path) -> Any:
 def _keep(spec_file: Path, spec: dict[str, Any]) -> None:
     """Write the spec whole or not at all (0600; a concurrent writer writes the same); a cache
     that cannot be written only costs the next start its speed."""
-    import json
     import tempfile
 
     tmp = None
