@@ -97,15 +97,20 @@ class StepOut(NamedTuple):
     num_positions: int
 
 
-def resolve_layer_loop(layer_loop: str, platform: str) -> str:
+def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
     """How the forward runs the decoder layers. "scan" stacks each weight over the layers and runs
     one `lax.scan` (XLA compiles one layer body); "unrolled" keeps each layer's weights in buffers
-    of their own and traces every layer. On CPU a scan pays for its stacked weights: the dynamic
-    slice of layer l's weights is a copy (XLA:CPU's dot reads whole buffers; SmolLM2-135M: 425 MB
-    a step, 66 of 647 ms of a batch-64 decode step), so CPU runs unrolled (decode steps 7-37%
-    faster, each program ~4x longer to compile). Accelerators read a slice in place: scan."""
+    of their own and traces every layer. Accelerators read a slice in place: scan. On CPU XLA's
+    dot pays for a scan's stacked weights: the dynamic slice of layer l's weights is a copy
+    (XLA:CPU's dot reads whole buffers; SmolLM2-135M: 425 MB a step, 66 of 647 ms of a batch-64
+    decode step), so with XLA's dot alone CPU runs unrolled. ringserve's kernel and oneDNN's
+    custom call read layer l's weights in place from the stack (model/layers.py `matmul`), so
+    with either CPU scans too: one layer body to compile instead of L (SmolLM2 on 2 Zen 3 cores:
+    a program 2.5-3.4 s cold against ~6, 0.25-0.8 s from the cache against ~1-2; all 19 of a
+    server's 56 s against 110), decode steps as fast (XLA's dots of larger steps, "kernel" only,
+    copy each layer's slice: a few % of a prefill)."""
     if layer_loop == "auto":
-        return "unrolled" if platform == "cpu" else "scan"
+        return "unrolled" if platform == "cpu" and dot not in ("kernel", "kernel+onednn", "onednn") else "scan"
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop={layer_loop!r}: must be 'auto', 'scan' or 'unrolled'")
     return layer_loop
@@ -205,8 +210,8 @@ class ModelExecutor:
             deterministic=cfg.deterministic,
         )  # fmt: skip
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
-        self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform)
         self.dot = resolve_dot(cfg, self.platform)
+        self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform, self.dot)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
                               cfg.deterministic, logits_vocab_major=self.platform == "cpu",
                               lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization,

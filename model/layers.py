@@ -63,24 +63,30 @@ class Linear(nnx.Module):
         self.bias = param((n_out,), dtype, sharding[1:]) if bias else None
         self.dot = dot
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return project(x, self)[0]
+    def __call__(self, x: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+        return project(x, self, layer=layer)[0]
 
 
-def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
+def project(x: jax.Array, *linears: Linear, layer: jax.Array | int | None = None) -> list[jax.Array]:
     """[lin(x) for lin in linears]: projections that share x (q/k/v, gate/up) as one custom call
     when each would run on the few-row kernel alone (`few_rows`; cpu_matmul.py `matmuls`: the
-    same bits, one dispatch to the pool's threads instead of one per projection)."""
+    same bits, one dispatch to the pool's threads instead of one per projection).
+
+    Weights stacked over the layers (`Decoder`'s scan on CPU hands over each projection's
+    whole stack, `[L, ...]`, weight and scale) multiply as layer `layer`'s (`matmul`)."""
     ws = [lin.weight[...] for lin in linears]
     scales = [None if lin.scale is None else lin.scale[...] for lin in linears]
+    stacked = ws[0].ndim == 3
     kernel = all(few_rows(lin.dot, x, w) for lin, w in zip(linears, ws, strict=True))
     if len(linears) > 1 and kernel and len({lin.transposed for lin in linears}) == 1:
         from model.kernels import cpu_matmul
 
         given = [s for s in scales if s is not None]  # every projection int8 (transposed), or none
-        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed, scales=given or None)
+        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed, scales=given or None,
+                                layer=layer if stacked else None)  # fmt: skip
     else:
-        ys = [matmul(x, w, lin.dot, lin.transposed, s) for lin, w, s in zip(linears, ws, scales, strict=True)]
+        at = layer if stacked else None
+        ys = [matmul(x, w, lin.dot, lin.transposed, s, layer=at) for lin, w, s in zip(linears, ws, scales, strict=True)]
     return [y if lin.bias is None else y + lin.bias[...] for lin, y in zip(linears, ys, strict=True)]
 
 
@@ -110,13 +116,14 @@ class GatedMLP(nnx.Module):
         self.up_proj = Linear(hidden, inter, dtype, column, dot=dot, quant=quant)
         self.down_proj = Linear(inter, hidden, dtype, row, dot=dot, quant=quant)
 
-    def __call__(self, x: jax.Array, lora: Any = None) -> jax.Array:
-        """`lora`: the layer's adapters (model/lora.py LayerLora), added to each projection."""
-        g, u = project(x, self.gate_proj, self.up_proj)
+    def __call__(self, x: jax.Array, lora: Any = None, layer: jax.Array | int | None = None) -> jax.Array:
+        """`lora`: the layer's adapters (model/lora.py LayerLora), added to each projection;
+        `layer`: which layer's weights multiply, where they are stacked (`project`)."""
+        g, u = project(x, self.gate_proj, self.up_proj, layer=layer)
         if lora is None:
-            return self.down_proj(silu(g) * u)
+            return self.down_proj(silu(g) * u, layer)
         h = silu(lora.apply("gate_proj", x, g)) * lora.apply("up_proj", x, u)
-        return lora.apply("down_proj", h, self.down_proj(h))
+        return lora.apply("down_proj", h, self.down_proj(h, layer))
 
 
 def silu(x: jax.Array) -> jax.Array:
@@ -157,7 +164,7 @@ def invariant_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = False,
-           scale: jax.Array | None = None, out_dtype=None) -> jax.Array:  # fmt: skip
+           scale: jax.Array | None = None, out_dtype=None, layer: jax.Array | int | None = None) -> jax.Array:  # fmt: skip
     """x @ w (w [K, N]; [N, K] with `transpose_w`) in `out_dtype` (x's by default), computed as
     `dot` says:
 
@@ -169,19 +176,25 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
         kernel+onednn  the same up to KERNEL_ROWS_BESIDE_ONEDNN rows, more rows through oneDNN
 
     `scale` [N] f32: w is int8, weight-only quantized (column n is w[:, n] * scale[n]); XLA's
-    paths convert w to x's dtype inside the dot and scale its f32 result, the custom call
-    dequantizes as it multiplies."""
+    paths convert w to x's dtype inside the dot and scale its f32 result, the custom calls
+    dequantize as they multiply.
+
+    `layer`: w (and `scale`) are stacked over the layers, `[L, ...]`, and layer `layer`'s
+    multiply: the custom calls read that layer in place, XLA's dots a slice of it (a copy)."""
     out_dtype = out_dtype or x.dtype
     if dot.startswith("kernel"):
         if few_rows(dot, x, w):
             from model.kernels import cpu_matmul
 
-            return cpu_matmul.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype)
+            return cpu_matmul.matmuls(x, [w], transpose_w=transpose_w, scales=None if scale is None else [scale],
+                                      out_dtype=out_dtype, layer=layer)[0]  # fmt: skip
         dot = "onednn" if dot == "kernel+onednn" else "xla"
     if dot == "onednn":
         from model.kernels import onednn
 
-        return onednn.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype)
+        return onednn.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype, layer=layer)
+    if layer is not None:
+        w, scale = w[layer], None if scale is None else scale[layer]
     w = w.T if transpose_w else w
     if scale is not None:
         w = w.astype(x.dtype)

@@ -14,10 +14,11 @@ module holds). Two layouts of the layers (model/executor.py: resolve_layer_loop)
 
     "scan"      one DecoderLayer whose Params carry a leading L axis; one `lax.scan` over its
                 state carries the hidden states and the whole KV cache, so XLA compiles one
-                layer body and updates the cache in place (accelerators)
+                layer body and updates the cache in place (accelerators; CPU with ringserve's
+                kernel dot, which is handed each projection's whole stack and the layer index
+                and reads the layer in place: a scanned slice would be a copy every step)
     "unrolled"  an nnx.List of L DecoderLayers, each layer's weights in buffers of their own,
-                traced one after another (CPU: a scanned layer's weights are copied out of the
-                stack every step there)
+                traced one after another (CPU with XLA's or oneDNN's dot)
 
 Every compiled program takes the Decoder's state (model/params.py) as its first argument and
 rebuilds the module inside the trace (`CausalLM.forward` / `logits`: `nnx.merge`), so jit sees
@@ -72,7 +73,7 @@ class Attention(nnx.Module):
         """x [T, H] (normed) -> attention output [T, H], and the KV cache with layer `layer`'s
         new keys and values written; `lora`: the layer's adapters (model/lora.py), if served."""
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)  # one custom call where it can
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj, layer=layer)  # one custom call where it can
         q = apply_lora(lora, "q_proj", x, q).reshape(t, cfg.num_heads, cfg.head_dim)
         k = apply_lora(lora, "k_proj", x, k).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = apply_lora(lora, "v_proj", x, v).reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -81,7 +82,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv = self.backend.write(kv, layer, k, v, fb)
         o = self.backend.attend(q, kv, layer, fb).reshape(t, cfg.q_size)
-        return apply_lora(lora, "o_proj", o, self.o_proj(o)), kv
+        return apply_lora(lora, "o_proj", o, self.o_proj(o, layer)), kv
 
 
 class DecoderLayer(nnx.Module):
@@ -98,7 +99,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any]:
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb, lora)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x), lora), kv
+        return x + self.mlp(self.post_attention_layernorm(x), lora, layer), kv
 
 
 class Decoder(nnx.Module):
@@ -152,13 +153,17 @@ class Decoder(nnx.Module):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
                 x, kv = layer(x, cos, sin, kv, i, fb, layer_lora(lora.weights["layers"][i] if lora is not None else None))
         else:
-            graphdef, stacked = nnx.split(self.layers)
+            # With the CPU kernel's dots the projections' weights stay whole: the kernel reads
+            # layer i's in place from the stack (`project`), where a scanned slice of them
+            # would be a copy every step; the rest (norms, biases) is sliced by the scan
+            graphdef, whole, stacked = nnx.split(self.layers, _stack_read_in_place if self.dot.startswith("kernel")
+                                                 else nnx.Nothing, ...)  # fmt: skip
             pool = lora.weights["layers"] if lora is not None else None
 
             def body(carry, xs):
                 x, kv, i = carry
                 state, pool_layer = xs
-                x, kv = nnx.merge(graphdef, state)(x, cos, sin, kv, i, fb, layer_lora(pool_layer))
+                x, kv = nnx.merge(graphdef, whole, state)(x, cos, sin, kv, i, fb, layer_lora(pool_layer))
                 return (x, kv, i + 1), None
 
             (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), (stacked, pool), unroll=self.layer_unroll)
@@ -177,6 +182,11 @@ class Decoder(nnx.Module):
             return jax.lax.dot_general(w, h, (((1,), (1,)), ((), ()))).T.astype(jnp.float32)
         # f32 out of the product: the logits are never rounded to bf16 by a custom call
         return matmul(h, w, self.dot, transpose_w=transpose, scale=scale, out_dtype=jnp.float32)
+
+
+def _stack_read_in_place(path: tuple, _value: Any) -> bool:
+    """A projection's weight or int8 scale (a Linear's: q/k/v/o, gate/up/down `_proj`)."""
+    return len(path) >= 2 and str(path[-2]).endswith("_proj") and path[-1] in ("weight", "scale")
 
 
 class CausalLM:

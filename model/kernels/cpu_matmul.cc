@@ -8,6 +8,9 @@
 //   results                y_g [..., N_g] f32 | bf16 (the caller's choice; bf16 rounded to
 //                          nearest even), one per weight
 //   attribute transpose_w  the weights are stored [N, K] (a tied embedding as the LM head)
+//   stacked weights        w_g [L, K, N] or [L, N, K], scales [L, N], and one more operand last:
+//                          the layer l (s32 scalar) whose weights w_g[l] multiply (the layers'
+//                          scan passes the whole stack: a slice would copy the layer's weights)
 //
 // G > 1: the projections that read the same x (q/k/v, gate/up). Each weight is planned as if
 // alone (the same items, the same sums: y_g has the bits of a call with w_g only), and the
@@ -703,12 +706,27 @@ void run(ffi::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
   for (const Plan& p : plans) p.finish();
 }
 
-// x [..., K] and G weights (then G int8 scales, or none) -> G results y_g = x @ w_g
+// x [..., K] and G weights (then G int8 scales, or none; then the layer, for stacked weights)
+// -> G results y_g = x @ w_g
 ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   bool transpose_w) {
   const size_t G = rets.size();
-  const bool q8 = args.size() == 2 * G;
-  if (G == 0 || (args.size() != G && !q8))
+  // Stacked weights ([L, K, N] or [L, N, K], scales [L, N]) end the operands with the layer to
+  // read (s32 scalar): the layers' scan hands the kernel the whole stack, never a slice (a
+  // slice would be a copy of the layer's weights every step)
+  int64_t layer = 0;
+  size_t nargs = args.size();
+  auto w0 = args.get<ffi::AnyBuffer>(0);
+  const bool stacked = G > 0 && w0.has_value() && w0->dimensions().size() == 3;
+  if (stacked) {
+    auto l = args.get<ffi::AnyBuffer>(nargs - 1);
+    if (!l.has_value() || l->element_type() != ffi::DataType::S32 || l->element_count() != 1)
+      return ffi::Error::InvalidArgument("cpu_matmul: the layer of stacked weights must be an s32 scalar");
+    layer = *static_cast<const int32_t*>(l->untyped_data());
+    --nargs;
+  }
+  const bool q8 = nargs == 2 * G;
+  if (G == 0 || (nargs != G && !q8))
     return ffi::Error::InvalidArgument("cpu_matmul: x, G weights (and G scales for int8), G results");
   auto xd = x.dimensions();
   const auto xt = x.element_type();
@@ -737,9 +755,14 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arg
     auto w = args.get<ffi::AnyBuffer>(g);
     auto y = rets.get<ffi::AnyBuffer>(g);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_matmul: buffers expected");
-    auto wd = w->dimensions(), yd = (*y)->dimensions();
-    if (wd.size() != 2 || yd.size() != xd.size())
-      return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+    auto wd_all = w->dimensions(), yd = (*y)->dimensions();
+    const size_t rank = stacked ? 3 : 2;
+    if (wd_all.size() != rank || yd.size() != xd.size())
+      return ffi::Error::InvalidArgument(stacked ? "cpu_matmul: x [..., K], stacked w rank 3, y [..., N]"
+                                                 : "cpu_matmul: x [..., K], w rank 2, y [..., N]");
+    if (stacked && (layer < 0 || layer >= wd_all[0]))
+      return ffi::Error::InvalidArgument("cpu_matmul: layer out of the stack's range");
+    const int64_t wd[2] = {wd_all[rank - 2], wd_all[rank - 1]};
     a.N = transpose_w ? wd[0] : wd[1];
     if ((transpose_w ? wd[1] : wd[0]) != a.K || yd.back() != a.N)
       return ffi::Error::InvalidArgument("cpu_matmul: inner dimensions disagree");
@@ -751,11 +774,13 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arg
     a.scale = nullptr;
     if (q8) {
       auto s = args.get<ffi::AnyBuffer>(G + g);
-      if (!s.has_value() || s->element_type() != ffi::DataType::F32 || int64_t(s->element_count()) != a.N)
-        return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N]");
-      a.scale = static_cast<const float*>(s->untyped_data());
+      const int64_t layers = stacked ? wd_all[0] : 1;
+      if (!s.has_value() || s->element_type() != ffi::DataType::F32 || int64_t(s->element_count()) != layers * a.N)
+        return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N] ([L, N] stacked)");
+      a.scale = static_cast<const float*>(s->untyped_data()) + layer * a.N;
     }
-    a.w = w->untyped_data();
+    const size_t item = wt == ffi::DataType::F32 ? 4 : wt == ffi::DataType::BF16 ? 2 : 1;
+    a.w = static_cast<const char*>(w->untyped_data()) + size_t(layer) * size_t(a.K * a.N) * item;
     a.y = (*y)->untyped_data();
     a.y_bf16 = yt == ffi::DataType::BF16;
     if (a.M == 0 || a.N == 0) continue;

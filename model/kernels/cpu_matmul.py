@@ -75,10 +75,15 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.
 
 
 def matmuls(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, scales: list[jax.Array] | None = None,
-            out_dtype=None) -> list[jax.Array]:  # fmt: skip
+            out_dtype=None, layer: jax.Array | int | None = None) -> list[jax.Array]:  # fmt: skip
     """[matmul(x, w) for w in ws] (`scales`: one per int8 weight) as one call: the work of every
-    weight is dealt to the pool at once, and each result has the bits its own call gives."""
-    outs = [jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0] if transpose_w else w.shape[1]), out_dtype or x.dtype)
+    weight is dealt to the pool at once, and each result has the bits its own call gives.
+
+    `layer`: the weights are stacked over the layers ([L, K, N] or [L, N, K], scales [L, N])
+    and layer `layer`'s multiply, read in place (the layers' scan: `w[layer]` would copy them)."""
+    outs = [jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[-2] if transpose_w else w.shape[-1]), out_dtype or x.dtype)
             for w in ws]  # fmt: skip
     extra = [] if scales is None else [s.astype(jnp.float32) for s in scales]
+    if layer is not None:
+        extra.append(jnp.asarray(layer, jnp.int32))
     return list(jax.ffi.ffi_call(TARGET, outs)(x, *ws, *extra, transpose_w=transpose_w))

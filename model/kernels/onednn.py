@@ -101,15 +101,18 @@ def supports(x_dtype: str, w_dtype: str) -> str | None:
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,
-           out_dtype=None) -> jax.Array:  # fmt: skip
+           out_dtype=None, layer: jax.Array | int | None = None) -> jax.Array:  # fmt: skip
     """x [..., K] @ w, w [K, N] (or [N, K] with transpose_w): [..., N] in `out_dtype` (x's by
-    default). `scale` [N] f32: w is int8 and column n is w[:, n] * scale[n]. CPU only; call
-    `reason()` first (the targets must be registered before a program is traced)."""
-    n = w.shape[0] if transpose_w else w.shape[1]
+    default). `scale` [N] f32: w is int8 and column n is w[:, n] * scale[n]. `layer`: w is
+    stacked over the layers ([L, K, N] / [L, N, K], scale [L, N]) and layer `layer`'s
+    multiply, read in place (the layers' scan). CPU only; call `reason()` first (the targets
+    must be registered before a program is traced)."""
+    n = w.shape[-2] if transpose_w else w.shape[-1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), out_dtype or x.dtype)
+    extra = [] if layer is None else [jnp.asarray(layer, jnp.int32)]
     if scale is None:
-        return jax.ffi.ffi_call(TARGET, out)(x, w, transpose_w=transpose_w)
-    return jax.ffi.ffi_call(TARGET_Q8, out)(x, w, scale.astype(jnp.float32), transpose_w=transpose_w)
+        return jax.ffi.ffi_call(TARGET, out)(x, w, *extra, transpose_w=transpose_w)
+    return jax.ffi.ffi_call(TARGET_Q8, out)(x, w, scale.astype(jnp.float32), *extra, transpose_w=transpose_w)
 
 
 def register_weights(arrays: list[jax.Array]) -> int | None:
@@ -120,9 +123,17 @@ def register_weights(arrays: list[jax.Array]) -> int | None:
     The caller must release before it frees, replaces or changes any of them."""
     if not _LIB:
         return None
-    bufs = [a for a in arrays if a.ndim == 2]  # only a matrix is ever a matmul's weight
-    addrs = (ctypes.c_uint64 * len(bufs))(*(a.unsafe_buffer_pointer() for a in bufs))
-    sizes = (ctypes.c_uint64 * len(bufs))(*(a.nbytes for a in bufs))
+    # only a matrix is ever a matmul's weight; a stack of them ([L, K, N], the layers' scan)
+    # registers each layer's matrix, which the call reads in place (`matmul(layer=)`)
+    bufs: list[tuple[int, int]] = []
+    for a in arrays:
+        if a.ndim == 2:
+            bufs.append((a.unsafe_buffer_pointer(), a.nbytes))
+        elif a.ndim == 3 and a.size:
+            per = a.nbytes // a.shape[0]
+            bufs += [(a.unsafe_buffer_pointer() + i * per, per) for i in range(a.shape[0])]
+    addrs = (ctypes.c_uint64 * len(bufs))(*(p for p, _ in bufs))
+    sizes = (ctypes.c_uint64 * len(bufs))(*(n for _, n in bufs))
     owner = next(_owners)
     _LIB[0].ringserve_onednn_register(owner, addrs, sizes, len(bufs))
     return owner

@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -150,11 +151,24 @@ std::shared_ptr<dnnl::memory> packed_weight(const void* data, const dnnl::memory
   return mem;
 }
 
-ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, ffi::Result<ffi::AnyBuffer> y,
-               bool transpose_w) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (wd.size() != 2 || xd.size() < 1 || yd.size() != xd.size())
-    return ffi::Error::InvalidArgument("onednn_matmul: x [..., K], w rank 2, y [..., N]");
+// `layer` (an s32 scalar, or null): w is stacked over the layers ([L, K, N] or [L, N, K], scale
+// [L, N]) and layer `layer`'s multiply, read in place (the layers' scan; each layer's slice of a
+// registered stack is registered on its own, so it has its packed copy)
+ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, const ffi::AnyBuffer* layer,
+               ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
+  auto xd = x.dimensions(), wd_all = w.dimensions(), yd = y->dimensions();
+  const size_t rank = layer ? 3 : 2;
+  if (wd_all.size() != rank || xd.size() < 1 || yd.size() != xd.size())
+    return ffi::Error::InvalidArgument(layer ? "onednn_matmul: x [..., K], stacked w rank 3, y [..., N]"
+                                             : "onednn_matmul: x [..., K], w rank 2, y [..., N]");
+  int64_t l = 0;
+  if (layer) {
+    if (layer->element_type() != ffi::DataType::S32 || layer->element_count() != 1)
+      return ffi::Error::InvalidArgument("onednn_matmul: the layer of stacked weights must be an s32 scalar");
+    l = *static_cast<const int32_t*>(layer->untyped_data());
+    if (l < 0 || l >= wd_all[0]) return ffi::Error::InvalidArgument("onednn_matmul: layer out of the stack's range");
+  }
+  const int64_t wd[2] = {wd_all[rank - 2], wd_all[rank - 1]};
   int64_t k = xd.back();
   int64_t m = k == 0 ? 0 : int64_t(x.element_count()) / k;
   int64_t n = transpose_w ? wd[0] : wd[1];
@@ -164,6 +178,8 @@ ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, 
   if (!to_dnnl(x.element_type(), &xt) || !to_dnnl(w.element_type(), &wt) || !to_dnnl(y->element_type(), &yt))
     return ffi::Error::InvalidArgument("onednn_matmul: dtypes must be f32, bf16, f16 (w: or s8)");
   if (m == 0 || n == 0) return ffi::Error::Success();
+  const void* wdata = static_cast<const char*>(w.untyped_data()) + size_t(l) * size_t(k * n) * dnnl::memory::data_type_size(wt);
+  const void* sdata = scale ? static_cast<const float*>(scale->untyped_data()) + l * n : nullptr;
   try {
     const bool quant = scale != nullptr;
     auto& eng = cpu_engine();
@@ -172,16 +188,16 @@ ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, 
     if (m >= MIN_PACKED_ROWS) {
       const Cached& c = primitive(m, k, n, xt, wt, yt, transpose_w, quant, true);
       dnnl::memory::desc plain({k, n}, wt, transpose_w ? tag::ba : tag::ab);
-      if (c.ok && (packed = packed_weight(w.untyped_data(), plain, c.w))) cp = &c;
+      if (c.ok && (packed = packed_weight(wdata, plain, c.w))) cp = &c;
     }
     const Cached& c = cp ? *cp : primitive(m, k, n, xt, wt, yt, transpose_w, quant, false);
     if (!c.ok)  // the executor asks `ringserve_onednn_supports` first; a direct caller may not
       return ffi::Error::InvalidArgument(std::string("onednn_matmul: oneDNN has no ") + name(xt) + " x " + name(wt) +
                                          " matmul on this CPU");
     dnnl::memory xm(c.x, eng, x.untyped_data()), ym(c.y, eng, y->untyped_data());
-    dnnl::memory wm = packed ? *packed : dnnl::memory(c.w, eng, w.untyped_data());
+    dnnl::memory wm = packed ? *packed : dnnl::memory(c.w, eng, const_cast<void*>(wdata));
     std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}};
-    if (scale != nullptr) args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, dnnl::memory(c.scale, eng, scale->untyped_data()));
+    if (scale != nullptr) args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, dnnl::memory(c.scale, eng, const_cast<void*>(sdata)));
     auto& s = thread_stream();
     c.prim.execute(s, args);
     s.wait();
@@ -191,26 +207,42 @@ ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, 
   return ffi::Error::Success();
 }
 
-ffi::Error matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
-  return run(x, w, nullptr, y, transpose_w);
+// The optional last operand: the layer of stacked weights (`run`)
+ffi::Error layer_of(ffi::RemainingArgs rest, std::optional<ffi::AnyBuffer>* layer) {
+  if (rest.size() > 1) return ffi::Error::InvalidArgument("onednn_matmul: x, w (scale), then at most the layer");
+  if (rest.size() == 1) {
+    auto l = rest.get<ffi::AnyBuffer>(0);
+    if (!l.has_value()) return ffi::Error::InvalidArgument("onednn_matmul: the layer must be a buffer");
+    *layer = *l;
+  }
+  return ffi::Error::Success();
 }
 
-ffi::Error matmul_q8(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> y,
-                     bool transpose_w) {
+ffi::Error matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
+                  bool transpose_w) {
+  std::optional<ffi::AnyBuffer> layer;
+  if (auto e = layer_of(rest, &layer); e.failure()) return e;
+  return run(x, w, nullptr, layer ? &*layer : nullptr, y, transpose_w);
+}
+
+ffi::Error matmul_q8(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::RemainingArgs rest,
+                     ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
   if (w.element_type() != ffi::DataType::S8 || scale.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("onednn_matmul_q8: w must be int8 and scale f32");
-  return run(x, w, &scale, y, transpose_w);
+  std::optional<ffi::AnyBuffer> layer;
+  if (auto e = layer_of(rest, &layer); e.failure()) return e;
+  return run(x, w, &scale, layer ? &*layer : nullptr, y, transpose_w);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveOnednnMatmul, matmul,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_w"));
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>().Attr<bool>("transpose_w"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveOnednnMatmulQ8, matmul_q8,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<bool>("transpose_w"));
+                                  .RemainingArgs().Ret<ffi::AnyBuffer>().Attr<bool>("transpose_w"));
 
 // The executor's weights: `n` buffers (address, bytes) that stay unchanged until it releases
 // `owner` (model/kernels/onednn.py `register_weights`). An address registered again moves to

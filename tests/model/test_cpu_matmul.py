@@ -109,6 +109,61 @@ def test_project_is_one_call_for_the_kernel_and_per_linear_otherwise():
             np.testing.assert_array_equal(np.asarray(got), np.asarray(lin(x)))
 
 
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_stacked_weights_give_the_layers_own_bits(wdtype, transpose):
+    """Weights stacked over layers ([L, K, N] / [L, N, K], scales [L, N]) and a traced layer
+    index (the layers' scan): the bits of a call on that layer's own weights, grouped or not,
+    for every layer (the last one too: the offsets stay inside the stack)."""
+    rng = np.random.default_rng(13)
+    k, ns, layers = 96, (80, 24), 3
+    made = [[_weights(rng, k, n, wdtype) for _ in range(layers)] for n in ns]  # [weight][layer]
+    lay = (lambda w: jnp.asarray(np.asarray(w).T.copy())) if transpose else (lambda w: w)
+    stacks = [jnp.stack([lay(w) for w, _, _ in per]) for per in made]
+    scales = None if wdtype != "int8" else [jnp.stack([s for _, s, _ in per]) for per in made]
+    run = jax.jit(lambda x, ws, ss, l: cpu_matmul.matmuls(x, ws, transpose_w=transpose, scales=ss, layer=l))
+    for m in (1, 5):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        for l in range(layers):
+            got = run(x, stacks, scales, jnp.int32(l))
+            for g, per in enumerate(made):
+                w, s, _ = per[l]
+                one = cpu_matmul.matmul(x, lay(w), transpose_w=transpose, scale=s)
+                np.testing.assert_array_equal(np.asarray(got[g]), np.asarray(one), err_msg=f"{m} {l} {g}")
+    with pytest.raises(Exception, match="layer out of the stack's range"):
+        jax.block_until_ready(run(x, stacks, scales, jnp.int32(layers)))
+
+
+def test_project_multiplies_a_stacked_weight_as_the_layers_on_either_dot():
+    """layers.project on weights stacked over layers (the CPU scan's view): the kernel reads
+    layer l in place (one call, no slice); past the kernel's rows XLA's dot gets the slice;
+    both give what the layer's own Linear gives."""
+    from model.layers import Linear, kernel_rows, project
+
+    rng = np.random.default_rng(17)
+    per_layer = [[Linear(64, n, jnp.float32, dot="kernel") for n in (48, 16)] for _ in range(2)]
+    for lins in per_layer:
+        for lin in lins:
+            lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float32)
+    stacked = [Linear(64, n, jnp.float32, dot="kernel") for n in (48, 16)]
+    for g, lin in enumerate(stacked):
+        lin.weight = nnx_param(jnp.stack([lins[g].weight[...] for lins in per_layer]))
+    for rows, calls in ((1, 1), (kernel_rows("float32") + 1, 0)):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        for l in range(2):
+            text = jax.jit(lambda x, l: project(x, *stacked, layer=l)).lower(x, jnp.int32(l)).as_text()
+            assert text.count("ringserve_cpu_matmul") == calls, rows
+            got = project(x, *stacked, layer=jnp.int32(l))
+            for y, lin in zip(got, per_layer[l], strict=True):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(lin(x)), err_msg=f"{rows} {l}")
+
+
+def nnx_param(value):
+    from flax import nnx
+
+    return nnx.Param(value)
+
+
 def test_bf16_out_rounds_to_nearest_even_like_jax():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 200)), jnp.float32)

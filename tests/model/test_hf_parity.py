@@ -69,7 +69,23 @@ def greedy_with_cached_prefix(ex: ModelExecutor, prompts: list[list[int]], n_pre
     return gen
 
 
-@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])  # CPU's default, and accelerators'
+def test_cpu_scans_its_layers_where_the_custom_calls_read_the_stack():
+    """auto: accelerators scan; CPU scans with ringserve's kernel or oneDNN's custom call (each
+    reads a layer's weights in place from the stack), and runs unrolled where XLA's dot alone
+    (or the deterministic mode's) would copy a slice every step."""
+    from model.executor import resolve_layer_loop
+
+    assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu", "xla") == "scan"
+    for dot in ("kernel", "kernel+onednn", "onednn"):
+        assert resolve_layer_loop("auto", "cpu", dot) == "scan", dot
+    for dot in ("xla", "invariant"):
+        assert resolve_layer_loop("auto", "cpu", dot) == "unrolled", dot
+    assert resolve_layer_loop("unrolled", "cpu", "kernel") == "unrolled"
+    with pytest.raises(ValueError, match="layer_loop='loop'"):
+        resolve_layer_loop("loop", "cpu")
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])  # both on CPU (by the dot), accelerators scan
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_match_hf(tiny_dir, family, layer_loop):
     path = tiny_dir(family)

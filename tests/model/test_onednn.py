@@ -189,6 +189,40 @@ def test_a_registered_weight_is_packed_once_and_multiplies_to_the_same_bits(quan
     np.testing.assert_array_equal(np.asarray(f(x, w)), plain)
 
 
+@pytest.mark.parametrize("quant", [False, pytest.param(True, marks=needs("float32", "int8"))])
+@pytest.mark.parametrize("transpose_w", [False, True])
+@needs_onednn
+def test_a_stacked_weight_reads_each_layer_in_place_packed_or_not(quant, transpose_w):
+    """Weights stacked over layers ([L, K, N] / [L, N, K], scales [L, N]; the CPU scan) with the
+    layer as an operand: each layer's bits are its own matrix's, read plain (4 rows) and from
+    the packed copy of that layer's registered slice (64 rows); the last layer too; a layer out
+    of the stack is refused."""
+    rng = np.random.default_rng(4)
+    k, n, layers = 96, 200, 3
+    shape = (layers, n, k) if transpose_w else (layers, k, n)
+    if quant:
+        w = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+        scale = jnp.asarray(rng.random((layers, n)) * 0.02 + 0.001, jnp.float32)
+    else:
+        w, scale = jnp.asarray(rng.standard_normal(shape), jnp.float32), None
+    x = jnp.asarray(rng.standard_normal((64, k)), jnp.float32)
+    one = jax.jit(lambda x, w, s: onednn.matmul(x, w, transpose_w=transpose_w, scale=s))
+    stacked = jax.jit(lambda x, w, s, l: onednn.matmul(x, w, transpose_w=transpose_w, scale=s, layer=l))
+    want = [[np.asarray(one(x[:rows], w[l], None if scale is None else scale[l])) for l in range(layers)]
+            for rows in (4, 64)]  # fmt: skip
+    owner = onednn.register_weights([w])
+    try:
+        for i, rows in enumerate((4, 64)):
+            for l in range(layers):
+                np.testing.assert_array_equal(np.asarray(stacked(x[:rows], w, scale, jnp.int32(l))), want[i][l],
+                                              err_msg=f"{rows} {l}")  # fmt: skip
+        assert onednn.packed_bytes(owner) >= w.nbytes  # every layer's slice packed once
+        with pytest.raises(Exception, match="layer out of the stack's range"):
+            jax.block_until_ready(stacked(x, w, scale, jnp.int32(layers)))
+    finally:
+        onednn.release_weights(owner)
+
+
 @needs("bfloat16", "bfloat16")
 def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
     """The executor registers its weights; a swap releases the old ones before they are freed
