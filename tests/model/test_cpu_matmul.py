@@ -121,22 +121,22 @@ def test_stacked_weights_give_the_layers_own_bits(wdtype, transpose):
     lay = (lambda w: jnp.asarray(np.asarray(w).T.copy())) if transpose else (lambda w: w)
     stacks = [jnp.stack([lay(w) for w, _, _ in per]) for per in made]
     scales = None if wdtype != "int8" else [jnp.stack([s for _, s, _ in per]) for per in made]
-    run = jax.jit(lambda x, ws, ss, l: cpu_matmul.matmuls(x, ws, transpose_w=transpose, scales=ss, layer=l))
+    run = jax.jit(lambda x, ws, ss, li: cpu_matmul.matmuls(x, ws, transpose_w=transpose, scales=ss, layer=li))
     for m in (1, 5):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-        for l in range(layers):
-            got = run(x, stacks, scales, jnp.int32(l))
+        for li in range(layers):
+            got = run(x, stacks, scales, jnp.int32(li))
             for g, per in enumerate(made):
-                w, s, _ = per[l]
+                w, s, _ = per[li]
                 one = cpu_matmul.matmul(x, lay(w), transpose_w=transpose, scale=s)
-                np.testing.assert_array_equal(np.asarray(got[g]), np.asarray(one), err_msg=f"{m} {l} {g}")
+                np.testing.assert_array_equal(np.asarray(got[g]), np.asarray(one), err_msg=f"{m} {li} {g}")
     with pytest.raises(Exception, match="layer out of the stack's range"):
         jax.block_until_ready(run(x, stacks, scales, jnp.int32(layers)))
 
 
 def test_project_multiplies_a_stacked_weight_as_the_layers_on_either_dot():
     """layers.project on weights stacked over layers (the CPU scan's view): the kernel reads
-    layer l in place (one call, no slice); past the kernel's rows XLA's dot gets the slice;
+    layer li in place (one call, no slice); past the kernel's rows XLA's dot gets the slice;
     both give what the layer's own Linear gives."""
     from model.layers import Linear, kernel_rows, project
 
@@ -150,12 +150,12 @@ def test_project_multiplies_a_stacked_weight_as_the_layers_on_either_dot():
         lin.weight = nnx_param(jnp.stack([lins[g].weight[...] for lins in per_layer]))
     for rows, calls in ((1, 1), (kernel_rows("float32") + 1, 0)):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-        for l in range(2):
-            text = jax.jit(lambda x, l: project(x, *stacked, layer=l)).lower(x, jnp.int32(l)).as_text()
+        for li in range(2):
+            text = jax.jit(lambda x, li: project(x, *stacked, layer=li)).lower(x, jnp.int32(li)).as_text()
             assert text.count("ringserve_cpu_matmul") == calls, rows
-            got = project(x, *stacked, layer=jnp.int32(l))
-            for y, lin in zip(got, per_layer[l], strict=True):
-                np.testing.assert_array_equal(np.asarray(y), np.asarray(lin(x)), err_msg=f"{rows} {l}")
+            got = project(x, *stacked, layer=jnp.int32(li))
+            for y, lin in zip(got, per_layer[li], strict=True):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(lin(x)), err_msg=f"{rows} {li}")
 
 
 def nnx_param(value):

@@ -207,15 +207,15 @@ def test_a_stacked_weight_reads_each_layer_in_place_packed_or_not(quant, transpo
         w, scale = jnp.asarray(rng.standard_normal(shape), jnp.float32), None
     x = jnp.asarray(rng.standard_normal((64, k)), jnp.float32)
     one = jax.jit(lambda x, w, s: onednn.matmul(x, w, transpose_w=transpose_w, scale=s))
-    stacked = jax.jit(lambda x, w, s, l: onednn.matmul(x, w, transpose_w=transpose_w, scale=s, layer=l))
-    want = [[np.asarray(one(x[:rows], w[l], None if scale is None else scale[l])) for l in range(layers)]
+    stacked = jax.jit(lambda x, w, s, li: onednn.matmul(x, w, transpose_w=transpose_w, scale=s, layer=li))
+    want = [[np.asarray(one(x[:rows], w[li], None if scale is None else scale[li])) for li in range(layers)]
             for rows in (4, 64)]  # fmt: skip
     owner = onednn.register_weights([w])
     try:
         for i, rows in enumerate((4, 64)):
-            for l in range(layers):
-                np.testing.assert_array_equal(np.asarray(stacked(x[:rows], w, scale, jnp.int32(l))), want[i][l],
-                                              err_msg=f"{rows} {l}")  # fmt: skip
+            for li in range(layers):
+                np.testing.assert_array_equal(np.asarray(stacked(x[:rows], w, scale, jnp.int32(li))), want[i][li],
+                                              err_msg=f"{rows} {li}")  # fmt: skip
         assert onednn.packed_bytes(owner) >= w.nbytes  # every layer's slice packed once
         with pytest.raises(Exception, match="layer out of the stack's range"):
             jax.block_until_ready(stacked(x, w, scale, jnp.int32(layers)))
