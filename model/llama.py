@@ -14,11 +14,12 @@ module holds). Two layouts of the layers (model/executor.py: resolve_layer_loop)
 
     "scan"      one DecoderLayer whose Params carry a leading L axis; one `lax.scan` over its
                 state carries the hidden states and the whole KV cache, so XLA compiles one
-                layer body and updates the cache in place (accelerators; CPU with ringserve's
-                kernel dot, which is handed each projection's whole stack and the layer index
-                and reads the layer in place: a scanned slice would be a copy every step)
+                layer body and updates the cache in place (accelerators; CPU with its
+                custom-call dots, ringserve's kernel or oneDNN's, which are handed each
+                projection's whole stack and the layer index and read the layer in place: a
+                scanned slice would be a copy every step)
     "unrolled"  an nnx.List of L DecoderLayers, each layer's weights in buffers of their own,
-                traced one after another (CPU with XLA's or oneDNN's dot)
+                traced one after another (CPU with XLA's dot alone)
 
 Every compiled program takes the Decoder's state (model/params.py) as its first argument and
 rebuilds the module inside the trace (`CausalLM.forward` / `logits`: `nnx.merge`), so jit sees
@@ -153,11 +154,12 @@ class Decoder(nnx.Module):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
                 x, kv = layer(x, cos, sin, kv, i, fb, layer_lora(lora.weights["layers"][i] if lora is not None else None))
         else:
-            # With the CPU kernel's dots the projections' weights stay whole: the kernel reads
-            # layer i's in place from the stack (`project`), where a scanned slice of them
-            # would be a copy every step; the rest (norms, biases) is sliced by the scan
-            graphdef, whole, stacked = nnx.split(self.layers, _stack_read_in_place if self.dot.startswith("kernel")
-                                                 else nnx.Nothing, ...)  # fmt: skip
+            # With CPU's custom-call dots (ringserve's kernel, oneDNN) the projections' weights
+            # stay whole: the call reads layer i's in place from the stack (layers.matmul),
+            # where a scanned slice of them would be a copy every step; the rest (norms,
+            # biases) is sliced by the scan
+            in_place = _stack_read_in_place if self.dot in ("kernel", "kernel+onednn", "onednn") else nnx.Nothing
+            graphdef, whole, stacked = nnx.split(self.layers, in_place, ...)  # type: ignore[misc]
             pool = lora.weights["layers"] if lora is not None else None
 
             def body(carry, xs):

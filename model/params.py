@@ -24,8 +24,8 @@ arrays, keyed by module attribute the way `nnx.split` lays them out (HF's names,
 Linear weights are `[in, out]` (the transpose of HF's `[out, in]`), so every projection is
 `x @ w`. The stacked layout lets the forward run the layers under one `jax.lax.scan` (one
 layer body to compile) and passes a dozen buffers per step instead of ~10 per layer; on CPU
-with XLA's or oneDNN's dot, where a scanned layer's slice is a copy, each layer's weights are
-buffers of their own (ringserve's kernel reads a layer in place from the stack: CPU scans there).
+with XLA's dot alone, where a scanned layer's slice is a copy, each layer's weights are buffers
+of their own (ringserve's kernel and oneDNN's call read a layer in place from the stack).
 
 Weight-only int8 (`quant="int8"`, model/layers.py Linear and Embedding): every projection's
 weight, the LM head's and the embedding's are int8, and a f32 `scale` leaf sits beside each
