@@ -264,3 +264,28 @@ def test_a_program_compiled_between_the_failed_pick_and_the_wait_is_not_missed()
     assert ps.wait(60) and ps.pending == 0  # the last program landed before the wait
     assert ps.wait_for_more(seen) is True
     assert ps.wait_for_more(len(ps.compiled)) is False
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread niceness here")
+def test_the_background_compile_runs_at_the_lowest_priority():
+    """Serving steps come first: the lead programs compile at the caller's priority, the rest
+    on a thread the OS schedules only where the steps leave a core (Linux: niceness 19)."""
+    import threading
+
+    from model.programs import BACKGROUND_NICE, ProgramSet
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict[str, int] = {}
+
+    def compile_one(key):
+        seen[key] = nice()
+        return key
+
+    before = nice()
+    ps = ProgramSet(compile_one, ["lead", "rest", "more"], 1, [0])
+    ps.compile_all(background=True)
+    assert ps.wait(60)
+    assert seen == {"lead": before, "rest": max(before, BACKGROUND_NICE), "more": max(before, BACKGROUND_NICE)}
+    assert nice() == before  # the caller's own priority is untouched
