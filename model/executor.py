@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from kvmem.allocator import cdiv
 from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint, release_pages
-from model.layers import INVARIANT_ROWS
+from model.layers import INVARIANT_ROWS, STACK_READING_DOTS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
@@ -110,7 +110,7 @@ def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
     server's 56 s against 110), decode steps as fast (XLA's dots of larger steps, "kernel" only,
     multiply a slice of the stack: a 1024-token prefill ~5% slower)."""
     if layer_loop == "auto":
-        return "unrolled" if platform == "cpu" and dot not in ("kernel", "kernel+onednn", "onednn") else "scan"
+        return "unrolled" if platform == "cpu" and dot not in STACK_READING_DOTS else "scan"
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop={layer_loop!r}: must be 'auto', 'scan' or 'unrolled'")
     return layer_loop

@@ -76,16 +76,14 @@ def project(x: jax.Array, *linears: Linear, layer: jax.Array | int | None = None
     whole stack, `[L, ...]`, weight and scale) multiply as layer `layer`'s (`matmul`)."""
     ws = [lin.weight[...] for lin in linears]
     scales = [None if lin.scale is None else lin.scale[...] for lin in linears]
-    stacked = ws[0].ndim == 3
+    at = layer if ws[0].ndim == 3 else None  # per-layer weights (unrolled): `layer` is not theirs to index
     kernel = all(few_rows(lin.dot, x, w) for lin, w in zip(linears, ws, strict=True))
     if len(linears) > 1 and kernel and len({lin.transposed for lin in linears}) == 1:
         from model.kernels import cpu_matmul
 
         given = [s for s in scales if s is not None]  # every projection int8 (transposed), or none
-        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed, scales=given or None,
-                                layer=layer if stacked else None)  # fmt: skip
+        ys = cpu_matmul.matmuls(x, ws, transpose_w=linears[0].transposed, scales=given or None, layer=at)
     else:
-        at = layer if stacked else None
         ys = [matmul(x, w, lin.dot, lin.transposed, s, layer=at) for lin, w, s in zip(linears, ws, scales, strict=True)]
     return [y if lin.bias is None else y + lin.bias[...] for lin, y in zip(linears, ys, strict=True)]
 
@@ -186,8 +184,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
         if few_rows(dot, x, w):
             from model.kernels import cpu_matmul
 
-            return cpu_matmul.matmuls(x, [w], transpose_w=transpose_w, scales=None if scale is None else [scale],
-                                      out_dtype=out_dtype, layer=layer)[0]  # fmt: skip
+            return cpu_matmul.matmul(x, w, transpose_w=transpose_w, scale=scale, out_dtype=out_dtype, layer=layer)
         dot = "onednn" if dot == "kernel+onednn" else "xla"
     if dot == "onednn":
         from model.kernels import onednn
@@ -242,6 +239,12 @@ def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:
     from model.kernels import cpu_matmul
 
     return KERNEL_ROWS.get(cpu_matmul.lanes(), KERNEL_ROWS[16]).get(dtype, 0)
+
+
+# The dots whose custom calls read a layer's weights in place from a stack over the layers
+# (`matmul(layer=)`): with them CPU scans its layers (model/executor.py resolve_layer_loop) and
+# the scan hands each projection's whole stack over (model/llama.py Decoder)
+STACK_READING_DOTS = ("kernel", "kernel+onednn", "onednn")
 
 
 def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:

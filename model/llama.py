@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from model.attention.base import AttentionBackend
 from model.checkpoints.config import ModelConfig
 from model.layers import (
+    STACK_READING_DOTS,
     Embedding,
     GatedMLP,
     Linear,
@@ -158,7 +159,7 @@ class Decoder(nnx.Module):
             # stay whole: the call reads layer i's in place from the stack (layers.matmul),
             # where a scanned slice of them would be a copy every step; the rest (norms,
             # biases) is sliced by the scan
-            in_place = _stack_read_in_place if self.dot in ("kernel", "kernel+onednn", "onednn") else nnx.Nothing
+            in_place = _stack_read_in_place if self.dot in STACK_READING_DOTS else nnx.Nothing
             graphdef, whole, stacked = nnx.split(self.layers, in_place, ...)  # type: ignore[misc]
             pool = lora.weights["layers"] if lora is not None else None
 

@@ -64,13 +64,13 @@ def lanes() -> int:
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,
-           out_dtype=None) -> jax.Array:  # fmt: skip
+           out_dtype=None, layer: jax.Array | int | None = None) -> jax.Array:  # fmt: skip
     """x [..., K] @ w, w [K, N] (or [N, K] with transpose_w): [..., N] in `out_dtype` (x's by
     default). x f32 or bf16; w f32 or bf16, or int8 with `scale` [N] f32 (column n is
-    w[:, n] * scale[n]); sums in f32. CPU only; call `reason()` first (the targets must be
-    registered before a program is traced)."""
+    w[:, n] * scale[n]); sums in f32; `layer`: stacked weights (`matmuls`). CPU only; call
+    `reason()` first (the targets must be registered before a program is traced)."""
     return matmuls(
-        x, [w], transpose_w=transpose_w, scales=None if scale is None else [scale], out_dtype=out_dtype
+        x, [w], transpose_w=transpose_w, scales=None if scale is None else [scale], out_dtype=out_dtype, layer=layer
     )[0]
 
 
