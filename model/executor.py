@@ -39,7 +39,7 @@ from model.layers import INVARIANT_ROWS, STACK_READING_DOTS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
-from model.params import QUANT_MODES, build_host_state, build_lazy_state
+from model.params import QUANT_MODES, build_host_state, build_lazy_state, checked_layout
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
@@ -219,16 +219,19 @@ class ModelExecutor:
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block, cfg.decode_bucket_step)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
-        self.params = self._build(tensors)  # the Decoder's state (model/params.py), what every program takes first
-        self.params_avals = _avals(self.params)  # what every compiled program takes (updates must match it)
-        self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
-        weakref.finalize(self, _release_packed, self._packed)
-        self.kv_avals = self._kv_avals()  # programs compile against these
-        # Zeroing the KV pool (on CPU: first touches of ~1 GiB, 1.1-1.5 s at start-up) runs on a
-        # thread while the lead programs are traced and loaded here.
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-kv")
+        checked_layout(mc, tensors)  # a missing or misshapen tensor is refused before anything runs
+        # what every compiled program takes first (the Decoder's state, model/params.py; updates
+        # must match it) and the KV cache's arrays: the programs compile against these
+        self.params_avals = self.model.state_avals(self.mesh)
+        self.kv_avals = self._kv_avals()
+        # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
+        # SmolLM2 f32 0.5-2.5 s on CPU) and zeroing the KV pool (first touches of ~2 GiB) run on
+        # threads while the lead programs are traced, lowered and loaded here, which need only
+        # the avals above.
+        pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ringserve-load")
+        building = pool.submit(self._build, tensors)
         zeroing = pool.submit(self.new_kv)
-        pool.shutdown(wait=False)  # its thread ends with the task
+        pool.shutdown(wait=False)  # its threads end with the tasks
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
             self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
@@ -255,6 +258,11 @@ class ModelExecutor:
         self.programs = ProgramSet(self._compile, order, lead, contexts)
         if cfg.precompile:
             self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1)
+        self.params = building.result()
+        if _avals(self.params) != self.params_avals:
+            raise RuntimeError("the built state does not match its avals (model/llama.py: state_avals)")
+        self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
+        weakref.finalize(self, _release_packed, self._packed)
         zeroing.result()
 
     # ---- weights ------------------------------------------------------------------------------

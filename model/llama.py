@@ -235,5 +235,13 @@ class CausalLM:
         want = jax.tree.map(lambda a: (a.shape, a.dtype), self.abstract)
         got = jax.tree.map(lambda a: (a.shape, a.dtype), host)
         assert got == want, "the host state does not match the Decoder's (model/params.py: hf_layout)"
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-        return jax.tree.map(place_host_array, host, shardings)
+        return jax.tree.map(place_host_array, host, self._shardings(mesh))
+
+    def state_avals(self, mesh: Mesh) -> dict:
+        """What `place` returns, abstract (shape, dtype, sharding): what the programs compile
+        against, known before any weight is read."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract,
+                            self._shardings(mesh))  # fmt: skip
+
+    def _shardings(self, mesh: Mesh) -> dict:
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
