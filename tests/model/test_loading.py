@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -31,10 +32,9 @@ def test_half_precision_checkpoints_load_and_match_hf(tiny_dir, tmp_path, dtype)
 
     from tests.hf_ref import hf_model
 
-    hf = hf_model(str(tiny_dir("qwen2")))
+    hf = hf_model(str(tiny_dir("qwen2")))  # shared (cached): a copy goes to half precision, not it
     out = tmp_path / dtype
-    hf.to(getattr(torch, dtype)).save_pretrained(out)
-    hf.to(torch.float32)
+    copy.deepcopy(hf).to(getattr(torch, dtype)).save_pretrained(out)
     config, tensors = load_checkpoint(out)
     assert str(tensors["model.embed_tokens.weight"].dtype) == dtype
     assert config.family == "qwen2" and config.qkv_bias
