@@ -225,13 +225,14 @@ class ModelExecutor:
         self.params_avals = self.model.state_avals(self.mesh)
         self.kv_avals = self._kv_avals()
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
-        # SmolLM2 f32 0.5-2.5 s on CPU) and zeroing the KV pool (first touches of ~2 GiB) run on
-        # threads while the lead programs are traced, lowered and loaded here, which need only
-        # the avals above.
-        pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ringserve-load")
+        # SmolLM2 f32 0.5-2.5 s on CPU), then zeroing the KV pool (first touches of ~2 GiB) run on
+        # a thread while the lead programs are traced, lowered and loaded here, which need only
+        # the avals above. One after the other: the host copy and the checkpoint's pages are
+        # gone before the pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
         building = pool.submit(self._build, tensors)
         zeroing = pool.submit(self.new_kv)
-        pool.shutdown(wait=False)  # its threads end with the tasks
+        pool.shutdown(wait=False)  # its thread ends with the tasks
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
             self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
