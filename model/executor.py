@@ -257,14 +257,19 @@ class ModelExecutor:
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)
         self.programs = ProgramSet(self._compile, order, lead, contexts)
+
+        def loaded() -> None:  # the weights and the KV pool, before any other program compiles
+            self.params = building.result()
+            if _avals(self.params) != self.params_avals:
+                raise RuntimeError("the built state does not match its avals (model/llama.py: state_avals)")
+            self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
+            weakref.finalize(self, _release_packed, self._packed)
+            zeroing.result()
+
         if cfg.precompile:
-            self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1)
-        self.params = building.result()
-        if _avals(self.params) != self.params_avals:
-            raise RuntimeError("the built state does not match its avals (model/llama.py: state_avals)")
-        self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
-        weakref.finalize(self, _release_packed, self._packed)
-        zeroing.result()
+            self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1, then=loaded)
+        else:
+            loaded()
 
     # ---- weights ------------------------------------------------------------------------------
     def _build(self, tensors: dict[str, np.ndarray]) -> Any:
