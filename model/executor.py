@@ -260,7 +260,7 @@ class ModelExecutor:
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
             self.params = building.result()
-            if _avals(self.params) != self.params_avals:
+            if not self._fits(self.params):
                 raise RuntimeError("the built state does not match its avals (model/llama.py: state_avals)")
             self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
             weakref.finalize(self, _release_packed, self._packed)
@@ -287,12 +287,13 @@ class ModelExecutor:
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
         """A new state beside the served one (same structure, avals and shardings)."""
         params = self._build(tensors)
-        want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), self.params_avals)
-        got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.sharding), params)
-        same_tree = str(jax.tree_util.tree_structure(params)) == str(jax.tree_util.tree_structure(self.params_avals))
-        if not same_tree or want != got:
+        if not self._fits(params):
             raise ValueError("the new weights do not fit the compiled programs (structure, shapes or shardings)")
         return params
+
+    def _fits(self, params: Any) -> bool:
+        """Whether `params` has the structure, shapes, dtypes and shardings the programs take."""
+        return _avals(params) == self.params_avals
 
     def swap_params(self, params: Any, tensors: dict[str, np.ndarray]) -> None:
         old, self.params, self.host_tensors = self.params, params, tensors
