@@ -6,11 +6,14 @@
 // finds nothing left and returns), so a busy pool never deadlocks it. The shared state lives in
 // a shared_ptr: a late helper may still touch it after the caller has returned.
 //
-// XLA's caller is often not one of the pool's threads, and a task scheduled on the pool may
-// start a few microseconds later or only after the caller is done (measured on 2 cores: one
-// helper alone often came too late for a 200 us call). So as many helpers are scheduled as
-// the pool has threads, and the first ones to start join until `limit` threads (the caller
-// included) are working: the rest return at once.
+// XLA's caller is often not one of the pool's threads (a thread of its runtime's own), and a
+// task scheduled on the pool may start a few microseconds later or only after the caller is
+// done. `limit` - 1 helpers are scheduled (the caller makes `limit`), no more: a helper that
+// finds the work taken still wakes a pool thread, which then spins for more work beside the
+// caller and the helper that joined, three threads on two cores (2 Zen 3 cores: a pass over
+// SmolLM2's int8 projections at one row, bench/cpu_matmul.py, 13.6-16.5 ms with as many
+// helpers as the pool has threads, 10.1-12.7 with one; its helper joined 2 us after the call
+// began on average, in every call; the whole f32 decode step 35.9 -> 32.8 ms, alternating).
 //
 // Even so a helper from the pool mostly joins too late for the short calls of a decode step
 // (SmolLM2 at M=1 ran as fast on 1 thread as on 2). RINGSERVE_POOL_SPIN_US > 0 replaces them
@@ -134,7 +137,7 @@ inline void deal(xla::ffi::ThreadPool& pool, int64_t n, int64_t cap, std::functi
   sh->run = std::move(run);
   sh->n = n;
   sh->limit = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), cap);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1) * (sh->limit > 1);
+  const int64_t helpers = std::min<int64_t>(sh->limit - 1, n - 1);
   if (helpers > 0 && spinner() != nullptr) {
     sh->limit = 2;
     spinner()->post(sh);
