@@ -22,7 +22,11 @@ bf16 (model/layers.py KERNEL_ROWS has the figures) and at 16 for int8; on AVX2 a
 above 6 rows it reads each tile from a packed f32 panel (either layout), to 128 rows for every
 dtype.
 With XLA's own pool the helper often starts after a short call is over; pool.h's opt-in
-spinning helper is what reaches the memory's bandwidth (see pool.h).
+spinning helper is what reaches the memory's bandwidth (see pool.h). On 2 Zen 3 cores (AVX2,
+a 2-thread read at 25-28 GB/s, one thread 14-16), with one helper scheduled a call (pool.h),
+M=1 ms per pass, three alternating runs: f32 22.9-24.7 (28.8-31.9 with a helper scheduled per
+pool thread), bf16 14.8-20.5 (21.8-22.0), int8 8.2-9.8 (8.4-12.9; one thread widens int8 at
+~10 G weights/s from memory, 14 from L2).
 
 The projections that read the same x go as one call (`matmuls`; model/layers.py `project`):
 q/k/v, gate/up, so a SmolLM2 step makes 121 calls instead of 211, each weight's items dealt in
