@@ -15,10 +15,12 @@
 // helpers as the pool has threads, 10.1-12.7 with one; its helper joined 2 us after the call
 // began on average, in every call; the whole f32 decode step 35.9 -> 32.8 ms, alternating).
 //
-// Even so a helper from the pool mostly joins too late for the short calls of a decode step
-// (SmolLM2 at M=1 ran as fast on 1 thread as on 2). RINGSERVE_POOL_SPIN_US > 0 replaces them
-// with one thread of the library's own that spins that long after each job before it sleeps:
-// the step's calls then find it awake (f32 pass 29.9 -> 21.2 ms, bench/cpu_matmul.py), at the
+// With a helper scheduled per pool thread, on 2 Zen 4 cores, SmolLM2's decode calls at M=1 ran
+// as fast on 1 thread as on 2 (the surplus helper's spinning may be why: not re-measured
+// there). RINGSERVE_POOL_SPIN_US > 0 replaces the pool's helpers with one thread of the
+// library's own that spins that long after each job before it sleeps: the step's calls then
+// find it awake (Zen 4: f32 pass 29.9 -> 21.2 ms, bench/cpu_matmul.py; in the server on Zen 3
+// its int8 single stream was slower, 13.2 -> 15.4-15.6 ms a token), at the
 // cost of a core spinning through the gaps (and up to that long after the last call). Off by
 // default: it is a thread XLA does not know about; callers and helpers are then 2 at most.
 
