@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from kvmem.allocator import cdiv
 from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint, release_pages
+from model.kernels import cpu_memory
 from model.layers import INVARIANT_ROWS, STACK_READING_DOTS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
@@ -225,10 +226,11 @@ class ModelExecutor:
         self.params_avals = self.model.state_avals(self.mesh)
         self.kv_avals = self._kv_avals()
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
-        # SmolLM2 f32 0.5-2.5 s on CPU), then zeroing the KV pool (first touches of ~2 GiB) run on
-        # a thread while the lead programs are traced, lowered and loaded here, which need only
-        # the avals above. One after the other: the host copy and the checkpoint's pages are
-        # gone before the pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
+        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
+        # lead programs are traced, lowered and loaded here, which need only the avals above.
+        # One after the other: the host copy and the checkpoint's pages are gone before the
+        # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
+        self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
         building = pool.submit(self._build, tensors)
         zeroing = pool.submit(self.new_kv)
@@ -324,10 +326,15 @@ class ModelExecutor:
 
     # ---- device memory --------------------------------------------------------------------------
     def new_kv(self) -> None:
-        """A zeroed KV cache (the backend's arrays) and FutureMap (token, position per slot + sink)."""
+        """A zeroed KV cache (the backend's arrays) and FutureMap (token, position per slot + sink).
+        On CPU the cache's pages come on first write, brought in meanwhile by a thread at the
+        lowest priority (model/kernels/cpu_memory.py: XLA's zeros first-touched SmolLM2 f32's
+        2.1 GiB before the first request, 6.7 s of a 13 s warm start on this project's VM)."""
         kv, future = self.kv_avals
-        self.kv: Any = tuple(jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)() for a in kv)
+        self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
         self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
+        generation = self._kv_generation = self._kv_generation + 1
+        cpu_memory.populate(self.kv, stop=lambda: self._kv_generation != generation)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,
@@ -339,6 +346,7 @@ class ModelExecutor:
 
     def drop_kv(self) -> None:
         """Free the KV cache and FutureMap on the device."""
+        self._kv_generation += 1  # a thread still bringing its pages in stops
         for leaf in jax.tree_util.tree_leaves((self.kv, self.future)):
             leaf.delete()
         self.kv, self.future = None, None

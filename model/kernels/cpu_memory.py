@@ -1,0 +1,89 @@
+"""Large zeroed arrays on CPU without touching their pages first (cpu_memory.cc), and a
+background pass that brings those pages in while the server already serves.
+
+The KV pool is most of a CPU server's memory (SmolLM2 f32, 64 requests of 768 tokens:
+2.1 GiB). XLA's zeros write all of it before the first request can run, and the first write
+of a page is a page fault: on this project's VM (whose host backs guest memory on first use)
+7.2 s for 2.1 GiB, against 0.23 s for pages the guest had just freed; that was half of a
+warm start. `zeros` gives the same zeros with the pages left to come on first write
+(`madvise(MADV_DONTNEED)` over private anonymous memory; the custom call checks the mapping
+and writes the zeros itself otherwise), and `populate` then faults them in on a thread at the
+lowest CPU priority (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+: it never changes what a
+page holds, so it may run beside the steps that write the pool), so that requests later in a
+burst do not pay for the faults inside their steps. Where the kernel does not build (no
+compiler) or on any other platform, `zeros` is XLA's and nothing is populated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from model.kernels.build import loader
+
+log = logging.getLogger(__name__)
+
+TARGET = "ringserve_lazy_zeros"
+
+reason = loader("cpu_memory", ["-O2"], {TARGET: "RingserveLazyZeros"})
+"""None when the custom call runs here; otherwise why not."""
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
+CHUNK = 64 << 20  # bytes a madvise call populates: `stop` is checked between chunks
+
+
+def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
+    """An array of zeros with `aval`'s shape, dtype and sharding: on CPU through the custom call
+    (its pages come on first write), elsewhere XLA's."""
+    sharding = aval.sharding
+    if jax.devices()[0].platform != "cpu" or reason() is not None:
+        return jax.jit(lambda: jnp.zeros(aval.shape, aval.dtype), out_shardings=sharding)()
+    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:  # each device its shard
+        local = jax.ShapeDtypeStruct(sharding.shard_shape(aval.shape), aval.dtype)
+        make = jax.shard_map(lambda: jax.ffi.ffi_call(TARGET, local)(), mesh=sharding.mesh, in_specs=(),
+                             out_specs=sharding.spec, check_vma=False)  # fmt: skip
+        return jax.jit(make, out_shardings=sharding)()
+    return jax.jit(lambda: jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(aval.shape, aval.dtype))(),
+                   out_shardings=sharding)()  # fmt: skip
+
+
+def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool]) -> threading.Thread | None:
+    """Fault in every page of `arrays` (this process's shards) on a daemon thread at the lowest
+    CPU priority; it ends early once `stop()` is true (the arrays were freed or replaced). None
+    where nothing is to be done (not CPU, not Linux)."""
+    if jax.devices()[0].platform != "cpu":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    spans = [(s.data.unsafe_buffer_pointer(), s.data.nbytes) for a in arrays for s in a.addressable_shards]
+
+    def run() -> None:
+        from model.programs import _yield_cpu
+
+        _yield_cpu()
+        page = mmap.PAGESIZE
+        for ptr, size in spans:
+            lo, hi = -(-ptr // page) * page, (ptr + size) // page * page
+            for at in range(lo, hi, CHUNK):
+                if stop():
+                    return
+                if madvise(at, min(CHUNK, hi - at), MADV_POPULATE_WRITE) != 0:
+                    err = ctypes.get_errno()  # EINVAL: a kernel before 5.14; ENOMEM: freed meanwhile
+                    log.debug("KV pages left to their first write: madvise: %s", errno.errorcode.get(err, err))
+                    return
+
+    t = threading.Thread(target=run, name="ringserve-kv-populate", daemon=True)
+    t.start()
+    return t

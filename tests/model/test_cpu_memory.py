@@ -1,0 +1,96 @@
+"""The KV pool's zeros on CPU (model/kernels/cpu_memory.py): zeros whatever the memory held
+before, pages left to their first write, donated in place, sharded per device, and populated
+in the background without changing what the pages hold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model.kernels import cpu_memory
+
+pytestmark = pytest.mark.skipif(cpu_memory.reason() is not None, reason=f"no custom call: {cpu_memory.reason()}")
+
+
+def _aval(shape, dtype=jnp.float32, spec=PartitionSpec()) -> jax.ShapeDtypeStruct:
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 1_000_003), jnp.float32), ((5, 4097), jnp.bfloat16), ((7,), jnp.int32)])
+def test_zeros_over_memory_that_held_something(shape, dtype):
+    """Buffers freed full of sevens are what the allocator hands out next: every byte reads
+    zero, the ragged ends (written) and the whole pages (handed back) alike."""
+    for _ in range(3):
+        full = jax.jit(lambda: jnp.full(shape, 7, dtype))()
+        full.block_until_ready()
+        del full
+        z = cpu_memory.zeros(_aval(shape, dtype))
+        assert z.shape == shape and z.dtype == dtype
+        assert not np.asarray(z).any()
+
+
+def test_pages_come_on_first_write_and_populate_keeps_them():
+    """256 MiB of zeros leave RSS where it was (XLA's zeros would add all of it); a step writes
+    into them in place; `populate` brings every page in and the written values stay."""
+    n = 64 << 20  # f32: 256 MiB
+    before = _rss()
+    z = cpu_memory.zeros(_aval((n,)))
+    z.block_until_ready()
+    assert _rss() - before < 32 << 20
+    ptr = z.unsafe_buffer_pointer()
+    z = jax.jit(lambda x: x.at[jnp.array([0, n // 2, n - 1])].set(jnp.array([1.0, 2.0, 3.0])), donate_argnums=0)(z)
+    assert z.unsafe_buffer_pointer() == ptr  # donated: the same memory
+    t = cpu_memory.populate([z], stop=lambda: False)
+    assert t is not None
+    t.join(60)
+    assert not t.is_alive()
+    assert _rss() - before > 200 << 20
+    host = np.asarray(z)
+    assert host[0] == 1.0 and host[n // 2] == 2.0 and host[n - 1] == 3.0 and host.sum() == 6.0
+
+
+def test_populate_stops_when_told():
+    z = cpu_memory.zeros(_aval((64 << 20,)))
+    told = threading.Event()
+    told.set()
+    before = _rss()
+    t = cpu_memory.populate([z], stop=told.is_set)
+    t.join(10)
+    assert not t.is_alive()
+    assert _rss() - before < 32 << 20
+    assert not np.asarray(z[:1000]).any()
+
+
+def test_sharded_over_devices():
+    """On a `tp` mesh each device's shard comes from the custom call (shard_map), zeros."""
+    code = (
+        "import numpy as np, jax, jax.numpy as jnp\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "from model.kernels import cpu_memory\n"
+        "mesh = Mesh(np.array(jax.devices()), ('tp',))\n"
+        "for spec in (P('tp', None), P()):\n"
+        "    a = jax.ShapeDtypeStruct((4, 300001), jnp.bfloat16, sharding=NamedSharding(mesh, spec))\n"
+        "    z = cpu_memory.zeros(a)\n"
+        "    assert z.sharding == a.sharding and len(z.addressable_shards) == 2, z.sharding\n"
+        "    assert z.addressable_shards[0].data.shape == ((2, 300001) if spec else (4, 300001))\n"
+        "    cpu_memory.populate([z], stop=lambda: False).join(60)\n"
+        "    assert not np.asarray(z.astype(jnp.float32)).any()\n"
+        "print('ok')\n"
+    )  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
