@@ -225,16 +225,7 @@ class ModelExecutor:
         # must match it) and the KV cache's arrays: the programs compile against these
         self.params_avals = self.model.state_avals(self.mesh)
         self.kv_avals = self._kv_avals()
-        # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
-        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
-        # lead programs are traced, lowered and loaded here, which need only the avals above.
-        # One after the other: the host copy and the checkpoint's pages are gone before the
-        # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
-        building = pool.submit(self._build, tensors)
-        zeroing = pool.submit(self.new_kv)
-        pool.shutdown(wait=False)  # its thread ends with the tasks
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
             self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
@@ -259,6 +250,15 @@ class ModelExecutor:
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)
         self.programs = ProgramSet(self._compile, order, lead, contexts)
+        # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
+        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
+        # lead programs are traced, lowered and loaded here, which need only the avals above.
+        # One after the other: the host copy and the checkpoint's pages are gone before the
+        # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
+        building = pool.submit(self._build, tensors)
+        zeroing = pool.submit(self.new_kv)
+        pool.shutdown(wait=False)  # its thread ends with the tasks
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
             self.params = building.result()
@@ -334,7 +334,10 @@ class ModelExecutor:
         self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
         self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
         generation = self._kv_generation = self._kv_generation + 1
-        cpu_memory.populate(self.kv, stop=lambda: self._kv_generation != generation)
+        # once the background compile is over: beside it the first requests took 0.7-0.9 s,
+        # not 0.4-0.7 (SmolLM2 f32, warm start), and the server was ready 1.5 s later
+        cpu_memory.populate(self.kv, stop=lambda: self._kv_generation != generation,
+                            after=self.programs.settled.wait if self.cfg.precompile else None)  # fmt: skip
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,

@@ -37,7 +37,11 @@ reason = loader("cpu_memory", ["-O2"], {TARGET: "RingserveLazyZeros"})
 """None when the custom call runs here; otherwise why not."""
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
-CHUNK = 64 << 20  # bytes a madvise call populates: `stop` is checked between chunks
+# Bytes a madvise call populates (`stop` is checked between chunks). The call holds the
+# process's mmap lock as a reader while it faults: an allocation's mmap behind a 64 MiB chunk
+# waited up to ~0.2 s on this VM, and 1-token requests served meanwhile took 1.6-2.3 s (1 MiB
+# chunks: 0.7-0.9 s; none populating: 0.4-0.7 s, the background compile beside them).
+CHUNK = 1 << 20
 
 
 def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
@@ -55,10 +59,11 @@ def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
                    out_shardings=sharding)()  # fmt: skip
 
 
-def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool]) -> threading.Thread | None:
+def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
+             after: Callable[[], object] | None = None) -> threading.Thread | None:  # fmt: skip
     """Fault in every page of `arrays` (this process's shards) on a daemon thread at the lowest
-    CPU priority; it ends early once `stop()` is true (the arrays were freed or replaced). None
-    where nothing is to be done (not CPU, not Linux)."""
+    CPU priority, once `after()` returns; it ends early once `stop()` is true (the arrays were
+    freed or replaced). None where nothing is to be done (not CPU, not Linux)."""
     if jax.devices()[0].platform != "cpu":
         return None
     try:
@@ -73,6 +78,8 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool]) -> threading
         from model.programs import _yield_cpu
 
         _yield_cpu()
+        if after is not None:
+            after()
         page = mmap.PAGESIZE
         for ptr, size in spans:
             lo, hi = -(-ptr // page) * page, (ptr + size) // page * page
