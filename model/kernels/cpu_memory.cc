@@ -34,6 +34,11 @@ bool private_anonymous(uintptr_t lo, uintptr_t hi) {
   uintptr_t covered = lo;  // [lo, covered) is known good; mappings come in address order
   bool ok = true;
   while (ok && covered < hi && std::fgets(line, sizeof line, maps) != nullptr) {
+    if (std::strchr(line, '\n') == nullptr) {  // a long path: the rest of its line is not a mapping
+      int c;
+      while ((c = std::fgetc(maps)) != EOF && c != '\n') {
+      }
+    }
     unsigned long start = 0, end = 0, offset = 0, inode = 0;
     char perms[5] = {0};
     unsigned dev_major = 0, dev_minor = 0;

@@ -49,6 +49,8 @@ def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
     (its pages come on first write), elsewhere XLA's."""
     sharding = aval.sharding
     if jax.devices()[0].platform != "cpu" or reason() is not None:
+        if jax.devices()[0].platform == "cpu":
+            log.debug("KV pool zeroed by XLA (every page touched now): %s", reason())
         return jax.jit(lambda: jnp.zeros(aval.shape, aval.dtype), out_shardings=sharding)()
     if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:  # each device its shard
         local = jax.ShapeDtypeStruct(sharding.shard_shape(aval.shape), aval.dtype)
