@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -226,6 +227,7 @@ class ModelExecutor:
         self.params_avals = self.model.state_avals(self.mesh)
         self.kv_avals = self._kv_avals()
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
+        self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
             self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
@@ -267,6 +269,7 @@ class ModelExecutor:
             self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
             weakref.finalize(self, _release_packed, self._packed)
             zeroing.result()
+            self._serving.set()
 
         if cfg.precompile:
             self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1, then=loaded)
@@ -334,10 +337,8 @@ class ModelExecutor:
         self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
         self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
         generation = self._kv_generation = self._kv_generation + 1
-        # once the background compile is over: beside it the first requests took 0.7-0.9 s,
-        # not 0.4-0.7 (SmolLM2 f32, warm start), and the server was ready 1.5 s later
-        cpu_memory.populate(self.kv, stop=lambda: self._kv_generation != generation,
-                            after=self.programs.settled.wait if self.cfg.precompile else None)  # fmt: skip
+        # once the server can serve (beside the lead programs' tracing it was ready ~1.5 s later)
+        cpu_memory.populate(self.kv, stop=lambda: self._kv_generation != generation, after=self._serving.wait)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,

@@ -153,7 +153,6 @@ class ProgramSet:
         self.compile_s = 0.0  # seconds every program took to compile (set once all are)
         self.error: str | None = None
         self._thread: threading.Thread | None = None
-        self.settled = threading.Event()  # set once compile_all has no more to do (done or failed)
 
     def get(self, key: Key) -> Any:
         """The compiled program of `key` (compiled now if it never was)."""
@@ -183,7 +182,6 @@ class ProgramSet:
         rest = self.order[len(now) :]
         if not rest:
             self.compile_s = time.perf_counter() - t0
-            self.settled.set()
             return self.compile_s
         self.pending = len(rest)
 
@@ -202,8 +200,6 @@ class ProgramSet:
                     self.error = f"{type(e).__name__}: {e}"
                     self._more.notify_all()
                 log.exception("background compile failed; serving with %d programs", len(self.compiled))
-            finally:
-                self.settled.set()
 
         self._thread = threading.Thread(target=compile_rest, name="ringserve-compile", daemon=True)
         self._thread.start()

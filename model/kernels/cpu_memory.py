@@ -7,10 +7,13 @@ of a page is a page fault: on this project's VM (whose host backs guest memory o
 7.2 s for 2.1 GiB, against 0.23 s for pages the guest had just freed; that was half of a
 warm start. `zeros` gives the same zeros with the pages left to come on first write
 (`madvise(MADV_DONTNEED)` over private anonymous memory; the custom call checks the mapping
-and writes the zeros itself otherwise), and `populate` then faults them in on a thread at the
-lowest CPU priority (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+: it never changes what a
-page holds, so it may run beside the steps that write the pool), so that requests later in a
-burst do not pay for the faults inside their steps. Where the kernel does not build (no
+and writes the zeros itself otherwise), and `populate` then faults them in on a thread, once
+the server serves (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+: it never changes what a page
+holds, so it may run beside the steps that write the pool), so that the requests do not pay
+for the faults inside their steps. At the default CPU priority: at the lowest, beside the
+background compile, a burst sent once everything was compiled still found most pages cold and
+faulted them in its prefills (SmolLM2 f32, 64 requests: TTFT median 27.7-28.8 s against 25.1
+with the pool written at start). Where the kernel does not build (no
 compiler) or on any other platform, `zeros` is XLA's and nothing is populated.
 """
 
@@ -63,9 +66,9 @@ def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
 
 def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
              after: Callable[[], object] | None = None) -> threading.Thread | None:  # fmt: skip
-    """Fault in every page of `arrays` (this process's shards) on a daemon thread at the lowest
-    CPU priority, once `after()` returns; it ends early once `stop()` is true (the arrays were
-    freed or replaced). None where nothing is to be done (not CPU, not Linux)."""
+    """Fault in every page of `arrays` (this process's shards) on a daemon thread, once `after()`
+    returns; it ends early once `stop()` is true (the arrays were freed or replaced). None where
+    nothing is to be done (not CPU, not Linux)."""
     if jax.devices()[0].platform != "cpu":
         return None
     try:
@@ -77,9 +80,6 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
     spans = [(s.data.unsafe_buffer_pointer(), s.data.nbytes) for a in arrays for s in a.addressable_shards]
 
     def run() -> None:
-        from model.programs import _yield_cpu
-
-        _yield_cpu()
         if after is not None:
             after()
         page = mmap.PAGESIZE
