@@ -10,10 +10,12 @@ warm start. `zeros` gives the same zeros with the pages left to come on first wr
 and writes the zeros itself otherwise), and `populate` then faults them in on a thread, once
 the server serves (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+: it never changes what a page
 holds, so it may run beside the steps that write the pool), so that the requests do not pay
-for the faults inside their steps. At the default CPU priority: at the lowest, beside the
-background compile, a burst sent once everything was compiled still found most pages cold and
-faulted them in its prefills (SmolLM2 f32, 64 requests: TTFT median 27.7-28.8 s against 25.1
-with the pool written at start). Where the kernel does not build (no
+for the faults inside their steps. At the default CPU priority, from the moment the server
+serves: run at the lowest priority after the background compile, it left most pages cold for
+a burst sent once everything was compiled, which faulted them in its prefills (SmolLM2 f32,
+64 requests: TTFT median 27.7-28.8 s against 25.1 with the pool written at start; 20.8 as
+now). The price: requests in its first seconds share the cores with it (a 1-token request
+~1 s for ~8 s after ready on this VM, 0.1 s after). Where the kernel does not build (no
 compiler) or on any other platform, `zeros` is XLA's and nothing is populated.
 """
 
