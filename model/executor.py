@@ -330,9 +330,9 @@ class ModelExecutor:
     # ---- device memory --------------------------------------------------------------------------
     def new_kv(self) -> None:
         """A zeroed KV cache (the backend's arrays) and FutureMap (token, position per slot + sink).
-        On CPU the cache's pages come on first write, brought in meanwhile by a thread at the
-        lowest priority (model/kernels/cpu_memory.py: XLA's zeros first-touched SmolLM2 f32's
-        2.1 GiB before the first request, 6.7 s of a 13 s warm start on this project's VM)."""
+        On CPU the cache's pages come on first write, brought in by a thread once the server
+        serves (model/kernels/cpu_memory.py: XLA's zeros first-touched SmolLM2 f32's 2.1 GiB
+        before the first request, 6.7 s of a 13 s warm start on this project's VM)."""
         kv, future = self.kv_avals
         self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
         self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
