@@ -228,6 +228,15 @@ class ModelExecutor:
         self.kv_avals = self._kv_avals()
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
+        # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
+        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
+        # lead programs are traced, lowered and loaded here, which need only the avals above.
+        # One after the other: the host copy and the checkpoint's pages are gone before the
+        # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
+        building = pool.submit(self._build, tensors)
+        zeroing = pool.submit(self.new_kv)
+        pool.shutdown(wait=False)  # its thread ends with the tasks
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
             self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
@@ -252,15 +261,6 @@ class ModelExecutor:
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)
         self.programs = ProgramSet(self._compile, order, lead, contexts)
-        # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
-        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
-        # lead programs are traced, lowered and loaded here, which need only the avals above.
-        # One after the other: the host copy and the checkpoint's pages are gone before the
-        # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
-        building = pool.submit(self._build, tensors)
-        zeroing = pool.submit(self.new_kv)
-        pool.shutdown(wait=False)  # its thread ends with the tasks
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
             self.params = building.result()

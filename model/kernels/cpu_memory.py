@@ -53,8 +53,9 @@ def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
     """An array of zeros with `aval`'s shape, dtype and sharding: on CPU through the custom call
     (its pages come on first write), elsewhere XLA's."""
     sharding = aval.sharding
-    if jax.devices()[0].platform != "cpu" or reason() is not None:
-        if jax.devices()[0].platform == "cpu":
+    cpu = jax.devices()[0].platform == "cpu"
+    if not cpu or reason() is not None:
+        if cpu:
             log.debug("KV pool zeroed by XLA (every page touched now): %s", reason())
         return jax.jit(lambda: jnp.zeros(aval.shape, aval.dtype), out_shardings=sharding)()
     if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:  # each device its shard
