@@ -337,8 +337,14 @@ class ModelExecutor:
         self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
         self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
         generation = self._kv_generation = self._kv_generation + 1
+        me = weakref.ref(self)  # the thread must not keep an executor (and its pool) that failed to start
+
+        def stop() -> bool:
+            ex = me()
+            return ex is None or ex._kv_generation != generation
+
         # once the server can serve (beside the lead programs' tracing it was ready ~1.5 s later)
-        cpu_memory.populate(self.kv, stop=lambda: self._kv_generation != generation, after=self._serving.wait)
+        cpu_memory.populate(self.kv, stop=stop, after=self._serving)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,

@@ -68,9 +68,10 @@ def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
-             after: Callable[[], object] | None = None) -> threading.Thread | None:  # fmt: skip
-    """Fault in every page of `arrays` (this process's shards) on a daemon thread, once `after()`
-    returns; it ends early once `stop()` is true (the arrays were freed or replaced). None where
+             after: threading.Event | None = None) -> threading.Thread | None:  # fmt: skip
+    """Fault in every page of `arrays` (this process's shards) on a daemon thread, once `after`
+    is set; it ends early once `stop()` is true (the arrays were freed or replaced), also while
+    it waits (an owner that failed before setting `after` must not be kept waiting). None where
     nothing is to be done (not CPU, not Linux)."""
     if jax.devices()[0].platform != "cpu":
         return None
@@ -83,8 +84,9 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
     spans = [(s.data.unsafe_buffer_pointer(), s.data.nbytes) for a in arrays for s in a.addressable_shards]
 
     def run() -> None:
-        if after is not None:
-            after()
+        while after is not None and not after.wait(0.5):
+            if stop():
+                return
         page = mmap.PAGESIZE
         for ptr, size in spans:
             lo, hi = -(-ptr // page) * page, (ptr + size) // page * page

@@ -94,3 +94,34 @@ def test_sharded_over_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_an_executor_that_fails_to_start_is_not_kept_by_its_populating_thread(tiny_dir, monkeypatch):
+    """The pool's pages are brought in once the executor serves; one whose start failed after
+    its pool was made (here: its state refused) never serves, and the thread, waiting, must
+    neither keep it and its pool alive nor wait forever."""
+    import gc
+    import weakref
+
+    from model.executor import ExecutorConfig, ModelExecutor
+
+    made = []
+    monkeypatch.setattr(ModelExecutor, "_fits", lambda self, params: made.append(weakref.ref(self)) or False)
+    cfg = ExecutorConfig(page_size=16, num_pages=8, max_context_len=64, max_batch=2, max_extend_tokens=64,
+                         extend_block=16, precompile=False)  # fmt: skip
+
+    def start() -> str:  # the exception (and its frames, which hold the executor) dropped here
+        try:
+            ModelExecutor(tiny_dir("llama"), cfg)
+        except RuntimeError as e:
+            return str(e)
+        return "started"
+
+    assert "does not match its avals" in start()
+    for t in [t for t in threading.enumerate() if t.name.startswith("ringserve-load")]:
+        t.join(30)  # the pool is made on the load thread, which lets the executor go when done
+    gc.collect()
+    assert made and made[0]() is None
+    for t in [t for t in threading.enumerate() if t.name == "ringserve-kv-populate"]:
+        t.join(10)
+        assert not t.is_alive()
