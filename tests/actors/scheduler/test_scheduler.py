@@ -142,6 +142,31 @@ def test_overlap_and_normal_give_identical_streams(overlap):
     assert drive(core, runner, overlap=overlap) == want
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_plans_no_row_past_a_length_limit(overlap):
+    """Batch N+1 is planned before N's tokens are in; a request that N brings to max_new_tokens
+    gets no row in N+1 (its token would be dropped): each request is computed for exactly
+    prompt + max_new - 1 positions, in either mode, and a 1-token request runs no decode step."""
+    core, runner, books = make(max_running=4)
+    prompts = {"one": [5, 6, 7], "two": [8, 9], "five": [10, 11, 12, 13]}
+    max_new = {"one": 1, "two": 2, "five": 5}
+    for rid, p in prompts.items():
+        core.add_request(req(rid, p, max_new[rid]))
+    assert drive(core, runner, overlap=overlap) == {rid: reference(p, max_new[rid], VOCAB) for rid, p in prompts.items()}
+    computed = {rid: 0 for rid in prompts}
+    for step in runner.log:
+        for row, n in step:
+            computed[list(prompts)[row]] += n
+    assert computed == {rid: len(p) + max_new[rid] - 1 for rid, p in prompts.items()}
+    core.check_idle()
+    assert books.available_tokens() == 255
+
+    core, runner, _ = make()
+    core.add_request(req("a", [1, 2, 3], 1))
+    drive(core, runner, overlap=overlap)
+    assert runner.log == [[(0, 3)]] and core.stats.forward_ct_decode == 0
+
+
 def test_stop_string_across_token_boundaries():
     prompt = [5, 6, 7]
     ref = reference(prompt, 10, VOCAB)
