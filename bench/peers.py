@@ -191,7 +191,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> s
                         return name
             except (httpx.TransportError, KeyError, IndexError, ValueError):
                 pass
-            time.sleep(0.25)
+            time.sleep(0.05)  # (0.25 s added up to a quarter second to every system's ready)
     raise ServerFailed(f"not ready after {timeout:.0f}s; its log ends: {_last_line(log)}")
 
 

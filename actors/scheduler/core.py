@@ -75,7 +75,9 @@ def _length_reached_in_flight(req: Req) -> bool:
     committed_len - origin_len + 1 tokens once they land. Overlap plans the next step before
     the last one's tokens are in; a decode row for such a request would compute a token that is
     dropped, and a request arriving after it would wait for that step (a 1-token request
-    in a cold start: a padded 64-row decode step, ~0.27 s for SmolLM2 f32)."""
+    in a cold start: a padded 64-row decode step, ~0.27 s for SmolLM2 f32). A session's turn
+    still gets that row: it writes the last token's KV, which the session keeps for its next
+    turn (tests/engine/test_sessions.py counts every earlier token as cached)."""
     return req.committed_len - req.origin_len + 1 >= req.max_new_tokens
 
 
@@ -370,7 +372,7 @@ class SchedulerCore:
         a = self.args
         need = 1 + (a.speculative_num_draft_tokens if a.speculative else 0)
         if need == 1:  # (a verify round books drafts it may give back: no exact count in flight)
-            reqs = [r for r in reqs if not _length_reached_in_flight(r)]
+            reqs = [r for r in reqs if r.session_id is not None or not _length_reached_in_flight(r)]
         retracted_before = self.stats.num_retracted
         grants = prepare_decode(self.cache, reqs, self._retract, spare, defer_last=spare is None,
                                 reclaim=lambda: self.sessions.evict_oldest() is not None, need=need)  # fmt: skip
