@@ -118,19 +118,33 @@ def quant_axis(module: str) -> int:
     return -1 if module == "embed_tokens" else -2
 
 
-def quantize_int8(a: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 weight, f32 scale) of float `a`: one scale per slice along `axis` (max |a| / 127; 1
-    for an all-zero slice), a = q * scale up to half a step. Stacked weights go one layer at a
-    time, so the f32 copy it needs is one layer's."""
+def quantize_int8(a: np.ndarray, axis: int, round_to=None) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 weight, f32 scale) of float `a`, first rounded to dtype `round_to` if given: one
+    scale per slice along `axis` (max |a| / 127; 1 for an all-zero slice), a = q * scale up to
+    half a step. Stacked weights go one layer at a time, so the f32 copy it needs is one layer's;
+    a larger matrix scaled along its last axis (an embedding) goes ~4 MB of rows at a time:
+    whole, each of its f32 temporaries (113 MB for SmolLM2's) was fresh memory whose huge pages
+    the kernel may first compact (`_scratch`). One temporary a pass, written in place; the
+    values are those of max(|a|), a / scale, rint and clip taken one after another."""
     axis = axis - a.ndim if axis >= 0 else axis
     if a.ndim == 3:
-        parts = [quantize_int8(a[i], axis) for i in range(a.shape[0])]
+        parts = [quantize_int8(a[i], axis, round_to) for i in range(a.shape[0])]
         return np.stack([q for q, _ in parts]), np.stack([sc for _, sc in parts])
+    if a.ndim == 2 and axis == -1 and a.size * 4 > _SCRATCH_MIN:
+        rows = max(1, _SCRATCH_MIN // (4 * a.shape[1]))
+        q, scale = _scratch(a.shape, np.int8), np.empty(a.shape[0], np.float32)
+        for i in range(0, a.shape[0], rows):
+            q[i : i + rows], scale[i : i + rows] = quantize_int8(a[i : i + rows], -1, round_to)
+        return q, scale
+    if round_to is not None:
+        a = a.astype(round_to, copy=False)
     f = np.asarray(a, np.float32)
-    amax = np.max(np.abs(f), axis=axis)
+    amax = np.maximum(f.max(axis=axis), -f.min(axis=axis))  # max |f|, without an |f| array
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(f / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
-    return q, scale
+    t = f / np.expand_dims(scale, axis)
+    np.rint(t, out=t)
+    np.clip(t, -127, 127, out=t)
+    return t.astype(np.int8), scale
 
 
 def quant_transposed(module: str) -> bool:
@@ -289,7 +303,7 @@ def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, st
             node = node.setdefault(k, {})
         src = np.asarray(tensors[name])
         if quant and key == "weight" and parents and parents[-1] in QUANTIZED:
-            q, scale = quantize_int8(src.astype(dtype, copy=False), -1)
+            q, scale = quantize_int8(src, -1, dtype)
             put(node, "weight", place.layer, q, np.int8)
             put(node, "scale", place.layer, scale, np.float32)
         else:
@@ -300,6 +314,9 @@ def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, st
         # after loading, measured); one large array per name goes back to the OS.
         tree["layers"] = {layer: _layer_view(tree["layers"], layer) for layer in range(cfg.num_layers)}
     return tree
+
+
+_SCRATCH_MIN = 1 << 22  # NumPy asks for huge pages from 4 MiB up
 
 
 def _scratch(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -319,7 +336,7 @@ def _scratch(shape: tuple[int, ...], dtype) -> np.ndarray:
     aliasing it) is gone."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < 1 << 22:  # NumPy's huge-page threshold is 4 MiB
+    if nbytes < _SCRATCH_MIN:
         return np.empty(shape, dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(buf, dtype).reshape(shape)

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -36,6 +37,32 @@ def test_quantize_int8_is_within_half_a_step_per_column():
     qe, se = quantize_int8(a[0], -1)  # an embedding: one scale per row
     assert se.shape == (40,) and np.all(np.abs(qe * se[:, None] - a[0]) <= se[:, None] / 2 + 1e-7)
 
+
+
+def _quantize_reference(a: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """The definition, pass by pass, on the whole array."""
+    f = np.asarray(a, np.float32)
+    amax = np.max(np.abs(f), axis=axis)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    return np.clip(np.rint(f / np.expand_dims(scale, axis)), -127, 127).astype(np.int8), scale
+
+
+@pytest.mark.parametrize("round_to", [None, ml_dtypes.bfloat16])
+def test_quantize_int8_in_row_blocks_and_in_place_has_the_definitions_bits(round_to):
+    """A large matrix scaled along its last axis goes in blocks of rows (an embedding), its
+    passes in place: the same bits as the definition on the whole array, rounded first."""
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal((1200, 1000)) * rng.uniform(0.01, 3, (1200, 1))).astype(np.float32)  # 4.8 MB
+    a[3], a[4], a[5, :3] = 0, -0.0, [1e-30, -1e30, 7]
+    for axis in (-1, -2):
+        want = _quantize_reference(a if round_to is None else a.astype(round_to), axis)
+        got = quantize_int8(a, axis, round_to)
+        for w, g in zip(want, got, strict=True):
+            assert w.dtype == g.dtype and w.shape == g.shape
+            np.testing.assert_array_equal(g, w)
+    stacked = a[:600].reshape(3, 200, 1000)
+    for w, g in zip(_quantize_reference(stacked, -2), quantize_int8(stacked, -2), strict=True):
+        np.testing.assert_array_equal(g, w)
 
 @pytest.mark.parametrize("stacked", [True, False])
 def test_the_state_holds_int8_and_a_scale_beside_every_quantized_weight(tiny_dir, stacked):
