@@ -118,6 +118,9 @@ def quant_axis(module: str) -> int:
     return -1 if module == "embed_tokens" else -2
 
 
+_SCRATCH_MIN = 1 << 22  # NumPy asks for huge pages from 4 MiB up
+
+
 def quantize_int8(a: np.ndarray, axis: int, round_to=None) -> tuple[np.ndarray, np.ndarray]:
     """(int8 weight, f32 scale) of float `a`, first rounded to dtype `round_to` if given: one
     scale per slice along `axis` (max |a| / 127; 1 for an all-zero slice), a = q * scale up to
@@ -314,9 +317,6 @@ def build_host_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, st
         # after loading, measured); one large array per name goes back to the OS.
         tree["layers"] = {layer: _layer_view(tree["layers"], layer) for layer in range(cfg.num_layers)}
     return tree
-
-
-_SCRATCH_MIN = 1 << 22  # NumPy asks for huge pages from 4 MiB up
 
 
 def _scratch(shape: tuple[int, ...], dtype) -> np.ndarray:
