@@ -42,6 +42,7 @@ from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
 from model.params import QUANT_MODES, build_host_state, build_lazy_state, checked_layout
+from model.program_cache import ProgramCache, usable
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
@@ -81,6 +82,7 @@ class ExecutorConfig:
     lora_rank: int = 0  # max_lora_rank: every slot's rank (adapters of lower rank are zero-padded)
     lora_targets: tuple[str, ...] = ()  # the projections adapters may train (model/checkpoints/peft.py)
     lora_gather: bool = False  # the adapters' product in its gather form, not the dense one (model/lora.py)
+    program_cache: bool = False  # keep the traced programs on disk (model/program_cache.py; CPU, one device)
 
     @property
     def max_pages(self) -> int:
@@ -256,7 +258,13 @@ class ModelExecutor:
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
             return step(*args)
 
+        self._traced = traced
         self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8))
+        self._on_disk: ProgramCache | None = None
+        if cfg.program_cache and usable(self.platform, cfg.tp_size):
+            self._on_disk = ProgramCache({
+                "executor": dataclasses.asdict(cfg), "model": repr(mc), "attention": self.backend, "dot": self.dot,
+                "layer_loop": self.layer_loop})  # fmt: skip
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)
@@ -369,7 +377,24 @@ class ModelExecutor:
                                             self.buckets.positions(shape))  # fmt: skip
         kv, future = self.kv_avals
         lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
-        return self._jitted.lower(self.params_avals, kv, future, fwd, smp, lb, lora, top_n, shape.verify).compile()
+        args = (self.params_avals, kv, future, fwd, smp, lb, lora)
+        if self._on_disk is not None:
+            hits = self._on_disk.hits
+            try:
+                prog = self._on_disk.compile(self._traced, args, (top_n, shape.verify), self._out_tree(),
+                                             donate_argnums=(1, 2), custom_calls=_custom_calls())  # fmt: skip
+            except Exception as e:  # (a jax whose export differs): traced as ever
+                log.warning("program %s: not through the program cache (%s: %s)", key, type(e).__name__, e)
+            else:
+                self.trace_count += self._on_disk.hits - hits  # read back: counted as the trace it replaces
+                return prog
+        return self._jitted.lower(*args, top_n, shape.verify).compile()
+
+    def _out_tree(self) -> Any:
+        """The structure every step program returns (model/step.py): kv, the FutureMap, the
+        samples, the accepted drafts, the prompt positions' logprobs."""
+        kv, future = self.kv_avals
+        return jax.tree.structure((kv, future, SampleOut(*range(5)), 0, PositionLogprobs(*range(4))))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""
@@ -501,6 +526,13 @@ class ModelExecutor:
         hb = self.prepare(rows)
         self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
         return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
+
+
+def _custom_calls() -> tuple[str, ...]:
+    """The FFI targets a step program may call (its exported module names them: model/program_cache.py)."""
+    from model.kernels import cpu_attention, cpu_matmul, onednn
+
+    return cpu_attention.TARGET, cpu_matmul.TARGET, onednn.TARGET, onednn.TARGET_Q8
 
 
 def _avals(tree: Any) -> Any:

@@ -52,6 +52,7 @@ def executor_config(args) -> ExecutorConfig:
         token_ids_logprob_num=args.max_token_ids_logprob,
         attention_backend=args.attention_backend,
         precompile=args.precompile,
+        program_cache=True,  # CPU, one device: model/program_cache.py
         background_compile=args.background_compile,
         verify_tokens=verify,
         deterministic=args.enable_deterministic_inference,

@@ -1,0 +1,153 @@
+"""Step programs read back from disk (model/program_cache.py): the same samples and logprobs as
+traced ones, no trace on a hit, keys that move with what shapes a trace, private files, and
+anything unreadable taken as a miss."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import program_cache
+from model.executor import ExecutorConfig, ModelExecutor
+from model.program_cache import ProgramCache
+from model.step_inputs import DeviceRow, DeviceSampling
+
+CFG = dict(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, top_logprobs_num=2,
+           token_ids_logprob_num=2)  # fmt: skip
+
+
+def _decode(ex: ModelExecutor) -> tuple[list, list, list]:
+    """Tokens, their logprobs and the top-2 logprobs of a prefill of two rows, then 4 decode steps
+    (one row sampled at temperature 1 with a seed: the seeded path too)."""
+    pages = [np.arange(1, 4, dtype=np.int32), np.arange(4, 7, dtype=np.int32)]
+    prompts = [np.arange(3, 20, dtype=np.int32), np.arange(40, 45, dtype=np.int32)]
+    sampling = [DeviceSampling(), DeviceSampling(temperature=1.0, seed=7)]
+    rows = [DeviceRow(p, 0, t, s) for p, t, s in zip(prompts, pages, sampling)]
+    toks, lps, tops = [], [], []
+    lens = [len(p) for p in prompts]
+    for _ in range(5):
+        out, _, _ = ex.run(rows)
+        t = np.asarray(out.tokens)[:2].tolist()
+        toks.append(t)
+        lps.append(np.asarray(out.logprobs)[:2].tolist())
+        tops.append(np.asarray(out.top_logprobs)[:2].tolist())
+        rows = [DeviceRow(np.array([t[i]], np.int32), lens[i], pages[i], sampling[i]) for i in range(2)]
+        lens = [n + 1 for n in lens]
+    return toks, lps, tops
+
+
+def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(program_cache, "directory", lambda: tmp_path / "programs")
+    traced = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**CFG))
+    assert traced._on_disk is None  # off unless asked (the server's runner asks)
+    want = _decode(traced)
+    del traced
+
+    first = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**CFG, program_cache=True))
+    n = first.num_programs
+    assert (first._on_disk.hits, first._on_disk.misses, first.trace_count) == (0, n, n)
+    files = sorted((tmp_path / "programs").iterdir())
+    assert len(files) == n
+    assert stat.S_IMODE((tmp_path / "programs").stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    assert _decode(first) == want
+    del first
+
+    import model.executor as mx
+
+    calls = []
+    real = mx.make_step
+
+    def counting(*a, **k):
+        step = real(*a, **k)
+
+        def traced_step(*args):
+            calls.append(1)
+            return step(*args)
+
+        return traced_step
+
+    monkeypatch.setattr(mx, "make_step", counting)
+    again = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**CFG, program_cache=True))
+    assert (again._on_disk.hits, again._on_disk.misses) == (n, 0)
+    assert calls == []  # nothing traced: every program read back
+    assert again.trace_count == n  # counted as the traces they replace (serving still never traces)
+    assert _decode(again) == want
+
+
+def _key(cache: ProgramCache, rows: int = 4, top_n: int = 2, dtype=jnp.float32) -> str:
+    args = ({"w": jax.ShapeDtypeStruct((8, 8), dtype)}, jax.ShapeDtypeStruct((rows,), jnp.int32), None)
+    return cache.key(args, (top_n, 0))
+
+
+def test_keys_move_with_what_shapes_a_trace(tmp_path, monkeypatch):
+    base = ProgramCache({"executor": {"max_batch": 4}}, tmp_path)
+    k = _key(base)
+    assert k == _key(ProgramCache({"executor": {"max_batch": 4}}, tmp_path))  # stable across instances
+    assert k != _key(base, rows=8) and k != _key(base, top_n=3) and k != _key(base, dtype=jnp.bfloat16)
+    assert k != _key(ProgramCache({"executor": {"max_batch": 8}}, tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert k != _key(ProgramCache({"executor": {"max_batch": 4}}, tmp_path))
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(program_cache, "source_digest", lambda: "another source tree")
+    assert k != _key(ProgramCache({"executor": {"max_batch": 4}}, tmp_path))
+
+
+def test_the_source_digest_moves_with_the_model_and_kvmem_sources(tmp_path):
+    (tmp_path / "model" / "kernels").mkdir(parents=True)
+    (tmp_path / "kvmem").mkdir()
+    (tmp_path / "model" / "step.py").write_text("x = 1\n")
+    (tmp_path / "model" / "kernels" / "k.cc").write_text("int f();\n")
+    (tmp_path / "kvmem" / "pool.py").write_text("y = 2\n")
+    d = program_cache.tree_digest(tmp_path)
+    (tmp_path / "model" / "notes.txt").write_text("not a source")
+    (tmp_path / "model" / "__pycache__").mkdir()
+    (tmp_path / "model" / "__pycache__" / "step.py").write_text("z = 3\n")
+    (tmp_path / "actors").mkdir()
+    (tmp_path / "actors" / "other.py").write_text("w = 4\n")
+    assert program_cache.tree_digest(tmp_path) == d
+    for f in ("model/kernels/k.cc", "kvmem/pool.py", "model/step.py"):
+        before = (tmp_path / f).read_text()
+        (tmp_path / f).write_text(before + "// changed\n")
+        assert program_cache.tree_digest(tmp_path) != d, f
+        (tmp_path / f).write_text(before)
+    (tmp_path / "model" / "step.py").rename(tmp_path / "model" / "step2.py")  # a path is part of it
+    assert program_cache.tree_digest(tmp_path) != d
+
+
+def test_an_unreadable_entry_is_a_miss_and_is_written_again(tmp_path):
+    cache = ProgramCache({}, tmp_path / "programs")
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    key = cache.key((x,), ())
+    cache.dir.mkdir()
+    (cache.dir / f"{key}.exported").write_bytes(b"not a flatbuffer")
+    assert cache.load(key) is None
+    out_tree = jax.tree.structure((0, 0))
+    prog = cache.compile(lambda a: (a * 2, a + 1), (x,), (), out_tree, donate_argnums=(), custom_calls=())
+    assert cache.misses == 1 and cache.load(key) is not None
+    np.testing.assert_array_equal(prog(jnp.arange(4.0))[0], [0, 2, 4, 6])
+    again = ProgramCache({}, tmp_path / "programs")
+    prog = again.compile(lambda a: (a * 2, a + 1), (x,), (), out_tree, donate_argnums=(), custom_calls=())
+    assert again.hits == 1
+    np.testing.assert_array_equal(prog(jnp.arange(4.0))[1], [1, 2, 3, 4])
+
+
+def test_a_step_returning_another_structure_is_refused(tmp_path):
+    cache = ProgramCache({}, tmp_path)
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    with pytest.raises(RuntimeError, match="program cache: the step returns"):
+        cache.compile(lambda a: (a, (a, a)), (x,), (), jax.tree.structure((0, 0)), donate_argnums=(), custom_calls=())
+
+
+def test_used_on_one_cpu_device_unless_turned_off(monkeypatch):
+    assert jax.config.jax_compilation_cache_dir  # (tests/conftest.py turns XLA's cache on)
+    assert program_cache.usable("cpu", 1)
+    assert not program_cache.usable("cpu", 2) and not program_cache.usable("gpu", 1)
+    monkeypatch.setenv(program_cache.ENV, "0")
+    assert not program_cache.usable("cpu", 1)
+    assert os.environ[program_cache.ENV] == "0"
