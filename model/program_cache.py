@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -180,12 +181,16 @@ def _cpu_backend_ready() -> Iterator[None]:
     to compile, and the caller traces it as before (ModelExecutor._compile)."""
     from jax._src.export import _export
 
-    saved = getattr(_export, "_ensure_backends_initialized", None)
-    if saved is None:  # another jax: its own initialization stands
-        yield
-        return
-    _export._ensure_backends_initialized = lambda platforms: None
-    try:
-        yield
-    finally:
-        _export._ensure_backends_initialized = saved
+    with _PATCHING:  # (one at a time: two threads' saves and restores could leave it patched)
+        saved = getattr(_export, "_ensure_backends_initialized", None)
+        if saved is None:  # another jax: its own initialization stands
+            yield
+            return
+        _export._ensure_backends_initialized = lambda platforms: None
+        try:
+            yield
+        finally:
+            _export._ensure_backends_initialized = saved
+
+
+_PATCHING = threading.Lock()

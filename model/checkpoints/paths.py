@@ -6,6 +6,7 @@
         gguf-tokenizers/<hash>/         tokenizer files rebuilt from a .gguf
         tokenizers/<hash>.json          a tokenizer's backend, for the actors that only decode
         xla/                            the persistent compilation cache
+        programs/                       traced step programs, exported (model/program_cache.py)
 """
 
 from __future__ import annotations

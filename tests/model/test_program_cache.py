@@ -77,7 +77,9 @@ def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monk
     assert (again._on_disk.hits, again._on_disk.misses) == (n, 0)
     assert calls == []  # nothing traced: every program read back
     assert again.trace_count == n  # counted as the traces they replace (serving still never traces)
+    kv = jax.tree.leaves((again.kv, again.future))
     assert _decode(again) == want
+    assert all(x.is_deleted() for x in kv)  # donated to the programs read back, as to traced ones
 
 
 def _key(cache: ProgramCache, rows: int = 4, top_n: int = 2, dtype=jnp.float32) -> str:
