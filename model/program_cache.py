@@ -39,6 +39,7 @@ import jax
 log = logging.getLogger(__name__)
 
 ENV = "RINGSERVE_PROGRAM_CACHE"  # "0": off
+MAX_ENTRIES = 512  # programs kept (SmolLM2's: ~0.25 MB each; the weights are arguments, not in them)
 _PACKAGES = ("model", "kvmem")  # what the step is traced from
 _SUFFIXES = (".py", ".cc", ".h")
 
@@ -65,13 +66,18 @@ def usable(platform: str, tp_size: int) -> bool:
     """Whether an executor keeps its programs here: CPU, one process, one device, not turned off,
     and XLA's persistent cache on (without it the traced module would be compiled anyway)."""
     return (os.environ.get(ENV, "1") != "0" and platform == "cpu" and tp_size == 1 and jax.process_count() == 1
-            and bool(jax.config.jax_compilation_cache_dir))  # fmt: skip
+            and bool(_xla_cache_dir()))  # fmt: skip
 
 
 def directory() -> Path:
     """Beside XLA's persistent cache (`<cache>/xla` -> `<cache>/programs`): an entry is of use
     where XLA's executable of its module is kept."""
-    return Path(jax.config.jax_compilation_cache_dir).parent / "programs"
+    return Path(_xla_cache_dir() or ".").parent / "programs"
+
+
+def _xla_cache_dir() -> str | None:
+    """XLA's persistent cache directory (model/programs.py `enable_compilation_cache`), or None."""
+    return jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
 
 
 # jax options a trace reads (dtypes of Python scalars, default precisions, promotion rules)
@@ -117,6 +123,7 @@ class ProgramCache:
     def load(self, key: str) -> jax.export.Exported | None:
         try:
             data = self._path(key).read_bytes()
+            os.utime(self._path(key))  # used: the last to be pruned
         except OSError:
             return None
         try:
@@ -132,8 +139,19 @@ class ProgramCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(exported.serialize())
             os.replace(tmp, self._path(key))
+            self._prune()
         except OSError as e:  # a read-only or full cache: served all the same, traced next time
             log.warning("program cache: could not write %s: %s", self.dir, e)
+
+    def _prune(self) -> None:
+        """Keep the MAX_ENTRIES most recently used entries (each change of the sources or the
+        configuration leaves a server's ~20 behind)."""
+        entries = []
+        for p in self.dir.glob("*.exported"):
+            with contextlib.suppress(OSError):  # (another process pruning too)
+                entries.append((p.stat().st_mtime, p))
+        for _, p in sorted(entries)[:-MAX_ENTRIES]:
+            p.unlink(missing_ok=True)
 
     def compile(self, fn: Callable[..., Any], args: Any, statics: tuple[Any, ...], out_tree: Any,
                 donate_argnums: tuple[int, ...], custom_calls: tuple[str, ...]) -> Any:  # fmt: skip
@@ -150,7 +168,7 @@ class ProgramCache:
             seen: list[Any] = []
 
             def flat(*xs):
-                out, tree = jax.tree.flatten(fn(*in_tree.unflatten(xs), *statics))
+                out, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, xs), *statics))
                 seen.append(tree)
                 return out
 

@@ -27,7 +27,7 @@ def _decode(ex: ModelExecutor) -> tuple[list, list, list]:
     pages = [np.arange(1, 4, dtype=np.int32), np.arange(4, 7, dtype=np.int32)]
     prompts = [np.arange(3, 20, dtype=np.int32), np.arange(40, 45, dtype=np.int32)]
     sampling = [DeviceSampling(), DeviceSampling(temperature=1.0, seed=7)]
-    rows = [DeviceRow(p, 0, t, s) for p, t, s in zip(prompts, pages, sampling)]
+    rows = [DeviceRow(p, 0, t, s) for p, t, s in zip(prompts, pages, sampling, strict=True)]
     toks, lps, tops = [], [], []
     lens = [len(p) for p in prompts]
     for _ in range(5):
@@ -143,7 +143,9 @@ def test_a_step_returning_another_structure_is_refused(tmp_path):
     cache = ProgramCache({}, tmp_path)
     x = jax.ShapeDtypeStruct((4,), jnp.float32)
     with pytest.raises(RuntimeError, match="program cache: the step returns"):
-        cache.compile(lambda a: (a, (a, a)), (x,), (), jax.tree.structure((0, 0)), donate_argnums=(), custom_calls=())
+        cache.compile(
+            lambda a: (a, (a, a)), (x,), (), jax.tree.structure((0, 0)), donate_argnums=(), custom_calls=()
+        )
 
 
 def test_used_on_one_cpu_device_unless_turned_off(monkeypatch):
@@ -153,3 +155,19 @@ def test_used_on_one_cpu_device_unless_turned_off(monkeypatch):
     monkeypatch.setenv(program_cache.ENV, "0")
     assert not program_cache.usable("cpu", 1)
     assert os.environ[program_cache.ENV] == "0"
+
+
+def test_the_least_recently_used_entries_are_pruned(tmp_path, monkeypatch):
+    monkeypatch.setattr(program_cache, "MAX_ENTRIES", 2)
+    cache = ProgramCache({}, tmp_path / "programs")
+    out_tree = jax.tree.structure(0)
+    keys = []
+    for i, n in enumerate((4, 5, 6)):
+        x = jax.ShapeDtypeStruct((n,), jnp.float32)
+        keys.append(cache.key((x,), ()))
+        if i == 2:  # the first entry is read again: the second is now the least recently used
+            os.utime(cache._path(keys[0]), (1, 1))
+            os.utime(cache._path(keys[1]), (2, 2))
+            assert cache.load(keys[0]) is not None
+        cache.compile(lambda a: a + 1, (x,), (), out_tree, donate_argnums=(), custom_calls=())
+    assert sorted(p.name for p in cache.dir.iterdir()) == sorted(f"{k}.exported" for k in (keys[0], keys[2]))
