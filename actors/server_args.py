@@ -110,7 +110,8 @@ class ServerArgs:
         "(steps pad to the smallest compiled bucket meanwhile); off: serve after all are compiled",
     )
     xla_cache: bool = _opt(
-        True, "keep compiled step programs in $RINGSERVE_CACHE/xla (later start-ups take seconds)"
+        True, "keep compiled step programs in $RINGSERVE_CACHE/xla, on CPU the traced ones in "
+        "$RINGSERVE_CACHE/programs (later start-ups take seconds)"
     )
     # sampling / outputs
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")

@@ -13,7 +13,8 @@ traced step (model/step.py), which take the state as their first argument.
 Nothing recompiles while serving: `run` only calls programs compiled at start-up (or in the
 background, `background_compile`: until they all are, a step runs padded in the smallest
 compiled program that holds it, or waits for one; tiny model, 2 CPU cores: serving 13 s after
-start instead of ~50 s). `trace_count` counts traces and tests pin it. The KV cache and the FutureMap are donated
+start instead of ~50 s). `trace_count` counts traces (a program read back from the program cache,
+model/program_cache.py, counts as the trace it replaces) and tests pin it. The KV cache and the FutureMap are donated
 to every step and replaced by its outputs, so their update is in place.
 """
 
