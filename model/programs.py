@@ -68,7 +68,8 @@ def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sha
     smp = RowSampling(
         temperature=spec((r,), f32), top_k=spec((r,), i32), top_p=spec((r,), f32), min_p=spec((r,), f32),
         seed=spec((r,), jnp.uint32), any_random=spec((), jnp.bool_), any_filter=spec((), jnp.bool_),
-        mask=spec((r * k1, mask_words), i32), any_mask=spec((), jnp.bool_),
+        mask=spec((r * k1, mask_words), i32), any_mask=spec((), jnp.bool_), any_logprobs=spec((), jnp.bool_),
+        any_top=spec((), jnp.bool_),
     )  # fmt: skip
     lb = LogprobBatch(spec((r, logprob_ids), i32))
     if positions:

@@ -101,7 +101,7 @@ def per_sample(rs: RowSampling, ids: jax.Array, position: jax.Array, k1: int) ->
 
     return SamplingBatch(each(rs.temperature), each(rs.top_k), each(rs.top_p), each(rs.min_p), each(rs.seed),
                          position, rs.any_random, rs.any_filter, rs.mask, rs.any_mask,
-                         each(ids) if ids.shape[1] else None)  # fmt: skip
+                         each(ids) if ids.shape[1] else None, rs.any_logprobs, rs.any_top)  # fmt: skip
 
 
 def make_logits(model: CausalLM) -> Callable[..., tuple[Any, jax.Array]]:

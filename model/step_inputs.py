@@ -84,6 +84,8 @@ class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    logprobs: bool = True  # the sampled tokens' logprobs (and token_ids_logprob's) are read
+    top_logprobs: bool = True  # their top-n logprobs are read (n: the programs' top_n)
 
 
 @dataclasses.dataclass(slots=True)
@@ -131,6 +133,8 @@ class RowSampling(NamedTuple):
     any_filter: Arr  # [] bool: some row uses top-k / top-p / min-p
     mask: Arr = None  # [R * k1, W] int32 allowed tokens per sample (packed bits); None: no row constrained
     any_mask: Arr = False  # [] bool: some row is constrained
+    any_logprobs: Arr = True  # [] bool: some row's sampled logprobs are read (else not computed)
+    any_top: Arr = True  # [] bool: some row's top-n logprobs are read (else not computed)
 
 
 class LogprobBatch(NamedTuple):
@@ -158,6 +162,8 @@ class SamplingBatch(NamedTuple):
     mask: Arr = None  # [S, W] int32 allowed tokens (packed bits, all ones: any); None: none compiled in
     any_mask: Arr = False  # [] bool: some sample is constrained (else the mask is not applied)
     logprob_ids: Arr = None  # [S, K] int32 token ids whose logprobs each sample reports; None: K = 0
+    any_logprobs: Arr = True  # [] bool: some sample's logprobs are read (else they are zeros)
+    any_top: Arr = True  # [] bool: some sample's top-n logprobs are read (else zeros)
 
 
 def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
@@ -342,16 +348,19 @@ def build_batch(
     top_p = np.ones(nr, np.float32)
     min_p = np.zeros(nr, np.float32)
     seed = np.zeros(nr, np.uint32)
+    want_lp = want_top = False
     for i, r in enumerate(rows):
         sp = r.sampling
         temp[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         seed[i] = (sp.seed ^ (sp.seed >> 32)) & 0xFFFFFFFF  # 63-bit seed folded to 32
+        want_lp |= sp.logprobs or (r.logprob_ids is not None and len(r.logprob_ids) > 0)
+        want_top |= sp.top_logprobs
     random = temp > 0
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
     fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {})
     mask = _masks(rows, nr, k1)
     smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
-                      np.bool_(mask is not None))  # fmt: skip
+                      np.bool_(mask is not None), np.bool_(want_lp), np.bool_(want_top))  # fmt: skip
     lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
     lora_slot = np.zeros(nr, np.int32)
     lora_slot[:n] = [r.lora_slot for r in rows]

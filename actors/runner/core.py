@@ -170,7 +170,8 @@ class RunnerCore:
         if self.stamps is not None:
             self.stamps.dispatched(msg.step_id, t0, t_applied, so.out.tokens)
         want_ids = any(r.logprob_ids is not None for r in dev_rows)
-        return Pending(msg.step_id, so, len(dev_rows), k1, t0, self.top_n > 0, want_ids)
+        want_top = self.top_n > 0 and any(r.sampling.top_logprobs for r in dev_rows)  # else zeros (not computed)
+        return Pending(msg.step_id, so, len(dev_rows), k1, t0, want_top, want_ids)
 
     def _more(self, p: Pending, n: int) -> m.MoreLogprobs | None:
         """The step's token_ids_logprob (of its n samples) and prompt positions' logprobs, when

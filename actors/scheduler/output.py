@@ -22,6 +22,7 @@ import numpy as np
 
 from actors.scheduler.batch import Row, ScheduledBatch
 from actors.scheduler.core import ReqOutput
+from actors.scheduler.req import Req
 from actors.transport.messages import (
     MoreLogprobs,
     PromptPositions,
@@ -32,13 +33,20 @@ from actors.transport.messages import (
     i32,
     u8,
 )
+from model.step_inputs import DeviceSampling
+
+
+def _device_sampling(req: Req) -> DeviceSampling:
+    """How the device samples `req`, and which of its logprobs are read (`token_out`: none
+    without return_logprob; the top-n only with top_logprobs_num)."""
+    return req.sampling.device(req.return_logprob, req.return_logprob and req.top_logprobs_num > 0)
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:
     rows = batch.rows
     k = batch.drafts
     assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
-    starts = [SlotStart(r.slot, i32(r.prefix_pages), r.req.sampling.device(), _ids(r.req.token_ids_logprob),
+    starts = [SlotStart(r.slot, i32(r.prefix_pages), _device_sampling(r.req), _ids(r.req.token_ids_logprob),
                         r.req.lora.slot if r.req.lora is not None else 0)
               for r in rows if r.prefix_pages is not None]  # fmt: skip
     pages = [r.new_pages for r in rows]

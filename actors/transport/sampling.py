@@ -165,10 +165,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def device(self) -> DeviceSampling:
-        """The fields the device samples with (the seed must be set)."""
+    def device(self, logprobs: bool = True, top_logprobs: bool = True) -> DeviceSampling:
+        """The fields the device samples with (the seed must be set), and whether the request
+        reads its samples' logprobs and top-n logprobs (the device skips them when no row does)."""
         assert self.sampling_seed is not None, "the frontend sets every request's seed"
-        return DeviceSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed)
+        return DeviceSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed, logprobs,
+                              top_logprobs)  # fmt: skip
 
 
 def _plain(v: Any) -> Any:

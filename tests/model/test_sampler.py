@@ -209,3 +209,57 @@ def test_noise_is_finite_so_a_near_certain_token_always_wins():
     out = sample(jnp.asarray(logits), sb([1.0] * 64, seed=seeds, position=positions), top_n=0)
     assert np.asarray(out.tokens).tolist() == [0] * 64
     assert np.isfinite(np.asarray(gumbel_noise(jnp.asarray(seeds, jnp.uint32), jnp.asarray(positions), v))).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_no_sample_reads_are_zeros_and_the_rest_unchanged(temperature):
+    """any_logprobs / any_top (traced: one program) gate the log-sum-exp and the top-k: what is
+    not read is zeros, what is read has the same bits as computing everything; the tokens
+    never change."""
+    s, v = 6, 300
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((s, v)).astype(np.float32) * 3)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, v, (s, 2)).astype(np.int32))
+    base = sb([temperature] * s, top_k=40, seed=np.arange(s), position=7)._replace(logprob_ids=ids)
+    run = jax.jit(lambda lp, top: sample(logits, base._replace(any_logprobs=lp, any_top=top), top_n=4))
+    full = [np.asarray(a) for a in run(jnp.bool_(True), jnp.bool_(True))]
+    assert np.all(full[1] < 0) and np.all(full[3] < 0) and np.all(full[4] < 0)  # real logprobs
+    for lp, top in [(True, False), (False, False), (False, True)]:
+        out = [np.asarray(a) for a in run(jnp.bool_(lp), jnp.bool_(top))]
+        np.testing.assert_array_equal(out[0], full[0])
+        for i in (1, 4):  # the chosen token's and token_ids_logprob's
+            np.testing.assert_array_equal(out[i], full[i] if lp or top else np.zeros_like(full[i]))
+        for i in (2, 3):  # the top-n ids and logprobs
+            np.testing.assert_array_equal(out[i], full[i] if top else np.zeros_like(full[i]))
+    # the host sets the flags from the rows: any row that reads them (token_ids_logprob reads
+    # the log-sum-exp too)
+    from model.step_inputs import Buckets, build_batch
+
+    buckets = Buckets.make(max_batch=4, max_extend_tokens=64, extend_block=16)
+
+    def flags(*rows: DeviceRow) -> tuple[bool, bool]:
+        smp = build_batch(list(rows), buckets, 16, 4, 4, logprob_ids=2).sampling
+        return bool(smp.any_logprobs), bool(smp.any_top)
+
+    pages = np.arange(1, 5, dtype=np.int32)
+    none = DeviceRow(np.arange(3, 8, dtype=np.int32), 0, pages, DeviceSampling(logprobs=False, top_logprobs=False))
+    assert flags(none, none) == (False, False)
+    assert flags(none, DeviceRow(none.token_ids, 0, pages, DeviceSampling(top_logprobs=False))) == (True, False)
+    assert flags(none, DeviceRow(none.token_ids, 0, pages, DeviceSampling())) == (True, True)
+    assert flags(none, DeviceRow(none.token_ids, 0, pages, none.sampling, logprob_ids=np.array([5], np.int32))) == (True, False)
+
+
+@pytest.mark.parametrize("v", [49152, 1024, 1000, 300])
+def test_first_max_is_the_lowest_index_of_the_max(v):
+    """Greedy's argmax (two stages where the vocabulary splits into blocks, one otherwise): the
+    lowest index holding the row's max, ties within a block, across blocks, all -inf."""
+    x = np.random.default_rng(v).standard_normal((9, v)).astype(np.float32)
+    x[1, :] = 1.0
+    x[2, 5], x[2, v - 3] = 9, 9
+    x[3, 300 % v], x[3, 301 % v] = 9, 9
+    x[4, :] = -np.inf
+    x[5, v - 1] = 50
+    x[6, 0] = 50
+    x[7, :] = -np.inf
+    x[7, v // 2] = 0.0
+    want = [int(np.flatnonzero(r == r.max())[0]) for r in x]
+    assert np.asarray(jax.jit(model.sampler._first_max)(jnp.asarray(x))).tolist() == want

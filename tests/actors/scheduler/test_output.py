@@ -72,3 +72,22 @@ def test_step_msg_is_not_pickle():
 
     with pytest.raises(m.msgspec.DecodeError):
         m.to_runner.decode(pickle.dumps({"step_id": 1}))
+
+
+def test_each_slot_tells_the_runner_which_of_its_logprobs_are_read():
+    """A request's logprobs reach the device's sampler only as far as its output reads them: none
+    without return_logprob, the top-n only with top_logprobs_num (the sampler skips what no
+    row of a step reads)."""
+    page = 16
+    args = ServerArgs(page_size=page, max_total_tokens=64 * page, max_running_requests=4, context_length=256)
+    core = SchedulerCore(args, KVCache(64, page, 4, disable_radix_cache=True), lambda ids: "")
+    wants = {"none": {}, "chosen": {"return_logprob": True}, "top": {"return_logprob": True, "top_logprobs_num": 3},
+             "top-unread": {"top_logprobs_num": 3}}  # fmt: skip
+    for rid, kw in wants.items():
+        r = req(rid, list(range(5, 25)), 4)
+        r.return_logprob, r.top_logprobs_num = kw.get("return_logprob", False), kw.get("top_logprobs_num", 0)
+        core.add_request(r)
+    b = core.get_next_batch()
+    rows = SlotMirrors(4).apply(m.to_runner.decode(m.encode(step_msg(b))))
+    got = {r.req.rid: (d.sampling.logprobs, d.sampling.top_logprobs) for d, r in zip(rows, b.rows, strict=True)}
+    assert got == {"none": (False, False), "chosen": (True, False), "top": (True, True), "top-unread": (False, False)}
