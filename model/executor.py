@@ -180,6 +180,19 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
     return "xla"
 
 
+def _prebuild_kernels(cfg: ExecutorConfig) -> None:
+    """Start building, side by side, the CPU custom calls this configuration may use (each is
+    built once per machine, model/kernels/build.py); the first use of each waits for its own."""
+    from model.kernels import build, cpu_attention, cpu_matmul
+
+    wanted = [cpu_memory.reason]  # the KV pool's zeros
+    if cfg.tp_size == 1 and cfg.attention_backend in ("auto", "cpu_kernel"):
+        wanted.append(cpu_attention.reason)
+    if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel"):
+        wanted.append(cpu_matmul.reason)
+    build.prebuild(*wanted)
+
+
 def _release_packed(owner: list[int | None]) -> None:
     """Release the weights registered under owner[0] (oneDNN's packed copies), once."""
     if owner[0] is not None:
@@ -198,6 +211,8 @@ class ModelExecutor:
         self.cfg = cfg
         self.mesh = make_mesh(cfg.tp_size)
         self.platform = jax.devices()[0].platform
+        if self.platform == "cpu":
+            _prebuild_kernels(cfg)
         self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret, cfg.tp_size)
         if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
             # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes

@@ -1,0 +1,34 @@
+"""model/kernels/build.py: a loader's work runs once per process, however many threads ask (the
+executor's `prebuild` starts it on a thread, its first use then waits for that)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from model.kernels import build
+
+
+def test_a_loader_works_once_and_a_caller_meanwhile_waits_for_its_answer():
+    calls, started = [], threading.Event()
+
+    def prepare() -> str | None:  # stands in for the build: slow, and answers why not
+        calls.append(threading.get_ident())
+        started.set()
+        time.sleep(0.3)
+        return "no compiler here"
+
+    reason = build.loader("nothing", [], {}, prepare=prepare)
+    build.prebuild(reason)
+    assert started.wait(5)
+    t0 = time.perf_counter()
+    assert reason() == "no compiler here"  # waited for the thread's answer, did not run it again
+    assert time.perf_counter() - t0 > 0.1
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(reason())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == ["no compiler here"] * 4 and len(calls) == 1
+    assert calls[0] != threading.get_ident()  # the work ran on prebuild's thread
