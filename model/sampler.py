@@ -248,7 +248,8 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
 def _wanted_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, sp: SamplingBatch):
     """`_read_logprobs` for the samples whose logprobs are read: with no sample's logprobs
     wanted (`any_logprobs`, `any_top` False) they are zeros, not computed (their log-sum-exp
-    and top-k pass over [S, V]: SmolLM2, 2 rows, ~0.3 ms of a decode step; 64 rows, ~7 ms)."""
+    and top-k passes over [S, V]: SmolLM2, top_n 5, 64 rows, 13.5 -> 1.4 ms alone; the decode
+    step 282.7 -> 270.8 ms in one process, alternating)."""
     s = logits.shape[0]
     k = 0 if sp.logprob_ids is None else sp.logprob_ids.shape[1]
     zeros = (jnp.zeros((s,), jnp.float32), jnp.zeros((s, top_n), jnp.int32), jnp.zeros((s, top_n), jnp.float32),
