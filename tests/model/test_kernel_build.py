@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from model.kernels import build
 
 
@@ -32,3 +34,18 @@ def test_a_loader_works_once_and_a_caller_meanwhile_waits_for_its_answer():
         t.join()
     assert answers == ["no compiler here"] * 4 and len(calls) == 1
     assert calls[0] != threading.get_ident()  # the work ran on prebuild's thread
+
+
+def test_prebuild_starts_only_loaders_with_nothing_built(tmp_path, monkeypatch):
+    """A warm start (every library built) starts no thread: each loads where first used."""
+    from model.kernels import cpu_memory
+
+    if (why := cpu_memory.reason()) is not None:
+        pytest.skip(f"cpu_memory is not built here: {why}")
+    before = threading.active_count()
+    build.prebuild(cpu_memory.reason)
+    assert threading.active_count() == before and not cpu_memory.reason.to_build()
+    fresh = build.loader("cpu_memory", ["-O2"], {})
+    assert not fresh.to_build()  # the same source and flags: the library is there
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    assert fresh.to_build()  # an empty cache: it would be built
