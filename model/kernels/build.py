@@ -118,12 +118,12 @@ def loader(name: str, flags: list[str], targets: dict[str, str], link: list[str]
 
 
 def prebuild(*reasons: Callable[[], str | None]) -> None:
-    """Start each loader's work (`reason()`) on a thread of its own, so that a first start on a
+    """Start each loader's (`loader`'s `reason`) work (`reason()`) on a thread of its own, so that a first start on a
     machine builds its kernels side by side, beside the rest of the start-up, not one after
     another where each is first used (2 cores, cold cache: cpu_matmul 13 s, cpu_attention 6.5,
     cpu_memory 3). Only the loaders whose library is not built yet: a warm start loads each
     where it is first used (three threads loading them beside the runner's start-up made a
     warm SmolLM2 start ~0.3 s slower)."""
     for r in reasons:
-        if getattr(r, "to_build", lambda: True)():
+        if r.to_build():  # type: ignore[attr-defined]
             threading.Thread(target=r, name="ringserve-kernel-build", daemon=True).start()
