@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -45,7 +45,7 @@ def _cpu_identity() -> bytes:
     return "\n".join(keep).encode()
 
 
-def library_path(name: str, flags: list[str], link: list[str] = ()) -> Path:
+def library_path(name: str, flags: Sequence[str], link: Sequence[str] = ()) -> Path:
     """Where `<name>.cc` built with `flags` and `link` lives on this machine (it may not yet)."""
     h = hashlib.sha256((HERE / f"{name}.cc").read_bytes())
     for header in sorted(HERE.glob("*.h")):  # included as "pool.h": a changed header rebuilds
@@ -56,7 +56,7 @@ def library_path(name: str, flags: list[str], link: list[str] = ()) -> Path:
     return cache_dir("kernels", f"{name}-{h.hexdigest()[:16]}.so")
 
 
-def build(name: str, flags: list[str], link: list[str] = ()) -> ctypes.CDLL:  # type: ignore[assignment]
+def build(name: str, flags: Sequence[str], link: Sequence[str] = ()) -> ctypes.CDLL:
     """The loaded library of `<name>.cc` (built first if this machine has no copy). Raises
     RuntimeError with the compiler's message when the build fails, OSError when loading does."""
     cxx = compiler()
