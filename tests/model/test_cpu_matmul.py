@@ -254,3 +254,36 @@ def test_the_plain_loops_without_avx512_agree():
                 ops = (x, wl) if scale is None else (x, wl, scale)
                 got = jax.ffi.ffi_call("ringserve_cpu_matmul_plain", out)(*ops, transpose_w=t)
                 assert _rel_err(got, want) < 1e-5, (wdtype, m, t)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_int8_weights_times_bf16_rows_through_int16(m):
+    """bf16 x with int8 [N, K] weights at 1-2 rows (cpu_matmul.cc nk_seq_q16 where AVX2 builds
+    it): x becomes int16 per row at a step of 2^-15 of the power of two above the row's largest
+    magnitude, so each value within 2^7 of it is exact and a smaller one is off by at most half
+    a step; the sums are exact. Against float64 on the same bf16 inputs, the error stays inside
+    that rounding's bound (a row holding one value 400x its others' scale), a row of zeros gives
+    zeros and a NaN in x gives NaN, as the f32 path does."""
+    rng = np.random.default_rng(11)
+    k, n = 1536, 200
+    q = rng.integers(-128, 128, (n, k)).astype(np.int8)  # [N, K]; -128 too, as a GGUF Q8_0 block holds
+    scale = (rng.random(n) * 0.02 + 0.001).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, 5] = 400.0
+    xb = jnp.asarray(x, jnp.bfloat16)
+    xf = np.asarray(xb, np.float64)
+    call = jax.jit(lambda x, w, s: cpu_matmul.matmul(x, w, transpose_w=True, scale=s, out_dtype=jnp.float32))
+    got = np.asarray(call(xb, jnp.asarray(q), jnp.asarray(scale)), np.float64)
+    want = (xf @ q.T.astype(np.float64)) * scale
+    step = np.exp2(np.floor(np.log2(np.abs(xf).max(axis=1))) + 1 - 15)  # per row
+    bound = (step / 2)[:, None] * (np.abs(q).sum(axis=1) * scale)[None, :]  # every value off by half a step
+    bound += 1e-6 * np.abs(want)  # f32 conversions at the end
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    exact_rows = np.where(np.abs(xf) >= np.abs(xf).max(axis=1, keepdims=True) / 128, xf, 0.0)
+    got_exact = np.asarray(call(jnp.asarray(exact_rows, jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale)), np.float64)
+    want_exact = (exact_rows @ q.T.astype(np.float64)) * scale
+    np.testing.assert_allclose(got_exact, want_exact, rtol=2e-6, atol=1e-6 * np.abs(want_exact).max())
+    zeros = call(jnp.zeros((m, k), jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale))
+    assert not np.any(np.asarray(zeros))
+    x[m - 1, 7] = np.nan
+    assert np.all(np.isnan(np.asarray(call(jnp.asarray(x, jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale)))[m - 1]))
