@@ -39,8 +39,9 @@
 // convert; the int8 scale multiplies the sum) and every sum accumulates in f32. bf16 x with
 // bf16 w goes through vdpbf16ps instead ([N, K] always, [K, N] at M <= 4: exact products of
 // pairs along K, f32 sums; inputs below f32's normal range flush to zero). bf16 x with int8 w
-// [N, K] at M <= 2, AVX2 (K a multiple of 16): x as int16 per row (exact within 2^7 of the row's
-// largest) and the products summed exactly in int32 by vpmaddwd (nk_seq_q16). The kernels are
+// [N, K] up to kQ16Rows rows, AVX2 (K a multiple of 16): x as int16 per row (exact within 2^7 of
+// the row's largest), the products summed exactly in int32 by vpmaddwd, groups of 8 weight rows
+// against blocks of 4 rows of x (nk_seq_q16). The kernels are
 // written once over simd.h's vectors: AVX-512 (F, BW, VL; BF16 for the pairs) or AVX2 + FMA
 // where the compiler targets it (-march=native; AVX2's tiles are narrower, 16 ymm registers
 // against 32 zmm: [K, N] 16 columns, [N, K] 2 weight rows), plain loops elsewhere.
@@ -93,6 +94,11 @@ constexpr bool kQ16 = false;
 #endif
 constexpr long kQ16Max = 32767;
 constexpr int64_t kQ16MaxK = 8192;
+// The most rows of x nk_seq_q16 takes, in blocks of 4 (more: the f32 panels, faster there).
+// SmolLM2's bf16 + int8 decode step against the f32 path, in one process, alternated: 4 rows
+// 23.18 -> 16.21 ms, 8 rows 49.21 -> 30.41, 16 73.78 -> 53.84, 32 101.35 -> 83.44, 64 180.02 ->
+// 179.03 (faster in 5 of 8 pairs), 128 390.15 -> 421.54 (slower).
+constexpr int64_t kQ16Rows = 64;
 inline bool quantize_rows(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs) {
 #if defined(__AVX2__) && defined(__FMA__)
   xq.resize(size_t(M * K));  // K is a multiple of 16 (the caller's condition)
@@ -510,8 +516,9 @@ void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
 #endif
 
 #ifdef __AVX2__
-// int8 w [N, K] for one or two rows of x quantized to int16 (`quantize_rows`; K a multiple of
-// 16, at most kQ16MaxK): 16 weights widen to int16 in one instruction and vpmaddwd multiplies
+// int8 w [N, K] for up to 4 rows of x quantized to int16 (`quantize_rows`; K a multiple of 16,
+// at most kQ16MaxK), each weight row read once for them: 16 weights widen to int16 in one
+// instruction and vpmaddwd multiplies
 // them by 16 of x's and adds pairs into 8 int32 lanes, where widening to f32 took 2 instructions
 // for 8 and an FMA. Each row's int32 sum is exact; y = sum * x's row scale * w's column scale.
 // SmolLM2's whole bf16 + int8 decode step (256 tokens of context) on 2 Zen 3 cores, in one
@@ -686,7 +693,12 @@ Pack packer(bool) {
 template <class T>
 Tile nk_kernel(int mb, int nb, bool dp, bool q16 = false) {
 #if defined(RINGSERVE_SIMD) && defined(__AVX2__)
-  if (std::is_same_v<T, int8_t> && q16 && nb == 8) return mb == 1 ? nk_seq_q16<1, 8> : nk_seq_q16<2, 8>;
+  if (std::is_same_v<T, int8_t> && q16 && nb == 8) switch (mb) {
+      case 1: return nk_seq_q16<1, 8>;
+      case 2: return nk_seq_q16<2, 8>;
+      case 3: return nk_seq_q16<3, 8>;
+      default: return nk_seq_q16<4, 8>;
+    }
 #endif
 #ifdef __AVX512BF16__
   if (std::is_same_v<T, uint16_t> && dp) switch (mb * 100 + nb) {
@@ -765,10 +777,10 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
     return p;
   }
   // Columns per tile: [K, N] kKnVectors vectors (AVX-512: 64 columns); [N, K] 8 weight rows
-  // (M <= 2), else kNkRows; packed (kPackKn, more than one block of rows), either layout: the
+  // (M <= 2, or x as int16), else kNkRows; packed (kPackKn, more than one block of rows), either layout: the
   // panel's L * kKnVectors columns. Rows of x: blocks of 4 ([N, K]) or kKnRows ([K, N], panels).
-  const bool packed = kPackKn && M > kKnRows;
-  const int width = transpose_w ? (M <= 2 ? 8 : kNkRows) : kKnVectors;
+  const bool packed = kPackKn && M > kKnRows && !a.xq;
+  const int width = transpose_w ? (M <= 2 || a.xq ? 8 : kNkRows) : kKnVectors;
   p.cols = transpose_w && !packed ? width : L * kKnVectors;
   p.tiles = (N + p.cols - 1) / p.cols;
   // items of whole tiles, ~1/8 of the weight per thread, within 32 KB..512 KB
@@ -787,7 +799,7 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
     return p;
   }
   p.main = transpose_w ? nk_kernel<T>(p.mb, width, a.xh != nullptr, a.xq != nullptr) : kn_kernel<T>(p.mb);
-  p.tail = rest && M > block ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr) : kn_kernel<T>(rest)) : nullptr;
+  p.tail = rest && M > block ? (transpose_w ? nk_kernel<T>(rest, width, a.xh != nullptr, a.xq != nullptr) : kn_kernel<T>(rest)) : nullptr;
   return p;
 }
 
@@ -857,7 +869,7 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arg
   a.xs = nullptr;
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> xs;
-  if (kQ16 && q8 && transpose_w && a.xh && a.M <= 2 && a.K % 16 == 0 && a.K <= kQ16MaxK && quantize_rows(a.x, a.M, a.K, xq, xs)) {
+  if (kQ16 && q8 && transpose_w && a.xh && a.M <= kQ16Rows && a.K % 16 == 0 && a.K <= kQ16MaxK && quantize_rows(a.x, a.M, a.K, xq, xs)) {
     a.xq = xq.data();
     a.xs = xs.data();
   }

@@ -256,10 +256,10 @@ def test_the_plain_loops_without_avx512_agree():
                 assert _rel_err(got, want) < 1e-5, (wdtype, m, t)
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 64])
 def test_int8_weights_times_bf16_rows_through_int16(m):
-    """bf16 x with int8 [N, K] weights at 1-2 rows (cpu_matmul.cc nk_seq_q16 where AVX2 builds
-    it): x becomes int16 per row at a step of 2^-15 of the power of two above the row's largest
+    """bf16 x with int8 [N, K] weights up to 64 rows (cpu_matmul.cc nk_seq_q16 where AVX2 builds
+    it; blocks of 4 rows and a shorter last one): x becomes int16 per row at a step of 2^-15 of the power of two above the row's largest
     magnitude, so each value within 2^7 of it is exact and a smaller one is off by at most half
     a step; the sums are exact. Against float64 on the same bf16 inputs, the error stays inside
     that rounding's bound (a row holding one value 400x its others' scale), a row of zeros gives
