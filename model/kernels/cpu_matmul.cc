@@ -51,9 +51,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 #include <vector>
 
 #include "bf16.h"
@@ -87,7 +84,7 @@ struct Args {
 // keeps the f32 path. |xq| <= kQ16Max, so with |w| <= 128 each int32 lane of the kernel sums at
 // most K/16 products of 128 * kQ16Max: exact up to K = kQ16MaxK. false (x not used): a row holds
 // an infinity or a NaN (the f32 path then gives what IEEE arithmetic gives).
-#if defined(__AVX2__) && defined(__FMA__)
+#if RINGSERVE_SIMD == 256  // measured on AVX2 alone; AVX-512 keeps its own int8 path
 constexpr bool kQ16 = true;  // nk_seq_q16 is built
 #else
 constexpr bool kQ16 = false;
@@ -100,7 +97,7 @@ constexpr int64_t kQ16MaxK = 8192;
 // 179.03 (faster in 5 of 8 pairs), 128 390.15 -> 421.54 (slower).
 constexpr int64_t kQ16Rows = 64;
 inline bool quantize_rows(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if RINGSERVE_SIMD == 256
   xq.resize(size_t(M * K));  // K is a multiple of 16 (the caller's condition)
   xs.resize(size_t(M));
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -515,12 +512,11 @@ void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
 }
 #endif
 
-#ifdef __AVX2__
+#if RINGSERVE_SIMD == 256
 // int8 w [N, K] for up to 4 rows of x quantized to int16 (`quantize_rows`; K a multiple of 16,
 // at most kQ16MaxK), each weight row read once for them: 16 weights widen to int16 in one
-// instruction and vpmaddwd multiplies
-// them by 16 of x's and adds pairs into 8 int32 lanes, where widening to f32 took 2 instructions
-// for 8 and an FMA. Each row's int32 sum is exact; y = sum * x's row scale * w's column scale.
+// instruction and vpmaddwd multiplies them by 16 of x's and adds pairs into 8 int32 lanes,
+// where widening to f32 took 2 instructions for 8 and an FMA. Each row's int32 sum is exact; y = sum * x's row scale * w's column scale.
 // SmolLM2's whole bf16 + int8 decode step (256 tokens of context) on 2 Zen 3 cores, in one
 // process, this path switched on and off per 7 steps and alternated 30 times: 1 row 12.86 ->
 // 10.68 ms (faster in 27 of 30 pairs), 2 rows 15.30 -> 13.00 (29 of 30); a standalone loop over
@@ -692,7 +688,7 @@ Pack packer(bool) {
 
 template <class T>
 Tile nk_kernel(int mb, int nb, bool dp, bool q16 = false) {
-#if defined(RINGSERVE_SIMD) && defined(__AVX2__)
+#if RINGSERVE_SIMD == 256
   if (std::is_same_v<T, int8_t> && q16 && nb == 8) switch (mb) {
       case 1: return nk_seq_q16<1, 8>;
       case 2: return nk_seq_q16<2, 8>;
