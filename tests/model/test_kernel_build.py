@@ -49,3 +49,27 @@ def test_prebuild_starts_only_loaders_with_nothing_built(tmp_path, monkeypatch):
     assert not fresh.to_build()  # the same source and flags: the library is there
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
     assert fresh.to_build()  # an empty cache: it would be built
+
+
+# The vector widths simd.h writes the kernels for, each a target this machine may not run:
+# AVX-512 with BF16 (a TPU or GPU host's Xeon), AVX2 + FMA, and plain loops
+TARGETS = ["-march=sapphirerapids", "-march=haswell", "-march=x86-64"]
+
+
+@pytest.mark.parametrize("name, flags", [("cpu_matmul", []), ("cpu_attention", ["-ffast-math", "-fopenmp-simd"])])
+def test_kernels_compile_for_every_vector_width(name, flags):
+    """Each CPU kernel's source compiles for every width simd.h has (g++ -fsyntax-only): a path
+    written for the width this machine runs must not break the others' build (where it broke, an
+    AVX-512 host would fall back to XLA's slow dots, with only a logged reason)."""
+    import subprocess
+
+    import jax
+
+    cxx = build.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++, or $CXX)")
+    source = build.HERE / f"{name}.cc"
+    for target in TARGETS:
+        cmd = [cxx, "-std=c++17", "-fsyntax-only", "-w", target, *flags, f"-I{jax.ffi.include_dir()}", str(source)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, f"{name}.cc {target}:\n{done.stderr[-3000:]}"
