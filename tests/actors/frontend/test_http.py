@@ -76,17 +76,22 @@ def test_control_routes(engine, servers):
     assert httpx.post(url + "/continue_generation", json={}).json()["status"] == "ok"
     r = httpx.post(url + "/flush_cache")
     assert r.status_code == 200 and r.text.startswith("Cache flushed")
-    # a flush refused while a request holds KV is a 400 with the reason
+    # a flush refused while a request holds KV is a 400 with the reason; the request is paused in
+    # place first (it keeps its KV), so it cannot finish its tokens before the abort arrives (the
+    # tiny model's 200 tokens take well under a second: on a loaded machine they once did)
     with httpx.stream("POST", url + "/generate", json={"input_ids": [5, 6], "stream": True,
                                                        "sampling_params": {**GREEDY, "max_new_tokens": 200}}) as s:  # fmt: skip
         lines = s.iter_lines()
         next(line for line in lines if line.startswith("data: "))
+        assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
         r = httpx.get(url + "/flush_cache")
         assert r.status_code == 400 and "hold KV" in r.text
         rid = engine.get_server_info()["running_rids"][0]
         assert httpx.post(url + "/abort_request", json={"rid": rid}).status_code == 200
+        assert httpx.post(url + "/continue_generation", json={}).json()["status"] == "ok"
         chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(chunks[-1]["output_ids"]) < 200
     assert httpx.post(url + "/abort_request", json={"rid": "no-such-request"}).status_code == 200  # ignored
 
 
