@@ -77,7 +77,7 @@ def build(name: str, flags: Sequence[str], link: Sequence[str] = ()) -> ctypes.C
     return ctypes.CDLL(str(out))
 
 
-def loader(name: str, flags: list[str], targets: dict[str, str], link: list[str] = (),  # type: ignore[assignment]
+def loader(name: str, flags: Sequence[str], targets: dict[str, str], link: Sequence[str] = (),
            prepare: Callable[[], str | None] | None = None,
            check: Callable[[ctypes.CDLL], str | None] | None = None) -> Callable[[], str | None]:  # fmt: skip
     """A `reason()` for one kernel module: None once `<name>.cc` is built and each of `targets`
@@ -118,7 +118,7 @@ def loader(name: str, flags: list[str], targets: dict[str, str], link: list[str]
 
 
 def prebuild(*reasons: Callable[[], str | None]) -> None:
-    """Start each loader's (`loader`'s `reason`) work (`reason()`) on a thread of its own, so that a first start on a
+    """Start the work of each `loader`'s `reason` on a thread of its own, so that a first start on a
     machine builds its kernels side by side, beside the rest of the start-up, not one after
     another where each is first used (2 cores, cold cache: cpu_matmul 13 s, cpu_attention 6.5,
     cpu_memory 3). Only the loaders whose library is not built yet: a warm start loads each
