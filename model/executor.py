@@ -194,16 +194,20 @@ def _prebuild_kernels(cfg: ExecutorConfig) -> None:
     build.prebuild(*wanted)
 
 
-def _huge_pages(host: Any, serving: threading.Event, gone: Callable[[], bool]) -> None:
-    """model/params.py `huge_pages` on a thread of its own once the executor serves, beside the
-    steps already running on these weights (it moves no value). Started beside the lead
+def _huge_pages(host: Any, after: Callable[[], bool | None]) -> None:
+    """model/params.py `huge_pages` on a thread of its own, once `after()` is true (None: give
+    up), beside the steps already running on these weights (it moves no value). It waits for
+    the executor to serve and for the KV pool's pages to be in: started beside the lead
     programs' loading, it made a warm start's executor ~1.7 s slower (SmolLM2 f32: 1.6-2.2 ->
-    3.5-4.0 s; the collapse took 1.4-2.3 s there against 0.14 s alone)."""
+    3.5-4.0 s; the collapse took 1.4-2.3 s there against 0.14 s alone), and started as the
+    executor serves, the server's first answer ~0.6 s later (launch to the first answered
+    request, 5 starts each, alternating: medians 3.32 -> 3.96 s)."""
     import time
 
-    while not serving.wait(0.5):
-        if gone():
+    while not (ready := after()):
+        if ready is None:
             return
+        time.sleep(0.25)
     t0 = time.perf_counter()
     moved = huge_pages(host)
     log.debug("weights on huge pages: %.0f MB in %.2f s", moved / 1e6, time.perf_counter() - t0)
@@ -261,6 +265,7 @@ class ModelExecutor:
         self.params_avals = self.model.state_avals(self.mesh)
         self.kv_avals = self._kv_avals()
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
+        self._populating: threading.Thread | None = None  # the KV pool's page-populating thread
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
         # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
@@ -329,8 +334,15 @@ class ModelExecutor:
         release_pages(tensors)  # the checkpoint's pages, read once, leave this process's RSS
         if self.platform == "cpu":  # the device buffers are these host arrays (no copy): onto huge pages
             me = weakref.ref(self)  # an executor that failed to start is not kept waiting for
-            threading.Thread(target=_huge_pages, args=(host, self._serving, lambda: me() is None),
-                             name="ringserve-huge-pages", daemon=True).start()  # fmt: skip
+
+            def after() -> bool | None:  # serving, the KV pool's pages in; None: the executor is gone
+                ex = me()
+                if ex is None:
+                    return None
+                populating = ex._populating
+                return ex._serving.is_set() and (populating is None or not populating.is_alive())
+
+            threading.Thread(target=_huge_pages, args=(host, after), name="ringserve-huge-pages", daemon=True).start()
         return params
 
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
@@ -388,7 +400,7 @@ class ModelExecutor:
             return ex is None or ex._kv_generation != generation
 
         # once the server can serve (beside the lead programs' tracing it was ready ~1.5 s later)
-        cpu_memory.populate(self.kv, stop=stop, after=self._serving)
+        self._populating = cpu_memory.populate(self.kv, stop=stop, after=self._serving)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,

@@ -358,7 +358,10 @@ def huge_pages(tree: Tree) -> int:
     Why: a decode step streams every weight once, and on 4 KiB pages that is a TLB miss every
     4 KiB (a nested walk in a VM). SmolLM2's whole decode step at one row, weights on 4 KiB
     against huge pages, alternated 20 times in one process: f32 28.04 -> 24.88 ms (faster in
-    19 of 20), bf16 + int8 10.36 -> 9.60 ms (17 of 20); 64 rows f32 221 -> 210 ms (8 of 8).
+    19 of 20), bf16 + int8 10.36 -> 9.60 ms (17 of 20); 64 rows f32 221 -> 210 ms (8 of 8). A
+    server's single-stream ITL (4 streams of 300 tokens, 3 starts each way, alternating): bf16
+    + int8 9.04 / 9.47 / 9.47 -> 8.36 / 8.86 / 8.83 ms, f32 22.67 / 23.26 / 24.83 -> 22.22 /
+    23.34 / 23.24. The KV pool on huge pages too: no difference (64 rows, alternated). Alone,
     MADV_COLLAPSE took 0.14 s for 531 MB."""
     done, seen = 0, set()
     for leaf in _leaves(tree):

@@ -85,13 +85,25 @@ def test_huge_pages_moves_the_written_arrays_and_keeps_every_value():
     placed.delete()
 
 
-def test_huge_pages_waits_for_serving_and_leaves_an_executor_that_is_gone():
+def test_the_executors_thread_waits_and_leaves_an_executor_that_is_gone():
     stack = _scratch((2, 1024, 1024), np.float32)
     stack[...] = 1
-    serving, gone = threading.Event(), threading.Event()
-    t = threading.Thread(target=_huge_pages, args=({"w": stack}, serving, gone.is_set))
+    answers = iter([False, False, None])  # not serving yet, twice; then the executor is gone
+    t = threading.Thread(target=_huge_pages, args=({"w": stack}, lambda: next(answers)))
     t.start()
-    gone.set()  # never served: the thread ends without touching the pages
     t.join(5)
-    assert not t.is_alive()
+    assert not t.is_alive() and next(answers, "asked once more") == "asked once more"
+    assert _thp() is not None or _huge_kb(stack.ctypes.data) == 0  # never moved
     assert (stack == 1).all()
+
+
+@pytest.mark.skipif(_thp() is not None, reason=str(_thp()))
+def test_the_executors_thread_moves_the_weights_once_it_may():
+    stack = _scratch((2, 1024, 1024), np.float32)  # 8 MiB: 4 huge pages
+    stack[...] = 3
+    answers = iter([False, True])
+    t = threading.Thread(target=_huge_pages, args=({"w": stack}, lambda: next(answers)))
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and _huge_kb(stack.ctypes.data) == 4 * 2048
+    assert (stack == 3).all()
