@@ -332,7 +332,7 @@ class ModelExecutor:
                      self.cfg.quantization)  # fmt: skip
         params = jax.block_until_ready(self.model.place(host, self.mesh))
         release_pages(tensors)  # the checkpoint's pages, read once, leave this process's RSS
-        if self.platform == "cpu":  # the device buffers are these host arrays (no copy): onto huge pages
+        if self.platform == "cpu" and self.mesh.size == 1:  # the device buffers are these host arrays (no copy)
             me = weakref.ref(self)  # an executor that failed to start is not kept waiting for
 
             def after() -> bool | None:  # serving, the KV pool's pages in; None: the executor is gone

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -340,12 +341,14 @@ def _scratch(shape: tuple[int, ...], dtype) -> np.ndarray:
     if nbytes < _SCRATCH_MIN:
         return np.empty(shape, dtype)
     buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _SCRATCH_MAPS.add(buf)
     off = -np.frombuffer(buf, np.uint8, 1).ctypes.data % _HUGE
     return np.frombuffer(buf, dtype, nbytes // dtype.itemsize, off).reshape(shape)
 
 
 _HUGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KiB pages)
 MADV_COLLAPSE = 25  # linux/mman.h (6.1+); Python 3.11's mmap does not name it
+_SCRATCH_MAPS: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # `_scratch`'s mappings (huge_pages' to move)
 
 
 def huge_pages(tree: Tree) -> int:
@@ -363,12 +366,12 @@ def huge_pages(tree: Tree) -> int:
     + int8 9.04 / 9.47 / 9.47 -> 8.36 / 8.86 / 8.83 ms, f32 22.67 / 23.26 / 24.83 -> 22.22 /
     23.34 / 23.24. The KV pool on huge pages too: no difference (64 rows, alternated). Alone,
     MADV_COLLAPSE took 0.14 s for 531 MB."""
-    done, seen = 0, set()
+    done, seen = 0, set[int]()
     for leaf in _leaves(tree):
         buf = leaf.base  # a view's base, ..., NumPy's frombuffer array, its memoryview, the mapping
         while buf is not None and not isinstance(buf, mmap.mmap):
             buf = buf.obj if isinstance(buf, memoryview) else getattr(buf, "base", None)
-        if buf is None or id(buf) in seen:
+        if buf is None or id(buf) in seen or buf not in _SCRATCH_MAPS:
             continue
         seen.add(id(buf))  # a stack's per-layer views share their mapping: once each
         off = -np.frombuffer(buf, np.uint8, 1).ctypes.data % _HUGE  # where `_scratch` put the array
@@ -384,7 +387,7 @@ def huge_pages(tree: Tree) -> int:
     return done
 
 
-def _leaves(tree: Tree):
+def _leaves(tree: Tree) -> Iterator[np.ndarray]:
     if isinstance(tree, dict):
         for v in tree.values():
             yield from _leaves(v)

@@ -107,3 +107,14 @@ def test_the_executors_thread_moves_the_weights_once_it_may():
     t.join(10)
     assert not t.is_alive() and _huge_kb(stack.ctypes.data) == 4 * 2048
     assert (stack == 3).all()
+
+
+def test_huge_pages_moves_only_scratch_arrays():
+    import mmap
+
+    other = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not `_scratch`'s
+    a = np.frombuffer(other, np.float32)
+    a[:] = 2
+    assert huge_pages({"w": a, "small": np.ones(8, np.float32)}) == 0
+    assert _thp() is not None or _huge_kb(a.ctypes.data) == 0
+    assert (a == 2).all()
