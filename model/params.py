@@ -46,9 +46,10 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from model.checkpoints.config import ModelConfig
@@ -342,8 +343,12 @@ def _scratch(shape: tuple[int, ...], dtype) -> np.ndarray:
         return np.empty(shape, dtype)
     buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     _SCRATCH_MAPS.add(buf)
-    off = -np.frombuffer(buf, np.uint8, 1).ctypes.data % _HUGE
-    return np.frombuffer(buf, dtype, nbytes // dtype.itemsize, off).reshape(shape)
+    return np.frombuffer(buf, dtype, nbytes // dtype.itemsize, _huge_start(buf)).reshape(shape)
+
+
+def _huge_start(buf: mmap.mmap) -> int:
+    """The offset of the mapping's first 2 MiB boundary: where `_scratch` puts its array."""
+    return -np.frombuffer(buf, np.uint8, 1).ctypes.data % _HUGE
 
 
 _HUGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KiB pages)
@@ -366,15 +371,15 @@ def huge_pages(tree: Tree) -> int:
     + int8 9.04 / 9.47 / 9.47 -> 8.36 / 8.86 / 8.83 ms, f32 22.67 / 23.26 / 24.83 -> 22.22 /
     23.34 / 23.24. The KV pool on huge pages too: no difference (64 rows, alternated). Alone,
     MADV_COLLAPSE took 0.14 s for 531 MB."""
-    done, seen = 0, set[int]()
-    for leaf in _leaves(tree):
-        buf = leaf.base  # a view's base, ..., NumPy's frombuffer array, its memoryview, the mapping
+    done, seen = 0, set[mmap.mmap]()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        buf = getattr(leaf, "base", None)  # a view's base, ..., NumPy's frombuffer array, its memoryview, the mapping
         while buf is not None and not isinstance(buf, mmap.mmap):
             buf = buf.obj if isinstance(buf, memoryview) else getattr(buf, "base", None)
-        if buf is None or id(buf) in seen or buf not in _SCRATCH_MAPS:
+        if buf is None or buf in seen or buf not in _SCRATCH_MAPS:
             continue
-        seen.add(id(buf))  # a stack's per-layer views share their mapping: once each
-        off = -np.frombuffer(buf, np.uint8, 1).ctypes.data % _HUGE  # where `_scratch` put the array
+        seen.add(buf)  # a stack's per-layer views share their mapping: once each
+        off = _huge_start(buf)
         length = (len(buf) - _HUGE) // _HUGE * _HUGE  # the array's whole 2 MiB (its tail stays)
         if length <= 0:
             continue
@@ -385,14 +390,6 @@ def huge_pages(tree: Tree) -> int:
             continue  # no THP here, no MADV_COLLAPSE (EINVAL), none free (EAGAIN / ENOMEM): 4 KiB pages
         done += length
     return done
-
-
-def _leaves(tree: Tree) -> Iterator[np.ndarray]:
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, np.ndarray):
-        yield tree
 
 
 def _layer_view(node: Tree, layer: int) -> Tree:
