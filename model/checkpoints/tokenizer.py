@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,17 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-# ---- the scheduler's and detokenizer's tokenizer: `tokenizers` alone ------------------------
+# ---- the actors' tokenizer: `tokenizers` alone ----------------------------------------------
 #
-# Those two actors only decode ids (and the scheduler maps the vocabulary for llguidance), which
-# transformers' fast tokenizer does by calling its `tokenizers` backend. Importing transformers
-# costs each ~2 s of CPU and ~70 MB at start-up, on the cores the runner is loading on. So a
-# tokenizer that transformers loaded once is kept as its backend's JSON with the few facts they
-# read (`decoder_spec`), under $RINGSERVE_CACHE/tokenizers/<hash of the tokenizer's files and
-# both libraries' versions>.json, and later starts load that with `tokenizers` (~0.15 s).
+# The scheduler and detokenizer only decode ids (and the scheduler maps the vocabulary for
+# llguidance), and the frontend encodes text and decodes single ids: transformers' fast tokenizer
+# does all of that by calling its `tokenizers` backend. Importing transformers costs each process
+# ~1.7 s of CPU and ~70 MB at start-up, on the cores the runner is loading on. So a tokenizer that
+# transformers loaded once is kept as its backend's JSON with the few facts they read
+# (`decoder_spec`), under $RINGSERVE_CACHE/tokenizers/<hash of the tokenizer's files and both
+# libraries' versions>.json, and later starts load that with `tokenizers` (~0.15 s). The frontend's
+# `FastTokenizer` loads transformers' own tokenizer after start-up, for chat templates and
+# anything else it is asked (model/checkpoints/tokenizer.py `FastTokenizer.full`).
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
@@ -71,6 +75,49 @@ class Decoder:
         return self._len
 
 
+class FastTokenizer(Decoder):
+    """The frontend's tokenizer: `encode` and `decode` from the `tokenizers` backend, with
+    transformers' fast tokenizer's answers, and everything else (`apply_chat_template`,
+    `chat_template`, `__call__`, ...) from transformers' own tokenizer, `full`, loaded on first
+    use or by `preload()` in the background once the engine serves. So start-up never imports
+    transformers, and `engine.tokenizer` still answers all that transformers' does."""
+
+    def __init__(self, spec: dict[str, Any], path: str | Path):
+        super().__init__(spec)
+        self.bos_token_id: int | None = spec["bos_token_id"]
+        self._path = str(path)
+        self._full: Any = None
+        self._lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        if kwargs or not isinstance(text, str):  # pairs, padding, truncation, tensors: transformers'
+            return list(self.full.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    @property
+    def full(self) -> Any:
+        """transformers' tokenizer for this path (loaded once, on first use)."""
+        with self._lock:
+            if self._full is None:
+                self._full = load_tokenizer(self._path)
+            return self._full
+
+    def preload(self) -> None:
+        """Load `full` on a background thread (a chat request then finds it loaded)."""
+        threading.Thread(target=lambda: self.full, name="ringserve-tokenizer-full", daemon=True).start()
+
+    def __getattr__(self, name: str) -> Any:  # only for what this class does not answer itself
+        if name.startswith("__") or name in ("_full", "_lock", "_path"):
+            raise AttributeError(name)
+        return getattr(self.full, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.full(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FastTokenizer({self._path!r}, {len(self)} tokens)"
+
+
 def decoder_spec(tok: Any) -> dict[str, Any] | None:
     """What `Decoder` needs of a transformers tokenizer, or None where its decode is more than
     the backend's (a slow tokenizer; clean_up_tokenization_spaces in effect)."""
@@ -87,8 +134,9 @@ def decoder_spec(tok: Any) -> dict[str, Any] | None:
     backend = copy(backend)
     backend.no_padding()
     backend.no_truncation()
-    eos = tok.eos_token_id
-    return {"backend": backend.to_str(), "eos_token_id": None if eos is None else int(eos), "len": len(tok)}
+    eos, bos = tok.eos_token_id, tok.bos_token_id
+    return {"backend": backend.to_str(), "eos_token_id": None if eos is None else int(eos), "len": len(tok),
+            "bos_token_id": None if bos is None else int(bos), "encodes": _encodes_as_fast(tok)}  # fmt: skip
 
 
 def _decodes_as_fast(cls: Any) -> bool:
@@ -99,6 +147,17 @@ def _decodes_as_fast(cls: Any) -> bool:
     return cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode
 
 
+def _encodes_as_fast(tok: Any) -> bool:
+    """`tok.encode(text, add_special_tokens=...)` is its backend's encode: transformers' fast
+    tokenizer's own encode path, special tokens kept whole (not `split_special_tokens`)."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tok)
+    return (cls._encode_plus is TokenizersBackend._encode_plus and cls.encode is PreTrainedTokenizerBase.encode
+            and not getattr(tok, "split_special_tokens", False))  # fmt: skip
+
+
 def _spec_path(path: Path) -> Path | None:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
@@ -107,7 +166,9 @@ def _spec_path(path: Path) -> Path | None:
 
     h = hashlib.sha256()
     try:
-        h.update(f"transformers {version('transformers')} tokenizers {version('tokenizers')}\0".encode())
+        h.update(
+            f"spec 2 transformers {version('transformers')} tokenizers {version('tokenizers')}\0".encode()
+        )
     except PackageNotFoundError:
         return None
     found = False
@@ -123,10 +184,25 @@ def load_decoder(path: str | Path) -> Any:
     """The tokenizer at `path` for decoding: a `Decoder` from the cache when transformers has
     loaded this tokenizer before (with these library versions), else transformers' tokenizer,
     whose spec is then kept for the next start."""
+    return _load(path, encoder=False)
+
+
+def load_encoder(path: str | Path) -> Any:
+    """The tokenizer at `path` for the frontend: a `FastTokenizer` from the cache when
+    transformers has loaded it before and its backend encodes as transformers does, else
+    transformers' tokenizer (its spec then kept for the next start)."""
+    return _load(path, encoder=True)
+
+
+def _load(path: str | Path, encoder: bool) -> Any:
     spec_file = _spec_path(Path(path))
     if spec_file is not None and spec_file.is_file():
         try:
-            return Decoder(json.loads(spec_file.read_text()))
+            spec = json.loads(spec_file.read_text())
+            if not encoder:
+                return Decoder(spec)
+            if spec["encodes"]:
+                return FastTokenizer(spec, path)
         except Exception:  # a damaged entry: rebuilt below
             pass
     tok = load_tokenizer(path)
