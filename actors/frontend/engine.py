@@ -38,6 +38,9 @@ from actors.transport import messages as m
 log = logging.getLogger("ringserve.engine")
 
 READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
+# transformers' tokenizer (chat templates; a FastTokenizer's `full`) loads this long after ready:
+# loaded at once, its ~1.7 s of GIL-bound imports delayed the first answer by as much as it saved
+PRELOAD_AFTER_S = 3.0
 
 
 class Engine:
@@ -90,7 +93,7 @@ class Engine:
                                          "max_total_num_tokens": (args.num_pages - 1) * args.page_size,
                                          "kv_pool": self.kv_pool.as_dict()}  # fmt: skip
             if hasattr(type(self.tokenizer), "preload"):  # a FastTokenizer: transformers' own, off the start
-                self.tokenizer.preload()
+                self.tokenizer.preload(after_s=PRELOAD_AFTER_S)
         except BaseException:
             self.shutdown()
             raise

@@ -120,11 +120,12 @@ def bytes_per_token(tokenizer: Any) -> int | None:
         return None  # WordPiece / Unigram / WordLevel: one unknown token can stand for a whole word
     if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback"):
         return None  # a run of unknown characters is one token
-    # byte-level BPE spells its tokens one character per byte (GPT-2's alphabet of 256)
-    alphabet = _BYTE_ALPHABET if _has(spec.get("pre_tokenizer"), "ByteLevel") else frozenset()
+    # byte-level BPE spells its tokens one character per byte (GPT-2's alphabet of 256): those
+    # count one byte each (translated to one ASCII letter), any other character its UTF-8
+    one = _ONE_BYTE if _has(spec.get("pre_tokenizer"), "ByteLevel") else {}
     longest = 4 if model.get("unk_token") is not None else 1  # an unknown character: one token
-    for token in model.get("vocab") or {}:
-        longest = max(longest, sum(1 if ch in alphabet else len(ch.encode("utf-8", "surrogatepass")) for ch in token))
+    vocab = model.get("vocab") or {}
+    longest = max(longest, max((len(t.translate(one).encode("utf-8", "surrogatepass")) for t in vocab), default=0))
     for added in spec.get("added_tokens") or []:  # matched in the raw text
         if added.get("lstrip") or added.get("rstrip"):
             return None  # it swallows any run of whitespace beside it
@@ -139,7 +140,7 @@ def _gpt2_alphabet() -> frozenset[str]:
     return frozenset(map(chr, kept)) | frozenset(chr(256 + i) for i in range(len(moved)))
 
 
-_BYTE_ALPHABET = _gpt2_alphabet()
+_ONE_BYTE = str.maketrans(dict.fromkeys(_gpt2_alphabet(), "a"))
 
 
 def _has(pre: dict[str, Any] | None, kind: str) -> bool:

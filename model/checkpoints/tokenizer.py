@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,10 @@ class FastTokenizer(Decoder):
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     @property
+    def backend_tokenizer(self) -> Any:  # transformers' name for it (actors/frontend/limits.py reads it)
+        return self.backend
+
+    @property
     def full(self) -> Any:
         """transformers' tokenizer for this path (loaded once, on first use)."""
         with self._lock:
@@ -102,9 +107,15 @@ class FastTokenizer(Decoder):
                 self._full = load_tokenizer(self._path)
             return self._full
 
-    def preload(self) -> None:
-        """Load `full` on a background thread (a chat request then finds it loaded)."""
-        threading.Thread(target=lambda: self.full, name="ringserve-tokenizer-full", daemon=True).start()
+    def preload(self, after_s: float = 0.0) -> None:
+        """Load `full` on a background thread `after_s` seconds from now (a chat request then
+        finds it loaded; one before that loads it itself)."""
+
+        def load() -> None:
+            time.sleep(after_s)
+            self.full  # noqa: B018
+
+        threading.Thread(target=load, name="ringserve-tokenizer-full", daemon=True).start()
 
     def __getattr__(self, name: str) -> Any:  # only for what this class does not answer itself
         if name.startswith("__") or name in ("_full", "_lock", "_path"):

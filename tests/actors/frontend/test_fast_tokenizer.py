@@ -86,6 +86,7 @@ def test_everything_else_is_transformers_own(tiny_dir, cache):
     ) == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     full = tok.full
     assert tok.full is full and type(full) is type(hf)  # loaded once
+    assert tok.backend_tokenizer.to_str() == tok.backend.to_str()
     assert tok(["a b", "c"])["input_ids"] == hf(["a b", "c"])["input_ids"]
     assert tok.convert_ids_to_tokens([5, 6, 7]) == hf.convert_ids_to_tokens([5, 6, 7])
     assert tok.encode("a b c d e", truncation=True, max_length=3) == hf.encode(
@@ -127,6 +128,8 @@ def test_a_cached_start_imports_no_transformers(tiny_dir, cache):
         "from model.checkpoints.tokenizer import load_encoder\n"
         f"tok = load_encoder({str(d)!r})\n"
         "ids = tok.encode('hello there'); tok.decode(ids)\n"
+        "from actors.frontend.limits import bytes_per_token\n"
+        "assert bytes_per_token(tok) is not None\n"
         "before = 'transformers' in sys.modules\n"
         "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True, tokenize=False)\n"
         "print(type(tok).__name__, before, 'transformers' in sys.modules)"
