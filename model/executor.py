@@ -48,7 +48,15 @@ from model.program_cache import ProgramCache, usable
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
-from model.step_inputs import Buckets, DeviceRow, HostBatch, LogprobBatch, NoProgramYet, build_batch
+from model.step_inputs import (
+    Buckets,
+    DeviceRow,
+    HostBatch,
+    LogprobBatch,
+    NoProgramYet,
+    StepShape,
+    build_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +205,7 @@ def _prebuild_kernels(cfg: ExecutorConfig) -> None:
 def _huge_pages(host: Any, after: Callable[[], bool | None]) -> None:
     """model/params.py `huge_pages` on a thread of its own, once `after()` is true (None: give
     up), beside the steps already running on these weights (it moves no value). It waits for
-    the executor to serve and for the KV pool's pages to be in: started beside the lead
+    every program to be loaded and for the KV pool's pages to be in: started beside the lead
     programs' loading, it made a warm start's executor ~1.7 s slower (SmolLM2 f32: 1.6-2.2 ->
     3.5-4.0 s; the collapse took 1.4-2.3 s there against 0.14 s alone), and started as the
     executor serves, the server's first answer ~0.6 s later (launch to the first answered
@@ -267,6 +275,7 @@ class ModelExecutor:
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
         self._populating: threading.Thread | None = None  # the KV pool's page-populating thread
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
+        self._settled = threading.Event()  # set once no more programs will compile (all, or failed)
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
         # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
         # lead programs are traced, lowered and loaded here, which need only the avals above.
@@ -317,9 +326,11 @@ class ModelExecutor:
             self._serving.set()
 
         if cfg.precompile:
-            self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1, then=loaded)
+            self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1, then=loaded,
+                                      done=self._settled.set)  # fmt: skip
         else:
             loaded()
+            self._settled.set()
 
     # ---- weights ------------------------------------------------------------------------------
     def _build(self, tensors: dict[str, np.ndarray]) -> Any:
@@ -340,7 +351,7 @@ class ModelExecutor:
                 if ex is None:
                     return None
                 populating = ex._populating
-                return ex._serving.is_set() and (populating is None or not populating.is_alive())
+                return ex._settled.is_set() and (populating is None or not populating.is_alive())
 
             threading.Thread(target=_huge_pages, args=(host, after), name="ringserve-huge-pages", daemon=True).start()
         return params
@@ -399,8 +410,12 @@ class ModelExecutor:
             ex = me()
             return ex is None or ex._kv_generation != generation
 
-        # once the server can serve (beside the lead programs' tracing it was ready ~1.5 s later)
-        self._populating = cpu_memory.populate(self.kv, stop=stop, after=self._serving)
+        # once the server serves and every program is loaded: beside the lead programs' tracing
+        # it was ready ~1.5 s later, and beside the background compile (whose executables'
+        # mappings wait for its page faults on the process's mmap lock) SmolLM2's first program
+        # after them took 5.6 s to load instead of 0.14, and a first prompt of 30 tokens waited
+        # for it: 9.3 s against 0.1
+        self._populating = cpu_memory.populate(self.kv, stop=stop, after=self._settled)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,
@@ -418,14 +433,31 @@ class ModelExecutor:
         self.kv, self.future = None, None
 
     # ---- programs -----------------------------------------------------------------------------
-    def _compile(self, key: Key) -> Any:
-        shape, top_n = key
+    def _program_args(self, shape: StepShape) -> tuple[Any, ...]:
+        """The abstract arguments the program of `shape` compiles against."""
         fwd, smp, lb, row_slot = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages,
                                             replicated(self.mesh), self.mask_words, self.cfg.token_ids_logprob_num,
                                             self.buckets.positions(shape))  # fmt: skip
         kv, future = self.kv_avals
         lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
-        args = (self.params_avals, kv, future, fwd, smp, lb, lora)
+        return (self.params_avals, kv, future, fwd, smp, lb, lora)
+
+    def _compile_best(self, best: list[StepShape], need: int, loaded_only: bool) -> bool:
+        """Compile the smallest program that holds a waiting step (`best`, with the shortest
+        context bucket >= `need`) here and now, ahead of the background compile's order; with
+        `loaded_only`, only where it is kept on disk (a load, not a compile). True if it did."""
+        ctx = min((c for c in self.programs.contexts if c >= need), default=None)
+        if not best or ctx is None:
+            return False
+        shape, top_n = best[0]._replace(context=ctx), self.cfg.top_logprobs_num
+        if loaded_only and not (self._on_disk is not None
+                                and self._on_disk.has(self._program_args(shape), (top_n, shape.verify))):  # fmt: skip
+            return False
+        return self.programs.compile_now((shape, top_n))
+
+    def _compile(self, key: Key) -> Any:
+        shape, top_n = key
+        args = self._program_args(shape)
         if self._on_disk is not None:
             hits = self._on_disk.hits
             try:
@@ -469,23 +501,36 @@ class ModelExecutor:
     # ---- serving ------------------------------------------------------------------------------
     def prepare(self, rows: list[DeviceRow], verify: int = 0) -> HostBatch:
         """The host side of a step: padded inputs, the program's shape, the backend's plan."""
-        top_n, ok, need = self.cfg.top_logprobs_num, None, 0
+        top_n, need = self.cfg.top_logprobs_num, 0
+        ok: Callable[[StepShape], bool] | None = None
+        best: list[StepShape] = []  # the smallest shape holding the step (the first `ok` is asked)
         if self.programs.pending:  # still compiling: the smallest compiled program that holds the step
             try:
                 need = self.attn.context_for(max(r.committed_len + r.extend_len for r in rows))
             except ValueError:  # empty, or too long: build_batch says which
                 pass
             else:
-                ok = lambda s: self.programs.smallest_context(s, top_n, need) is not None  # noqa: E731
+
+                def compiled(s: StepShape) -> bool:
+                    best[:] = best or [s]
+                    return self.programs.smallest_context(s, top_n, need) is not None
+
+                ok = compiled
+
         while True:
             seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
             try:
                 hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
                                  self.cfg.token_ids_logprob_num)  # fmt: skip
-                break
-            except NoProgramYet:  # (CPU: a prefill longer than the smallest program's) the next one may hold it
-                if not self.programs.wait_for_more(seen):
-                    raise
+            except NoProgramYet:  # (CPU: a prefill longer than the smallest program's) compiled here, now
+                if self._compile_best(best, need, loaded_only=False) or self.programs.wait_for_more(seen):
+                    continue
+                raise
+            # padded in a larger program while the smallest one is kept on disk: loaded here, now
+            # (SmolLM2 f32, a 30-token prompt in the 3072-token program: 3.9 s; loading its own 0.15)
+            if best and hb.shape != best[0] and self._compile_best(best, need, loaded_only=True):
+                continue
+            break
         ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)
         assert ctx is not None  # `ok` accepted this shape for that reason
         hb.shape = hb.shape._replace(context=ctx)

@@ -40,7 +40,7 @@ log = logging.getLogger("ringserve.engine")
 READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 # transformers' tokenizer (chat templates; a FastTokenizer's `full`) loads this long after ready:
 # loaded at once, its ~1.7 s of GIL-bound imports delayed the first answer by as much as it saved
-PRELOAD_AFTER_S = 3.0
+PRELOAD_AFTER_S = 1.0
 
 
 class Engine:

@@ -82,6 +82,48 @@ def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monk
     assert all(x.is_deleted() for x in kv)  # donated to the programs read back, as to traced ones
 
 
+def test_a_step_loads_its_own_program_from_disk_rather_than_run_padded(tiny_dir, tmp_path, monkeypatch):
+    """While the background compile is held, a step that a larger compiled program would hold
+    (padded) loads its own exact program where it is on disk (a load, not a compile), on the
+    caller's thread; one that is not on disk runs padded, as before."""
+    import threading
+
+    from model.step_inputs import StepShape
+
+    monkeypatch.setattr(program_cache, "directory", lambda: tmp_path / "programs")
+    cfg = dict(CFG, top_logprobs_num=0, token_ids_logprob_num=0, program_cache=True, background_compile=True)
+    first = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**cfg))  # the same configuration: the same keys
+    assert first.wait_compiled(300)  # every program on disk
+    del first
+    gate = threading.Event()
+
+    class Gated(ModelExecutor):
+        def _compile(self, key):
+            if threading.current_thread().name == "ringserve-compile":
+                assert gate.wait(120)
+            return super()._compile(key)
+
+    ex = Gated(tiny_dir("llama"), ExecutorConfig(**cfg))
+    try:
+        assert ex.num_programs == 2 and ex.programs.pending == ex.num_programs_total - 2
+        pages = np.arange(1, 4, dtype=np.int32)
+        row = DeviceRow(np.array([5], np.int32), 20, pages)  # one decode row: the lead holds it padded to 4
+        assert ex.prepare([row]).shape[:3] == (1, 2, 2)  # its own, loaded here
+        assert ex.num_programs == 3 and ex.programs.pending == ex.num_programs_total - 3
+        (tmp_path / "programs").rename(tmp_path / "gone")  # nothing on disk any more
+        row = DeviceRow(np.arange(3, 20, dtype=np.int32), 0, pages)  # 17 tokens: the lead (16) cannot
+        assert ex.prepare([row]).shape[:3] == (16, 32, 4)  # no compiled program holds it: compiled here
+        row = DeviceRow(np.arange(3, 8, dtype=np.int32), 0, pages)
+        assert ex.prepare([row]).shape[:3] == (16, 16, 4)  # the lead holds it exactly
+        rows = [DeviceRow(np.array([5], np.int32), 20, pages), DeviceRow(np.array([6], np.int32), 20, pages),
+                DeviceRow(np.array([7], np.int32), 20, pages)]  # fmt: skip
+        assert ex.prepare(rows).shape[:3] == (1, 4, 4)  # 3 rows: the lead, exactly
+        assert ex.num_programs == 4 and StepShape(1, 2, 2) == ex.prepare(rows[:1]).shape._replace(context=0)
+    finally:
+        gate.set()
+        ex.wait_compiled(300)
+
+
 def _key(cache: ProgramCache, rows: int = 4, top_n: int = 2, dtype=jnp.float32) -> str:
     args = ({"w": jax.ShapeDtypeStruct((8, 8), dtype)}, jax.ShapeDtypeStruct((rows,), jnp.int32), None)
     return cache.key(args, (top_n, 0))
