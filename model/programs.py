@@ -96,7 +96,7 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
     them: a request's first step is a prefill, a short prompt padded to the largest program is
     seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s), and the largest one's
     load is a third of a warm start (its compile the most of a cold one); a prefill no compiled
-    program holds waits for it (`ProgramSet.wait_for_more`). A decode step padded to the
+    program holds has its own compiled at once instead (`ProgramSet.compile_now`). A decode step padded to the
     largest batch costs a fraction of one. On an accelerator the padding costs little and a
     program's compile much (TPU: tens of seconds). After them each family's smallest, then the
     families take turns, each adding the program in the middle of its widest run of missing
