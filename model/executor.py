@@ -307,6 +307,7 @@ class ModelExecutor:
         self._traced = traced
         self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8))
         self._on_disk: ProgramCache | None = None
+        self._not_on_disk: set[StepShape] = set()  # programs `_compile_best` found not kept
         if cfg.program_cache and usable(self.platform, cfg.tp_size):
             self._on_disk = ProgramCache({
                 "executor": dataclasses.asdict(cfg), "model": repr(mc), "attention": self.backend, "dot": self.dot,
@@ -450,9 +451,12 @@ class ModelExecutor:
         if not best or ctx is None:
             return False
         shape, top_n = best[0]._replace(context=ctx), self.cfg.top_logprobs_num
-        if loaded_only and not (self._on_disk is not None
-                                and self._on_disk.has(self._program_args(shape), (top_n, shape.verify))):  # fmt: skip
-            return False
+        if loaded_only:
+            if self._on_disk is None or shape in self._not_on_disk:
+                return False
+            if not self._on_disk.has(self._program_args(shape), (top_n, shape.verify)):
+                self._not_on_disk.add(shape)  # (asked again each padded step until compiled)
+                return False
         return self.programs.compile_now((shape, top_n))
 
     def _compile(self, key: Key) -> Any:

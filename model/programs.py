@@ -156,6 +156,7 @@ class ProgramSet:
         self.error: str | None = None
         self._thread: threading.Thread | None = None
         self._queue: collections.deque[Key] = collections.deque()  # the background compile's, in order
+        self._done: Callable[[], None] | None = None  # compile_all's `done`, called once
 
     def get(self, key: Key) -> Any:
         """The compiled program of `key` (compiled now if it never was)."""
@@ -190,7 +191,7 @@ class ProgramSet:
             if done is not None:
                 done()
             return self.compile_s
-        self.pending = len(rest)
+        self.pending, self._done = len(rest), done
         self._queue.extend(rest)
 
         def compile_rest() -> None:
@@ -201,20 +202,18 @@ class ProgramSet:
                         if not self._queue:
                             break
                         key = self._queue.popleft()
-                    self.get(key)
-                    with self._more:
-                        self.pending -= 1
-                        self._more.notify_all()
+                    try:
+                        self.get(key)
+                    finally:
+                        self._landed()
                 self.compile_s = time.perf_counter() - t0
                 log.info("compiled the other %d step programs in the background (%.1f s in all)", len(rest), self.compile_s)
             except Exception as e:  # noqa: BLE001 -- serving goes on with the programs it has
                 with self._more:
                     self.error = f"{type(e).__name__}: {e}"
                     self._more.notify_all()
+                self._finish()
                 log.exception("background compile failed; serving with %d programs", len(self.compiled))
-            finally:
-                if done is not None:
-                    done()
 
         self._thread = threading.Thread(target=compile_rest, name="ringserve-compile", daemon=True)
         self._thread.start()
@@ -233,10 +232,23 @@ class ProgramSet:
         try:
             self.get(key)
         finally:
-            with self._more:
-                self.pending -= 1
-                self._more.notify_all()
+            self._landed()
         return True
+
+    def _landed(self) -> None:
+        """One program less to come (compiled, or its compile failed); the last calls `done`."""
+        with self._more:
+            self.pending -= 1
+            self._more.notify_all()
+            last = self.pending == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._more:
+            done, self._done = self._done, None
+        if done is not None:
+            done()
 
     def wait_for_more(self, seen: int) -> bool:
         """Block until more than `seen` programs are compiled (the background compile added
@@ -246,10 +258,11 @@ class ProgramSet:
             return len(self.compiled) > seen
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the background compile is over; True once every program is compiled."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self.pending == 0
+        """Block until the background compile is over (and any program compiled on demand);
+        True once every program is compiled."""
+        with self._more:
+            self._more.wait_for(lambda: not self.pending or self.error is not None, timeout)
+            return self.pending == 0
 
     def smallest_context(self, shape: StepShape, top_n: int, need: int) -> int | None:
         """The shortest compiled context bucket >= need for `shape`, or None."""
