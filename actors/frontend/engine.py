@@ -34,6 +34,7 @@ from actors.frontend.journal import Journal
 from actors.frontend.supervisor import RestartPolicy, Supervisor
 from actors.server_args import ServerArgs
 from actors.transport import messages as m
+from model.checkpoints.tokenizer import FastTokenizer
 
 log = logging.getLogger("ringserve.engine")
 
@@ -78,8 +79,8 @@ class Engine:
             return start_engine(args, cfgs, on_failure, envs)
 
         def frontend() -> TokenizerManager:  # made while the actors start
-            self.tokenizer = tokenizer.result()
-            self.frontend = TokenizerManager(self.tokenizer, args=args, vocab_size=self.vocab_size)
+            self._tok = tokenizer.result()
+            self.frontend = TokenizerManager(self._tok, args=args, vocab_size=self.vocab_size)
             self.frontend.actor_pids = self.supervisor.pids
             self.frontend.runner_info = lambda: self.runner_info
             return self.frontend
@@ -92,11 +93,17 @@ class Engine:
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "max_total_num_tokens": (args.num_pages - 1) * args.page_size,
                                          "kv_pool": self.kv_pool.as_dict()}  # fmt: skip
-            if hasattr(type(self.tokenizer), "preload"):  # a FastTokenizer: transformers' own, off the start
-                self.tokenizer.preload(after_s=PRELOAD_AFTER_S)
+            if isinstance(self._tok, FastTokenizer):  # transformers' own, off the start
+                self._tok.preload(after_s=PRELOAD_AFTER_S)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def tokenizer(self) -> Any:
+        """transformers' tokenizer of the served model (the frontend encodes with `tokenizers`
+        alone where it can, `FastTokenizer`: this then loads transformers' on first use)."""
+        return self._tok.full if isinstance(self._tok, FastTokenizer) else self._tok
 
     @property
     def runner_info(self) -> dict[str, Any]:

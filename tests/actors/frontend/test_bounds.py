@@ -153,8 +153,9 @@ HUGE = "hello world " * 200_000  # 1,000,001 tokens of the tiny model
 
 def test_a_text_that_cannot_fit_is_refused_without_tokenizing(engine, servers, monkeypatch):
     calls: list[int] = []
-    encode = engine.tokenizer.encode
-    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a, **k: calls.append(len(text)) or encode(text, *a, **k))
+    tok = engine.frontend.tok  # what the frontend encodes with (a FastTokenizer once its spec is cached)
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: calls.append(len(text)) or encode(text, *a, **k))
     t0 = time.monotonic()
     r = httpx.post(servers.url + "/generate", json={"text": HUGE}, timeout=60)
     took = time.monotonic() - t0

@@ -139,3 +139,15 @@ def test_a_cached_start_imports_no_transformers(tiny_dir, cache):
                        env={**os.environ, "RINGSERVE_CACHE": str(cache)})  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["FastTokenizer", "False", "True"]
+
+
+def test_engine_tokenizer_is_transformers_own(shared_engine):
+    """`engine.tokenizer` stays transformers' tokenizer (callers pass it to libraries that check
+    its type, llguidance's `from_tokenizer` among them); the frontend's may be a FastTokenizer."""
+    from transformers import PreTrainedTokenizerBase
+
+    tok = shared_engine.tokenizer
+    assert isinstance(tok, PreTrainedTokenizerBase) and shared_engine.tokenizer is tok
+    fe = shared_engine.frontend.tok
+    assert fe is tok or (isinstance(fe, FastTokenizer) and fe.full is tok)
+    assert fe.encode("hello world") == tok.encode("hello world")
