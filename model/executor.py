@@ -411,12 +411,13 @@ class ModelExecutor:
             ex = me()
             return ex is None or ex._kv_generation != generation
 
-        # once the server serves and every program is loaded: beside the lead programs' tracing
-        # it was ready ~1.5 s later, and beside the background compile (whose executables'
-        # mappings wait for its page faults on the process's mmap lock) SmolLM2's first program
-        # after them took 5.6 s to load instead of 0.14, and a first prompt of 30 tokens waited
-        # for it: 9.3 s against 0.1
-        self._populating = cpu_memory.populate(self.kv, stop=stop, after=self._settled)
+        # once the server serves: beside the lead programs' tracing it was ready ~1.5 s later.
+        # Beside the background compile it slows the loads (their executables' mappings wait for
+        # its faults on the process's mmap lock: SmolLM2's first background program 5.6 s instead
+        # of 0.14), but a step compiles its own program at once (`prepare`); after every program
+        # (tried) it ran beside the first steps once all were compiled (`ringserve generate`'s
+        # tiny-model throughput 4.1-4.3k tok/s against 6.8-7.2k)
+        self._populating = cpu_memory.populate(self.kv, stop=stop, after=self._serving)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,
