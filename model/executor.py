@@ -38,8 +38,9 @@ from jax.sharding import NamedSharding
 from kvmem.allocator import cdiv
 from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint, release_pages
+from model.compute_paths import custom_calls, prebuild_kernels, resolve_dot, resolve_layer_loop
 from model.kernels import cpu_memory
-from model.layers import INVARIANT_ROWS, STACK_READING_DOTS
+from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
 from model.mesh import make_mesh, place_host_array, replicated
@@ -82,7 +83,7 @@ class ExecutorConfig:
     context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
     layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
     layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
-    cpu_matmul: str = "auto"  # "xla" | "onednn" | "kernel" (model/kernels/) | "auto": resolve_dot
+    cpu_matmul: str = "auto"  # "xla" | "onednn" | "kernel" (model/kernels/) | "auto": model/compute_paths.py resolve_dot
     quantization: str | None = None  # "int8": weight-only int8 projections, LM head, embedding (model/params.py)
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
@@ -109,97 +110,6 @@ class StepOut(NamedTuple):
     prompt: PositionLogprobs  # logprobs at the wanted prompt positions: the first `num_positions`
     num_samples: int
     num_positions: int
-
-
-def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
-    """How the forward runs the decoder layers. "scan" stacks each weight over the layers and runs
-    one `lax.scan` (XLA compiles one layer body); "unrolled" keeps each layer's weights in buffers
-    of their own and traces every layer. Accelerators read a slice in place: scan. On CPU XLA's
-    dot pays for a scan's stacked weights: the dynamic slice of layer l's weights is a copy
-    (XLA:CPU's dot reads whole buffers; SmolLM2-135M: 425 MB a step, 66 of 647 ms of a batch-64
-    decode step), so with XLA's dot alone CPU runs unrolled. ringserve's kernel and oneDNN's
-    custom call read layer l's weights in place from the stack (model/layers.py `matmul`), so
-    with either CPU scans too: one layer body to compile instead of L (SmolLM2 on 2 Zen 3 cores:
-    a program 2.5-3.4 s cold against ~6, 0.25-0.8 s from the cache against ~1-2; all 19 of a
-    server's 56 s against 110), decode steps as fast (XLA's dots of larger steps, "kernel" only,
-    multiply a slice of the stack: a 1024-token prefill ~5% slower)."""
-    if layer_loop == "auto":
-        return "unrolled" if platform == "cpu" and dot not in STACK_READING_DOTS else "scan"
-    if layer_loop not in ("scan", "unrolled"):
-        raise ValueError(f"layer_loop={layer_loop!r}: must be 'auto', 'scan' or 'unrolled'")
-    return layer_loop
-
-
-CPU_MATMULS = ("auto", "xla", "onednn", "kernel")
-
-
-def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
-    """How the projections and the LM head multiply (model/layers.py `matmul`):
-
-        invariant      the deterministic mode (its batch-invariant dot)
-        kernel         CPU, f32/bf16: decode's few rows through ringserve's own kernel, which
-                       streams the weights on every core (model/kernels/cpu_matmul.py: XLA:CPU's
-                       one-row dot runs on one core), larger steps on XLA's dot
-        kernel+onednn  the same, larger steps through oneDNN: bf16 and int8 weights, where XLA:CPU
-                       has no fast dot (its bf16 dots: 45-140 GF/s on 2 Zen 4 cores, oneDNN 290-400)
-        onednn         oneDNN for every step (asked for; or auto for f16, which the kernel lacks)
-        xla            every accelerator, and CPU where neither custom call builds
-
-    `cpu_matmul` asks for one ("auto": the best that runs here; "kernel" or "onednn": that one or
-    a ValueError naming why it cannot run). The custom calls are not sharded: tp_size 1 only."""
-    want = cfg.cpu_matmul
-    if want not in CPU_MATMULS:
-        raise ValueError(f"cpu_matmul={want!r}: must be one of {list(CPU_MATMULS)}")
-    if cfg.deterministic:
-        if want in ("onednn", "kernel"):
-            raise ValueError(f"cpu_matmul={want!r} with enable_deterministic_inference: the deterministic mode "
-                             "keeps its batch-invariant dot (use cpu_matmul='auto' or 'xla')")  # fmt: skip
-        return "invariant"
-    if want == "xla":
-        return "xla"
-    from model.kernels import cpu_matmul, onednn
-
-    def why_not(name: str) -> str | None:
-        if platform != "cpu":
-            return f"it runs on CPU only; this platform is {platform!r}"
-        if cfg.tp_size != 1:
-            return f"it needs tp_size=1 (got {cfg.tp_size}): the custom call is not sharded"
-        if name == "kernel" and cfg.dtype not in ("float32", "bfloat16"):
-            return f"it computes in float32 or bfloat16, not {cfg.dtype}"
-        if name == "kernel":
-            return cpu_matmul.reason()
-        return onednn.supports(cfg.dtype, "int8" if cfg.quantization else cfg.dtype)
-
-    slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
-    if want != "auto":
-        if (why := why_not(want)) is not None:
-            raise ValueError(f"cpu_matmul={want!r} is not available here: {why}")
-        if want == "onednn":
-            return "onednn"
-        return "kernel+onednn" if slow_on_xla and why_not("onednn") is None else "kernel"
-    if platform != "cpu":
-        return "xla"
-    kernel_why = why_not("kernel")
-    onednn_why = why_not("onednn") if slow_on_xla else "not needed"
-    if kernel_why is None:
-        return "kernel+onednn" if onednn_why is None else "kernel"
-    if onednn_why is None:
-        return "onednn"
-    log.info("cpu_matmul=auto: XLA's dot (kernel: %s; oneDNN: %s)", kernel_why, onednn_why)
-    return "xla"
-
-
-def _prebuild_kernels(cfg: ExecutorConfig) -> None:
-    """Start building, side by side, the CPU custom calls this configuration may use (each is
-    built once per machine, model/kernels/build.py); the first use of each waits for its own."""
-    from model.kernels import build, cpu_attention, cpu_matmul
-
-    wanted = [cpu_memory.reason]  # the KV pool's zeros
-    if cfg.tp_size == 1 and cfg.attention_backend in ("auto", "cpu_kernel"):
-        wanted.append(cpu_attention.reason)
-    if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel"):
-        wanted.append(cpu_matmul.reason)
-    build.prebuild(*wanted)
 
 
 def _huge_pages(host: Any, after: Callable[[], bool | None]) -> None:
@@ -240,7 +150,7 @@ class ModelExecutor:
         self.mesh = make_mesh(cfg.tp_size)
         self.platform = jax.devices()[0].platform
         if self.platform == "cpu":
-            _prebuild_kernels(cfg)
+            prebuild_kernels(cfg)
         self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret, cfg.tp_size)
         if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
             # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
@@ -448,10 +358,11 @@ class ModelExecutor:
         """Compile the smallest program that holds a waiting step (`best`, with the shortest
         context bucket >= `need`) here and now, ahead of the background compile's order; with
         `loaded_only`, only where it is kept on disk (a load, not a compile). True if it did."""
-        ctx = min((c for c in self.programs.contexts if c >= need), default=None)
-        if not best or ctx is None:
+        top_n = self.cfg.top_logprobs_num
+        ctx = self.programs.smallest_context(best[0], top_n, need, compiled=False) if best else None
+        if ctx is None:
             return False
-        shape, top_n = best[0]._replace(context=ctx), self.cfg.top_logprobs_num
+        shape = best[0]._replace(context=ctx)
         if loaded_only:
             if self._on_disk is None or shape in self._not_on_disk:
                 return False
@@ -467,7 +378,7 @@ class ModelExecutor:
             hits = self._on_disk.hits
             try:
                 prog = self._on_disk.compile(self._traced, args, (top_n, shape.verify), self._out_tree(),
-                                             donate_argnums=(1, 2), custom_calls=_custom_calls())  # fmt: skip
+                                             donate_argnums=(1, 2), custom_calls=custom_calls())  # fmt: skip
             except Exception as e:  # (a jax whose export differs): traced as ever
                 log.warning("program %s: not through the program cache (%s: %s)", key, type(e).__name__, e)
             else:
@@ -624,13 +535,6 @@ class ModelExecutor:
         hb = self.prepare(rows)
         self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
         return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
-
-
-def _custom_calls() -> tuple[str, ...]:
-    """The FFI targets a step program may call (its exported module names them: model/program_cache.py)."""
-    from model.kernels import cpu_attention, cpu_matmul, onednn
-
-    return cpu_attention.TARGET, cpu_matmul.TARGET, onednn.TARGET, onednn.TARGET_Q8
 
 
 def _avals(tree: Any) -> Any:

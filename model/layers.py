@@ -242,7 +242,7 @@ def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:
 
 
 # The dots whose custom calls read a layer's weights in place from a stack over the layers
-# (`matmul(layer=)`): with them CPU scans its layers (model/executor.py resolve_layer_loop) and
+# (`matmul(layer=)`): with them CPU scans its layers (model/compute_paths.py resolve_layer_loop) and
 # the scan hands each projection's whole stack over (model/llama.py Decoder)
 STACK_READING_DOTS = ("kernel", "kernel+onednn", "onednn")
 

@@ -10,7 +10,7 @@ by config, and `CausalLM`, its functional face for the step programs.
 `Decoder.__call__` runs one step over the densely packed new tokens of every row
 (model/step_inputs.py): matmuls see the flat [T, hidden] tokens, attention goes through the
 backend's interface (model/attention/base.py: `write`, `attend`; a plain object the Attention
-module holds). Two layouts of the layers (model/executor.py: resolve_layer_loop):
+module holds). Two layouts of the layers (model/compute_paths.py: resolve_layer_loop):
 
     "scan"      one DecoderLayer whose Params carry a leading L axis; one `lax.scan` over its
                 state carries the hidden states and the whole KV cache, so XLA compiles one

@@ -1,6 +1,6 @@
 """The model's state: the `nnx.Param`s of the Decoder module (model/llama.py) as a pure dict of
 arrays, keyed by module attribute the way `nnx.split` lays them out (HF's names, less the
-"model." prefix). Two layouts of the layers (model/executor.py: resolve_layer_loop):
+"model." prefix). Two layouts of the layers (model/compute_paths.py: resolve_layer_loop):
 
     params = {
       "embed_tokens": {"weight": [V, H]}         token embedding (tied checkpoints: also the LM head)

@@ -264,10 +264,10 @@ class ProgramSet:
             self._more.wait_for(lambda: not self.pending or self.error is not None, timeout)
             return self.pending == 0
 
-    def smallest_context(self, shape: StepShape, top_n: int, need: int) -> int | None:
-        """The shortest compiled context bucket >= need for `shape`, or None."""
+    def smallest_context(self, shape: StepShape, top_n: int, need: int, compiled: bool = True) -> int | None:
+        """The shortest context bucket >= need (compiled for `shape`: the default), or None."""
         for c in self.contexts:
-            if c >= need and (shape._replace(context=c), top_n) in self.compiled:
+            if c >= need and (not compiled or (shape._replace(context=c), top_n) in self.compiled):
                 return c
         return None
 

@@ -73,7 +73,7 @@ def test_cpu_scans_its_layers_where_the_custom_calls_read_the_stack():
     """auto: accelerators scan; CPU scans with ringserve's kernel or oneDNN's custom call (each
     reads a layer's weights in place from the stack), and runs unrolled where XLA's dot alone
     (or the deterministic mode's) would copy a slice every step."""
-    from model.executor import resolve_layer_loop
+    from model.compute_paths import resolve_layer_loop
 
     assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu", "xla") == "scan"
     for dot in ("kernel", "kernel+onednn", "onednn"):

@@ -1,5 +1,5 @@
 """oneDNN's matmul custom call (model/kernels/onednn.py) and how the executor picks the dot
-(model/executor.py resolve_dot). The kernel's tests run where `ringserve[onednn]` is installed
+(model/compute_paths.py resolve_dot). The kernel's tests run where `ringserve[onednn]` is installed
 (the test extra installs it) and skip with the reason elsewhere; the choice is tested everywhere."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.executor import ExecutorConfig, ModelExecutor, resolve_dot
+from model.compute_paths import resolve_dot
+from model.executor import ExecutorConfig, ModelExecutor
 from model.kernels import onednn
 
 needs_onednn = pytest.mark.skipif(onednn.reason() is not None, reason=f"oneDNN custom call: {onednn.reason()}")
