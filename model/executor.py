@@ -354,15 +354,15 @@ class ModelExecutor:
         lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
         return (self.params_avals, kv, future, fwd, smp, lb, lora)
 
-    def _compile_best(self, best: list[StepShape], need: int, loaded_only: bool) -> bool:
-        """Compile the smallest program that holds a waiting step (`best`, with the shortest
-        context bucket >= `need`) here and now, ahead of the background compile's order; with
-        `loaded_only`, only where it is kept on disk (a load, not a compile). True if it did."""
+    def _compile_best(self, smallest: StepShape, need: int, loaded_only: bool) -> bool:
+        """Compile the program of `smallest` (the shape that best holds a waiting step, with the
+        shortest context bucket >= `need`) here and now, ahead of the background compile's order;
+        with `loaded_only`, only where it is kept on disk (a load, not a compile). True if it did."""
         top_n = self.cfg.top_logprobs_num
-        ctx = self.programs.smallest_context(best[0], top_n, need, compiled=False) if best else None
+        ctx = self.programs.smallest_context(smallest, top_n, need, compiled=False)
         if ctx is None:
             return False
-        shape = best[0]._replace(context=ctx)
+        shape = smallest._replace(context=ctx)
         if loaded_only:
             if self._on_disk is None or shape in self._not_on_disk:
                 return False
@@ -419,7 +419,6 @@ class ModelExecutor:
         """The host side of a step: padded inputs, the program's shape, the backend's plan."""
         top_n, need = self.cfg.top_logprobs_num, 0
         ok: Callable[[StepShape], bool] | None = None
-        best: list[StepShape] = []  # the smallest shape holding the step (the first `ok` is asked)
         if self.programs.pending:  # still compiling: the smallest compiled program that holds the step
             try:
                 need = self.attn.context_for(max(r.committed_len + r.extend_len for r in rows))
@@ -427,24 +426,21 @@ class ModelExecutor:
                 pass
             else:
 
-                def compiled(s: StepShape) -> bool:
-                    best[:] = best or [s]
+                def ok(s: StepShape) -> bool:
                     return self.programs.smallest_context(s, top_n, need) is not None
-
-                ok = compiled
 
         while True:
             seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
             try:
                 hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
                                  self.cfg.token_ids_logprob_num)  # fmt: skip
-            except NoProgramYet:  # (CPU: a prefill longer than the smallest program's) compiled here, now
-                if self._compile_best(best, need, loaded_only=False) or self.programs.wait_for_more(seen):
+            except NoProgramYet as e:  # (CPU: a prefill longer than the smallest program's) compiled here, now
+                if self._compile_best(e.smallest, need, loaded_only=False) or self.programs.wait_for_more(seen):
                     continue
                 raise
             # padded in a larger program while the smallest one is kept on disk: loaded here, now
             # (SmolLM2 f32, a 30-token prompt in the 3072-token program: 3.9 s; loading its own 0.15)
-            if best and hb.shape != best[0] and self._compile_best(best, need, loaded_only=True):
+            if hb.smallest != hb.shape and self._compile_best(hb.smallest, need, loaded_only=True):
                 continue
             break
         ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)

@@ -177,7 +177,11 @@ def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
 
 class NoProgramYet(RuntimeError):
     """No compiled program holds the step yet (`Buckets.pick` given the compiled ones, while
-    the rest compile in the background)."""
+    the rest compile in the background); `smallest` is the shape that would hold it best."""
+
+    def __init__(self, message: str, smallest: StepShape):
+        super().__init__(message)
+        self.smallest = smallest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -258,7 +262,7 @@ class Buckets:
         for s in fits:
             if ok is None or ok(s):
                 return s
-        raise NoProgramYet(f"no compiled program holds a step of {n_rows} rows, {n_tokens} tokens")
+        raise NoProgramYet(f"no compiled program holds a step of {n_rows} rows, {n_tokens} tokens", fits[0])
 
     def _extend_fits(self, n_rows: int, n_tokens: int) -> list[StepShape]:
         if n_rows > self.max_rows:
@@ -281,6 +285,7 @@ class HostBatch:
     logprob: LogprobBatch  # NumPy arrays; None fields where the executor passes its zeros on device
     num_positions: int = 0  # real prompt-logprob positions (row after row, each row's in order)
     lora_slot: np.ndarray | None = None  # [R] int32 each row's LoRA adapter slot (0: none; padding rows 0)
+    smallest: StepShape | None = None  # the smallest shape holding the step (`shape` unless `ok` refused it)
 
     @property
     def max_kv_len(self) -> int:
@@ -312,6 +317,7 @@ def build_batch(
         raise ValueError("a verify step's rows carry no prompt positions")
     is_decode = bool((ext == 1).all()) and not verify and not wants_positions
     shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify, ok)
+    smallest = shape if ok is None else buckets.pick(is_decode, len(rows), int(ext.sum()), verify)
     t, nr, k1 = shape.tokens, shape.rows, max(1, verify)
     n = len(rows)
     committed = np.fromiter((r.committed_len for r in rows), np.int64, n)
@@ -364,7 +370,7 @@ def build_batch(
     lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
     lora_slot = np.zeros(nr, np.int32)
     lora_slot[:n] = [r.lora_slot for r in rows]
-    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos, lora_slot)
+    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos, lora_slot, smallest)
 
 
 def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, p: int, nr: int, k: int) -> tuple[LogprobBatch, int]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow
+from model.step_inputs import DeviceRow, NoProgramYet
 
 PAGE = 16
 
@@ -86,6 +86,22 @@ def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
         assert b.pick(True, 1, 1, ok=lead) == StepShape(1, 4, 4)
         assert b.pick(False, 1, 5, ok=lead) == StepShape(block, 64, 4)
         assert b.pick(False, 1, 5) == StepShape(block, 16 if block == 16 else 8, 4)
+        with pytest.raises(NoProgramYet) as e:  # none accepted: which one would hold the step best
+            b.pick(False, 1, 5, ok=lambda s: False)
+        assert e.value.smallest == StepShape(block, 16 if block == 16 else 8, 4)
+
+
+def test_a_step_padded_by_ok_names_its_smallest_shape():
+    """build_batch records the shape that would hold the step best beside the one `ok` let it
+    run in (the executor then loads that program where it is on disk)."""
+    from model.step_inputs import Buckets, StepShape, build_batch
+
+    b = Buckets.make(4, 64, 16)
+    row = DeviceRow(np.arange(5, dtype=np.int32), 0, np.array([1], np.int32))
+    padded = build_batch([row], b, 16, 4, 4, ok={StepShape(16, 64, 4)}.__contains__)
+    assert padded.shape == StepShape(16, 64, 4) and padded.smallest == StepShape(16, 16, 4)
+    exact = build_batch([row], b, 16, 4, 4)
+    assert exact.shape == exact.smallest == StepShape(16, 16, 4)
 
 
 def test_decode_buckets_step_past_powers_of_two():
