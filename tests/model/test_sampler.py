@@ -150,6 +150,23 @@ def test_keep_mask_equals_the_sorting_definition(candidates, monkeypatch):
     assert (got.sum(-1) > 256).any() and (got.sum(-1) == 1).any()  # both paths' regimes were hit
 
 
+def test_tied_tokens_at_the_cut_enter_lowest_ids_first():
+    """Rows whose cut falls inside a run of equal probabilities (the branch that ranks the tied
+    tokens by id): exactly the lowest ids of the run are kept, whatever else the batch holds."""
+    v = 700
+    logits = np.zeros((5, v), np.float32)
+    logits[1, 500:] = 1.0  # 200 tokens above, 500 tied below
+    logits[3, ::7] = 2.0  # 100 above, spread out
+    top_k = np.array([3, 250, 1, 150, -1])  # the last row keeps everything (room for every tie)
+    got = np.asarray(keep_mask(jnp.asarray(logits), sb([1.0] * 5, top_k, [1.0] * 5, [0.0] * 5)))
+    assert got[0].tolist() == [i < 3 for i in range(v)]
+    assert got[1].tolist() == [i >= 500 or i < 50 for i in range(v)]
+    assert got[2].tolist() == [i == 0 for i in range(v)]
+    below = [i for i in range(v) if i % 7][:50]
+    assert got[3].tolist() == [i % 7 == 0 or i in below for i in range(v)]
+    assert got[4].all()
+
+
 def test_draws_follow_the_kept_distribution():
     # 4,000 draws (seeds x positions) from [0.5, 0.25, 0.125, 0.0625, 0.0625] and from the same
     # distribution cut by top_k=3 (renormalised): chi-square against the expected counts
