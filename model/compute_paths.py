@@ -8,14 +8,29 @@ custom calls a configuration may use (`prebuild_kernels` builds them side by sid
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from model.layers import STACK_READING_DOTS
 
-if TYPE_CHECKING:
-    from model.executor import ExecutorConfig
-
 log = logging.getLogger(__name__)
+
+
+class ExecutorConfig(Protocol):
+    """What these choices read of model/executor.py's ExecutorConfig (named here, not imported:
+    the executor imports this module)."""
+
+    @property
+    def cpu_matmul(self) -> str: ...
+    @property
+    def deterministic(self) -> bool: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def quantization(self) -> str | None: ...
+    @property
+    def attention_backend(self) -> str: ...
 
 
 def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
