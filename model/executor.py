@@ -440,8 +440,7 @@ class ModelExecutor:
                 raise
             # padded in a larger program while the smallest one is kept on disk: loaded here, now
             # (SmolLM2 f32, a 30-token prompt in the 3072-token program: 3.9 s; loading its own 0.15)
-            smallest = hb.smallest
-            if smallest is not None and smallest != hb.shape and self._compile_best(smallest, need, loaded_only=True):
+            if hb.smallest != hb.shape and self._compile_best(hb.smallest, need, loaded_only=True):
                 continue
             break
         ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)

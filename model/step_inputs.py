@@ -244,25 +244,23 @@ class Buckets:
             return 0
         return shape.tokens
 
+    def fits(self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0) -> list[StepShape]:
+        """The shapes holding the step, smallest first; ValueError past the largest."""
+        if verify:
+            return [s._replace(verify=verify) for s in self._extend_fits(n_rows, n_tokens)]
+        if not is_decode:
+            return self._extend_fits(n_rows, n_tokens)
+        fits = [StepShape(1, nb, nb) for nb in self.decode_batches if nb >= n_rows]
+        if not fits:
+            raise ValueError(f"decode batch of {n_rows} requests exceeds the largest bucket {self.decode_batches[-1]}")
+        return fits
+
     def pick(
         self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0, ok: Callable[[StepShape], bool] | None = None
     ) -> StepShape:
         """Smallest shape holding the step (and, given `ok`, accepted by it: the compiled ones,
         while the rest compile in the background); ValueError past the largest."""
-        if verify:
-            fits = [s._replace(verify=verify) for s in self._extend_fits(n_rows, n_tokens)]
-        elif is_decode:
-            fits = [StepShape(1, nb, nb) for nb in self.decode_batches if nb >= n_rows]
-            if not fits:
-                raise ValueError(
-                    f"decode batch of {n_rows} requests exceeds the largest bucket {self.decode_batches[-1]}"
-                )
-        else:
-            fits = self._extend_fits(n_rows, n_tokens)
-        for s in fits:
-            if ok is None or ok(s):
-                return s
-        raise NoProgramYet(f"no compiled program holds a step of {n_rows} rows, {n_tokens} tokens", fits[0])
+        return _first_ok(self.fits(is_decode, n_rows, n_tokens, verify), ok)
 
     def _extend_fits(self, n_rows: int, n_tokens: int) -> list[StepShape]:
         if n_rows > self.max_rows:
@@ -276,16 +274,24 @@ class Buckets:
         return fits
 
 
+def _first_ok(fits: list[StepShape], ok: Callable[[StepShape], bool] | None) -> StepShape:
+    """The first of `fits` that `ok` accepts (any, without `ok`); NoProgramYet naming the smallest."""
+    for s in fits:
+        if ok is None or ok(s):
+            return s
+    raise NoProgramYet(f"no compiled program holds a step of shape {fits[0]} or larger", fits[0])
+
+
 @dataclasses.dataclass(slots=True)
 class HostBatch:
     shape: StepShape
+    smallest: StepShape  # the smallest shape holding the step (`shape` unless `ok` refused it)
     forward: ForwardBatch  # NumPy arrays (attn filled in by the executor's backend)
     sampling: RowSampling  # NumPy arrays
     num_samples: int  # real samples: rows * k1, row after row (the first entries of the step's samples)
     logprob: LogprobBatch  # NumPy arrays; None fields where the executor passes its zeros on device
     num_positions: int = 0  # real prompt-logprob positions (row after row, each row's in order)
     lora_slot: np.ndarray | None = None  # [R] int32 each row's LoRA adapter slot (0: none; padding rows 0)
-    smallest: StepShape | None = None  # the smallest shape holding the step (`shape` unless `ok` refused it)
 
     @property
     def max_kv_len(self) -> int:
@@ -316,8 +322,8 @@ def build_batch(
     if wants_positions and verify:
         raise ValueError("a verify step's rows carry no prompt positions")
     is_decode = bool((ext == 1).all()) and not verify and not wants_positions
-    shape = buckets.pick(is_decode, len(rows), int(ext.sum()), verify, ok)
-    smallest = shape if ok is None else buckets.pick(is_decode, len(rows), int(ext.sum()), verify)
+    fits = buckets.fits(is_decode, len(rows), int(ext.sum()), verify)
+    shape = _first_ok(fits, ok)
     t, nr, k1 = shape.tokens, shape.rows, max(1, verify)
     n = len(rows)
     committed = np.fromiter((r.committed_len for r in rows), np.int64, n)
@@ -370,7 +376,7 @@ def build_batch(
     lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
     lora_slot = np.zeros(nr, np.int32)
     lora_slot[:n] = [r.lora_slot for r in rows]
-    return HostBatch(shape, fwd, smp, n * k1, lb, n_pos, lora_slot, smallest)
+    return HostBatch(shape, fits[0], fwd, smp, n * k1, lb, n_pos, lora_slot)
 
 
 def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, p: int, nr: int, k: int) -> tuple[LogprobBatch, int]:
