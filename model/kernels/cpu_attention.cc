@@ -27,10 +27,9 @@
 #include "bf16.h"
 #include "pool.h"
 #include "simd.h"
-#include "xla/ffi/api/ffi.h"
+#include "xla_call.h"
 
-
-namespace ffi = xla::ffi;
+using ringserve::DataType;
 
 namespace {
 
@@ -314,35 +313,48 @@ void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
   run_item<0, 0>(a, it, scratch);
 }
 
-ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> kv_len,
-                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                  int64_t num_pages, int64_t window, float scale) {
+XLA_FFI_Error* attend(const ringserve::Call& call) {
+  using ringserve::Buffer;
+  if (call.args() != 8 || call.rets() != 1)
+    return call.error("cpu_attention: q, k_cache, v_cache, pages, row_start, kv_len, positions, layer -> out");
+  const Buffer q = call.arg(0), k = call.arg(1), v = call.arg(2), pages = call.arg(3), row_start = call.arg(4),
+               kv_len = call.arg(5), positions = call.arg(6), layer = call.arg(7), out = call.ret(0);
+  for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, layer, out})
+    if (!b.ok()) return call.error("cpu_attention: buffers expected");
+  if (q.element_type() != DataType::F32 || out.element_type() != DataType::F32)
+    return call.error("cpu_attention: q and out must be f32");
+  for (const Buffer& b : {pages, row_start, kv_len, positions, layer})
+    if (b.element_type() != DataType::S32) return call.error("cpu_attention: pages, row_start, kv_len, positions and layer must be s32");
+  int64_t num_pages = 0, window = 0;
+  float scale = 0.f;
+  if (!call.attr("num_pages", &num_pages) || !call.attr("window", &window) || !call.attr("scale", &scale))
+    return call.error("cpu_attention: attributes num_pages (i64), window (i64), scale (f32)");
   auto qd = q.dimensions(), kd = k.dimensions(), pd = pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("cpu_attention: q [T, H, D], k [Hkv, L*P, D, S], pages [R, MP]");
-  const bool bits = k.element_type() == ffi::DataType::U16;
-  if (!bits && k.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("cpu_attention: the cache must be f32 or bf16 bits (u16)");
+    return call.error("cpu_attention: q [T, H, D], k [Hkv, L*P, D, S], pages [R, MP]");
+  const bool bits = k.element_type() == DataType::U16;
+  if (!bits && k.element_type() != DataType::F32)
+    return call.error("cpu_attention: the cache must be f32 or bf16 bits (u16)");
+  if (v.element_type() != k.element_type()) return call.error("cpu_attention: k_cache and v_cache types differ");
   Args a;
   std::vector<Item> items;
-  a.q = q.typed_data();
+  a.q = q.typed_data<const float>();
   a.k = k.untyped_data();
   a.v = v.untyped_data();
   a.bits = bits;
-  a.pages = pages.typed_data();
-  a.row_start = row_start.typed_data();
-  a.kv_len = kv_len.typed_data();
-  a.positions = positions.typed_data();
-  a.out = out->typed_data();
+  a.pages = pages.typed_data<const int32_t>();
+  a.row_start = row_start.typed_data<const int32_t>();
+  a.kv_len = kv_len.typed_data<const int32_t>();
+  a.positions = positions.typed_data<const int32_t>();
+  a.out = out.typed_data<float>();
   a.T = qd[0], a.H = qd[1], a.D = qd[2];
   a.Hkv = kd[0], a.S = kd[3];
   a.MP = pd[1], a.R = pd[0];
-  a.layer_offset = int64_t(layer.typed_data()[0]) * num_pages;
+  a.layer_offset = int64_t(layer.typed_data<const int32_t>()[0]) * num_pages;
   a.window = window;
   a.scale = scale;
   if (kd[2] != a.D || a.H % a.Hkv != 0)
-    return ffi::Error::InvalidArgument("cpu_attention: head_dim or head counts disagree");
+    return call.error("cpu_attention: head_dim or head counts disagree");
   a.pages_per_head = kd[1];
   std::memset(a.out, 0, size_t(a.T * a.H * a.D) * sizeof(float));
   for (int32_t r = 0; r < a.R; ++r) {
@@ -352,32 +364,18 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
       for (int32_t h = 0; h < a.Hkv; ++h) items.push_back({r, h, b, std::min(b + kBlock, t1)});
   }
   // longest first: items of long rows start early, the short ones fill the gaps
-  if (items.empty()) return ffi::Error::Success();
+  if (items.empty()) return nullptr;
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
     return a.kv_len[x.row] > a.kv_len[y.row];
   });
   static const int64_t cap = ringserve::thread_cap("RINGSERVE_ATTN_THREADS");
-  ringserve::deal(pool, int64_t(items.size()), cap, [&](int64_t i) {
+  ringserve::deal(call.pool(), int64_t(items.size()), cap, [&](int64_t i) {
     thread_local std::vector<float> scratch;
     run_any(a, items[size_t(i)], scratch);
   });
-  return ffi::Error::Success();
+  return nullptr;
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuAttention, attend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_pages")
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale"));
+RINGSERVE_FFI_HANDLER(RingserveCpuAttention, attend)

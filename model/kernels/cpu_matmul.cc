@@ -56,9 +56,9 @@
 #include "bf16.h"
 #include "pool.h"
 #include "simd.h"
-#include "xla/ffi/api/ffi.h"
+#include "xla_call.h"
 
-namespace ffi = xla::ffi;
+using ringserve::DataType;
 
 namespace {
 
@@ -800,7 +800,7 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
 }
 
 // Every item of every plan in one deal to the pool; then the block sums, in block order
-void run(ffi::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
+void run(const ringserve::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
   size_t need = 0;
   for (const Plan& p : plans) need += size_t(p.part_size());
   thread_local std::vector<float> part;  // reused from call to call (grows, never cleared)
@@ -821,37 +821,41 @@ void run(ffi::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
 
 // x [..., K] and G weights (then G int8 scales, or none; then the layer, for stacked weights)
 // -> G results y_g = x @ w_g
-ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  bool transpose_w) {
-  const size_t G = rets.size();
+XLA_FFI_Error* matmul(const ringserve::Call& call) {
+  using ringserve::Buffer;
+  const Buffer x = call.arg(0);
+  bool transpose_w = false;
+  if (!x.ok() || !call.attr("transpose_w", &transpose_w))
+    return call.error("cpu_matmul: x first, and the attribute transpose_w (bool)");
+  const size_t G = size_t(call.rets());
   // Stacked weights ([L, K, N] or [L, N, K], scales [L, N]) end the operands with the layer to
   // read (s32 scalar): the layers' scan hands the kernel the whole stack, never a slice (a
   // slice would be a copy of the layer's weights every step)
   int64_t layer = 0;
-  size_t nargs = args.size();
-  auto w0 = args.get<ffi::AnyBuffer>(0);
-  const bool stacked = G > 0 && w0.has_value() && w0->dimensions().size() == 3;
+  size_t nargs = size_t(call.args() - 1);  // the operands after x
+  const Buffer w0 = call.arg(1);
+  const bool stacked = G > 0 && w0.ok() && w0.dimensions().size() == 3;
   if (stacked) {
-    auto l = args.get<ffi::AnyBuffer>(nargs - 1);
-    if (!l.has_value() || l->element_type() != ffi::DataType::S32 || l->element_count() != 1)
-      return ffi::Error::InvalidArgument("cpu_matmul: the layer of stacked weights must be an s32 scalar");
-    layer = *static_cast<const int32_t*>(l->untyped_data());
+    const Buffer l = call.arg(call.args() - 1);
+    if (!l.ok() || l.element_type() != DataType::S32 || l.element_count() != 1)
+      return call.error("cpu_matmul: the layer of stacked weights must be an s32 scalar");
+    layer = *l.typed_data<const int32_t>();
     --nargs;
   }
   const bool q8 = nargs == 2 * G;
   if (G == 0 || (nargs != G && !q8))
-    return ffi::Error::InvalidArgument("cpu_matmul: x, G weights (and G scales for int8), G results");
+    return call.error("cpu_matmul: x, G weights (and G scales for int8), G results");
   auto xd = x.dimensions();
   const auto xt = x.element_type();
-  if (xd.size() < 1) return ffi::Error::InvalidArgument("cpu_matmul: x [..., K], w rank 2, y [..., N]");
-  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
+  if (xd.size() < 1) return call.error("cpu_matmul: x [..., K], w rank 2, y [..., N]");
+  if (xt != DataType::F32 && xt != DataType::BF16)
+    return call.error("cpu_matmul: x and y must be f32 or bf16");
   Args a;
   a.K = xd.back();
   a.M = 1;
   for (size_t d = 0; d + 1 < xd.size(); ++d) a.M *= xd[d];
   std::vector<float> wide;
-  if (xt == ffi::DataType::BF16) {
+  if (xt == DataType::BF16) {
     const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
     wide.resize(size_t(a.M * a.K));
     for (size_t e = 0; e < wide.size(); ++e) wide[e] = bf16_to_f32(xb[e]);
@@ -870,51 +874,50 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arg
     a.xs = xs.data();
   }
   static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(call.pool().num_threads(), cap));
   std::vector<Plan> plans;
   for (size_t g = 0; g < G; ++g) {
-    auto w = args.get<ffi::AnyBuffer>(g);
-    auto y = rets.get<ffi::AnyBuffer>(g);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_matmul: buffers expected");
-    auto wd_all = w->dimensions(), yd = (*y)->dimensions();
+    const Buffer w = call.arg(1 + int64_t(g)), y = call.ret(int64_t(g));
+    if (!w.ok() || !y.ok()) return call.error("cpu_matmul: buffers expected");
+    auto wd_all = w.dimensions(), yd = y.dimensions();
     const size_t rank = stacked ? 3 : 2;
     if (wd_all.size() != rank || yd.size() != xd.size())
-      return ffi::Error::InvalidArgument(stacked ? "cpu_matmul: x [..., K], stacked w rank 3, y [..., N]"
+      return call.error(stacked ? "cpu_matmul: x [..., K], stacked w rank 3, y [..., N]"
                                                  : "cpu_matmul: x [..., K], w rank 2, y [..., N]");
     if (stacked && (layer < 0 || layer >= wd_all[0]))
-      return ffi::Error::InvalidArgument("cpu_matmul: layer out of the stack's range");
+      return call.error("cpu_matmul: layer out of the stack's range");
     const int64_t wd[2] = {wd_all[rank - 2], wd_all[rank - 1]};
     a.N = transpose_w ? wd[0] : wd[1];
     if ((transpose_w ? wd[1] : wd[0]) != a.K || yd.back() != a.N)
-      return ffi::Error::InvalidArgument("cpu_matmul: inner dimensions disagree");
-    const auto wt = w->element_type(), yt = (*y)->element_type();
-    if (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16)
-      return ffi::Error::InvalidArgument("cpu_matmul: x and y must be f32 or bf16");
-    if (q8 ? wt != ffi::DataType::S8 : (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16))
-      return ffi::Error::InvalidArgument(q8 ? "cpu_matmul_q8: w must be int8" : "cpu_matmul: w must be f32 or bf16");
+      return call.error("cpu_matmul: inner dimensions disagree");
+    const auto wt = w.element_type(), yt = y.element_type();
+    if (yt != DataType::F32 && yt != DataType::BF16)
+      return call.error("cpu_matmul: x and y must be f32 or bf16");
+    if (q8 ? wt != DataType::S8 : (wt != DataType::F32 && wt != DataType::BF16))
+      return call.error(q8 ? "cpu_matmul_q8: w must be int8" : "cpu_matmul: w must be f32 or bf16");
     a.scale = nullptr;
     if (q8) {
-      auto s = args.get<ffi::AnyBuffer>(G + g);
+      const Buffer s = call.arg(1 + int64_t(G + g));
       const int64_t layers = stacked ? wd_all[0] : 1;
-      if (!s.has_value() || s->element_type() != ffi::DataType::F32 || int64_t(s->element_count()) != layers * a.N)
-        return ffi::Error::InvalidArgument("cpu_matmul_q8: scale must be f32 [N] ([L, N] stacked)");
-      a.scale = static_cast<const float*>(s->untyped_data()) + layer * a.N;
+      if (!s.ok() || s.element_type() != DataType::F32 || int64_t(s.element_count()) != layers * a.N)
+        return call.error("cpu_matmul_q8: scale must be f32 [N] ([L, N] stacked)");
+      a.scale = s.typed_data<const float>() + layer * a.N;
     }
-    const size_t item = wt == ffi::DataType::F32 ? 4 : wt == ffi::DataType::BF16 ? 2 : 1;
-    a.w = static_cast<const char*>(w->untyped_data()) + size_t(layer) * size_t(a.K * a.N) * item;
-    a.y = (*y)->untyped_data();
-    a.y_bf16 = yt == ffi::DataType::BF16;
+    const size_t item = wt == DataType::F32 ? 4 : wt == DataType::BF16 ? 2 : 1;
+    a.w = static_cast<const char*>(w.untyped_data()) + size_t(layer) * size_t(a.K * a.N) * item;
+    a.y = y.untyped_data();
+    a.y_bf16 = yt == DataType::BF16;
     if (a.M == 0 || a.N == 0) continue;
     if (a.K == 0) {  // an empty sum
       std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
       continue;
     }
-    plans.push_back(wt == ffi::DataType::F32    ? plan<float>(a, transpose_w, threads)
-                    : wt == ffi::DataType::BF16 ? plan<uint16_t>(a, transpose_w, threads)
+    plans.push_back(wt == DataType::F32    ? plan<float>(a, transpose_w, threads)
+                    : wt == DataType::BF16 ? plan<uint16_t>(a, transpose_w, threads)
                                                 : plan<int8_t>(a, transpose_w, threads));
   }
-  run(pool, cap, plans);
-  return ffi::Error::Success();
+  run(call.pool(), cap, plans);
+  return nullptr;
 }
 
 }  // namespace
@@ -930,10 +933,4 @@ extern "C" int ringserve_cpu_matmul_lanes() {
 }
 
 // x, then G weights, then (int8 weights) their G scales; G results
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveCpuMatmul, matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<bool>("transpose_w"));
+RINGSERVE_FFI_HANDLER(RingserveCpuMatmul, matmul)

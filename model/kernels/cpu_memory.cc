@@ -20,9 +20,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "xla_call.h"
 
 namespace {
 
@@ -56,9 +54,12 @@ bool private_anonymous(uintptr_t lo, uintptr_t hi) {
   return ok && covered >= hi;
 }
 
-ffi::Error lazy_zeros(ffi::Result<ffi::AnyBuffer> out) {
-  char* p = static_cast<char*>(out->untyped_data());
-  const size_t n = out->size_bytes();
+XLA_FFI_Error* lazy_zeros(const ringserve::Call& call) {
+  const ringserve::Buffer out = call.ret(0);
+  if (call.args() != 0 || call.rets() != 1 || !out.ok()) return call.error("lazy_zeros: no operands, one result");
+  char* p = static_cast<char*>(out.untyped_data());
+  const size_t n = out.size_bytes();
+  if (n == 0 && out.element_count() != 0) return call.error("lazy_zeros: a type packed below a byte");
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + n;
   const uintptr_t lo = (begin + page - 1) / page * page, hi = end / page * page;
@@ -69,9 +70,9 @@ ffi::Error lazy_zeros(ffi::Result<ffi::AnyBuffer> out) {
   } else {
     std::memset(p, 0, n);
   }
-  return ffi::Error::Success();
+  return nullptr;
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveLazyZeros, lazy_zeros, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
+RINGSERVE_FFI_HANDLER(RingserveLazyZeros, lazy_zeros)

@@ -27,7 +27,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -35,21 +34,22 @@
 #include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
-#include "xla/ffi/api/ffi.h"
+#include "xla_call.h"
 
-namespace ffi = xla::ffi;
+using ringserve::Buffer;
+using ringserve::DataType;
 
 namespace {
 
 using dt = dnnl::memory::data_type;
 using tag = dnnl::memory::format_tag;
 
-bool to_dnnl(ffi::DataType t, dt* out) {
+bool to_dnnl(DataType t, dt* out) {
   switch (t) {
-    case ffi::DataType::F32: *out = dt::f32; return true;
-    case ffi::DataType::BF16: *out = dt::bf16; return true;
-    case ffi::DataType::F16: *out = dt::f16; return true;
-    case ffi::DataType::S8: *out = dt::s8; return true;
+    case DataType::F32: *out = dt::f32; return true;
+    case DataType::BF16: *out = dt::bf16; return true;
+    case DataType::F16: *out = dt::f16; return true;
+    case DataType::S8: *out = dt::s8; return true;
     default: return false;
   }
 }
@@ -154,30 +154,30 @@ std::shared_ptr<dnnl::memory> packed_weight(const void* data, const dnnl::memory
 // `layer` (an s32 scalar, or null): w is stacked over the layers ([L, K, N] or [L, N, K], scale
 // [L, N]) and layer `layer`'s multiply, read in place (the layers' scan; each layer's slice of a
 // registered stack is registered on its own, so it has its packed copy)
-ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, const ffi::AnyBuffer* layer,
-               ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
-  auto xd = x.dimensions(), wd_all = w.dimensions(), yd = y->dimensions();
+XLA_FFI_Error* run(const ringserve::Call& call, Buffer x, Buffer w, const Buffer* scale, const Buffer* layer, Buffer y,
+                   bool transpose_w) {
+  auto xd = x.dimensions(), wd_all = w.dimensions(), yd = y.dimensions();
   const size_t rank = layer ? 3 : 2;
   if (wd_all.size() != rank || xd.size() < 1 || yd.size() != xd.size())
-    return ffi::Error::InvalidArgument(layer ? "onednn_matmul: x [..., K], stacked w rank 3, y [..., N]"
+    return call.error(layer ? "onednn_matmul: x [..., K], stacked w rank 3, y [..., N]"
                                              : "onednn_matmul: x [..., K], w rank 2, y [..., N]");
   int64_t l = 0;
   if (layer) {
-    if (layer->element_type() != ffi::DataType::S32 || layer->element_count() != 1)
-      return ffi::Error::InvalidArgument("onednn_matmul: the layer of stacked weights must be an s32 scalar");
+    if (layer->element_type() != DataType::S32 || layer->element_count() != 1)
+      return call.error("onednn_matmul: the layer of stacked weights must be an s32 scalar");
     l = *static_cast<const int32_t*>(layer->untyped_data());
-    if (l < 0 || l >= wd_all[0]) return ffi::Error::InvalidArgument("onednn_matmul: layer out of the stack's range");
+    if (l < 0 || l >= wd_all[0]) return call.error("onednn_matmul: layer out of the stack's range");
   }
   const int64_t wd[2] = {wd_all[rank - 2], wd_all[rank - 1]};
   int64_t k = xd.back();
   int64_t m = k == 0 ? 0 : int64_t(x.element_count()) / k;
   int64_t n = transpose_w ? wd[0] : wd[1];
   if ((transpose_w ? wd[1] : wd[0]) != k || yd.back() != n)
-    return ffi::Error::InvalidArgument("onednn_matmul: inner dimensions disagree");
+    return call.error("onednn_matmul: inner dimensions disagree");
   dt xt, wt, yt;
-  if (!to_dnnl(x.element_type(), &xt) || !to_dnnl(w.element_type(), &wt) || !to_dnnl(y->element_type(), &yt))
-    return ffi::Error::InvalidArgument("onednn_matmul: dtypes must be f32, bf16, f16 (w: or s8)");
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (!to_dnnl(x.element_type(), &xt) || !to_dnnl(w.element_type(), &wt) || !to_dnnl(y.element_type(), &yt))
+    return call.error("onednn_matmul: dtypes must be f32, bf16, f16 (w: or s8)");
+  if (m == 0 || n == 0) return nullptr;
   const void* wdata = static_cast<const char*>(w.untyped_data()) + size_t(l) * size_t(k * n) * dnnl::memory::data_type_size(wt);
   const void* sdata = scale ? static_cast<const float*>(scale->untyped_data()) + l * n : nullptr;
   try {
@@ -192,9 +192,9 @@ ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, 
     }
     const Cached& c = cp ? *cp : primitive(m, k, n, xt, wt, yt, transpose_w, quant, false);
     if (!c.ok)  // the executor asks `ringserve_onednn_supports` first; a direct caller may not
-      return ffi::Error::InvalidArgument(std::string("onednn_matmul: oneDNN has no ") + name(xt) + " x " + name(wt) +
-                                         " matmul on this CPU");
-    dnnl::memory xm(c.x, eng, x.untyped_data()), ym(c.y, eng, y->untyped_data());
+      return call.error((std::string("onednn_matmul: oneDNN has no ") + name(xt) + " x " + name(wt) +
+                         " matmul on this CPU").c_str());
+    dnnl::memory xm(c.x, eng, x.untyped_data()), ym(c.y, eng, y.untyped_data());
     dnnl::memory wm = packed ? *packed : dnnl::memory(c.w, eng, const_cast<void*>(wdata));
     std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}};
     if (scale != nullptr) args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, dnnl::memory(c.scale, eng, const_cast<void*>(sdata)));
@@ -202,47 +202,34 @@ ffi::Error run(ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* scale, 
     c.prim.execute(s, args);
     s.wait();
   } catch (const dnnl::error& e) {
-    return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
+    return call.error((std::string("onednn_matmul: ") + e.what()).c_str(), XLA_FFI_Error_Code_INTERNAL);
   }
-  return ffi::Error::Success();
+  return nullptr;
 }
 
-// The optional last operand: the layer of stacked weights (`run`)
-ffi::Error layer_of(ffi::RemainingArgs rest, std::optional<ffi::AnyBuffer>* layer) {
-  if (rest.size() > 1) return ffi::Error::InvalidArgument("onednn_matmul: x, w (scale), then at most the layer");
-  if (rest.size() == 1) {
-    auto l = rest.get<ffi::AnyBuffer>(0);
-    if (!l.has_value()) return ffi::Error::InvalidArgument("onednn_matmul: the layer must be a buffer");
-    *layer = *l;
-  }
-  return ffi::Error::Success();
+// x, w (then scale f32 for int8 w), then at most the layer of stacked weights (`run`)
+XLA_FFI_Error* call_with(const ringserve::Call& call, bool q8) {
+  const char* what = q8 ? "onednn_matmul_q8: x, w, scale, then at most the layer; one result"
+                        : "onednn_matmul: x, w, then at most the layer; one result";
+  const int64_t fixed = q8 ? 3 : 2;
+  bool transpose_w = false;
+  if (call.args() < fixed || call.args() > fixed + 1 || call.rets() != 1) return call.error(what);
+  if (!call.attr("transpose_w", &transpose_w)) return call.error("onednn_matmul: the attribute transpose_w (bool)");
+  const Buffer x = call.arg(0), w = call.arg(1), y = call.ret(0), scale = call.arg(2), layer = call.arg(fixed);
+  if (!x.ok() || !w.ok() || !y.ok() || (q8 && !scale.ok()) || (call.args() > fixed && !layer.ok()))
+    return call.error(what);
+  if (q8 && (w.element_type() != DataType::S8 || scale.element_type() != DataType::F32))
+    return call.error("onednn_matmul_q8: w must be int8 and scale f32");
+  return run(call, x, w, q8 ? &scale : nullptr, layer.ok() ? &layer : nullptr, y, transpose_w);
 }
 
-ffi::Error matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                  bool transpose_w) {
-  std::optional<ffi::AnyBuffer> layer;
-  if (auto e = layer_of(rest, &layer); e.failure()) return e;
-  return run(x, w, nullptr, layer ? &*layer : nullptr, y, transpose_w);
-}
-
-ffi::Error matmul_q8(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::RemainingArgs rest,
-                     ffi::Result<ffi::AnyBuffer> y, bool transpose_w) {
-  if (w.element_type() != ffi::DataType::S8 || scale.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("onednn_matmul_q8: w must be int8 and scale f32");
-  std::optional<ffi::AnyBuffer> layer;
-  if (auto e = layer_of(rest, &layer); e.failure()) return e;
-  return run(x, w, &scale, layer ? &*layer : nullptr, y, transpose_w);
-}
+XLA_FFI_Error* matmul(const ringserve::Call& call) { return call_with(call, false); }
+XLA_FFI_Error* matmul_q8(const ringserve::Call& call) { return call_with(call, true); }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveOnednnMatmul, matmul,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>().Attr<bool>("transpose_w"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RingserveOnednnMatmulQ8, matmul_q8,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs().Ret<ffi::AnyBuffer>().Attr<bool>("transpose_w"));
+RINGSERVE_FFI_HANDLER(RingserveOnednnMatmul, matmul)
+RINGSERVE_FFI_HANDLER(RingserveOnednnMatmulQ8, matmul_q8)
 
 // The executor's weights: `n` buffers (address, bytes) that stay unchanged until it releases
 // `owner` (model/kernels/onednn.py `register_weights`). An address registered again moves to

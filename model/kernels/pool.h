@@ -41,7 +41,7 @@
 #include <mutex>
 #include <thread>
 
-#include "xla/ffi/api/ffi.h"
+#include "xla_call.h"
 
 namespace ringserve {
 
@@ -136,7 +136,7 @@ inline Spinner* spinner() {
 
 // run(i) for every i in [0, n), on the caller and helpers, at most min(pool threads, cap)
 // threads at once; returns once every item has run.
-inline void deal(xla::ffi::ThreadPool& pool, int64_t n, int64_t cap, std::function<void(int64_t)> run) {
+inline void deal(const ThreadPool& pool, int64_t n, int64_t cap, std::function<void(int64_t)> run) {
   using namespace pool_detail;
   if (n <= 0) return;
   auto sh = std::make_shared<Job>();

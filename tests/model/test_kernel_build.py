@@ -73,3 +73,41 @@ def test_kernels_compile_for_every_vector_width(name, flags):
         cmd = [cxx, "-std=c++17", "-fsyntax-only", "-w", target, *flags, f"-I{jax.ffi.include_dir()}", str(source)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, f"{name}.cc {target}:\n{done.stderr[-3000:]}"
+
+
+def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
+    """The kernels read their call frames themselves (xla_call.h, not ffi.h's bindings): an
+    attribute missing or of another type, an operand of the wrong type or count, comes back as
+    XLA's error naming what was expected, never a misread buffer."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.kernels import cpu_attention, cpu_matmul
+
+    if cpu_matmul.reason() is not None or cpu_attention.reason() is not None:
+        pytest.skip(f"kernels not built: {cpu_matmul.reason() or cpu_attention.reason()}")
+    x, w = jnp.ones((1, 8), jnp.float32), jnp.ones((8, 4), jnp.float32)
+    y = jax.ShapeDtypeStruct((1, 4), jnp.float32)
+    call = jax.ffi.ffi_call(cpu_matmul.TARGET, [y])
+    assert np.allclose(call(x, w, transpose_w=False)[0], 8.0)
+    with pytest.raises(Exception, match=r"attribute transpose_w \(bool\)"):
+        call(x, w)
+    with pytest.raises(Exception, match=r"attribute transpose_w \(bool\)"):
+        call(x, w, transpose_w=np.int64(2))  # not 0 or 1: jax's eager cache takes 0 == False for the same call
+    i32 = jnp.zeros((1,), jnp.int32)
+    q = jnp.zeros((1, 2, 4), jnp.float32)
+    cache = jnp.zeros((1, 2, 4, 16), jnp.float32)
+    pages = jnp.zeros((1, 1), jnp.int32)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    attend = jax.ffi.ffi_call(cpu_attention.TARGET, out)
+    attrs = dict(num_pages=np.int64(1), window=np.int64(0), scale=np.float32(1.0))
+    with pytest.raises(Exception, match="q and out must be f32"):
+        attend(q.astype(jnp.bfloat16), cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], **attrs)
+    with pytest.raises(Exception, match="must be s32"):
+        attend(q, cache, cache, pages.astype(jnp.float32), jnp.zeros((2,), jnp.int32), i32, i32, i32[0], **attrs)
+    with pytest.raises(Exception, match=r"q, k_cache, v_cache, pages, row_start, kv_len, positions, layer -> out"):
+        attend(q, cache, cache, pages, **attrs)
+    with pytest.raises(Exception, match=r"attributes num_pages \(i64\), window \(i64\), scale \(f32\)"):
+        attend(q, cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], num_pages=np.int64(1),
+               window=np.int64(0), scale=np.int64(3))  # fmt: skip (3: jax's eager cache takes 1 == 1.0)
