@@ -55,6 +55,12 @@ def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
 CPU_MATMULS = ("auto", "xla", "onednn", "kernel")
 
 
+def matmul_weights(cfg: ExecutorConfig) -> str:
+    """The dtype of the weights the projections and the LM head multiply: int8 where the
+    configuration quantizes, else its dtype (cpu_matmul builds one library per weight dtype)."""
+    return "int8" if cfg.quantization else cfg.dtype
+
+
 def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
     """How the projections and the LM head multiply (model/layers.py `matmul`):
 
@@ -89,7 +95,7 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
         if name == "kernel" and cfg.dtype not in ("float32", "bfloat16"):
             return f"it computes in float32 or bfloat16, not {cfg.dtype}"
         if name == "kernel":
-            return cpu_matmul.reason()
+            return cpu_matmul.reason(matmul_weights(cfg))
         return onednn.supports(cfg.dtype, "int8" if cfg.quantization else cfg.dtype)
 
     slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
@@ -119,8 +125,8 @@ def prebuild_kernels(cfg: ExecutorConfig) -> None:
     wanted = [cpu_memory.reason]  # the KV pool's zeros
     if cfg.tp_size == 1 and cfg.attention_backend in ("auto", "cpu_kernel"):
         wanted.append(cpu_attention.reason)
-    if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel"):
-        wanted.append(cpu_matmul.reason)
+    if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel") and (load := cpu_matmul.loader_of(matmul_weights(cfg))):
+        wanted.append(load)  # the library of this configuration's weight dtype alone
     build.prebuild(*wanted)
 
 
@@ -128,4 +134,4 @@ def custom_calls() -> tuple[str, ...]:
     """The FFI targets a step program may call (its exported module names them: model/program_cache.py)."""
     from model.kernels import cpu_attention, cpu_matmul, onednn
 
-    return cpu_attention.TARGET, cpu_matmul.TARGET, onednn.TARGET, onednn.TARGET_Q8
+    return cpu_attention.TARGET, *cpu_matmul.TARGETS.values(), onednn.TARGET, onednn.TARGET_Q8

@@ -203,7 +203,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
 
 
 # The most rows the "kernel" dots send to cpu_matmul, by the vectors the kernel computes with
-# (`cpu_matmul.lanes()`) and weight dtype; more rows go to XLA's dot. AVX-512 (2 Zen 4 cores),
+# (`cpu_matmul.lanes(dtype)`) and weight dtype; more rows go to XLA's dot. AVX-512 (2 Zen 4 cores),
 # SmolLM2's whole decode step at 256 tokens of context, with the grouped call (q/k/v, gate/up as
 # one): f32 kernel against XLA's dot 32.9 vs 38.7 ms at 4 rows, 45.6 vs 51.4 at 8, 67.3 vs 62.9
 # at 16; bf16 kernel against oneDNN 33.5 vs 45 at 8 rows, even at 16 (51-57 vs 51-52); int8 wins
@@ -238,7 +238,7 @@ def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:
         return KERNEL_ROWS_BESIDE_ONEDNN.get(dtype, 0)
     from model.kernels import cpu_matmul
 
-    return KERNEL_ROWS.get(cpu_matmul.lanes(), KERNEL_ROWS[16]).get(dtype, 0)
+    return KERNEL_ROWS.get(cpu_matmul.lanes(dtype), KERNEL_ROWS[16]).get(dtype, 0)
 
 
 # The dots whose custom calls read a layer's weights in place from a stack over the layers

@@ -799,6 +799,23 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
   return p;
 }
 
+// The weight dtypes this build multiplies: -DRINGSERVE_WEIGHTS=1, 2 or 3 compiles the paths of f32,
+// bf16 or int8 weights alone (model/kernels/cpu_matmul.py builds one library per dtype, each
+// under its own target: a first start builds only its own, SmolLM2 f32 3.0 CPU-s against 5.7
+// for all three); unset, all of them (the tests' portable build).
+#ifndef RINGSERVE_WEIGHTS
+#define RINGSERVE_WEIGHTS 0
+#endif
+constexpr bool kWeightsF32 = RINGSERVE_WEIGHTS == 0 || RINGSERVE_WEIGHTS == 1;
+constexpr bool kWeightsBf16 = RINGSERVE_WEIGHTS == 0 || RINGSERVE_WEIGHTS == 2;
+constexpr bool kWeightsS8 = RINGSERVE_WEIGHTS == 0 || RINGSERVE_WEIGHTS == 3;
+
+template <bool Built, class T>
+Plan plan_if(const Args& a, bool transpose_w, int64_t threads) {
+  if constexpr (Built) return plan<T>(a, transpose_w, threads);
+  return Plan{};  // (not reached: the caller refuses a dtype not built)
+}
+
 // Every item of every plan in one deal to the pool; then the block sums, in block order
 void run(const ringserve::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
   size_t need = 0;
@@ -912,9 +929,13 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
       std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
       continue;
     }
-    plans.push_back(wt == DataType::F32    ? plan<float>(a, transpose_w, threads)
-                    : wt == DataType::BF16 ? plan<uint16_t>(a, transpose_w, threads)
-                                                : plan<int8_t>(a, transpose_w, threads));
+    if (!(wt == DataType::F32 ? kWeightsF32 : wt == DataType::BF16 ? kWeightsBf16 : kWeightsS8))
+      return call.error(wt == DataType::F32    ? "cpu_matmul: this build has no f32 weights (one build per weight dtype)"
+                        : wt == DataType::BF16 ? "cpu_matmul: this build has no bf16 weights (one build per weight dtype)"
+                                               : "cpu_matmul: this build has no int8 weights (one build per weight dtype)");
+    plans.push_back(wt == DataType::F32    ? plan_if<kWeightsF32, float>(a, transpose_w, threads)
+                    : wt == DataType::BF16 ? plan_if<kWeightsBf16, uint16_t>(a, transpose_w, threads)
+                                           : plan_if<kWeightsS8, int8_t>(a, transpose_w, threads));
   }
   run(call.pool(), cap, plans);
   return nullptr;

@@ -48,7 +48,12 @@ import jax.numpy as jnp
 
 from model.kernels.build import loader
 
-TARGET = "ringserve_cpu_matmul"
+# One library per weight dtype (cpu_matmul.cc RINGSERVE_WEIGHTS), each under a target of its own:
+# a configuration builds only the one its weights need (a first SmolLM2 f32 start: 3.2 CPU-s of
+# g++ against 5.5 for every dtype in one library), and a process holding several (the tests)
+# registers each once
+WEIGHTS = ("float32", "bfloat16", "int8")
+TARGETS = {w: f"ringserve_cpu_matmul_{tag}" for w, tag in zip(WEIGHTS, ("f32", "bf16", "s8"), strict=True)}
 
 _LANES: list[int] = []
 
@@ -57,22 +62,48 @@ def _check(lib) -> None:
     _LANES.append(int(lib.ringserve_cpu_matmul_lanes()))
 
 
-reason = loader("cpu_matmul", ["-O3", "-march=native"], {TARGET: "RingserveCpuMatmul"}, check=_check)
-"""None when the kernel runs here; otherwise why not."""
+_LOADERS = {
+    w: loader("cpu_matmul", ["-O3", "-march=native", f"-DRINGSERVE_WEIGHTS={code}"], {TARGETS[w]: "RingserveCpuMatmul"},
+              check=_check)  # fmt: skip
+    for code, w in enumerate(WEIGHTS, start=1)
+}
 
 
-def lanes() -> int:
+def loader_of(weights: str):
+    """The build's `reason` for weights of dtype `weights` (model/kernels/build.py `loader`:
+    `prebuild` starts it), or None for a dtype the kernel does not multiply."""
+    return _LOADERS.get(weights)
+
+
+def reason(weights: str = "float32") -> str | None:
+    """None when the kernel for weights of dtype `weights` (float32, bfloat16 or int8: the
+    configuration's, int8 where it quantizes) runs here; otherwise why not. The first call per
+    dtype builds that library (once per machine) and registers its target."""
+    load = _LOADERS.get(weights)
+    return f"it multiplies float32, bfloat16 or int8 weights, not {weights}" if load is None else load()
+
+
+def lanes(weights: str = "float32") -> int:
     """The f32 lanes of the vectors the built kernel computes with: 16 (AVX-512), 8 (AVX2 + FMA),
-    1 (plain loops); 0 where it is not built (`reason()` says why)."""
-    return _LANES[0] if reason() is None else 0
+    1 (plain loops); 0 where the kernel for `weights` is not built (`reason(weights)` says why)."""
+    return _LANES[0] if reason(weights) is None else 0
+
+
+def target(weights: str) -> str:
+    """The FFI target multiplying weights of dtype `weights`, registered (built first where this
+    machine has none); RuntimeError naming why where it cannot be."""
+    if (why := reason(weights)) is not None:
+        raise RuntimeError(f"cpu_matmul for {weights} weights: {why}")
+    return TARGETS[weights]
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, scale: jax.Array | None = None,
            out_dtype=None, layer: jax.Array | int | None = None) -> jax.Array:  # fmt: skip
     """x [..., K] @ w, w [K, N] (or [N, K] with transpose_w): [..., N] in `out_dtype` (x's by
     default). x f32 or bf16; w f32 or bf16, or int8 with `scale` [N] f32 (column n is
-    w[:, n] * scale[n]); sums in f32; `layer`: stacked weights (`matmuls`). CPU only; call
-    `reason()` first (the targets must be registered before a program is traced)."""
+    w[:, n] * scale[n]); sums in f32; `layer`: stacked weights (`matmuls`). CPU only; the
+    weights' dtype picks the library (`target`), built and registered at trace time if it is
+    not yet (`reason(dtype)` first says whether it can be)."""
     return matmuls(
         x, [w], transpose_w=transpose_w, scales=None if scale is None else [scale], out_dtype=out_dtype, layer=layer
     )[0]
@@ -90,4 +121,7 @@ def matmuls(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, sca
     extra = [] if scales is None else [s.astype(jnp.float32) for s in scales]
     if layer is not None:
         extra.append(jnp.asarray(layer, jnp.int32))
-    return list(jax.ffi.ffi_call(TARGET, outs)(x, *ws, *extra, transpose_w=transpose_w))
+    kinds = {jnp.dtype(w.dtype).name for w in ws}
+    if len(kinds) != 1:
+        raise ValueError(f"cpu_matmul.matmuls: the weights of one call share a dtype, got {sorted(kinds)}")
+    return list(jax.ffi.ffi_call(target(kinds.pop()), outs)(x, *ws, *extra, transpose_w=transpose_w))

@@ -195,7 +195,11 @@ def test_wrong_dtypes_are_refused_by_name():
     with pytest.raises(Exception, match="cpu_matmul: w must be f32 or bf16"):
         jax.block_until_ready(cpu_matmul.matmul(x, w))
     with pytest.raises(Exception, match="cpu_matmul: x and y must be f32 or bf16"):
-        jax.block_until_ready(cpu_matmul.matmul(x.astype(jnp.float16), w.astype(jnp.float16)))
+        jax.block_until_ready(cpu_matmul.matmul(x.astype(jnp.float16), w.astype(jnp.float32)))
+    with pytest.raises(RuntimeError, match="multiplies float32, bfloat16 or int8 weights, not float16"):
+        cpu_matmul.matmul(x, w.astype(jnp.float16))  # no library for them: refused as it is traced
+    with pytest.raises(ValueError, match=r"share a dtype, got \['bfloat16', 'float32'\]"):
+        cpu_matmul.matmuls(x, [w.astype(jnp.float32), w.astype(jnp.bfloat16)])
 
 
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])

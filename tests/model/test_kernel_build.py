@@ -51,16 +51,40 @@ def test_prebuild_starts_only_loaders_with_nothing_built(tmp_path, monkeypatch):
     assert fresh.to_build()  # an empty cache: it would be built
 
 
+@pytest.mark.parametrize("dtype, quantization, weights",
+                         [("float32", None, "float32"), ("bfloat16", None, "bfloat16"), ("float32", "int8", "int8")])  # fmt: skip
+def test_a_configuration_builds_the_matmul_library_of_its_weights_alone(monkeypatch, dtype, quantization, weights):
+    """cpu_matmul is one library per weight dtype: a first start builds its configuration's
+    (int8 where it quantizes), not the others (model/compute_paths.py `prebuild_kernels`)."""
+    from types import SimpleNamespace
+
+    from model import compute_paths
+    from model.kernels import cpu_attention, cpu_matmul, cpu_memory
+
+    asked: list = []
+    monkeypatch.setattr(build, "prebuild", lambda *reasons: asked.extend(reasons))
+    cfg = SimpleNamespace(cpu_matmul="auto", deterministic=False, tp_size=1, dtype=dtype, quantization=quantization,
+                          attention_backend="auto")  # fmt: skip
+    compute_paths.prebuild_kernels(cfg)
+    assert asked == [cpu_memory.reason, cpu_attention.reason, cpu_matmul.loader_of(weights)]
+    assert len({cpu_matmul.loader_of(w) for w in cpu_matmul.WEIGHTS}) == 3
+
+
 # The vector widths simd.h writes the kernels for, each a target this machine may not run:
 # AVX-512 with BF16 (a TPU or GPU host's Xeon), AVX2 + FMA, and plain loops
 TARGETS = ["-march=sapphirerapids", "-march=haswell", "-march=x86-64"]
 
 
-@pytest.mark.parametrize("name, flags", [("cpu_matmul", []), ("cpu_attention", ["-ffast-math", "-fopenmp-simd"])])
+@pytest.mark.parametrize(
+    "name, flags",
+    [("cpu_matmul", []), *(("cpu_matmul", [f"-DRINGSERVE_WEIGHTS={w}"]) for w in (1, 2, 3)),
+     ("cpu_attention", ["-ffast-math", "-fopenmp-simd"])],
+)  # fmt: skip
 def test_kernels_compile_for_every_vector_width(name, flags):
     """Each CPU kernel's source compiles for every width simd.h has (g++ -fsyntax-only): a path
     written for the width this machine runs must not break the others' build (where it broke, an
-    AVX-512 host would fall back to XLA's slow dots, with only a logged reason)."""
+    AVX-512 host would fall back to XLA's slow dots, with only a logged reason); cpu_matmul
+    also as each one-dtype library the engine builds."""
     import subprocess
 
     import jax
@@ -89,7 +113,7 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
         pytest.skip(f"kernels not built: {cpu_matmul.reason() or cpu_attention.reason()}")
     x, w = jnp.ones((1, 8), jnp.float32), jnp.ones((8, 4), jnp.float32)
     y = jax.ShapeDtypeStruct((1, 4), jnp.float32)
-    call = jax.ffi.ffi_call(cpu_matmul.TARGET, [y])
+    call = jax.ffi.ffi_call(cpu_matmul.target("float32"), [y])
     assert np.allclose(call(x, w, transpose_w=False)[0], 8.0)
     with pytest.raises(Exception, match=r"attribute transpose_w \(bool\)"):
         call(x, w)

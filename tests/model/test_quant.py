@@ -158,7 +158,7 @@ def test_decode_through_the_small_row_kernel_keeps_xla_tokens(tiny_dir, quantiza
     (model/kernels/cpu_matmul.py): the greedy tokens of XLA's dot on the same weights."""
     from model.kernels import cpu_matmul
 
-    if (why := cpu_matmul.reason()) is not None:
+    if (why := cpu_matmul.reason(quantization or "float32")) is not None:
         pytest.skip(f"cpu_matmul kernel: {why}")
     cfg = dataclasses.replace(CFG, quantization=quantization)
     fast = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="kernel"))
