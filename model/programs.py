@@ -85,30 +85,40 @@ def program_keys(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: 
 
 
 def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int,
-                  small_prefill_leads: bool = False) -> tuple[list[Key], int]:  # fmt: skip
+                  small_leads: bool = False) -> tuple[list[Key], int]:  # fmt: skip
     """Every program key in the order to compile them, and how many lead (compiled before the
     engine serves).
 
     Programs of one family (decode, extend, verify) are ordered by size (tokens, then context);
     the largest of a family serves any step of it (padded), so each family's largest leads.
-    With `small_prefill_leads` (CPU, where padding costs what real tokens do) the smallest
-    extend program leads instead of the largest, and the largest is the first to compile after
-    them: a request's first step is a prefill, a short prompt padded to the largest program is
-    seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s), and the largest one's
-    load is a third of a warm start (its compile the most of a cold one); a prefill no compiled
-    program holds has its own compiled at once instead (`ProgramSet.compile_now`). A decode step padded to the
-    largest batch costs a fraction of one. On an accelerator the padding costs little and a
-    program's compile much (TPU: tens of seconds). After them each family's smallest, then the
+    With `small_leads` (CPU, where padding costs what real rows and tokens do) the smallest
+    decode program (at the longest context) and extend program (at the shortest) lead instead
+    of the largest, and the largest of each (decode, then extend) are the first to compile
+    after them: a request's first step is a prefill, and a short prompt padded to the largest
+    program is seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s; the largest
+    one's load is a third of a warm start, its compile the most of a cold one); one request's
+    decode steps padded to the largest batch are 64-row steps (SmolLM2 f32, 2 cores: ~240 ms a
+    token against 23; a 32-token request took 8.3 s after a cold start's ready, 1.6 s now). A
+    step no compiled program holds has its own compiled at once instead
+    (`ProgramSet.compile_now`): a prefill longer than the smallest program's, a decode batch of
+    more rows than the smallest program's before the largest one is in. On an accelerator the
+    padding costs little and a program's compile much (TPU: tens of seconds). After them each family's smallest, then the
     families take turns, each adding the program in the middle of its widest run of missing
     ones, so padding shrinks fastest (decode 2..64: 64, 2, 32, 16, 48, ...)."""
-    orders = []
+    orders: list[list[Key]] = []
+    smallest: list[Key] = []
     for family in buckets.families(verify):
         keys = [(s._replace(context=c), top_n) for s in family for c in contexts]  # ascending
         orders.append([keys[i] for i in widest_gap_first(len(keys))])
+        # the fewest rows at the longest context (any one request's decode), the fewest tokens
+        # at the shortest (a short prompt's prefill)
+        smallest.append(keys[len(contexts) - 1] if not smallest else keys[0])
     lead, first = [o[0] for o in orders], []
-    if small_prefill_leads and len(orders) > 1 and len(orders[1]) > 1:  # families: decode, extend, verify
-        first = [lead[1]]  # the largest extend program
-        lead[1] = orders[1][1]  # the smallest
+    if small_leads:  # families: decode, extend, verify
+        for f in range(min(2, len(orders))):
+            if smallest[f] != lead[f]:
+                first.append(lead[f])  # the family's largest: first after the leads
+                lead[f] = smallest[f]
     lead = list(dict.fromkeys(lead))
     rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
     return list(dict.fromkeys(lead + first + rest)), len(lead)

@@ -5,6 +5,7 @@
         smollm2-135m-instruct/          `ringserve fetch-model smollm2`
         gguf-tokenizers/<hash>/         tokenizer files rebuilt from a .gguf
         tokenizers/<hash>.json          a tokenizer's backend, for the actors that only decode
+        kernels/<name>-<hash>.so        the CPU custom calls, built here (model/kernels/build.py)
         xla/                            the persistent compilation cache
         programs/                       traced step programs, exported (model/program_cache.py)
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -39,3 +41,18 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+@contextlib.contextmanager
+def one_maker(out: Path) -> Iterator[None]:
+    """Held while this process makes `out`: another maker of it, in any process or thread, waits
+    here (an exclusive flock on `<out>.lock`, 0600), then finds it made. A first start's actors
+    each make the same things at once (the CPU kernels, a tokenizer's cached spec): one makes,
+    the others wait, instead of every process paying for it on the same cores."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{out}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -15,6 +15,7 @@ own process is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -207,20 +208,44 @@ def load_encoder(path: str | Path) -> Any:
 
 def _load(path: str | Path, encoder: bool) -> Any:
     spec_file = _spec_path(Path(path))
-    if spec_file is not None and spec_file.is_file():
+    if spec_file is None:
+        return load_tokenizer(path)
+    if (tok := _from_spec(spec_file, path, encoder)) is not None:
+        return tok
+    # A first start: the frontend, the scheduler and the detokenizer each ask at once. One loads
+    # transformers' tokenizer and keeps its spec, the others wait for it and load the spec
+    # (SmolLM2: 3.9 CPU-s each for transformers', 0.15 from the spec, on the cores the runner is
+    # building its kernels and compiling on)
+    from model.checkpoints.paths import one_maker
+
+    with contextlib.ExitStack() as held:
         try:
-            spec = json.loads(spec_file.read_text())
-            if not encoder:
-                return Decoder(spec)
-            if spec["encodes"]:
-                return FastTokenizer(spec, path)
-        except Exception:  # a damaged entry: rebuilt below
-            pass
-    tok = load_tokenizer(path)
-    spec = decoder_spec(tok)
-    if spec_file is not None and spec is not None:
-        _keep(spec_file, spec)
-    return tok
+            held.enter_context(one_maker(spec_file))
+        except OSError:  # a cache that cannot be written: each loads its own
+            return load_tokenizer(path)
+        if (tok := _from_spec(spec_file, path, encoder)) is not None:  # made while this one waited
+            return tok
+        tok = load_tokenizer(path)
+        spec = decoder_spec(tok)
+        if spec is not None:
+            _keep(spec_file, spec)
+        return tok
+
+
+def _from_spec(spec_file: Path, path: str | Path, encoder: bool) -> Any:
+    """The tokenizer from its kept spec, or None (none kept; damaged: made again; the frontend's
+    where the backend does not encode as transformers does)."""
+    if not spec_file.is_file():
+        return None
+    try:
+        spec = json.loads(spec_file.read_text())
+        if not encoder:
+            return Decoder(spec)
+        if spec["encodes"]:
+            return FastTokenizer(spec, path)
+    except Exception:  # noqa: BLE001 -- a damaged entry: made again
+        pass
+    return None
 
 
 def _keep(spec_file: Path, spec: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 
-from model.checkpoints.paths import cache_dir
+from model.checkpoints.paths import cache_dir, one_maker
 
 HERE = Path(__file__).parent
 
@@ -65,15 +65,16 @@ def build(name: str, flags: Sequence[str], link: Sequence[str] = ()) -> ctypes.C
     source = HERE / f"{name}.cc"
     out = library_path(name, flags, link)
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-w", *flags, str(source), f"-I{jax.ffi.include_dir()}",
-               *link, "-o", str(tmp)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
-        tmp.replace(out)
+        with one_maker(out):
+            if not out.exists():  # (else built while this one waited)
+                tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+                cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-w", *flags, str(source),
+                       f"-I{jax.ffi.include_dir()}", *link, "-o", str(tmp)]  # fmt: skip
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    tmp.unlink(missing_ok=True)
+                    raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+                tmp.replace(out)
     return ctypes.CDLL(str(out))
 
 

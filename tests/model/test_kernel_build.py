@@ -135,3 +135,27 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
     with pytest.raises(Exception, match=r"attributes num_pages \(i64\), window \(i64\), scale \(f32\)"):
         attend(q, cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], num_pages=np.int64(1),
                window=np.int64(0), scale=np.int64(3))  # fmt: skip (3: jax's eager cache takes 1 == 1.0)
+
+
+def test_builders_of_one_library_build_it_once(tmp_path, monkeypatch):
+    """Processes (or threads) that start together and find a kernel unbuilt: one runs the
+    compiler, the others wait for it and load its library (model/checkpoints/paths.py
+    `one_maker`), instead of each compiling on the same cores."""
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler (g++, or $CXX)")
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    real, runs = build.subprocess.run, []
+
+    def counted(cmd, **kw):
+        runs.append(cmd)
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(build.subprocess, "run", counted)
+    libs: list = []
+    threads = [threading.Thread(target=lambda: libs.append(build.build("cpu_memory", ["-O0"]))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(runs) == 1 and len(libs) == 3
+    assert all(hasattr(lib, "RingserveLazyZeros") for lib in libs)

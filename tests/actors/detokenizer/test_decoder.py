@@ -104,3 +104,32 @@ def test_a_cache_that_cannot_be_written_only_costs_speed(tiny_dir, tmp_path, mon
     d = tiny_dir("llama")
     tok = load_decoder(d)
     assert not isinstance(tok, Decoder) and tok.decode([5, 6]) == load_tokenizer(d).decode([5, 6])
+
+
+def test_actors_starting_together_load_transformers_once(tiny_dir, cache, monkeypatch):
+    """A first start's frontend, scheduler and detokenizer ask for the tokenizer at once: one
+    loads transformers' and keeps the spec, the others wait for it (model/checkpoints/paths.py
+    `one_maker`) and decode from the spec, the same text."""
+    import threading
+    import time
+
+    from model.checkpoints import tokenizer as tokenizer_module
+
+    d = tiny_dir("llama")
+    real, calls = tokenizer_module.load_tokenizer, []
+
+    def slow(path):  # transformers' load, long enough for the others to be waiting
+        calls.append(path)
+        time.sleep(0.5)
+        return real(path)
+
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", slow)
+    got: list = [None] * 3
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, load_decoder(d))) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(calls) == 1 and sum(isinstance(g, Decoder) for g in got) == 2
+    ids = real(d).encode(TEXT)
+    assert len({g.decode(ids) for g in got}) == 1
