@@ -85,7 +85,8 @@ def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monk
 def test_a_step_loads_its_own_program_from_disk_rather_than_run_padded(tiny_dir, tmp_path, monkeypatch):
     """While the background compile is held, a step that a larger compiled program would hold
     (padded) loads its own exact program where it is on disk (a load, not a compile), on the
-    caller's thread; one that is not on disk runs padded, as before."""
+    caller's thread, as does a step no compiled program holds (a prefill longer than the lead's;
+    tests/model/test_step.py: compiled there where it is not on disk)."""
     import threading
 
     from model.step_inputs import StepShape
@@ -106,18 +107,17 @@ def test_a_step_loads_its_own_program_from_disk_rather_than_run_padded(tiny_dir,
     ex = Gated(tiny_dir("llama"), ExecutorConfig(**cfg))
     try:
         assert ex.num_programs == 2 and ex.programs.pending == ex.num_programs_total - 2
-        pages = np.arange(1, 4, dtype=np.int32)
-        row = DeviceRow(np.array([5], np.int32), 20, pages)  # one decode row: the lead holds it padded to 4
-        assert ex.prepare([row]).shape[:3] == (1, 2, 2)  # its own, loaded here
-        assert ex.num_programs == 3 and ex.programs.pending == ex.num_programs_total - 3
+        pages = np.arange(1, 5, dtype=np.int32)
+        row = DeviceRow(np.arange(3, 43, dtype=np.int32), 0, pages)  # 40 tokens: no compiled program holds it
+        assert ex.prepare([row]).shape[:3] == (16, 64, 4)  # its own, at once (from disk: a load)
+        row = DeviceRow(np.arange(3, 23, dtype=np.int32), 0, pages)  # 20: the 64-token program holds it, padded
+        assert ex.prepare([row]).shape[:3] == (16, 32, 4)  # its own, loaded here
+        assert ex.num_programs == 4 and ex.programs.pending == ex.num_programs_total - 4
         (tmp_path / "programs").rename(tmp_path / "gone")  # nothing on disk any more
-        row = DeviceRow(np.arange(3, 20, dtype=np.int32), 0, pages)  # 17 tokens: the lead (16) cannot
-        assert ex.prepare([row]).shape[:3] == (16, 32, 4)  # no compiled program holds it: compiled here
-        row = DeviceRow(np.arange(3, 8, dtype=np.int32), 0, pages)
-        assert ex.prepare([row]).shape[:3] == (16, 16, 4)  # the lead holds it exactly
-        rows = [DeviceRow(np.array([5], np.int32), 20, pages), DeviceRow(np.array([6], np.int32), 20, pages),
-                DeviceRow(np.array([7], np.int32), 20, pages)]  # fmt: skip
-        assert ex.prepare(rows).shape[:3] == (1, 4, 4)  # 3 rows: the lead, exactly
+        row = DeviceRow(np.arange(3, 10, dtype=np.int32), 0, pages)  # 7 tokens: the 16-token lead, exactly
+        assert ex.prepare([row]).shape[:3] == (16, 16, 4)
+        rows = [DeviceRow(np.array([5], np.int32), 20, pages), DeviceRow(np.array([6], np.int32), 20, pages)]
+        assert ex.prepare(rows).shape[:3] == (1, 2, 2)  # two decode rows: the decode lead, exactly
         assert ex.num_programs == 4 and StepShape(1, 2, 2) == ex.prepare(rows[:1]).shape._replace(context=0)
     finally:
         gate.set()
