@@ -27,7 +27,7 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     from model.kernels import cpu_matmul
 
     monkeypatch.setattr(onednn, "supports", lambda x, w: None)
-    monkeypatch.setattr(cpu_matmul, "reason", lambda: None)
+    monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": None)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "kernel"  # XLA's f32 dot for larger steps
@@ -47,7 +47,7 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     monkeypatch.setattr(onednn, "supports", lambda x, w: "no oneDNN")
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
-    monkeypatch.setattr(cpu_matmul, "reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": "no C++ compiler")
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "xla"  # auto falls back
     monkeypatch.setattr(onednn, "supports", lambda x, w: None)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "onednn"
@@ -70,7 +70,7 @@ def test_asking_for_a_dot_that_cannot_run_names_why(monkeypatch, cfg, platform, 
     from model.kernels import cpu_matmul
 
     monkeypatch.setattr(onednn, "supports", lambda x, w: "no C++ compiler")
-    monkeypatch.setattr(cpu_matmul, "reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": "no C++ compiler")
     with pytest.raises(ValueError, match="cpu_matmul") as e:
         resolve_dot(cfg, platform)
     assert message in str(e.value)
