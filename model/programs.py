@@ -102,9 +102,10 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
     step no compiled program holds has its own compiled at once instead
     (`ProgramSet.compile_now`): a prefill longer than the smallest program's, a decode batch of
     more rows than the smallest program's before the largest one is in. On an accelerator the
-    padding costs little and a program's compile much (TPU: tens of seconds). After them each family's smallest, then the
-    families take turns, each adding the program in the middle of its widest run of missing
-    ones, so padding shrinks fastest (decode 2..64: 64, 2, 32, 16, 48, ...)."""
+    padding costs little and a program's compile much (TPU: tens of seconds). After them each
+    family's smallest, then the families take turns, each adding the program in the middle of
+    its widest run of missing ones, so padding shrinks fastest (decode 2..64: 64, 2, 32, 16,
+    48, ...)."""
     orders: list[list[Key]] = []
     smallest: list[Key] = []
     for family in buckets.families(verify):
