@@ -17,6 +17,12 @@ from typing import Any, Literal, get_args, get_origin
 from kvmem import cdiv
 
 
+# A prefill step's own cost in prefill tokens, where measured: on CPU a step is ~40 ms plus
+# ~1.6 ms a token (SmolLM2 f32, 2 cores, bench.step_floor extend:1x16..1x512). Elsewhere 0 (never
+# cut): on an accelerator a small step costs what a decode step does, not measured here.
+PREFILL_STEP_COST = {"cpu": 32}
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
@@ -63,6 +69,11 @@ class ServerArgs:
         "SGLang's); -1 disables chunking"
     )
     max_prefill_tokens: int = _opt(2048, "max new tokens in one prefill batch (largest extend bucket)")
+    prefill_step_cost: int | None = _opt(
+        None, "a prefill step's own cost in prefill tokens: a step whose extend program would hold more padding than "
+        "cutting it at the bucket below and computing the rest in steps of its own costs is cut there "
+        "(actors/scheduler/prefill.py `BucketFit`); 0: never cut; None: 32 on CPU (measured), 0 elsewhere"
+    )
     enable_mixed_chunk: bool = _opt(False, "run a prefill chunk and the decode batch in one step")
     schedule_policy: Literal["fcfs", "lpm"] = _opt(
         "fcfs", "waiting-queue order: first come or longest prefix match"
@@ -215,6 +226,8 @@ class ServerArgs:
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"chunked_prefill_size={self.chunked_prefill_size}: -1 (off) or >= 1",
         )
+        need(self.prefill_step_cost is None or self.prefill_step_cost >= 0,
+             f"prefill_step_cost={self.prefill_step_cost}: must be >= 0 (0: never cut a prefill step at a bucket)")  # fmt: skip
         need(self.decode_bucket_step >= 0, f"decode_bucket_step={self.decode_bucket_step}: must be >= 0 (0: powers of two)")
         need(
             self.max_prefill_tokens >= self.extend_block,
@@ -323,6 +336,21 @@ class ServerArgs:
         if self.max_total_tokens is None:
             raise RuntimeError("max_total_tokens is unresolved: size the KV pool first (actors/transport/memory.py)")
         return self.max_total_tokens // self.page_size
+
+    @property
+    def max_extend_tokens(self) -> int:
+        """Tokens of the largest extend program: a prefill batch's budget with a block of room per
+        running request (mixed decode rows), or a verify step's rounds, whichever is more."""
+        verify = self.speculative_num_draft_tokens + 1 if self.speculative else 0
+        most = max(self.max_prefill_tokens + self.extend_block * self.max_running_requests,
+                   verify * self.max_running_requests + self.extend_block)  # fmt: skip
+        return most // self.extend_block * self.extend_block
+
+    def for_platform(self, plat: str) -> ServerArgs:
+        """These args with the platform's defaults filled in (the frontend, before any actor starts)."""
+        if self.prefill_step_cost is not None:
+            return self
+        return dataclasses.replace(self, prefill_step_cost=PREFILL_STEP_COST.get(plat, 0))
 
     @property
     def min_pages(self) -> int:

@@ -32,11 +32,7 @@ def executor_config(args) -> ExecutorConfig:
         num_pages=args.num_pages,
         max_context_len=args.context_length,
         max_batch=args.max_running_requests,
-        # a prefill batch computes <= max_prefill_tokens new tokens; each row pads to a block
-        max_extend_tokens=max(
-            args.max_prefill_tokens + args.extend_block * args.max_running_requests,
-            verify * args.max_running_requests + args.extend_block,  # a verify step: a round per request
-        ) // args.extend_block * args.extend_block,
+        max_extend_tokens=args.max_extend_tokens,
         extend_block=args.extend_block,
         decode_bucket_step=args.decode_bucket_step,
         attn_chunk_tokens=args.attn_chunk_tokens,

@@ -46,13 +46,14 @@ from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decod
 from actors.scheduler.grammar import Grammars
 from actors.scheduler.lora import LoraTable, cache_key
 from actors.scheduler.policy import InBatchPrefix, order_waiting
-from actors.scheduler.prefill import AddResult, PrefillAdder
+from actors.scheduler.prefill import AddResult, BucketFit, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
 from actors.scheduler.spec import SpecState
 from actors.scheduler.stats import SchedulerStats
 from actors.server_args import ServerArgs
 from actors.transport.messages import StartWeights
 from kvmem import KVCache, ReqKV, SessionSlots
+from model.step_inputs import Buckets
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")
@@ -91,6 +92,10 @@ class SchedulerCore:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # the running batch (decoding), in admission order
         self.chunked: Req | None = None  # the one request whose extend is scheduled in chunks
+        # prefill steps cut where their extend program would be mostly padding (prefill.py)
+        self.fit = BucketFit(Buckets.make(args.max_running_requests, args.max_extend_tokens,
+                                          args.extend_block).extend_tokens,
+                             args.prefill_step_cost) if args.prefill_step_cost else None  # fmt: skip
         self.by_rid: dict[str, Req] = {}
         self.paused = False
         self.memory_released: set[str] = set()  # "kv_cache" / "weights" given back: nothing runs
@@ -287,7 +292,7 @@ class SchedulerCore:
         mixed = len(self.running) if a.enable_mixed_chunk else 0
         adder = PrefillAdder(self.cache, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens - mixed,
                              chunk_size=None if chunk is None else chunk - mixed,
-                             new_token_ratio=self.ratio.value)  # fmt: skip
+                             new_token_ratio=self.ratio.value, step_tokens=mixed)  # fmt: skip
         admitted: list[Req] = []
         if self.chunked is not None:
             self._cache_prefix(self.chunked)
@@ -321,6 +326,12 @@ class SchedulerCore:
         return self._build_prefill(adder, admitted)
 
     def _build_prefill(self, adder: PrefillAdder, admitted: list[Req]) -> ScheduledBatch:
+        if self.fit is not None:  # the step as formed, cut where its program would be mostly padding
+            for req in adder.fit(self.fit):  # past the cut: back to waiting, as if never admitted
+                admitted.remove(req)
+                assert req.kv is not None
+                self.cache.release(req.kv, None)
+                req.kv = None
         new = {id(r) for r in admitted}
         rows: list[Row] = []
         for row in adder.planned:

@@ -110,8 +110,9 @@ def group_memory(args: ServerArgs, plat: str, env: Mapping[str, str] | None = No
 
 def resolve_memory(args: ServerArgs, model_path: str | Path,
                    env: Mapping[str, str] | None = None) -> tuple[ServerArgs, PoolSize]:  # fmt: skip
-    """`args` with a concrete max_total_tokens and mem_fraction_static, and how the pool was
-    sized. An explicit max_total_tokens is kept as it is (the memory is not asked)."""
+    """`args` with a concrete max_total_tokens and mem_fraction_static (and the platform's other
+    defaults, `ServerArgs.for_platform`), and how the pool was sized. An explicit
+    max_total_tokens is kept as it is (the memory is not asked)."""
     fp = read_footprint(model_path)
     plat = platform(os.environ if env is None else env)
     mem = None if args.max_total_tokens is not None else group_memory(args, plat, env)
@@ -119,5 +120,5 @@ def resolve_memory(args: ServerArgs, model_path: str | Path,
     if pool.budget_tokens is None and pool.sized_by == "need":
         log.warning("the %s memory could not be told: the KV pool is sized by need alone (%s tokens)",
                     plat, f"{pool.need_tokens:,}")  # fmt: skip
-    return dataclasses.replace(args, max_total_tokens=pool.max_total_tokens,
+    return dataclasses.replace(args.for_platform(plat), max_total_tokens=pool.max_total_tokens,
                                mem_fraction_static=pool.mem_fraction_static), pool  # fmt: skip

@@ -52,6 +52,7 @@ def test_frozen():
         (dict(dtype="int4"), "dtype='int4': choose one of"),
         (dict(chunked_prefill_size=0), "chunked_prefill_size=0: -1 (off) or >= 1"),
         (dict(decode_bucket_step=-8), "decode_bucket_step=-8: must be >= 0"),
+        (dict(prefill_step_cost=-1), "prefill_step_cost=-1: must be >= 0"),
         (dict(max_total_tokens=16, page_size=16), "max_total_tokens=16: must hold at least 2 pages"),
         (dict(max_total_tokens=4096, context_length=4096, page_size=16),
          "max_total_tokens=4096: the KV pool must hold one request of context_length=4096 plus a page (4128 tokens)"),
@@ -133,3 +134,19 @@ def test_many_hosts_flags():
 def test_bad_many_hosts_options(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ServerArgs(**kwargs)
+
+
+def test_platform_defaults_fill_only_what_was_not_given():
+    """prefill_step_cost None: the platform's (CPU measured, elsewhere never cut); given: kept."""
+    assert ServerArgs().for_platform("cpu").prefill_step_cost == 32
+    assert ServerArgs().for_platform("tpu").prefill_step_cost == 0
+    assert ServerArgs().for_platform("cuda").prefill_step_cost == 0
+    assert ServerArgs(prefill_step_cost=0).for_platform("cpu").prefill_step_cost == 0
+    assert ServerArgs(prefill_step_cost=64).for_platform("tpu").prefill_step_cost == 64
+    assert parse(["--prefill-step-cost", "8"]).prefill_step_cost == 8
+
+
+def test_max_extend_tokens_holds_a_prefill_budget_or_a_verify_step():
+    assert ServerArgs().max_extend_tokens == 2048 + 16 * 64
+    assert ServerArgs(max_prefill_tokens=16, extend_block=2, max_running_requests=64, speculative_algorithm="ngram",
+                      speculative_num_draft_tokens=4).max_extend_tokens == 5 * 64 + 2  # fmt: skip

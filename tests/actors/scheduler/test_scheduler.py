@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from actors.scheduler.core import SchedulerCore
+from actors.scheduler.prefill import BucketFit
 from actors.scheduler.req import Req
 from actors.server_args import ServerArgs
 from actors.transport.sampling import SamplingParams
@@ -99,6 +100,50 @@ def test_only_one_chunked_request_and_it_resumes_first():
     # the long one is cut and nothing is added after it; it resumes first; the short one
     # joins when the chunk budget has room left
     assert runner.log == [[(0, 4)], [(0, 4)], [(0, 2), (1, 2)]]
+
+
+def test_bucket_fit_cuts_a_step_where_its_program_would_be_mostly_padding():
+    """Extend programs of 16, 32, .., 2048 tokens (and 2176), a step's own cost 32 tokens."""
+    fit = BucketFit([16, 32, 64, 128, 256, 512, 1024, 2048, 2176], 32)
+    # 300 tokens: one 512-token program (cost 544), or 256 + 44 in a 64 (256 + 32 + 64 + 32)
+    assert (fit.take(300), fit.padded(300), fit.cost(300)) == (256, 512, 384)
+    assert fit.take(1381) == 1024  # the last step of a 64-request burst (bench.peers): 2048 -> 1024 + 512
+    for n in (1, 10, 16, 200, 450, 500, 1000, 2040, 2048, 2176, 3000):  # whole where a cut would not pay
+        assert fit.take(n) == n, n
+    for n in range(1, 3000):  # a cut is a bucket below n, and never costs more than the whole step
+        assert fit.take(n) == n or fit.take(n) in fit.buckets and fit.take(n) < n
+        assert fit.cost(n) <= fit.step_cost + fit.padded(n)
+    with pytest.raises(ValueError, match="step_cost=0 >= 1"):
+        BucketFit([16], 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prefill_is_cut_at_the_bucket_below_and_resumes(overlap):
+    core, runner, _ = make(num_pages=1024, prefill_step_cost=32)
+    prompt = list(range(100, 400))  # 300 tokens: 256 now, 44 in a step of their own
+    core.add_request(req("a", prompt, 2))
+    out = drive(core, runner, overlap)
+    assert runner.log == [[(0, 256)], [(0, 44)], [(0, 1)]]
+    assert out["a"] == reference(prompt, 2, VOCAB)
+    # a step at its bucket takes no more: the next request waits for the next step
+    core, runner, _ = make(num_pages=1024, prefill_step_cost=32)
+    core.add_request(req("a", list(range(100, 356)), 1))
+    core.add_request(req("b", [7, 8, 9], 1))
+    drive(core, runner, overlap)
+    assert [[n for _, n in step] for step in runner.log] == [[256], [3]]  # (b's slot: a's, freed or not)
+    # the step is cut once formed: three requests of 100 fill 256, the third's rest follows;
+    # five fill 500 of a 512 program, which no cut beats
+    for n, steps in ((3, [[100, 100, 56], [44]]), (5, [[100] * 5])):
+        core, runner, _ = make(num_pages=1024, prefill_step_cost=32)
+        for i in range(n):
+            core.add_request(req(f"r{i}", list(range(100 * i + 1, 100 * i + 101)), 1))
+        drive(core, runner, overlap)
+        assert [[n for _, n in step] for step in runner.log] == steps
+    # off (0, the default of a ServerArgs made directly): one step of 300
+    core, runner, _ = make(num_pages=1024, prefill_step_cost=0)
+    core.add_request(req("a", prompt, 1))
+    drive(core, runner, overlap)
+    assert runner.log == [[(0, 300)]]
 
 
 def test_mixed_chunk_batches_decode_with_a_prefill_chunk():
