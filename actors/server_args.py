@@ -16,7 +16,6 @@ from typing import Any, Literal, get_args, get_origin
 
 from kvmem import cdiv
 
-
 # A prefill step's own cost in prefill tokens, where measured: on CPU a step is ~40 ms plus
 # ~1.6 ms a token (SmolLM2 f32, 2 cores, bench.step_floor extend:1x16..1x512). Elsewhere 0 (never
 # cut): on an accelerator a small step costs what a decode step does, not measured here.

@@ -20,9 +20,8 @@ in two (bench.step_floor).
 
 from __future__ import annotations
 
-import enum
-
 import bisect
+import enum
 from collections.abc import Sequence
 
 from actors.scheduler.batch import Row
