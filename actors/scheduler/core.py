@@ -292,7 +292,7 @@ class SchedulerCore:
         mixed = len(self.running) if a.enable_mixed_chunk else 0
         adder = PrefillAdder(self.cache, reserved_decode=reserved, max_prefill_tokens=a.max_prefill_tokens - mixed,
                              chunk_size=None if chunk is None else chunk - mixed,
-                             new_token_ratio=self.ratio.value, step_tokens=mixed)  # fmt: skip
+                             new_token_ratio=self.ratio.value, other_tokens=mixed)  # fmt: skip
         admitted: list[Req] = []
         if self.chunked is not None:
             self._cache_prefix(self.chunked)
@@ -314,9 +314,8 @@ class SchedulerCore:
             result = adder.add(req)
             while result is AddResult.NO_TOKEN and self.sessions.evict_oldest() is not None:
                 result = adder.add(req)  # kept session KV is the first to make room
-            if result is AddResult.NO_TOKEN:  # undo the admission (the runner never saw the slot)
-                self.cache.release(req.kv, None)
-                req.kv = None
+            if result is AddResult.NO_TOKEN:
+                self._unadmit(req)
                 break
             admitted.append(req)
             if result is AddResult.CHUNKED:
@@ -325,13 +324,17 @@ class SchedulerCore:
             return None
         return self._build_prefill(adder, admitted)
 
+    def _unadmit(self, req: Req) -> None:
+        """Undo `_admit` of a request still waiting (the runner never saw its slot)."""
+        assert req.kv is not None
+        self.cache.release(req.kv, None)
+        req.kv = None
+
     def _build_prefill(self, adder: PrefillAdder, admitted: list[Req]) -> ScheduledBatch:
         if self.fit is not None:  # the step as formed, cut where its program would be mostly padding
             for req in adder.fit(self.fit):  # past the cut: back to waiting, as if never admitted
                 admitted.remove(req)
-                assert req.kv is not None
-                self.cache.release(req.kv, None)
-                req.kv = None
+                self._unadmit(req)
         new = {id(r) for r in admitted}
         rows: list[Row] = []
         for row in adder.planned:

@@ -64,8 +64,7 @@ class BucketFit:
 
     def take(self, n: int) -> int:
         """n, or the bucket under n where cutting there costs less than the whole step."""
-        lo = self._below(n)
-        return lo if lo and self.step_cost + lo + self.cost(n - lo) < self.step_cost + self.padded(n) else n
+        return self._below(n) if self.cost(n) < self.step_cost + self.padded(n) else n
 
 
 class AddResult(enum.Enum):
@@ -83,11 +82,11 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunk_size: int | None,
         new_token_ratio: float,
-        step_tokens: int = 0,
+        other_tokens: int = 0,
     ):
-        """`step_tokens`: the step's tokens besides its extends (mixed decode rows)."""
+        """`other_tokens`: the step's tokens besides its extends (mixed decode rows)."""
         self.cache = cache
-        self.step_tokens = step_tokens
+        self.other_tokens = other_tokens
         self.page = cache.page_size
         self.reserved_decode = reserved_decode
         self.planned_kv = 0.0  # KV this batch will take: its extends' new pages + decode reserves
@@ -130,9 +129,9 @@ class PrefillAdder:
         tokens, and its first row keeps a token at least). The row across the cut becomes a
         (page-aligned where that computes something) chunk, the chunked request; the rows past it
         leave the step, and their requests are returned, for their admission to be undone."""
-        extends = self.step_tokens - sum(r.extend_len for r in self.planned)  # the mixed decode rows
-        room = fit.take(self.step_tokens) - extends
-        if room <= 0 or room >= self.step_tokens - extends:
+        extends = sum(r.extend_len for r in self.planned)
+        room = fit.take(self.other_tokens + extends) - self.other_tokens
+        if room <= 0 or room >= extends:
             return []
         kept: list[Row] = []
         for row in self.planned:
@@ -145,14 +144,12 @@ class PrefillAdder:
                 n = ((req.committed_len + room) // self.page) * self.page - req.committed_len
                 kept.append(Row.extend(req, n if n > 0 else room, last_chunk=False))
             room -= row.extend_len
-        dropped = [r.req for r in self.planned[len(kept):]]
+        dropped = [r.req for r in self.planned[len(kept) :]]
         self.planned = kept
-        self.step_tokens = extends + sum(r.extend_len for r in kept)
         return dropped
 
     def _take(self, req: Req, n: int, last: bool) -> None:
         self.planned.append(Row.extend(req, n, last_chunk=last))
-        self.step_tokens += n
         self.rem_input -= n
         if self.rem_chunk is not None:
             self.rem_chunk -= n
