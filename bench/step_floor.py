@@ -104,25 +104,26 @@ def hf_step(model, kind: str, b: int, n: int, repeat: int) -> float:
     from transformers import DynamicCache
 
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    weight = next(model.parameters())
+    dtype, dev = weight.dtype, weight.device
     if kind == "extend":
-        ids = torch.randint(3, 1000, (b, n))
+        ids = torch.randint(3, 1000, (b, n), device=dev)
 
         def run():
             with torch.no_grad():
-                model(ids, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+                model(ids, use_cache=True, logits_to_keep=1).logits.argmax(-1).tolist()  # tolist: waits for a GPU
 
         return timed(run, repeat)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
-        kv = [torch.randn(b, cfg.num_key_value_heads, n, hd, dtype=dtype) for _ in range(2)]
+        kv = [torch.randn(b, cfg.num_key_value_heads, n, hd, dtype=dtype, device=dev) for _ in range(2)]
         cache.update(kv[0], kv[1], layer)
-    nxt = torch.full((b, 1), 5)
+    nxt = torch.full((b, 1), 5, device=dev)
 
     def step():
         with torch.no_grad():
-            model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+            model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).tolist()
             cache.crop(-1)  # back to n cached tokens: every call does the same work
 
     return timed(step, repeat)
