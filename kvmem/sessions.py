@@ -39,6 +39,7 @@ class SessionSlots:
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.kept: dict[str, KeptSlot] = {}
+        self.resumed: dict[str, KeptSlot] = {}  # the kept slot each session's latest turn started from
 
     def records(self) -> list[ReqKV]:
         """The kept slots' records (they count as live page tables for the integrity check)."""
@@ -57,16 +58,28 @@ class SessionSlots:
         `admit` (tree prefix). None when no slot is free."""
         token_ids = np.asarray(token_ids, np.int32)
         kept = self.kept.pop(session_id, None)
+        self.resumed.pop(session_id, None)
         if kept is not None and kept.kv.extra_key != extra_key:  # KV of other weights: useless now
             self.cache.release(kept.kv, None)
             kept = None
         if kept is None:
             return self.cache.admit(token_ids[: len(token_ids) - 1], extra_key)
+        self.resumed[session_id] = kept
         kv = kept.kv
         granted = min(kv.committed_len, common_prefix_len(kept.token_ids, token_ids), len(token_ids) - 1)
         self.cache.trim(kv, granted)
         kv.cached_len = kv.committed_len
         return kv
+
+    def undo_start(self, session_id: str, kv: ReqKV) -> None:
+        """Take back `start_turn`'s record of a turn that never ran (the scheduler undid its
+        admission): the kept slot it resumed is kept again, as far as start_turn trimmed it (what
+        it cut, the turn's input does not repeat); a fresh admission is released."""
+        resumed = self.resumed.pop(session_id, None)
+        if resumed is not None and resumed.kv is kv:
+            self.kept[session_id] = KeptSlot(kv, resumed.token_ids[: kv.committed_len])
+        else:
+            self.cache.release(kv, None)
 
     def finish_turn(
         self, session_id: str, kv: ReqKV, origin_ids: np.ndarray, output_ids: list[int], finished_len: int
@@ -78,6 +91,7 @@ class SessionSlots:
         if not 0 <= finished_len <= len(output_ids):
             raise ValueError(f"finished_len={finished_len} with {len(output_ids)} output tokens")
         del output_ids[finished_len:]
+        self.resumed.pop(session_id, None)
         freed = self.cache.trim(kv, len(origin_ids) + finished_len)
         ids = np.concatenate([np.asarray(origin_ids, np.int32), np.asarray(output_ids, np.int32)])
         self.kept[session_id] = KeptSlot(kv, ids[: kv.committed_len])
@@ -86,6 +100,7 @@ class SessionSlots:
     def close(self, session_id: str) -> int | None:
         """End a session: its kept KV is cached in the tree (whole pages), the slot freed.
         Returns that slot (None: the session kept none)."""
+        self.resumed.pop(session_id, None)
         kept = self.kept.pop(session_id, None)
         if kept is None:
             return None
@@ -106,4 +121,5 @@ class SessionSlots:
             self.cache.release(kept.kv, None)
             slots.append(kept.kv.slot)
         self.kept.clear()
+        self.resumed.clear()
         return slots

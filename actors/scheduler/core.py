@@ -325,9 +325,13 @@ class SchedulerCore:
         return self._build_prefill(adder, admitted)
 
     def _unadmit(self, req: Req) -> None:
-        """Undo `_admit` of a request still waiting (the runner never saw its slot)."""
+        """Undo `_admit` of a request still waiting (the runner never saw its slot); a session's
+        turn keeps again the slot its previous turn kept."""
         assert req.kv is not None
-        self.cache.release(req.kv, None)
+        if req.session_id is not None:
+            self.sessions.undo_start(req.session_id, req.kv)
+        else:
+            self.cache.release(req.kv, None)
         req.kv = None
 
     def _build_prefill(self, adder: PrefillAdder, admitted: list[Req]) -> ScheduledBatch:

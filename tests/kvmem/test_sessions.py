@@ -137,6 +137,34 @@ def test_first_turn_uses_the_tree_and_close_caches_the_session():
     s.check_integrity([])
 
 
+def test_undo_start_keeps_the_resumed_slot_again_and_releases_a_fresh_one():
+    """A turn the scheduler takes back before it runs: the kept slot it resumed is kept again, cut
+    where start_turn cut it, and the next try is granted the same prefix; a first turn's fresh
+    record (or one after another turn ran) is released."""
+    c = KVCache(65, 4, 2)
+    s = SessionSlots(c)
+    origin = np.arange(10, 30, dtype=np.int32)  # 20 tokens
+    kv, out = decode_turn(c, s, origin, 0, False)
+    s.finish_turn("s", kv, origin, out, F)  # T = 30, committed 29: 8 pages
+    edited = np.concatenate([origin, out[:5], [999] * 7]).astype(np.int32)  # repeats 25 tokens
+    kv2 = s.start_turn("s", edited)
+    assert kv2 is kv and kv2.committed_len == 25 and "s" not in s.kept
+    s.undo_start("s", kv2)
+    assert s.kept["s"].kv is kv and s.kept["s"].token_ids.tolist() == edited[:25].tolist()
+    assert c.slots.n_pages[kv.slot] == 7 and c.allocator.num_free == 64 - 7
+    s.check_integrity([])
+    kv3 = s.start_turn("s", edited)  # the next try: the same grant
+    assert kv3 is kv and kv3.cached_len == kv3.committed_len == 25
+    s.undo_start("s", kv3)
+    s.close("s")
+    s.check_integrity([])
+    assert c.tree.total_pages == 6 and c.allocator.num_free == 64 - 6  # close cached the 6 whole pages
+    fresh = s.start_turn("t", np.arange(3, dtype=np.int32))  # no kept slot: a fresh admission
+    s.undo_start("t", fresh)
+    assert "t" not in s.kept and c.num_free_slots == 2
+    s.check_integrity([])
+
+
 def test_finish_turn_rejects_a_bad_finished_len():
     c = KVCache(17, 1, 2)
     s = SessionSlots(c)

@@ -52,6 +52,8 @@ class Live:
     origin_len: int
     row: list[int]  # the row as the runner mirrors it: only ever appended to
     session: str | None = None
+    resumed: bool = False  # a session turn started from the slot its session kept
+    ran: bool = False  # reserved, computed or cached anything since its admission
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -104,7 +106,8 @@ class KVMachine(RuleBasedStateMachine):
             assert self.c.slots.num_free == 0
             return None
         assert self.read(kv.slot, kv.cached_len) == tokens[: kv.cached_len], "granted KV of other tokens"
-        r = Live(kv, list(tokens), len(tokens), self.c.slots.pages(kv.slot).tolist(), session)
+        r = Live(kv, list(tokens), len(tokens), self.c.slots.pages(kv.slot).tolist(), session,
+                 resumed=session is not None and kept is not None)
         self.reqs.append(r)
         return r
 
@@ -152,6 +155,7 @@ class KVMachine(RuleBasedStateMachine):
         if pages is None:
             assert need > free + evictable and kv.allocated_len <= kv.committed_len + n + extra
             return
+        r.ran = True
         assert len(pages) == max(0, need)
         r.row += pages.tolist()
         written = r.tokens[kv.committed_len : kv.committed_len + n] + (
@@ -177,12 +181,14 @@ class KVMachine(RuleBasedStateMachine):
         pages = self.c.reserve(r.kv, n)
         if pages is not None:
             r.row += pages.tolist()
+            r.ran = True
 
     @precondition(lambda self: self.reqs)
     @rule(i=index)
     def cache_unfinished(self, i):
         r = self.pick(i)
         self.c.cache_unfinished(r.kv, np.asarray(r.tokens[: r.kv.committed_len], np.int32))
+        r.ran = True
 
     @precondition(lambda self: self.reqs)
     @rule(i=index, overshoot=st.integers(0, 3))
@@ -226,6 +232,23 @@ class KVMachine(RuleBasedStateMachine):
         r = self.pick(i)
         self.reqs.remove(r)
         self.c.release(r.kv, None)
+
+    @precondition(lambda self: any(r.session and not r.ran for r in self.reqs))
+    @rule(i=index)
+    def undo_session_turn(self, i):
+        """The scheduler takes a session turn's admission back before it runs (a refused
+        admission, a prefill step cut before it): the kept slot it resumed is kept again."""
+        waiting = [r for r in self.reqs if r.session and not r.ran]
+        r = waiting[i % len(waiting)]
+        assert r.session is not None
+        self.reqs.remove(r)
+        self.s.undo_start(r.session, r.kv)
+        if r.resumed:
+            kept = self.s.kept[r.session]
+            assert kept.kv is r.kv and kept.token_ids.tolist() == r.tokens[: r.kv.committed_len]
+            self.turns[r.session] = (r.tokens[: r.kv.committed_len], [])
+        else:
+            assert r.session not in self.s.kept
 
     @precondition(lambda self: self.reqs)
     @rule(i=index)

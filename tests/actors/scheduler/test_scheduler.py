@@ -146,6 +146,35 @@ def test_a_prefill_is_cut_at_the_bucket_below_and_resumes(overlap):
     assert runner.log == [[(0, 300)]]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_session_turn_past_a_cut_resumes_from_its_kept_slot(overlap):
+    """A session's turn that the cut sends back to waiting keeps the slot its previous turn kept:
+    its step computes only the tokens the session had not (released, it would recompute all)."""
+    core, runner, books = make(num_pages=1024, prefill_step_cost=32)
+
+    def turn(rid: str, prompt: list[int]) -> Req:
+        sp = SamplingParams(max_new_tokens=2, temperature=0, sampling_seed=0)
+        return Req(rid, np.asarray(prompt, np.int32), sp, stream=True, session_id="s")
+
+    first = list(range(100, 140))
+    core.add_request(turn("t1", first))
+    out1 = drive(core, runner, overlap)["t1"]
+    kept = core.sessions.kept["s"].kv
+    second = first + out1 + list(range(500, 520))  # 20 new tokens
+    granted = min(kept.committed_len, len(second) - 1)
+    runner.log.clear()
+    core.add_request(req("a", list(range(1, 257)), 1))  # fills the 256-token program alone
+    core.add_request(turn("t2", second))
+    out = drive(core, runner, overlap)
+    steps = [[n for _, n in step] for step in runner.log]
+    assert steps[:2] == [[256], [len(second) - granted]], steps
+    assert out["t2"] == reference(second, 2, VOCAB)
+    assert core.sessions.kept["s"].kv is kept
+    core.close_session("s")
+    core.check_idle()
+    assert books.available_tokens() == 1023
+
+
 def test_mixed_chunk_batches_decode_with_a_prefill_chunk():
     core, runner, _ = make(chunked_prefill_size=4, enable_mixed_chunk=True)
     core.add_request(req("a", [1, 2, 3], 5))
