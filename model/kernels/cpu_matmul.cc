@@ -84,6 +84,13 @@ struct Args {
 // keeps the f32 path. |xq| <= kQ16Max, so with |w| <= 128 each int32 lane of the kernel sums at
 // most K/16 products of 128 * kQ16Max: exact up to K = kQ16MaxK. false (x not used): a row holds
 // an infinity or a NaN (the f32 path then gives what IEEE arithmetic gives).
+// Measured and not kept (2026-11-29): a second int16 term per row holding the rest at a step
+// 2^15 finer (exact down to 2^-22 of the largest value; SmolLM2's hidden states hold outlier
+// dimensions, and a value 2^-10 of the largest rounds here by up to 2^-6 of itself). SmolLM2's
+// int8 first-token logits (bench.precision, 64 prompts) came 0.227 off HF float32's on average
+// instead of 0.238 (HF's own int8: 0.231; XLA's f32 dot: 0.225), but its multiplies made
+// bf16 + int8 decode steps ~10% slower at 1-2 rows (1 row: medians 11.6 against 10.4 ms, 6
+// alternated runs) and a third and more above (4 rows 18-21 against 13.5-14.5 ms).
 #if RINGSERVE_SIMD == 256  // measured on AVX2 alone; AVX-512 keeps its own int8 path
 constexpr bool kQ16 = true;  // nk_seq_q16 is built
 #else
