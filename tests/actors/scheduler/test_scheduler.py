@@ -32,10 +32,11 @@ def make(num_pages=256, page=1, max_running=8, **kw):
     return SchedulerCore(args, books, letters), FakeRunner(page, VOCAB), books
 
 
-def req(rid: str, prompt: list[int], max_new: int, **sp) -> Req:
+def req(rid: str, prompt: list[int], max_new: int, session: str | None = None, **sp) -> Req:
     return Req(
         rid, np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=max_new, temperature=0, sampling_seed=0, **sp),
         stream=True,  # an output per token, so the tests see each one
+        session_id=session,
     )
 
 
@@ -151,20 +152,15 @@ def test_a_session_turn_past_a_cut_resumes_from_its_kept_slot(overlap):
     """A session's turn that the cut sends back to waiting keeps the slot its previous turn kept:
     its step computes only the tokens the session had not (released, it would recompute all)."""
     core, runner, books = make(num_pages=1024, prefill_step_cost=32)
-
-    def turn(rid: str, prompt: list[int]) -> Req:
-        sp = SamplingParams(max_new_tokens=2, temperature=0, sampling_seed=0)
-        return Req(rid, np.asarray(prompt, np.int32), sp, stream=True, session_id="s")
-
     first = list(range(100, 140))
-    core.add_request(turn("t1", first))
+    core.add_request(req("t1", first, 2, session="s"))
     out1 = drive(core, runner, overlap)["t1"]
     kept = core.sessions.kept["s"].kv
     second = first + out1 + list(range(500, 520))  # 20 new tokens
     granted = min(kept.committed_len, len(second) - 1)
     runner.log.clear()
     core.add_request(req("a", list(range(1, 257)), 1))  # fills the 256-token program alone
-    core.add_request(turn("t2", second))
+    core.add_request(req("t2", second, 2, session="s"))
     out = drive(core, runner, overlap)
     steps = [[n for _, n in step] for step in runner.log]
     assert steps[:2] == [[256], [len(second) - granted]], steps
