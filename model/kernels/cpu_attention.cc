@@ -1,7 +1,9 @@
 // Paged attention on CPU as an XLA FFI custom call, on every core of XLA's own thread pool
 // (model/kernels/cpu_attention.py builds and registers it; model/attention/cpu_kernel.py calls it).
 //
-//   q        [T, H, D] f32            the step's packed query tokens (RoPE applied)
+//   q        [T, H, D] f32|bf16       the step's packed query tokens (RoPE applied); bf16 q with a
+//                                     bf16 cache: prefill's items through vdpbf16ps where the CPU
+//                                     has it (AVX512-BF16)
 //   k_cache  [Hkv, L*P, D, S] f32|u16 keys, key-major within a page (the native backend's layout;
 //                                     u16: bf16 bits)
 //   v_cache  [Hkv, L*P, S, D] f32|u16 values
@@ -36,10 +38,13 @@ namespace {
 using ringserve::bf16_to_f32;
 
 constexpr int kBlock = 8;          // query tokens per work item
+constexpr int kPagesAhead = 2;     // a row's pages are prefetched this far ahead of the one read
+constexpr int kDpQueries = 8;      // the fewest queries of an item that go through vdpbf16ps
 constexpr float kNegInf = -1e30f;  // finite: a fully masked query gives zeros, not NaN
 
 struct Args {
-  const float* q;
+  const void* q;
+  bool q_bf16;  // q holds bf16 bits (else f32)
   const void* k;
   const void* v;
   bool bits;  // caches hold bf16 bits
@@ -90,33 +95,144 @@ inline void scores16(const float* q, const void* k, float* s) {
 // queries scored together: 8 accumulators hide the FMA latency; AVX2 holds 4 (2 vectors each)
 constexpr int kScoreBlock = L == 16 ? 8 : 4;
 
+// nqp queries' scores (nqp <= kScoreBlock exactly, a decode token's G heads with no padding
+// query; more: a multiple of kScoreBlock)
+template <int DC, bool BITS>
+inline void scores_all(const float* qs, const void* k, float* s, int64_t nqp) {
+  switch (nqp) {
+    case 1: return scores16<1, DC, BITS>(qs, k, s);
+    case 2: return scores16<2, DC, BITS>(qs, k, s);
+    case 3: return scores16<3, DC, BITS>(qs, k, s);
+    case 4: return scores16<4, DC, BITS>(qs, k, s);
+    default: break;
+  }
+  if constexpr (kScoreBlock == 8) switch (nqp) {
+      case 5: return scores16<5, DC, BITS>(qs, k, s);
+      case 6: return scores16<6, DC, BITS>(qs, k, s);
+      case 7: return scores16<7, DC, BITS>(qs, k, s);
+      default: break;
+    }
+  for (int64_t q0 = 0; q0 < nqp; q0 += kScoreBlock) scores16<kScoreBlock, DC, BITS>(qs + q0 * DC, k, s + q0 * 16);
+}
+
+#ifdef __AVX512BF16__
+// bf16 queries (bits qh [NB, DC], unscaled) against a bf16 page of 16 keys (k: [DC, 16] bits)
+// into s [NB, 16] = scale * q.k: vdpbf16ps multiplies a pair of dims exactly and adds both
+// products to the key's f32 lane, so a page takes DC/2 instructions a query where widening
+// then FMAs took DC (rows d and d+1 of the page are one 64-byte load, interleaved by one
+// vpermw into (k[d][j], k[d+1][j]) pairs; bf16 values below f32's normal range flush to zero)
+template <int NB, int DC>
+inline void scores16_dp(const uint16_t* qh, const uint16_t* k, float* s, float scale) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // fmt: skip
+  __m512 r[NB];
+  for (int b = 0; b < NB; ++b) r[b] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < DC; d += 2) {
+    const __m512bh kk = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(k + d * 16));
+    for (int b = 0; b < NB; ++b) {
+      int32_t qq;
+      std::memcpy(&qq, qh + b * DC + d, 4);
+      r[b] = _mm512_dpbf16_ps(r[b], (__m512bh)_mm512_set1_epi32(qq), kk);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + b * 16, _mm512_mul_ps(r[b], sc));
+}
+
+// nqp (a multiple of 8) queries' scores, 8 at a time
+template <int DC>
+inline void scores_all_dp(const uint16_t* qh, const uint16_t* k, float* s, int64_t nqp, float scale) {
+  for (int64_t q0 = 0; q0 < nqp; q0 += 8) scores16_dp<8, DC>(qh + q0 * DC, k, s + q0 * 16, scale);
+}
+constexpr bool kScoreDp = true;  // bf16 q against bf16 pages through vdpbf16ps
+
+// acc rows q0..q0+QB-1 += their probabilities, rounded to bf16 (ph [nqp, 16] bits), x the bf16
+// page's values (v: [16, DC] bits), through vdpbf16ps along the keys: rows 2i and 2i+1 of the
+// page interleaved 16-bit-wise (vpermt2w) into (v[2i][c], v[2i+1][c]) pairs, 8 instructions a
+// query for every 16 columns where widening then FMAs took 16 (HF's bf16 attention multiplies
+// bf16 probabilities too)
+template <int QB, int DC>
+inline void values_rows_dp(const uint16_t* ph, const uint16_t* v, float* acc, int64_t q0) {
+  constexpr int W = DC / 32;  // 32 bf16 a zmm: vectors of one value row
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // fmt: skip
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512 o[QB][2 * W];
+  for (int b = 0; b < QB; ++b)
+    for (int c = 0; c < 2 * W; ++c) o[b][c] = _mm512_loadu_ps(acc + (q0 + b) * DC + c * 16);
+  for (int j = 0; j < 16; j += 2) {
+    __m512bh vp[2 * W];
+    for (int w = 0; w < W; ++w) {
+      const __m512i r0 = _mm512_loadu_si512(v + j * DC + w * 32), r1 = _mm512_loadu_si512(v + (j + 1) * DC + w * 32);
+      vp[2 * w] = (__m512bh)_mm512_permutex2var_epi16(r0, lo, r1);
+      vp[2 * w + 1] = (__m512bh)_mm512_permutex2var_epi16(r0, hi, r1);
+    }
+    for (int b = 0; b < QB; ++b) {
+      int32_t pp;
+      std::memcpy(&pp, ph + (q0 + b) * 16 + j, 4);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pp);
+      for (int c = 0; c < 2 * W; ++c) o[b][c] = _mm512_dpbf16_ps(o[b][c], pb, vp[c]);
+    }
+  }
+  for (int b = 0; b < QB; ++b)
+    for (int c = 0; c < 2 * W; ++c) _mm512_storeu_ps(acc + (q0 + b) * DC + c * 16, o[b][c]);
+}
+
+// nqp (a multiple of 4) queries' outputs, 4 at a time
+template <int DC>
+inline void values16_dp(const float* s, uint16_t* ph, const uint16_t* v, float* acc, int64_t nqp) {
+  for (int64_t q = 0; q < nqp; ++q)  // the probabilities to bf16, nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + q * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + q * 16)));
+  for (int64_t q0 = 0; q0 < nqp; q0 += 4) values_rows_dp<4, DC>(ph, v, acc, q0);
+}
+#else
+constexpr bool kScoreDp = false;
+#endif
+
 // The queries' outputs (acc [nqp, DC]) += their probabilities (s [nqp, 16]) x the page's values
 // (v: [16, DC]), QB queries' CW vectors of columns held in registers over the page's keys.
+template <int DC>
+constexpr int kValueCols = L == 16 ? DC / L : (DC / L) % 4 == 0 ? 4 : (DC / L) % 2 == 0 ? 2 : 1;  // AVX2: 16 registers
+template <int DC>
+constexpr int kValueRows = L == 16 ? (DC / L <= 4 ? 4 : 2) : 2;  // query rows a block
+
+// rows q0..q0+QB-1 of acc += their probabilities x the page's values, CW vectors of columns a pass
+template <int QB, int DC, bool BITS>
+inline void values_rows(const float* s, const void* v, float* acc, int64_t q0) {
+  constexpr int V = DC / L, CW = kValueCols<DC>;
+  for (int c0 = 0; c0 < V; c0 += CW) {
+    simd::V o[QB][CW];
+    for (int b = 0; b < QB; ++b)
+      for (int c = 0; c < CW; ++c) o[b][c] = simd::load(acc + (q0 + b) * DC + (c0 + c) * L);
+    for (int j = 0; j < 16; ++j) {
+      simd::V vv[CW];
+      for (int c = 0; c < CW; ++c) vv[c] = load_page<BITS>(v, j * DC + (c0 + c) * L);
+      for (int b = 0; b < QB; ++b) {
+        const simd::V p = simd::set1(s[(q0 + b) * 16 + j]);
+        for (int c = 0; c < CW; ++c) o[b][c] = simd::fma(p, vv[c], o[b][c]);
+      }
+    }
+    for (int b = 0; b < QB; ++b)
+      for (int c = 0; c < CW; ++c) simd::store(acc + (q0 + b) * DC + (c0 + c) * L, o[b][c]);
+  }
+}
+
 template <int DC, bool BITS>
 inline void values16(const float* s, const void* v, float* acc, int64_t nqp) {
-  constexpr int V = DC / L;  // vectors per output row
-  constexpr int CW = L == 16 ? V : V % 4 == 0 ? 4 : V % 2 == 0 ? 2 : 1;  // AVX2: 16 registers
-  constexpr int QB = L == 16 ? (V <= 4 ? 4 : 2) : 2;                     // rows per block
-  for (int64_t q0 = 0; q0 < nqp; q0 += QB)  // padded rows have p = 0 (their scores stay 0s)
-    for (int c0 = 0; c0 < V; c0 += CW) {
-      simd::V o[QB][CW];
-      for (int b = 0; b < QB; ++b)
-        for (int c = 0; c < CW; ++c) o[b][c] = simd::load(acc + (q0 + b) * DC + (c0 + c) * L);
-      for (int j = 0; j < 16; ++j) {
-        simd::V vv[CW];
-        for (int c = 0; c < CW; ++c) vv[c] = load_page<BITS>(v, j * DC + (c0 + c) * L);
-        for (int b = 0; b < QB; ++b) {
-          const simd::V p = simd::set1(s[(q0 + b) * 16 + j]);
-          for (int c = 0; c < CW; ++c) o[b][c] = simd::fma(p, vv[c], o[b][c]);
-        }
-      }
-      for (int b = 0; b < QB; ++b)
-        for (int c = 0; c < CW; ++c) simd::store(acc + (q0 + b) * DC + (c0 + c) * L, o[b][c]);
-    }
+  constexpr int QB = kValueRows<DC>;
+  int64_t q0 = 0;
+  for (; q0 + QB <= nqp; q0 += QB) values_rows<QB, DC, BITS>(s, v, acc, q0);
+  switch (nqp - q0) {  // the last rows (a decode token's G heads need not fill a block)
+    case 1: return values_rows<1, DC, BITS>(s, v, acc, q0);
+    case 2: if constexpr (QB > 2) return values_rows<2, DC, BITS>(s, v, acc, q0); break;
+    case 3: if constexpr (QB > 3) return values_rows<3, DC, BITS>(s, v, acc, q0); break;
+    default: break;
+  }
 }
 constexpr bool kRegisterPages = true;  // 16-key pages of a head dim of 16s read straight from the cache
 #else
 constexpr bool kRegisterPages = false;
+constexpr bool kScoreDp = false;
 #endif
 
 // One work item: queries t0..t1-1 of row `row`, the G query heads of KV head `head`. SC, DC:
@@ -128,10 +244,22 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   const int64_t G = a.H / a.Hkv;
   const int64_t D = DC ? DC : a.D, S = SC ? SC : a.S;
   const int64_t nq = int64_t(it.t1 - it.t0) * G;
-  // rows padded for the register blocks (zeros): 8 queries, or 4 for a decode token's few heads
-  const int64_t nqp = nq <= 4 ? 4 : (nq + 7) / 8 * 8;
   // 16-key pages of a head dim of 16s are read straight from the cache: no f32 page buffers
   constexpr bool in_registers = kRegisterPages && SC == 16 && DC > 0 && DC % 16 == 0;
+  // rows padded (zeros) for the register blocks: none up to 8 queries (a decode token's G
+  // heads) in registers, else to 8 (the generic paths: blocks of 4 and 2)
+  const int64_t nqp = in_registers && nq <= 8 ? nq : nq <= 4 ? 4 : (nq + 7) / 8 * 8;
+  // bf16 q and bf16 pages, 8 queries or more (prefill): scores and values through vdpbf16ps
+  // (qh: q's bits; ph: a page's probabilities rounded to bf16). SmolLM2's attention, one
+  // process, alternated (bench.cpu_attention, bf16): a 512-token prefill 80.0 -> 56.0 ms a step
+  // (30 layers); but a decode token's 3 heads 22.8 -> 24.6 ms (64 rows x 256 keys): the pairs'
+  // interleaving serves too few queries there, so fewer keep the f32 FMAs
+  const bool dp = kScoreDp && in_registers && a.q_bf16 && a.bits && nqp >= kDpQueries;
+  thread_local std::vector<uint16_t> qh, ph;  // q's bits [nqp, D]; a page's probabilities as bf16 [nqp, 16]
+  if (dp) {
+    qh.assign(size_t(nqp * D), 0);
+    ph.assign(size_t(nqp * 16), 0);
+  }
   scratch.assign(size_t(nqp * (2 * D + 2 + S) + (in_registers ? 0 : 2 * S * D)), 0.f);
   float* acc = scratch.data();        // [nqp, D]
   float* qs = acc + nqp * D;          // [nqp, D] the queries, scaled
@@ -146,8 +274,17 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     min_pos = std::min(min_pos, a.positions[t]);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = int64_t(t - it.t0) * G + g;
-      const float* qv = a.q + (int64_t(t) * a.H + int64_t(it.head) * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) qs[qi * D + d] = qv[d] * a.scale;
+      const int64_t at = (int64_t(t) * a.H + int64_t(it.head) * G + g) * D;
+      if (a.q_bf16) {
+        const uint16_t* qv = static_cast<const uint16_t*>(a.q) + at;
+        if (dp)
+          std::memcpy(qh.data() + qi * D, qv, size_t(D) * 2);
+        else
+          for (int64_t d = 0; d < D; ++d) qs[qi * D + d] = bf16_to_f32(qv[d]) * a.scale;
+      } else {
+        const float* qv = static_cast<const float*>(a.q) + at;
+        for (int64_t d = 0; d < D; ++d) qs[qi * D + d] = qv[d] * a.scale;
+      }
       m[qi] = kNegInf;
     }
   }
@@ -164,11 +301,14 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     return static_cast<const char*>(cache) + page * page_bytes;
   };
   for (int64_t pg = first_key / S; pg * S <= max_pos; ++pg) {
-    if ((pg + 1) * S <= max_pos) {  // the next page is elsewhere in memory: ask for it now
-      const char *nk = page_at(a.k, pg + 1), *nv = page_at(a.v, pg + 1);
+    // the page after next is elsewhere in memory: ask for it now, into L2. SmolLM2's decode
+    // attention (64 rows x 256 keys, bf16 pages scattered over 30 layers' pool, bench.cpu_attention,
+    // one process, alternated): 30.7 -> 25.1 ms a step against the next page into L1
+    if ((pg + kPagesAhead) * S <= max_pos) {
+      const char *nk = page_at(a.k, pg + kPagesAhead), *nv = page_at(a.v, pg + kPagesAhead);
       for (size_t b = 0; b < page_bytes; b += 64) {
-        __builtin_prefetch(nk + b);
-        __builtin_prefetch(nv + b);
+        __builtin_prefetch(nk + b, 0, 2);
+        __builtin_prefetch(nv + b, 0, 2);
       }
     }
     const char *kraw = page_at(a.k, pg), *vraw = page_at(a.v, pg);  // the register paths read these
@@ -185,16 +325,12 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     // scores of every query at once: each key row kpage[d] is read once for all of them
 #ifdef RINGSERVE_SIMD
     if constexpr (in_registers) {  // 8 (or 4) queries' 16 scores in registers over the head dim
-      auto scores = [&](auto bits) {
-        constexpr bool B = decltype(bits)::value;
-        if (nqp == 4) {
-          scores16<4, DC, B>(qs, kraw, s);
-        } else {
-          for (int64_t q0 = 0; q0 < nqp; q0 += kScoreBlock)
-            scores16<kScoreBlock, DC, B>(qs + q0 * DC, kraw, s + q0 * 16);
-        }
-      };
-      if (a.bits) scores(std::true_type{}); else scores(std::false_type{});
+#ifdef __AVX512BF16__
+      if (dp)
+        scores_all_dp<DC>(qh.data(), reinterpret_cast<const uint16_t*>(kraw), s, nqp, a.scale);
+      else
+#endif
+      if (a.bits) scores_all<DC, true>(qs, kraw, s, nqp); else scores_all<DC, false>(qs, kraw, s, nqp);
     } else
 #endif
     if constexpr (SC > 0 && DC > 0) {  // 4 queries' 16 scores held in registers over the head dim
@@ -267,6 +403,11 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
     // values: each value row vpage[j] is read once for every query
 #ifdef RINGSERVE_SIMD
     if constexpr (in_registers) {  // QB queries' outputs in registers over the keys
+#ifdef __AVX512BF16__
+      if (dp)
+        values16_dp<DC>(s, ph.data(), reinterpret_cast<const uint16_t*>(vraw), acc, nqp);
+      else
+#endif
       if (a.bits) values16<DC, true>(s, vraw, acc, nqp); else values16<DC, false>(s, vraw, acc, nqp);
     } else
 #endif
@@ -321,8 +462,8 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
                kv_len = call.arg(5), positions = call.arg(6), layer = call.arg(7), out = call.ret(0);
   for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, layer, out})
     if (!b.ok()) return call.error("cpu_attention: buffers expected");
-  if (q.element_type() != DataType::F32 || out.element_type() != DataType::F32)
-    return call.error("cpu_attention: q and out must be f32");
+  if ((q.element_type() != DataType::F32 && q.element_type() != DataType::BF16) || out.element_type() != DataType::F32)
+    return call.error("cpu_attention: q must be f32 or bf16, out f32");
   for (const Buffer& b : {pages, row_start, kv_len, positions, layer})
     if (b.element_type() != DataType::S32) return call.error("cpu_attention: pages, row_start, kv_len, positions and layer must be s32");
   int64_t num_pages = 0, window = 0;
@@ -338,7 +479,8 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   if (v.element_type() != k.element_type()) return call.error("cpu_attention: k_cache and v_cache types differ");
   Args a;
   std::vector<Item> items;
-  a.q = q.typed_data<const float>();
+  a.q = q.untyped_data();
+  a.q_bf16 = q.element_type() == DataType::BF16;
   a.k = k.untyped_data();
   a.v = v.untyped_data();
   a.bits = bits;

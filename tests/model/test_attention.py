@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,11 +115,12 @@ def test_mixed_step_matches_native(tiny_dir, native, backend):
     assert_close(run_scenario(executor(tiny_dir("llama"), backend)), native)
 
 
-def _kernel_case(d: int, bits: bool, seed: int = 0):
+def _kernel_case(d: int, bits: bool, seed: int = 0, heads: tuple[int, int] = (6, 2), q_bf16: bool = False):
     """The C++ kernel called directly on a hand-made batch: 4 rows (a decode token after a
     partial page, an extend of 21 tokens from 0, a decode at exactly a page's end, and a padding
-    row), 6 query heads over 2 KV heads, pages of 16 scattered over layer 1's range. The caches
-    hold bf16-representable values, as f32 or as bf16 bits. Returns (out, reference)."""
+    row), `heads` = (query heads, KV heads), pages of 16 scattered over layer 1's range. The
+    caches hold bf16-representable values, as f32 or as bf16 bits, and so does q (passed as f32,
+    or as bf16 with `q_bf16`). Returns (out, reference)."""
     import jax
     import jax.numpy as jnp
 
@@ -127,13 +129,13 @@ def _kernel_case(d: int, bits: bool, seed: int = 0):
     if (why := cpu_attention.reason()) is not None:
         pytest.skip(f"the C++ attention kernel: {why}")
     rng = np.random.default_rng(seed)
-    h, hkv, s, num_pages, layers = 6, 2, 16, 24, 2
+    (h, hkv), s, num_pages, layers = heads, 16, 24, 2
     kv_len = np.array([37, 21, 32, 0], np.int32)
     new = [1, 21, 1, 0]  # tokens this step per row
     row_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     positions = np.concatenate([np.arange(kv_len[r] - new[r], kv_len[r]) for r in range(4)]).astype(np.int32)
     pages = rng.permutation(np.arange(1, num_pages))[:12].reshape(4, 3).astype(np.int32)
-    q = rng.normal(size=(len(positions), h, d)).astype(np.float32)
+    q = np.asarray(jnp.asarray(rng.normal(size=(len(positions), h, d)).astype(np.float32)).astype(jnp.bfloat16).astype(jnp.float32))
     k = jnp.asarray(rng.normal(size=(hkv, layers * num_pages, d, s)).astype(np.float32)).astype(jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(hkv, layers * num_pages, s, d)).astype(np.float32)).astype(jnp.bfloat16)
     kf, vf = np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32))
@@ -143,7 +145,7 @@ def _kernel_case(d: int, bits: bool, seed: int = 0):
         k, v = jnp.asarray(kf), jnp.asarray(vf)
     scale = 1.0 / np.sqrt(d)
     call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = np.asarray(call(q, k, v, pages, row_start, kv_len, positions, np.int32(1), num_pages=np.int64(num_pages),
+    out = np.asarray(call(jnp.asarray(q).astype(jnp.bfloat16) if q_bf16 else q, k, v, pages, row_start, kv_len, positions, np.int32(1), num_pages=np.int64(num_pages),
                           window=np.int64(0), scale=np.float32(scale)))  # fmt: skip
     ref = np.zeros_like(out)
     for r in range(4):
@@ -168,6 +170,37 @@ def test_cpu_kernel_reads_bf16_pages_as_their_f32_values(d):
     want, _ = _kernel_case(d, bits=False)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(5, 5), (6, 2), (8, 1), (14, 2)])
+def test_cpu_kernel_takes_every_group_size_unpadded(heads):
+    """A decode token's G query heads are scored and summed as G rows, with no padding rows up to
+    8 (G = 1, 3, 8, 7 here; an extend row's 21 x G queries in blocks of 8): the same outputs as
+    the NumPy reference, from f32 and from bf16 pages alike."""
+    for bits in (False, True):
+        got, ref = _kernel_case(64, bits=bits, heads=heads)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128, 48])
+@pytest.mark.parametrize("heads", [(6, 2), (8, 1)])
+def test_cpu_kernel_bf16_queries(d, heads):
+    """bf16 q against bf16 pages: where the CPU has AVX512-BF16, the page is read in registers
+    (head dims 64 and 128) and an item holds 8 queries or more (the extend row's 21 x G; a
+    decode token's 8 heads over one KV head) the scores are summed by vdpbf16ps (exact
+    products, f32 sums) and the probabilities are rounded to bf16 for the values' sum, as HF's
+    bf16 attention does: within bf16's rounding of the reference. Elsewhere (head dim 48, no
+    AVX512-BF16, a decode token's 3 heads) q is widened exactly: the same bits as the same
+    values passed as f32."""
+    got, ref = _kernel_case(d, bits=True, heads=heads, q_bf16=True)
+    want, _ = _kernel_case(d, bits=True, heads=heads)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=8e-3)  # outputs up to ~3.5: 2^-9 of them
+    if d == 48 or "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        np.testing.assert_array_equal(got, want)
+        return
+    decode = [0, 22] if heads == (6, 2) else []  # rows 0 and 2's tokens: 3 heads an item, widened
+    np.testing.assert_array_equal(got[decode], want[decode])
+    assert not np.array_equal(got, want)  # the vdpbf16ps items: bf16 probabilities move some outputs
 
 
 @pytest.mark.parametrize("arch, dtype", [("mistral", "float32"), ("qwen3", "bfloat16")])

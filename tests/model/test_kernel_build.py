@@ -126,8 +126,8 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     attend = jax.ffi.ffi_call(cpu_attention.TARGET, out)
     attrs = dict(num_pages=np.int64(1), window=np.int64(0), scale=np.float32(1.0))
-    with pytest.raises(Exception, match="q and out must be f32"):
-        attend(q.astype(jnp.bfloat16), cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], **attrs)
+    with pytest.raises(Exception, match="q must be f32 or bf16, out f32"):
+        attend(q.astype(jnp.float16), cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], **attrs)
     with pytest.raises(Exception, match="must be s32"):
         attend(q, cache, cache, pages.astype(jnp.float32), jnp.zeros((2,), jnp.int32), i32, i32, i32[0], **attrs)
     with pytest.raises(Exception, match=r"q, k_cache, v_cache, pages, row_start, kv_len, positions, layer -> out"):
