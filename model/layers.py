@@ -206,8 +206,7 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
 # (`cpu_matmul.lanes(dtype)`) and weight dtype; more rows go to XLA's dot. AVX-512 (2 Zen 4 cores),
 # SmolLM2's whole decode step at 256 tokens of context, with the grouped call (q/k/v, gate/up as
 # one): f32 kernel against XLA's dot 32.9 vs 38.7 ms at 4 rows, 45.6 vs 51.4 at 8, 67.3 vs 62.9
-# at 16; bf16 kernel against oneDNN 33.5 vs 45 at 8 rows, even at 16 (51-57 vs 51-52); int8 wins
-# at 16 (python -m bench.cpu_matmul: 34.9 against 46.1 ms a pass). AVX2 alone (2 Zen 3 cores, no
+# at 16 (the kernel against oneDNN: KERNEL_ROWS_BESIDE_ONEDNN below). AVX2 alone (2 Zen 3 cores, no
 # bf16 arithmetic, oneDNN without bf16 kernels): XLA's bf16 and int8 dots are slow at every
 # decode size (the same step at 64 rows: bf16 439 ms on XLA's dot, 405 on XLA's f32 dot of
 # widened operands, 252 on the kernel; int8 617 / 483 / 294; at 128 rows int8 753 on XLA's f32
@@ -217,8 +216,13 @@ def matmul(x: jax.Array, w: jax.Array, dot: str = "xla", transpose_w: bool = Fal
 # against XLA's 143, bf16 140 against 283, int8 98 against 303; the LM head alone at 64 rows f32
 # 26 against 29, bf16 27 against 104, int8 42 against 91; the whole f32 step, one process,
 # alternating with XLA's dot (medians of 11 and 9), 64 rows 247 vs 256 ms, 32 rows 157 vs 173.
+# Without oneDNN on AVX-512 (2 Zen 4 cores, 2026-12-01; one executor per setting in one process,
+# steps alternated, 256 tokens of context) XLA's bf16 and int8 dots are as slow as on AVX2: bf16
+# 16 rows 239.5 ms on XLA's dot against 47.4 on the kernel, 64 rows 345.6 / 152.5, 128 rows
+# 461.4 / 281.8; int8 (x as int16 through vpdpwssd up to 64 rows) 32 rows 153.3 / 68.5, 64 rows
+# 215.4 / 134.0, and at 128 rows the kernel's f32 widening 435.3 against XLA's 372.8.
 KERNEL_ROWS = {
-    16: {"float32": 8, "bfloat16": 8, "int8": 16},
+    16: {"float32": 8, "bfloat16": 128, "int8": 64},
     8: {"float32": 128, "bfloat16": 128, "int8": 128},
 }
 
@@ -227,8 +231,10 @@ KERNEL_ROWS = {
 # AVX-512 or newer. SmolLM2's whole decode step at 256 tokens of context, medians of 15, two
 # runs: bf16 kernel 31.2/31.3 ms at 8 rows against oneDNN's 27.6/27.3; int8 30.5/32.8 against
 # 30.3/31.2 at 8 rows and 66.1/54.5 against 42.1/39.6 at 16. At 4 rows the kernel wins (bf16
-# 20.4/20.8 ms against 35.3/32.7: oneDNN reads fewer than 8 rows from the plain weight).
-KERNEL_ROWS_BESIDE_ONEDNN = {"float32": 8, "bfloat16": 4, "int8": 4}
+# 20.4/20.8 ms against 35.3/32.7: oneDNN reads fewer than 8 rows from the plain weight). int8 with
+# x as int16 (vpdpwssd, AVX-512 VNNI; 2026-12-01, alternated in one process): the kernel 19.3 ms
+# at 8 rows against oneDNN's 30.4, 36.0 against 39.7 at 16; at 32 rows oneDNN 58.0 against 68.0.
+KERNEL_ROWS_BESIDE_ONEDNN = {"float32": 8, "bfloat16": 4, "int8": 16}
 
 
 def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:

@@ -17,8 +17,9 @@ cache-hot, a 2-thread read at ~36 GB/s; M=1 ms per full pass):
     int8      297     14.9     10.4 (36%)                           26.3
 
 At M=4 f32 it is even with XLA in this benchmark (0.9x; 1.1x spinning) and at M=16 f32 slower
-(0.9x); in a whole decode step, with q/k/v and gate/up grouped, it wins up to 8 rows for f32 and
-bf16 (model/layers.py KERNEL_ROWS has the figures) and at 16 for int8; on AVX2 alone, where
+(0.9x); in a whole decode step, with q/k/v and gate/up grouped, it wins up to 8 rows for f32,
+against oneDNN up to 4 for bf16 and 16 for int8 (x as int16), against XLA's bf16 and int8 dots
+at every decode size (model/layers.py KERNEL_ROWS has the figures); on AVX2 alone, where
 above 6 rows it reads each tile from a packed f32 panel (either layout), to 128 rows for every
 dtype.
 With XLA's own pool the helper often starts after a short call is over; pool.h's opt-in

@@ -260,16 +260,18 @@ def test_the_plain_loops_without_avx512_agree():
                 assert _rel_err(got, want) < 1e-5, (wdtype, m, t)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 64])
-def test_int8_weights_times_bf16_rows_through_int16(m):
-    """bf16 x with int8 [N, K] weights up to 64 rows (cpu_matmul.cc nk_seq_q16 where AVX2 builds
-    it; blocks of 4 rows and a shorter last one): x becomes int16 per row at a step of 2^-15 of the power of two above the row's largest
+@pytest.mark.parametrize("m, k", [(1, 1536), (2, 1568), (3, 1536), (4, 1568), (7, 1536), (64, 1568)])
+def test_int8_weights_times_bf16_rows_through_int16(m, k):
+    """bf16 x with int8 [N, K] weights up to 64 rows (cpu_matmul.cc nk_seq_q16 wherever AVX2 or
+    AVX-512 builds it; blocks of 4 rows and a shorter last one; K a whole number of 64 or one 32
+    more): x becomes int16 per row at a step of 2^-15 of the power of two above the row's largest
     magnitude, so each value within 2^7 of it is exact and a smaller one is off by at most half
     a step; the sums are exact. Against float64 on the same bf16 inputs, the error stays inside
     that rounding's bound (a row holding one value 400x its others' scale), a row of zeros gives
-    zeros and a NaN in x gives NaN, as the f32 path does."""
+    zeros and a NaN in x gives NaN, as the f32 path does. Where the vectors are built the int16
+    path is the one that ran: a value below half a step counts for nothing."""
     rng = np.random.default_rng(11)
-    k, n = 1536, 200
+    n = 200
     q = rng.integers(-128, 128, (n, k)).astype(np.int8)  # [N, K]; -128 too, as a GGUF Q8_0 block holds
     scale = (rng.random(n) * 0.02 + 0.001).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -289,5 +291,11 @@ def test_int8_weights_times_bf16_rows_through_int16(m):
     np.testing.assert_allclose(got_exact, want_exact, rtol=2e-6, atol=1e-6 * np.abs(want_exact).max())
     zeros = call(jnp.zeros((m, k), jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale))
     assert not np.any(np.asarray(zeros))
+    if cpu_matmul.lanes("int8") > 1:
+        tiny = np.full((m, k), 2.0**-10, np.float32)  # below half of row 0's step (2^-6)
+        tiny[:, 3] = 400.0
+        ones = np.ones((n, k), np.int8)
+        got_tiny = np.asarray(call(jnp.asarray(tiny, jnp.bfloat16), jnp.asarray(ones), jnp.ones(n, jnp.float32)))
+        np.testing.assert_array_equal(got_tiny, 400.0)
     x[m - 1, 7] = np.nan
     assert np.all(np.isnan(np.asarray(call(jnp.asarray(x, jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale)))[m - 1]))

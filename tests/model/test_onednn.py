@@ -253,7 +253,7 @@ def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype, beside", [("bfloat16", 4), ("int8", 4)])
+@pytest.mark.parametrize("dtype, beside", [("bfloat16", 4), ("int8", 16)])
 def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside):
     """With oneDNN reading packed weights from 8 rows up, the small-row kernel keeps only the
     rows it is faster for (model/layers.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more."""
