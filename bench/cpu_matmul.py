@@ -8,7 +8,8 @@ v 576x192, o 576x576, gate 576x1536, up 576x1536, down 1536x576 ([K, N]) and the
 49152x576 ([N, K], a tied embedding), 134.5 M weights in all (538 MB f32), far more than the
 caches hold, and times one jitted function that runs M rows of x through all of them once, for
 each weight dtype (f32: x f32; bf16: x bf16; int8 + per-column f32 scale: x f32, each int8
-weight stored [N, K] as the model stores it, model/layers.py `Linear`) and method:
+weight stored [N, K] as the model stores it, model/layers.py `Linear`; bf16nk: bf16 weights
+stored [N, K] too, the layout question for bf16's decode) and method:
 
     xla      jnp.matmul (int8: w.astype(x) * scale, then the dot)
     kernel   model/kernels/cpu_matmul.py
@@ -34,6 +35,11 @@ import numpy as np
 
 LAYER = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 HEAD = (49152, 576)  # [N, K]
+
+
+def _nk(s) -> bool:
+    """The scale slot of a bf16 weight stored [N, K] (dtype bf16nk): an empty array, no scale."""
+    return s is not None and s.shape == (0,)
 
 
 def read_bandwidth(threads: int = 2, gib: float = 1.0, repeats: int = 5) -> float:
@@ -64,6 +70,8 @@ def make_weights(dtype: str, layers: int, seed: int = 0):
             q = rng.integers(-127, 128, (n, k), dtype=np.int8)
             return jnp.asarray(q), jnp.asarray((rng.random(n) * 1e-3).astype(np.float32))
         w = (rng.standard_normal((k, n), dtype=np.float32) * 0.02).astype(np.float32)
+        if dtype == "bf16nk":  # bf16 stored [N, K]
+            return jnp.asarray(w.T.copy(), jnp.bfloat16), jnp.zeros((0,), jnp.float32)
         return jnp.asarray(w, jnp.bfloat16 if dtype == "bf16" else jnp.float32), None
 
     stack = [[one(k, n) for k, n in LAYER] for _ in range(layers)]
@@ -72,7 +80,7 @@ def make_weights(dtype: str, layers: int, seed: int = 0):
         head = (jnp.asarray(hq), jnp.asarray((rng.random(HEAD[0]) * 1e-3).astype(np.float32)))
     else:
         hw = rng.standard_normal(HEAD, dtype=np.float32) * 0.02
-        head = (jnp.asarray(hw, jnp.bfloat16 if dtype == "bf16" else jnp.float32), None)
+        head = (jnp.asarray(hw, jnp.float32 if dtype == "f32" else jnp.bfloat16), None)
     return stack, head
 
 
@@ -85,6 +93,7 @@ def dot_fn(method: str):
     if method == "xla":
 
         def mm(x, w, s, t):
+            s = None if _nk(s) else s
             if s is not None:  # dequantize: column n of the product is scaled by s[n]
                 w = w.astype(x.dtype) * s.astype(x.dtype)[:, None] if t else w.astype(x.dtype) * s.astype(x.dtype)
             return x @ (w.T if t else w)
@@ -93,10 +102,10 @@ def dot_fn(method: str):
     if method in ("kernel", "grouped"):
         from model.kernels import cpu_matmul
 
-        return lambda x, w, s, t: cpu_matmul.matmul(x, w, transpose_w=t, scale=s)
+        return lambda x, w, s, t: cpu_matmul.matmul(x, w, transpose_w=t, scale=None if _nk(s) else s)
     from model.kernels import onednn
 
-    return lambda x, w, s, t: onednn.matmul(x, w, transpose_w=t, scale=s)
+    return lambda x, w, s, t: onednn.matmul(x, w, transpose_w=t, scale=None if _nk(s) else s)
 
 
 def forward(mm, grouped: bool = False):
@@ -107,10 +116,10 @@ def forward(mm, grouped: bool = False):
     from model.kernels import cpu_matmul
 
     def group(x, pairs):
-        t = pairs[0][1] is not None  # int8 weights are [N, K]
+        t = pairs[0][1] is not None  # int8 weights are [N, K] (and bf16nk's)
         if not grouped:
             return [mm(x, w, s, t) for w, s in pairs]
-        scales = None if not t else [s for _, s in pairs]
+        scales = None if not t or _nk(pairs[0][1]) else [s for _, s in pairs]
         return cpu_matmul.matmuls(x, [w for w, _ in pairs], transpose_w=t, scales=scales)
 
     def run(x, stack, head):
@@ -167,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         stack, head = make_weights(dtype, args.layers)
         nbytes = weight_bytes(stack, head)
-        xdt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-        xname, wname = ("bfloat16", "bfloat16") if dtype == "bf16" else ("float32", "int8" if dtype == "int8" else "float32")
+        xdt = jnp.bfloat16 if dtype.startswith("bf16") else jnp.float32
+        xname, wname = ("bfloat16", "bfloat16") if dtype.startswith("bf16") else ("float32", "int8" if dtype == "int8" else "float32")
         lacks = onednn.supports(xname, wname) if "onednn" in methods else None
         if lacks is not None:
             print(f"# onednn, {dtype}: skipped ({lacks})")
