@@ -67,7 +67,8 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
         invariant      the deterministic mode (its batch-invariant dot)
         kernel         CPU, f32/bf16: decode's few rows through ringserve's own kernel, which
                        streams the weights on every core (model/kernels/cpu_matmul.py: XLA:CPU's
-                       one-row dot runs on one core), larger steps on XLA's dot
+                       one-row dot runs on one core), larger steps on XLA's dot; bf16 where the
+                       kernel reads packed pairs (AVX512-BF16): every step
         kernel+onednn  the same, larger steps through oneDNN: bf16 and int8 weights, where XLA:CPU
                        has no fast dot (its bf16 dots: 45-140 GF/s on 2 Zen 4 cores, oneDNN 290-400)
         onednn         oneDNN for every step (asked for; or auto for f16, which the kernel lacks)
@@ -99,6 +100,10 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
         return onednn.supports(cfg.dtype, "int8" if cfg.quantization else cfg.dtype)
 
     slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
+    if cfg.dtype == "bfloat16" and cfg.quantization is None and platform == "cpu" and why_not("kernel") is None:
+        # the kernel reads bf16 weights from packed pairs (AVX512-BF16) at every step size, faster
+        # than oneDNN's (model/layers.py PAIR_ROWS): no oneDNN, and no second packed copy
+        slow_on_xla = not cpu_matmul.packs_pairs()
     if want != "auto":
         if (why := why_not(want)) is not None:
             raise ValueError(f"cpu_matmul={want!r} is not available here: {why}")

@@ -131,12 +131,14 @@ def _huge_pages(host: Any, after: Callable[[], bool | None]) -> None:
     log.debug("weights on huge pages: %.0f MB in %.2f s", moved / 1e6, time.perf_counter() - t0)
 
 
-def _release_packed(owner: list[int | None]) -> None:
-    """Release the weights registered under owner[0] (oneDNN's packed copies), once."""
+def _release_packed(owner: list[tuple[int | None, int | None] | None]) -> None:
+    """Release the weights registered under owner[0] (oneDNN's packed copies, the kernel's
+    packed pairs), once."""
     if owner[0] is not None:
-        from model.kernels import onednn
+        from model.kernels import cpu_matmul, onednn
 
-        onednn.release_weights(owner[0])
+        onednn.release_weights(owner[0][0])
+        cpu_matmul.release_weights(owner[0][1])
         owner[0] = None
 
 
@@ -286,15 +288,18 @@ class ModelExecutor:
                 leaf.delete()
         self._packed[0] = self._register_packed(params)
 
-    def _register_packed(self, params: Any) -> int | None:
-        """Register the weights with oneDNN's custom call, which then reads each from a copy in its
-        blocked layout (model/kernels/onednn_matmul.cc); the token to release them by, or None
-        where no step multiplies through oneDNN."""
-        if params is None or "onednn" not in self.dot:
+    def _register_packed(self, params: Any) -> tuple[int | None, int | None] | None:
+        """Register the weights with the custom calls that read packed copies of them: oneDNN's (its
+        blocked layout, model/kernels/onednn_matmul.cc) and ringserve's kernel (bf16 weights in
+        pairs along K, model/kernels/pairs.h); the tokens to release them by, or None where no
+        step multiplies through either."""
+        if params is None or not self.dot.startswith(("onednn", "kernel")):
             return None
-        from model.kernels import onednn
+        from model.kernels import cpu_matmul, onednn
 
-        return onednn.register_weights(jax.tree_util.tree_leaves(params))
+        leaves = jax.tree_util.tree_leaves(params)
+        ours = cpu_matmul.register_weights(leaves) if self.dot.startswith("kernel") else None
+        return onednn.register_weights(leaves) if "onednn" in self.dot else None, ours
 
     def discard_params(self, params: Any) -> None:
         """Free a state built by `build_params` that will not be served (an update refused)."""

@@ -41,7 +41,11 @@
 // pairs along K, f32 sums; inputs below f32's normal range flush to zero). bf16 x with int8 w
 // [N, K] up to kQ16Rows rows (K a multiple of 16, AVX-512: 32): x as int16 per row (exact within
 // 2^7 of the row's largest), the products summed exactly in int32 by vpmaddwd (AVX-512 VNNI:
-// vpdpwssd), groups of 8 weight rows against blocks of 4 rows of x (nk_seq_q16). The kernels are
+// vpdpwssd), groups of 8 weight rows against blocks of 4 rows of x (nk_seq_q16). bf16 x with a
+// registered bf16 weight (the executor's: `ringserve_cpu_matmul_register`), either layout, at
+// every row count where AVX512-BF16 is: its copy packed in pairs along K (pairs.h), 64-column
+// tiles read in address order, 4 rows of x x 4 vectors of vdpbf16ps sums (pair_tile); many rows
+// of few tiles are dealt in row groups too. The kernels are
 // written once over simd.h's vectors: AVX-512 (F, BW, VL; BF16 for the pairs) or AVX2 + FMA
 // where the compiler targets it (-march=native; AVX2's tiles are narrower, 16 ymm registers
 // against 32 zmm: [K, N] 16 columns, [N, K] 2 weight rows), plain loops elsewhere.
@@ -54,6 +58,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "pairs.h"
 #include "pool.h"
 #include "simd.h"
 #include "xla_call.h"
@@ -75,6 +80,9 @@ struct Args {
   void* y;             // [M, N]
   bool y_bf16;
   int64_t M, K, N;
+  const ringserve::pairs::Packed* pk = nullptr;  // w's packed pairs (pairs.h: a registered bf16 [K, N]), or null
+  const uint16_t* xp = nullptr;                  // x's bf16 rows for them, xps values apart (K rounded up to even)
+  int64_t xps = 0;
 };
 
 // bf16 x [M, K] (widened) -> int16 rows for nk_seq_q16: row m is xq[m] * xs[m], where xs[m] is
@@ -552,6 +560,37 @@ void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
   for (int i = 0; i < MB && m0 + i < a.M; ++i)
     for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
 }
+
+// bf16 x against a registered bf16 weight's packed pairs (pairs.h): rows m0..m0+MB-1 of y x the
+// 64 columns of the tile from column n0, 4 x MB accumulators over the tile's KP pairs of K, the
+// tile read once in address order (one vdpbf16ps a row for 32 weights: no interleaving, no
+// widening); each sum runs along K in pair order, whatever the other rows
+template <int MB>
+void pair_tile(const Args& a, int64_t m0, int64_t n0) {
+  const int64_t KP = a.pk->KP;
+  const uint32_t* w = a.pk->tile(n0 / ringserve::pairs::kCols);
+  const uint16_t* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = a.xp + std::min(m0 + i, a.M - 1) * a.xps;
+  __m512 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < KP; ++q, w += ringserve::pairs::kCols) {
+    __m512i wv[4];
+    for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(w + 16 * v);
+    for (int i = 0; i < MB; ++i) {
+      int32_t pair;  // x[2q], x[2q + 1]: the low half first, as in the weight's lanes
+      std::memcpy(&pair, xr[i] + 2 * q, 4);
+      const __m512bh xb = bh(_mm512_set1_epi32(pair));
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, bh(wv[v]));
+    }
+  }
+  for (int i = 0; i < MB && m0 + i < a.M; ++i)
+    for (int v = 0; v < 4; ++v)
+      if (n0 + 16 * v < a.N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(a.N - n0 - 16 * v));
+}
+constexpr bool kPairs = true;  // registered bf16 [K, N] weights are read from packed pairs
+#else
+constexpr bool kPairs = false;
 #endif
 
 #if RINGSERVE_SIMD == 256
@@ -632,6 +671,8 @@ void nk_seq_q16(const Args& a, int64_t m0, int64_t n0) {
 #endif
 
 #else  // plain loops (the compiler vectorises what it can)
+
+constexpr bool kPairs = false;
 
 constexpr int L = 16, kKnVectors = 4, kNkRows = 4, kKnRows = 4;  // the tiles' widths, as the vectors' above
 constexpr bool kPackKn = false;
@@ -802,9 +843,10 @@ struct Plan {
   void (*block)(const Args&, int64_t, int64_t, float*) = nullptr;
   int64_t rows = 0;
   float* sums = nullptr;  // [items, M, N]
-  // otherwise: items of `per_item` tiles of `cols` columns, rows of x `mb` at a time
+  // otherwise: items of `per_item` tiles of `cols` columns, rows of x `mb` at a time (with
+  // `row_groups` > 1: each item's tiles for `group_rows` of them, the last group the tail too)
   Tile main = nullptr, tail = nullptr;
-  int64_t cols = 0, tiles = 0, per_item = 0, full_rows = 0;
+  int64_t cols = 0, tiles = 0, per_item = 0, full_rows = 0, row_groups = 1, group_rows = 0;
   int mb = 0;
   // kPackKn and more than one block of rows, either layout: each tile packed, then read by them all
   Pack pack = nullptr;
@@ -813,7 +855,7 @@ struct Plan {
   int64_t part_size() const { return block ? items * a.M * a.N : 0; }
   void item(int64_t i) const {
     if (block) return block(a, i * rows, std::min(a.K, (i + 1) * rows), sums + i * a.M * a.N);
-    const int64_t t0 = i * per_item, t1 = std::min(tiles, t0 + per_item);
+    const int64_t t0 = (i / row_groups) * per_item, t1 = std::min(tiles, t0 + per_item);
     if (pack) {
       thread_local std::vector<float> panel;  // [K, cols], reused from call to call
       if (panel.size() < size_t(a.K * cols)) panel.resize(size_t(a.K * cols));
@@ -824,9 +866,11 @@ struct Plan {
       }
       return;
     }
+    const int64_t g = row_groups > 1 ? i % row_groups : 0;
+    const int64_t m0 = g * group_rows, m1 = row_groups > 1 ? std::min(full_rows, m0 + group_rows) : full_rows;
     for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
-      for (int64_t m = 0; m < full_rows; m += mb) main(a, m, t * cols);
-      if (tail) tail(a, full_rows, t * cols);
+      for (int64_t m = m0; m < m1; m += mb) main(a, m, t * cols);
+      if (tail && g == row_groups - 1) tail(a, full_rows, t * cols);
     }
   }
   void finish() const {
@@ -834,11 +878,45 @@ struct Plan {
   }
 };
 
+#ifdef __AVX512BF16__
+inline Tile pair_kernel(int mb) {
+  switch (mb) {
+    case 1: return pair_tile<1>;
+    case 2: return pair_tile<2>;
+    case 3: return pair_tile<3>;
+    default: return pair_tile<4>;
+  }
+}
+#endif
+
 template <class T>
 Plan plan(const Args& a, bool transpose_w, int64_t threads) {
   Plan p;
   p.a = a;
   const int64_t M = a.M, N = a.N, K = a.K;
+#ifdef __AVX512BF16__
+  if (a.pk) {  // packed pairs: items of whole 64-column tiles, ~1/8 of the weight per thread, every row of x
+    p.cols = ringserve::pairs::kCols;
+    p.tiles = a.pk->tiles;
+    const int64_t tile_bytes = a.pk->KP * p.cols * 4;
+    const int64_t target = std::clamp<int64_t>(p.tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
+    p.per_item = std::max<int64_t>(1, target / tile_bytes);
+    p.items = (p.tiles + p.per_item - 1) / p.per_item;
+    p.mb = int(std::min<int64_t>(M, 4));
+    const int rest = int(M % 4);
+    p.full_rows = M > 4 ? M - rest : M;
+    // few tiles for many rows (a 576-column weight is 9): the rows in groups too, so that the
+    // threads get items enough to end together (each tile then read once a group, from L2/L3)
+    const int64_t blocks = (p.full_rows + p.mb - 1) / p.mb;
+    p.row_groups = std::clamp<int64_t>((8 * threads + p.items - 1) / p.items, 1, blocks);
+    p.group_rows = (blocks + p.row_groups - 1) / p.row_groups * p.mb;
+    p.row_groups = (p.full_rows + p.group_rows - 1) / p.group_rows;
+    p.items *= p.row_groups;
+    p.main = pair_kernel(p.mb);
+    p.tail = rest && M > 4 ? pair_kernel(rest) : nullptr;
+    return p;
+  }
+#endif
   if (!transpose_w && M <= 4) {  // blocks of w's rows, each contiguous, summed across blocks at the end
     // ~64 KB and more per block, at most 8 blocks (the partial sums, f32 [M, N] a block, are
     // written, then summed by the caller alone: few, or they cost as much as int8 weights);
@@ -972,6 +1050,8 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
   static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(call.pool().num_threads(), cap));
   std::vector<Plan> plans;
+  std::vector<std::shared_ptr<const ringserve::pairs::Packed>> held;  // the packed pairs this call reads
+  thread_local std::vector<uint16_t> xpad;                          // x padded to an even K for them
   for (size_t g = 0; g < G; ++g) {
     const Buffer w = call.arg(1 + int64_t(g)), y = call.ret(int64_t(g));
     if (!w.ok() || !y.ok()) return call.error("cpu_matmul: buffers expected");
@@ -1003,6 +1083,20 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
     a.w = static_cast<const char*>(w.untyped_data()) + size_t(layer) * size_t(a.K * a.N) * item;
     a.y = y.untyped_data();
     a.y_bf16 = yt == DataType::BF16;
+    a.pk = nullptr;
+    if (kPairs && kWeightsBf16 && wt == DataType::BF16 && a.xh && a.M > 0) {
+      if (auto pk = ringserve::pairs::of(static_cast<const uint16_t*>(a.w), a.K, a.N, transpose_w)) {
+        a.pk = pk.get();
+        held.push_back(std::move(pk));  // a release during this call frees it after
+        if (a.K % 2 == 0) {
+          a.xp = a.xh, a.xps = a.K;
+        } else {  // the last pair's second half: 0 (an odd K's row read past its end)
+          xpad.assign(size_t(a.M * (a.K + 1)), 0);
+          for (int64_t m = 0; m < a.M; ++m) std::memcpy(xpad.data() + m * (a.K + 1), a.xh + m * a.K, size_t(a.K) * 2);
+          a.xp = xpad.data(), a.xps = a.K + 1;
+        }
+      }
+    }
     if (a.M == 0 || a.N == 0) continue;
     if (a.K == 0) {  // an empty sum
       std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
@@ -1034,3 +1128,32 @@ extern "C" int ringserve_cpu_matmul_lanes() {
 
 // x, then G weights, then (int8 weights) their G scales; G results
 RINGSERVE_FFI_HANDLER(RingserveCpuMatmul, matmul)
+
+// The executor's weights: `n` buffers (address, bytes) that keep their contents until it releases
+// `owner` (model/kernels/cpu_matmul.py `register_weights`); a bf16 [K, N] one is read from its
+// packed pairs (pairs.h), made on its first call. An address registered again moves to the new
+// owner and drops what was packed from it.
+extern "C" void ringserve_cpu_matmul_register(int64_t owner, const uint64_t* addrs, const uint64_t* bytes, int64_t n) {
+  std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
+  for (int64_t i = 0; i < n; ++i) ringserve::pairs::registry()[uintptr_t(addrs[i])] = {owner, size_t(bytes[i]), nullptr};
+}
+
+// Forget every buffer of `owner` and free its packed copies (a call still reading one keeps it
+// until it returns).
+extern "C" void ringserve_cpu_matmul_release(int64_t owner) {
+  std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
+  auto& r = ringserve::pairs::registry();
+  for (auto it = r.begin(); it != r.end();) it = it->second.owner == owner ? r.erase(it) : std::next(it);
+}
+
+// Bytes of packed copies held for `owner` (-1: every owner), for tests and logs.
+extern "C" int64_t ringserve_cpu_matmul_packed_bytes(int64_t owner) {
+  std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
+  int64_t total = 0;
+  for (auto& [addr, r] : ringserve::pairs::registry())
+    if (r.packed && (owner < 0 || r.owner == owner)) total += int64_t(r.packed->data.size() * 4);
+  return total;
+}
+
+// Whether this build reads registered bf16 weights from packed pairs (AVX512-BF16)
+extern "C" int ringserve_cpu_matmul_pairs() { return kPairs ? 1 : 0; }

@@ -44,6 +44,10 @@ steps interleaved, 60 each; the medians of three runs):
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -57,15 +61,22 @@ WEIGHTS = ("float32", "bfloat16", "int8")
 TARGETS = {w: f"ringserve_cpu_matmul_{tag}" for w, tag in zip(WEIGHTS, ("f32", "bf16", "s8"), strict=True)}
 
 _LANES: list[int] = []
+_LIBS: dict[str, ctypes.CDLL] = {}  # weight dtype -> its loaded library
+_owners = itertools.count(1)
 
 
-def _check(lib) -> None:
+def _check(weights: str, lib) -> None:
     _LANES.append(int(lib.ringserve_cpu_matmul_lanes()))
+    lib.ringserve_cpu_matmul_register.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ringserve_cpu_matmul_release.argtypes = [ctypes.c_int64]
+    lib.ringserve_cpu_matmul_packed_bytes.argtypes = [ctypes.c_int64]
+    lib.ringserve_cpu_matmul_packed_bytes.restype = ctypes.c_int64
+    _LIBS[weights] = lib
 
 
 _LOADERS = {
     w: loader("cpu_matmul", ["-O3", "-march=native", f"-DRINGSERVE_WEIGHTS={code}"], {TARGETS[w]: "RingserveCpuMatmul"},
-              check=_check)  # fmt: skip
+              check=functools.partial(_check, w))  # fmt: skip
     for code, w in enumerate(WEIGHTS, start=1)
 }
 
@@ -126,3 +137,46 @@ def matmuls(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, sca
     if len(kinds) != 1:
         raise ValueError(f"cpu_matmul.matmuls: the weights of one call share a dtype, got {sorted(kinds)}")
     return list(jax.ffi.ffi_call(target(kinds.pop()), outs)(x, *ws, *extra, transpose_w=transpose_w))
+
+
+def packs_pairs() -> bool:
+    """Whether the bf16 library reads registered bf16 weights from packed pairs (AVX512-BF16:
+    cpu_matmul.cc `pair_tile`, pairs.h); False where it is not built or the CPU lacks them."""
+    lib = _LIBS.get("bfloat16") if reason("bfloat16") is None else None
+    return lib is not None and bool(lib.ringserve_cpu_matmul_pairs())
+
+
+def register_weights(arrays: list[jax.Array]) -> int | None:
+    """Register the bf16 matrices of `arrays` (the executor's weights, CPU; a stack [L, K, N]:
+    each layer's) as buffers whose contents stay as they are until `release_weights(owner)`: the
+    kernel then reads each [K, N] one from a copy packed in pairs along K, made on its first
+    call (pairs.h). Returns the owner token, or None where nothing reads pairs here. The caller
+    must release before it frees, replaces or changes any of them."""
+    if not packs_pairs():
+        return None
+    bufs: list[tuple[int, int]] = []
+    for a in arrays:
+        if a.dtype != jnp.bfloat16:
+            continue
+        if a.ndim == 2:
+            bufs.append((a.unsafe_buffer_pointer(), a.nbytes))
+        elif a.ndim == 3 and a.size:
+            per = a.nbytes // a.shape[0]
+            bufs += [(a.unsafe_buffer_pointer() + i * per, per) for i in range(a.shape[0])]
+    addrs = (ctypes.c_uint64 * len(bufs))(*(p for p, _ in bufs))
+    sizes = (ctypes.c_uint64 * len(bufs))(*(n for _, n in bufs))
+    owner = next(_owners)
+    _LIBS["bfloat16"].ringserve_cpu_matmul_register(owner, addrs, sizes, len(bufs))
+    return owner
+
+
+def release_weights(owner: int | None) -> None:
+    """Forget the buffers registered under `owner` and free their packed copies."""
+    if owner is not None and "bfloat16" in _LIBS:
+        _LIBS["bfloat16"].ringserve_cpu_matmul_release(owner)
+
+
+def packed_bytes(owner: int | None = None) -> int:
+    """Bytes of packed pairs held (for `owner`, or all)."""
+    lib = _LIBS.get("bfloat16")
+    return lib.ringserve_cpu_matmul_packed_bytes(-1 if owner is None else owner) if lib else 0

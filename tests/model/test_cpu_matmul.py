@@ -5,6 +5,7 @@ where the kernel does not build."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -299,3 +300,97 @@ def test_int8_weights_times_bf16_rows_through_int16(m, k):
         np.testing.assert_array_equal(got_tiny, 400.0)
     x[m - 1, 7] = np.nan
     assert np.all(np.isnan(np.asarray(call(jnp.asarray(x, jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale)))[m - 1]))
+
+
+needs_pairs = pytest.mark.skipif(not cpu_matmul.packs_pairs(), reason="the kernel reads packed pairs on AVX512-BF16 only")
+
+
+@needs_pairs
+@pytest.mark.parametrize("k, n", [(576, 1536), (577, 100), (64, 2100)])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_a_registered_bf16_weight_is_read_from_packed_pairs(k, n, transpose_w):
+    """A registered bf16 weight (either layout; K odd or even, N past a whole 64-column tile) is
+    packed in pairs along K on its first call (pairs.h) and multiplies from the copy at every row
+    count to f32 rounding of float64 on the same inputs; a row's bits do not depend on the other
+    rows of its call; a NaN in x reaches only its row; a release frees the copy and the plain
+    weight is read again, to the same tolerance."""
+    rng = np.random.default_rng(k + n)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), jnp.bfloat16)
+    wf = np.asarray(w, np.float64).T if transpose_w else np.asarray(w, np.float64)
+    call = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w=transpose_w, out_dtype=jnp.float32))
+    x = jnp.asarray(rng.standard_normal((70, k)), jnp.bfloat16)
+    owner = cpu_matmul.register_weights([w])
+    try:
+        assert cpu_matmul.packed_bytes(owner) == 0  # packed on first use
+        whole = np.asarray(call(x, w))
+        assert cpu_matmul.packed_bytes(owner) == (n + 63) // 64 * 64 * ((k + 1) // 2) * 4
+        assert _rel_err(whole, np.asarray(x, np.float64) @ wf) < 1e-5
+        for m in (1, 2, 3, 4, 5, 9, 64):
+            np.testing.assert_array_equal(np.asarray(call(x[:m], w)), whole[:m])
+        xn = x.at[3, 7].set(jnp.nan)
+        got = np.asarray(call(xn, w))
+        assert np.all(np.isnan(got[3])) and not np.any(np.isnan(np.delete(got, 3, axis=0)))
+    finally:
+        cpu_matmul.release_weights(owner)
+    assert cpu_matmul.packed_bytes(owner) == 0
+    assert _rel_err(call(x, w), np.asarray(x, np.float64) @ wf) < 1e-5
+
+
+@needs_pairs
+def test_a_registered_stack_packs_each_layer_apart():
+    """A stack [L, K, N] registers each layer's matrix; the layers' scan reads layer l's packed
+    copy in place, the same bits as that layer registered alone, and only what was read is packed."""
+    rng = np.random.default_rng(3)
+    stack = jnp.asarray(rng.standard_normal((3, 96, 130)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((6, 96)), jnp.bfloat16)
+    call = jax.jit(lambda x, w, at: cpu_matmul.matmul(x, w, layer=at, out_dtype=jnp.float32))
+    owner = cpu_matmul.register_weights([stack])
+    try:
+        got = np.asarray(call(x, stack, jnp.int32(2)))
+        assert cpu_matmul.packed_bytes(owner) == 3 * 48 * 64 * 4  # layer 2 alone: 3 tiles of 48 pairs
+        layer2 = stack[2]  # a buffer of its own, held while registered
+        alone = cpu_matmul.register_weights([layer2])
+        single = np.asarray(jax.jit(lambda x, w: cpu_matmul.matmul(x, w, out_dtype=jnp.float32))(x, layer2))
+        assert cpu_matmul.packed_bytes(alone) == 3 * 48 * 64 * 4
+        cpu_matmul.release_weights(alone)
+        np.testing.assert_array_equal(got, single)
+        assert _rel_err(got, np.asarray(x, np.float64) @ np.asarray(stack[2], np.float64)) < 1e-5
+    finally:
+        cpu_matmul.release_weights(owner)
+
+
+@needs_pairs
+def test_the_executor_registers_its_bf16_weights_for_pairs_and_again_after_a_swap(tiny_dir):
+    """A bf16 executor on the kernel registers its weights (no oneDNN copy beside them), packs
+    them on its first steps, prefill's included, and a swap releases the old copies before their
+    buffers are freed and registers the new: greedy tokens as a fresh executor on the new weights
+    gives, and as XLA's dot gives on the old (to a near-tie)."""
+    from model.executor import ExecutorConfig, ModelExecutor
+    from model.kernels import onednn
+    from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+
+    cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=16, max_extend_tokens=128,
+                         precompile=False, dtype="bfloat16")  # fmt: skip
+    prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17, 3, 8, 12, 20, 6])
+    ex = ModelExecutor(tiny_dir("llama"), cfg)
+    assert ex.dot == "kernel"
+    onednn_owner, first = ex._packed[0]
+    assert onednn_owner is None and first is not None and cpu_matmul.packed_bytes(first) == 0
+    a = greedy_with_cached_prefix(ex, prompts, 16, 4)
+    assert cpu_matmul.packed_bytes(first) > 0 and onednn.packed_bytes() == 0
+    ref = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="xla"))
+    b = greedy_with_cached_prefix(ref, prompts, 16, 4)
+    same = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+    assert same >= 0.9 * sum(map(len, a)), (a, b)
+    rng = np.random.default_rng(5)
+    new = {k: (np.asarray(v, np.float32) * rng.uniform(0.5, 1.5, np.shape(v))).astype(np.float32)
+           for k, v in ex.host_tensors.items()}  # fmt: skip
+    ex.swap_params(ex.build_params(new), new)
+    assert cpu_matmul.packed_bytes(first) == 0 and ex._packed[0][1] not in (None, first)
+    got = greedy_with_cached_prefix(ex, prompts, 16, 8)
+    assert cpu_matmul.packed_bytes(ex._packed[0][1]) > 0
+    fresh = ModelExecutor(tiny_dir("llama"), cfg)
+    fresh.swap_params(fresh.build_params(new), new)
+    assert got == greedy_with_cached_prefix(fresh, prompts, 16, 8)
+    ex.drop_params()
+    assert ex._packed[0] is None

@@ -28,6 +28,13 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
 
     monkeypatch.setattr(onednn, "supports", lambda x, w: None)
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": None)
+    # where the kernel reads bf16 weights from packed pairs (AVX512-BF16) it takes every bf16 step
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: True)
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", quantization="int8"), "cpu") == "kernel+onednn"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="onednn"), "cpu") == "onednn"
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: False)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "kernel"  # XLA's f32 dot for larger steps
@@ -131,18 +138,20 @@ def test_leading_axes_are_rows_and_int8_weights_scale_per_column():
 
 
 @needs("bfloat16", "bfloat16")
-@pytest.mark.parametrize("cpu_matmul, dot", [("onednn", "onednn"), ("kernel", "kernel+onednn")])
-def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla(tiny_dir, cpu_matmul, dot):
+@pytest.mark.parametrize("cpu_matmul", ["onednn", "kernel"])
+def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla(tiny_dir, cpu_matmul):
     """The tiny model in bf16, its projections and LM head through oneDNN (or decode's through
-    ringserve's small-row kernel), against the same model on XLA's dot: the cache is stored as
-    uint16 (no whole-cache conversions on CPU) and greedy continuations agree (the LM head's
-    f32 logits may break a near-tie differently)."""
+    ringserve's small-row kernel, every step's where it reads packed pairs), against the same
+    model on XLA's dot: the cache is stored as uint16 (no whole-cache conversions on CPU) and
+    greedy continuations agree (the LM head's f32 logits may break a near-tie differently)."""
+    from model.kernels import cpu_matmul as kernel
     from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
     cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
                          precompile=False, dtype="bfloat16", cpu_matmul=cpu_matmul)  # fmt: skip
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
     fast = ModelExecutor(tiny_dir("llama"), cfg)
+    dot = "onednn" if cpu_matmul == "onednn" else "kernel" if kernel.packs_pairs() else "kernel+onednn"
     assert fast.dot == dot and fast.kv[0].dtype == jnp.uint16
     ref = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**{**_fields(cfg), "cpu_matmul": "xla"}))
     assert ref.dot == "xla"
@@ -234,7 +243,7 @@ def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
                          precompile=False, dtype="bfloat16", cpu_matmul="onednn")  # fmt: skip
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17, 3, 8, 12, 20, 6])  # 9 rows: decode packs too
     ex = ModelExecutor(tiny_dir("llama"), cfg)
-    first = ex._packed[0]
+    first = ex._packed[0][0]  # (oneDNN's owner, the kernel's)
     assert first is not None and onednn.packed_bytes(first) == 0  # packed on first use
     greedy_with_cached_prefix(ex, prompts, 16, 4)
     assert onednn.packed_bytes(first) > 0
@@ -242,9 +251,9 @@ def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
     new = {k: (np.asarray(v, np.float32) * rng.uniform(0.5, 1.5, np.shape(v))).astype(np.float32)
            for k, v in ex.host_tensors.items()}  # fmt: skip
     ex.swap_params(ex.build_params(new), new)
-    assert onednn.packed_bytes(first) == 0 and ex._packed[0] not in (None, first)
+    assert onednn.packed_bytes(first) == 0 and ex._packed[0][0] not in (None, first)
     got = greedy_with_cached_prefix(ex, prompts, 16, 8)
-    assert onednn.packed_bytes(ex._packed[0]) > 0
+    assert onednn.packed_bytes(ex._packed[0][0]) > 0
     fresh = ModelExecutor(tiny_dir("llama"), cfg)
     fresh.swap_params(fresh.build_params(new), new)
     assert got == greedy_with_cached_prefix(fresh, prompts, 16, 8)
@@ -254,10 +263,17 @@ def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
 
 @needs_onednn
 @pytest.mark.parametrize("dtype, beside", [("bfloat16", 4), ("int8", 16)])
-def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside):
+def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside, monkeypatch):
     """With oneDNN reading packed weights from 8 rows up, the small-row kernel keeps only the
-    rows it is faster for (model/layers.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more."""
-    from model.layers import few_rows, kernel_rows
+    rows it is faster for (model/layers.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more;
+    bf16 weights read from packed pairs take the kernel at every size, beside oneDNN or not."""
+    from model.kernels import cpu_matmul
+    from model.layers import PAIR_ROWS, few_rows, kernel_rows
+
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: True)
+    want = PAIR_ROWS if dtype == "bfloat16" else None
+    assert kernel_rows(dtype) == (want or kernel_rows(dtype)) and kernel_rows(dtype, True) == (want or beside)
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: False)
 
     w = jnp.zeros((64, 32), jnp.int8 if dtype == "int8" else jnp.bfloat16)
     alone = kernel_rows(dtype)
