@@ -100,10 +100,11 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
         return onednn.supports(cfg.dtype, "int8" if cfg.quantization else cfg.dtype)
 
     slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
-    if cfg.dtype == "bfloat16" and cfg.quantization is None and platform == "cpu" and why_not("kernel") is None:
-        # the kernel reads bf16 weights from packed pairs (AVX512-BF16) at every step size, faster
-        # than oneDNN's (model/layers.py PAIR_ROWS): no oneDNN, and no second packed copy
-        slow_on_xla = not cpu_matmul.packs_pairs()
+    if cfg.dtype == "bfloat16" and platform == "cpu" and why_not("kernel") is None:
+        # the kernel reads bf16 weights (int8: of many rows) from packed pairs (AVX512-BF16) at
+        # every step size, faster than oneDNN's (model/layers.py PAIR_ROWS): no oneDNN, and no
+        # second packed copy
+        slow_on_xla = not cpu_matmul.packs_pairs(matmul_weights(cfg))
     if want != "auto":
         if (why := why_not(want)) is not None:
             raise ValueError(f"cpu_matmul={want!r} is not available here: {why}")

@@ -237,20 +237,21 @@ KERNEL_ROWS = {
 KERNEL_ROWS_BESIDE_ONEDNN = {"float32": 8, "bfloat16": 4, "int8": 16}
 
 
-# bf16 weights where the kernel reads them from packed pairs (AVX512-BF16, model/kernels/pairs.h:
-# the executor registers its weights): every step, prefill too. SmolLM2, one executor per setting
+# bf16 weights (and int8 ones, above cpu_matmul.cc kS8PairRows rows) times bf16 rows where the
+# kernel reads them from packed pairs (AVX512-BF16, model/kernels/pairs.h: the executor registers
+# its weights): every step, prefill too. SmolLM2, one executor per setting
 # in one process, steps alternated (2 Zen 4 cores, 2026-12-01), against oneDNN's packed copies:
 # decode at 256 tokens of context, 16 rows 45.2 -> 29.1 ms, 32 rows 72.7 -> 52.1, 64 132.4 ->
 # 95.2, 128 272.9 -> 192.6; prefill of 256 tokens 216 -> 204 ms, 512 556 -> 419, 2048 2189 -> 2116.
 PAIR_ROWS = 1 << 30
 
 
-def kernel_rows(dtype: str, beside_onednn: bool = False) -> int:
-    """The most rows of x the "kernel" dots send to cpu_matmul for weights of `dtype` (plain
-    loops, or a width not measured: AVX-512's figures)."""
+def kernel_rows(dtype: str, beside_onednn: bool = False, x_dtype: str = "bfloat16") -> int:
+    """The most rows of x (of `x_dtype`) the "kernel" dots send to cpu_matmul for weights of
+    `dtype` (plain loops, or a width not measured: AVX-512's figures)."""
     from model.kernels import cpu_matmul
 
-    if dtype == "bfloat16" and cpu_matmul.packs_pairs():
+    if x_dtype == "bfloat16" and dtype in ("bfloat16", "int8") and cpu_matmul.packs_pairs(dtype):
         return PAIR_ROWS
     if beside_onednn:
         return KERNEL_ROWS_BESIDE_ONEDNN.get(dtype, 0)
@@ -267,7 +268,7 @@ def few_rows(dot: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `matmul(x, w, dot)` runs on the small-row kernel (rows are static in a trace)."""
     if not dot.startswith("kernel"):
         return False
-    return math.prod(x.shape[:-1]) <= kernel_rows(jnp.dtype(w.dtype).name, dot == "kernel+onednn")
+    return math.prod(x.shape[:-1]) <= kernel_rows(jnp.dtype(w.dtype).name, dot == "kernel+onednn", jnp.dtype(x.dtype).name)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

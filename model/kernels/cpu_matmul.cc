@@ -45,7 +45,9 @@
 // registered bf16 weight (the executor's: `ringserve_cpu_matmul_register`), either layout, at
 // every row count where AVX512-BF16 is: its copy packed in pairs along K (pairs.h), 64-column
 // tiles read in address order, 4 rows of x x 4 vectors of vdpbf16ps sums (pair_tile); many rows
-// of few tiles are dealt in row groups too. The kernels are
+// of few tiles are dealt in row groups too. A registered int8 weight times bf16 x of more than
+// kS8PairRows rows packs the same way, its integers as bf16 (exact), the scale after the sum.
+// The kernels are
 // written once over simd.h's vectors: AVX-512 (F, BW, VL; BF16 for the pairs) or AVX2 + FMA
 // where the compiler targets it (-march=native; AVX2's tiles are narrower, 16 ymm registers
 // against 32 zmm: [K, N] 16 columns, [N, K] 2 weight rows), plain loops elsewhere.
@@ -589,8 +591,16 @@ void pair_tile(const Args& a, int64_t m0, int64_t n0) {
       if (n0 + 16 * v < a.N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(a.N - n0 - 16 * v));
 }
 constexpr bool kPairs = true;  // registered bf16 [K, N] weights are read from packed pairs
+// int8 weights are read from packed pairs (their values as bf16, scaled after the sum) by calls of
+// more rows of x than this; fewer stream the int8 weight itself (nk_seq_q16), half the bytes.
+// SmolLM2 int8 decode at 256 tokens of context, alternated in one process (2 Zen cores,
+// 2026-12-04), pairs / int16 stream / oneDNN beyond 16 rows: 24 rows 69.6 / 109.3 / 160.1 ms,
+// 32 rows 79.9 / 108.4 / 93.2, 64 rows 125.2 / 221.3 / 269.2, 128 rows 254.4 / 586.8 / 527.0;
+// prefill of 512 tokens 518 / 1915 / 797; 16 rows 68.4 / 56.3 (the same path both: noise)
+constexpr int64_t kS8PairRows = 16;
 #else
 constexpr bool kPairs = false;
+constexpr int64_t kS8PairRows = 0;
 #endif
 
 #if RINGSERVE_SIMD == 256
@@ -673,6 +683,7 @@ void nk_seq_q16(const Args& a, int64_t m0, int64_t n0) {
 #else  // plain loops (the compiler vectorises what it can)
 
 constexpr bool kPairs = false;
+constexpr int64_t kS8PairRows = 0;
 
 constexpr int L = 16, kKnVectors = 4, kNkRows = 4, kKnRows = 4;  // the tiles' widths, as the vectors' above
 constexpr bool kPackKn = false;
@@ -1084,8 +1095,13 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
     a.y = y.untyped_data();
     a.y_bf16 = yt == DataType::BF16;
     a.pk = nullptr;
-    if (kPairs && kWeightsBf16 && wt == DataType::BF16 && a.xh && a.M > 0) {
-      if (auto pk = ringserve::pairs::of(static_cast<const uint16_t*>(a.w), a.K, a.N, transpose_w)) {
+    std::shared_ptr<const ringserve::pairs::Packed> pk;  // bf16 weights: every call; int8: many rows
+    if (kPairs && kWeightsBf16 && wt == DataType::BF16 && a.xh && a.M > 0)
+      pk = ringserve::pairs::of(static_cast<const uint16_t*>(a.w), a.K, a.N, transpose_w);
+    if (kPairs && kWeightsS8 && wt == DataType::S8 && a.xh && a.M > kS8PairRows)
+      pk = ringserve::pairs::of(static_cast<const int8_t*>(a.w), a.K, a.N, transpose_w);
+    {
+      if (pk) {
         a.pk = pk.get();
         held.push_back(std::move(pk));  // a release during this call frees it after
         if (a.K % 2 == 0) {
@@ -1135,7 +1151,8 @@ RINGSERVE_FFI_HANDLER(RingserveCpuMatmul, matmul)
 // owner and drops what was packed from it.
 extern "C" void ringserve_cpu_matmul_register(int64_t owner, const uint64_t* addrs, const uint64_t* bytes, int64_t n) {
   std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
-  for (int64_t i = 0; i < n; ++i) ringserve::pairs::registry()[uintptr_t(addrs[i])] = {owner, size_t(bytes[i]), nullptr};
+  auto arena = std::make_shared<ringserve::pairs::Arena>();  // the owner's copies, side by side
+  for (int64_t i = 0; i < n; ++i) ringserve::pairs::registry()[uintptr_t(addrs[i])] = {owner, size_t(bytes[i]), nullptr, arena};
 }
 
 // Forget every buffer of `owner` and free its packed copies (a call still reading one keeps it
@@ -1151,7 +1168,7 @@ extern "C" int64_t ringserve_cpu_matmul_packed_bytes(int64_t owner) {
   std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
   int64_t total = 0;
   for (auto& [addr, r] : ringserve::pairs::registry())
-    if (r.packed && (owner < 0 || r.owner == owner)) total += int64_t(r.packed->data.size() * 4);
+    if (r.packed && (owner < 0 || r.owner == owner)) total += int64_t(r.packed->bytes());
   return total;
 }
 

@@ -139,10 +139,11 @@ def matmuls(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, sca
     return list(jax.ffi.ffi_call(target(kinds.pop()), outs)(x, *ws, *extra, transpose_w=transpose_w))
 
 
-def packs_pairs() -> bool:
-    """Whether the bf16 library reads registered bf16 weights from packed pairs (AVX512-BF16:
-    cpu_matmul.cc `pair_tile`, pairs.h); False where it is not built or the CPU lacks them."""
-    lib = _LIBS.get("bfloat16") if reason("bfloat16") is None else None
+def packs_pairs(weights: str = "bfloat16") -> bool:
+    """Whether the library for `weights` (bfloat16, int8) reads registered weights from packed
+    pairs (AVX512-BF16: cpu_matmul.cc `pair_tile`, pairs.h; int8 above kS8PairRows rows); False
+    where it is not built or the CPU lacks them."""
+    lib = _LIBS.get(weights) if weights in ("bfloat16", "int8") and reason(weights) is None else None
     return lib is not None and bool(lib.ringserve_cpu_matmul_pairs())
 
 
@@ -156,7 +157,7 @@ def register_weights(arrays: list[jax.Array]) -> int | None:
         return None
     bufs: list[tuple[int, int]] = []
     for a in arrays:
-        if a.dtype != jnp.bfloat16:
+        if a.dtype not in (jnp.bfloat16, jnp.int8):
             continue
         if a.ndim == 2:
             bufs.append((a.unsafe_buffer_pointer(), a.nbytes))
@@ -166,17 +167,18 @@ def register_weights(arrays: list[jax.Array]) -> int | None:
     addrs = (ctypes.c_uint64 * len(bufs))(*(p for p, _ in bufs))
     sizes = (ctypes.c_uint64 * len(bufs))(*(n for _, n in bufs))
     owner = next(_owners)
-    _LIBS["bfloat16"].ringserve_cpu_matmul_register(owner, addrs, sizes, len(bufs))
+    for lib in _LIBS.values():  # each library keeps its own registry (bf16's, int8's)
+        lib.ringserve_cpu_matmul_register(owner, addrs, sizes, len(bufs))
     return owner
 
 
 def release_weights(owner: int | None) -> None:
     """Forget the buffers registered under `owner` and free their packed copies."""
-    if owner is not None and "bfloat16" in _LIBS:
-        _LIBS["bfloat16"].ringserve_cpu_matmul_release(owner)
+    if owner is not None:
+        for lib in _LIBS.values():
+            lib.ringserve_cpu_matmul_release(owner)
 
 
 def packed_bytes(owner: int | None = None) -> int:
     """Bytes of packed pairs held (for `owner`, or all)."""
-    lib = _LIBS.get("bfloat16")
-    return lib.ringserve_cpu_matmul_packed_bytes(-1 if owner is None else owner) if lib else 0
+    return sum(lib.ringserve_cpu_matmul_packed_bytes(-1 if owner is None else owner) for lib in _LIBS.values())

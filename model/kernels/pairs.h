@@ -1,6 +1,7 @@
 // bf16 weights [K, N] packed in pairs along K for vdpbf16ps (AVX512-BF16), kept for the weights
 // the executor registers (cpu_matmul.cc reads them; model/kernels/cpu_matmul.py
-// `register_weights`).
+// `register_weights`). int8 weights pack the same way, as their integer values in bf16 (exact),
+// for the calls of many rows, where the arithmetic is the time; their scales multiply the sums.
 //
 //   packed   [tiles][KP][64] u32, KP = ceil(K / 2), tiles = ceil(N / 64): element (t, p, c) holds
 //            w[2p, 64t + c] in its low 16 bits and w[2p + 1, 64t + c] in its high ones (0 past K
@@ -21,9 +22,15 @@
 
 #pragma once
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -35,43 +42,100 @@ namespace ringserve::pairs {
 
 constexpr int64_t kCols = 64;  // columns of a packed tile: four 16-lane vectors
 
-struct Packed {
-  int64_t K = 0, N = 0, KP = 0, tiles = 0;
-  bool transposed = false;  // packed from w [N, K]
-  std::vector<uint32_t> data;  // [tiles][KP][kCols]
-  const uint32_t* tile(int64_t t) const { return data.data() + t * KP * kCols; }
+// The copies' memory: one arena per registrant, in chunks of anonymous memory aligned to 2 MiB
+// and asked for transparent huge pages before they are written (the tiles are streamed every
+// step, as the weights are, which model/params.py `huge_pages` keeps on huge pages: a TLB miss
+// every 4 KiB otherwise; most single copies are smaller than a huge page, so they share chunks).
+// A copy holds its arena: released chunks are unmapped once no call reads from them.
+class Arena {
+ public:
+  static constexpr size_t kHuge = size_t(2) << 20, kChunk = size_t(32) << 20;
+  ~Arena() {
+    for (auto& [p, n] : chunks_) munmap(p, n);
+  }
+  // `words` zeroed u32, 64-byte aligned
+  uint32_t* take(size_t words) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t want = (words * 4 + 63) / 64 * 64;
+    if (chunks_.empty() || used_ + want > chunks_.back().second) {
+      const size_t n = std::max(kChunk, (want + kHuge - 1) / kHuge * kHuge);
+      void* raw = mmap(nullptr, n + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (raw == MAP_FAILED) throw std::bad_alloc();
+      char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge);
+      if (base > raw) munmap(raw, size_t(base - static_cast<char*>(raw)));  // the chunk from a 2 MiB boundary
+      const size_t tail = size_t(static_cast<char*>(raw) + n + kHuge - (base + n));
+      if (tail) munmap(base + n, tail);
+#ifdef MADV_HUGEPAGE
+      madvise(base, n, MADV_HUGEPAGE);  // advice: refused or absent, 4 KiB pages serve as well
+#endif
+      chunks_.emplace_back(base, n);
+      used_ = 0;
+    }
+    uint32_t* p = reinterpret_cast<uint32_t*>(static_cast<char*>(chunks_.back().first) + used_);
+    used_ += want;
+    return p;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<void*, size_t>> chunks_;
+  size_t used_ = 0;
 };
 
-// w [K, N] (or [N, K], `transposed`) bf16 bits -> its packed pairs
-inline std::shared_ptr<const Packed> pack(const uint16_t* w, int64_t K, int64_t N, bool transposed) {
+struct Packed {
+  int64_t K = 0, N = 0, KP = 0, tiles = 0;
+  bool transposed = false;       // packed from w [N, K]
+  bool int8 = false;             // from int8 weights: their integer values (the caller scales)
+  std::shared_ptr<Arena> arena;  // where `data` lives
+  uint32_t* data = nullptr;      // [tiles][KP][kCols] u32
+  const uint32_t* tile(int64_t t) const { return data + t * KP * kCols; }
+  size_t bytes() const { return size_t(tiles * KP * kCols) * 4; }
+};
+
+// a weight's value as bf16 bits: bf16 as it is; int8 exactly (8 significant bits at most)
+inline uint16_t bits(uint16_t v) { return v; }
+inline uint16_t bits(int8_t v) {
+  const float f = float(v);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t(u >> 16);
+}
+
+// w [K, N] (or [N, K], `transposed`) bf16 bits or int8 -> its packed pairs, in `arena`
+template <class T>
+std::shared_ptr<const Packed> pack(const T* w, int64_t K, int64_t N, bool transposed, std::shared_ptr<Arena> arena) {
   auto p = std::make_shared<Packed>();
   p->K = K, p->N = N, p->KP = (K + 1) / 2, p->tiles = (N + kCols - 1) / kCols, p->transposed = transposed;
-  p->data.assign(size_t(p->tiles * p->KP * kCols), 0u);
+  p->int8 = std::is_same_v<T, int8_t>;
+  p->data = arena->take(size_t(p->tiles * p->KP * kCols));  // zeros past K and N
+  p->arena = std::move(arena);
+  uint32_t* data = p->data;
   if (transposed) {  // row n's pairs, written 64 rows apart within its tile
     for (int64_t n = 0; n < N; ++n) {
-      uint32_t* out = p->data.data() + (n / kCols) * p->KP * kCols + n % kCols;
-      const uint16_t* row = w + n * K;
+      uint32_t* out = data + (n / kCols) * p->KP * kCols + n % kCols;
+      const T* row = w + n * K;
       for (int64_t q = 0; q < p->KP; ++q)
-        out[q * kCols] = uint32_t(row[2 * q]) | (2 * q + 1 < K ? uint32_t(row[2 * q + 1]) << 16 : 0u);
+        out[q * kCols] = uint32_t(bits(row[2 * q])) | (2 * q + 1 < K ? uint32_t(bits(row[2 * q + 1])) << 16 : 0u);
     }
     return p;
   }
   for (int64_t t = 0; t < p->tiles; ++t) {
     const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, N - n0);
     for (int64_t q = 0; q < p->KP; ++q) {
-      uint32_t* out = p->data.data() + (t * p->KP + q) * kCols;
-      const uint16_t* lo = w + (2 * q) * N + n0;
-      const uint16_t* hi = 2 * q + 1 < K ? lo + N : nullptr;
+      uint32_t* out = data + (t * p->KP + q) * kCols;
+      const T* lo = w + (2 * q) * N + n0;
+      const T* hi = 2 * q + 1 < K ? lo + N : nullptr;
       int64_t c = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      for (; c + 16 <= cols; c += 16) {
-        const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + c)));
-        const __m512i b = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + c)))
-                             : _mm512_setzero_si512();
-        _mm512_storeu_si512(out + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-      }
+      if constexpr (std::is_same_v<T, uint16_t>)
+        for (; c + 16 <= cols; c += 16) {
+          const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + c)));
+          const __m512i b = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + c)))
+                               : _mm512_setzero_si512();
+          _mm512_storeu_si512(out + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
 #endif
-      for (; c < cols; ++c) out[c] = uint32_t(lo[c]) | (hi ? uint32_t(hi[c]) << 16 : 0u);
+      for (; c < cols; ++c) out[c] = uint32_t(bits(lo[c])) | (hi ? uint32_t(bits(hi[c])) << 16 : 0u);
     }
   }
   return p;
@@ -81,8 +145,10 @@ struct Registered {
   int64_t owner;
   size_t bytes;
   std::shared_ptr<const Packed> packed;
+  std::shared_ptr<Arena> arena;  // the owner's
 };
 
+namespace {  // each library its own registry (the f32, bf16 and int8 builds are loaded side by side)
 inline std::mutex& mu() {
   static std::mutex m;
   return m;
@@ -92,15 +158,18 @@ inline std::unordered_map<uintptr_t, Registered>& registry() {
   return r;
 }
 
-// The packed copy of the registered bf16 weight w [K, N] (or [N, K], `transposed`; made on first
-// use), or null when w is not a registered buffer of K * N bf16 values
-inline std::shared_ptr<const Packed> of(const uint16_t* w, int64_t K, int64_t N, bool transposed) {
+// The packed copy of the registered weight w [K, N] (or [N, K], `transposed`; bf16 or int8; made
+// on first use), or null when w is not a registered buffer of K * N such values
+template <class T>
+std::shared_ptr<const Packed> of(const T* w, int64_t K, int64_t N, bool transposed) {
   std::lock_guard<std::mutex> lock(mu());
   auto it = registry().find(reinterpret_cast<uintptr_t>(w));
-  if (it == registry().end() || it->second.bytes != size_t(K * N) * 2) return nullptr;
+  if (it == registry().end() || it->second.bytes != size_t(K * N) * sizeof(T)) return nullptr;
   auto& p = it->second.packed;
-  if (!p || p->K != K || p->N != N || p->transposed != transposed) p = pack(w, K, N, transposed);
+  if (!p || p->K != K || p->N != N || p->transposed != transposed || p->int8 != std::is_same_v<T, int8_t>)
+    p = pack(w, K, N, transposed, it->second.arena);
   return p;
 }
+}  // namespace
 
 }  // namespace ringserve::pairs

@@ -336,6 +336,42 @@ def test_a_registered_bf16_weight_is_read_from_packed_pairs(k, n, transpose_w):
     assert _rel_err(call(x, w), np.asarray(x, np.float64) @ wf) < 1e-5
 
 
+@pytest.mark.skipif(not cpu_matmul.packs_pairs("int8"), reason="the kernel reads packed pairs on AVX512-BF16 only")
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_a_registered_int8_weight_is_read_from_packed_pairs_by_many_rows(transpose_w):
+    """A registered int8 weight times bf16 rows: calls of up to 16 rows stream the int8 weight
+    (nothing packed; [N, K] through int16), a call of more packs its integers as bf16 pairs
+    (exact) and multiplies from them with f32 sums, the scale after: to f32 rounding of float64
+    on the same inputs, where the int16 path of few rows rounds x (values far below the row's
+    largest lose bits there, none here); a row's bits do not depend on the other rows of its call."""
+    rng = np.random.default_rng(21)
+    k, n = (576 if transpose_w else 577), 130  # [N, K] of whole 32s: few rows take the int16 path
+    q = rng.integers(-128, 128, (n, k) if transpose_w else (k, n)).astype(np.int8)
+    qf = q.T.astype(np.float64) if transpose_w else q.astype(np.float64)
+    scale = (rng.random(n) * 0.02 + 0.001).astype(np.float32)
+    w, s = jnp.asarray(q), jnp.asarray(scale)
+    call = jax.jit(lambda x, w, s: cpu_matmul.matmul(x, w, transpose_w=transpose_w, scale=s, out_dtype=jnp.float32))
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    x[:, 3] = 400.0  # the rest of each row below 2^7 of it: the int16 path rounds them, pairs keep them
+    xb = jnp.asarray(x, jnp.bfloat16)
+    want = (np.asarray(xb, np.float64) @ qf) * scale
+    owner = cpu_matmul.register_weights([w])
+    try:
+        few = np.asarray(call(xb[:16], w, s), np.float64)
+        assert cpu_matmul.packed_bytes(owner) == 0
+        whole = np.asarray(call(xb, w, s), np.float64)
+        assert cpu_matmul.packed_bytes(owner) == 3 * 64 * ((k + 1) // 2) * 4
+        assert _rel_err(whole, want) < 1e-5
+        assert _rel_err(few, want[:16]) < (1e-2 if transpose_w else 1e-5)
+        if transpose_w and cpu_matmul.lanes("int8") > 1:  # the int16 path did run
+            assert _rel_err(few, want[:16]) > 10 * _rel_err(whole[:16], want[:16])
+        for m in (17, 21, 33):
+            np.testing.assert_array_equal(np.asarray(call(xb[:m], w, s)), whole[:m])
+    finally:
+        cpu_matmul.release_weights(owner)
+    assert cpu_matmul.packed_bytes(owner) == 0
+
+
 @needs_pairs
 def test_a_registered_stack_packs_each_layer_apart():
     """A stack [L, K, N] registers each layer's matrix; the layers' scan reads layer l's packed

@@ -29,12 +29,13 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     monkeypatch.setattr(onednn, "supports", lambda x, w: None)
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": None)
     # where the kernel reads bf16 weights from packed pairs (AVX512-BF16) it takes every bf16 step
-    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: True)
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": True)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", quantization="int8"), "cpu") == "kernel+onednn"
+    assert resolve_dot(ExecutorConfig(dtype="bfloat16", quantization="int8"), "cpu") == "kernel"
+    assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"  # f32 rows
     assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="onednn"), "cpu") == "onednn"
-    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: False)
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": False)
     assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"
     assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "kernel"  # XLA's f32 dot for larger steps
@@ -270,10 +271,10 @@ def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside, monk
     from model.kernels import cpu_matmul
     from model.layers import PAIR_ROWS, few_rows, kernel_rows
 
-    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: True)
-    want = PAIR_ROWS if dtype == "bfloat16" else None
-    assert kernel_rows(dtype) == (want or kernel_rows(dtype)) and kernel_rows(dtype, True) == (want or beside)
-    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda: False)
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": True)
+    assert kernel_rows(dtype) == kernel_rows(dtype, True) == PAIR_ROWS  # bf16 rows
+    assert kernel_rows(dtype, True, "float32") != PAIR_ROWS  # f32 rows never read pairs
+    monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": False)
 
     w = jnp.zeros((64, 32), jnp.int8 if dtype == "int8" else jnp.bfloat16)
     alone = kernel_rows(dtype)
