@@ -45,10 +45,15 @@ def test_native_generate_json_is_sglangs(engine, servers):
 def test_native_streaming_chunks_are_cumulative(engine, servers):
     sp = {**GREEDY, "max_new_tokens": 5}
     want = engine.generate(input_ids=[21, 22], sampling_params=sp)
-    with httpx.stream("POST", servers.url + "/generate", json={"input_ids": [21, 22], "sampling_params": sp, "stream": True}) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
-        chunks = sse(r)
-    # one chunk per token, except where the loop read two outputs before writing (they merge)
+    body = {"input_ids": [21, 22], "sampling_params": sp, "stream": True}
+    # one chunk per token, except where the loop read two outputs before writing (they merge; on
+    # a busy machine all five can): up to three tries for a stream of two chunks or more
+    for _ in range(3):
+        with httpx.stream("POST", servers.url + "/generate", json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            chunks = sse(r)
+        if len(chunks) >= 2:
+            break
     assert 2 <= len(chunks) <= 5
     lens = [len(c["output_ids"]) for c in chunks]
     assert lens == sorted(set(lens)) and lens[-1] == 5
