@@ -563,7 +563,8 @@ void nk_tile_dp(const Args& a, int64_t m0, int64_t n0) {
     for (int j = 0; j < NB && n0 + j < a.N; ++j) store1(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
 }
 
-// bf16 x against a registered bf16 weight's packed pairs (pairs.h): rows m0..m0+MB-1 of y x the
+// bf16 x against a registered weight's packed pairs (pairs.h; bf16, or int8's integers as bf16,
+// scaled in store16): rows m0..m0+MB-1 of y x the
 // 64 columns of the tile from column n0, 4 x MB accumulators over the tile's KP pairs of K, the
 // tile read once in address order (one vdpbf16ps a row for 32 weights: no interleaving, no
 // widening); each sum runs along K in pair order, whatever the other rows
@@ -590,7 +591,7 @@ void pair_tile(const Args& a, int64_t m0, int64_t n0) {
     for (int v = 0; v < 4; ++v)
       if (n0 + 16 * v < a.N) store16(a, m0 + i, n0 + 16 * v, acc[i][v], mask_of(a.N - n0 - 16 * v));
 }
-constexpr bool kPairs = true;  // registered bf16 [K, N] weights are read from packed pairs
+constexpr bool kPairs = true;  // registered bf16 (and int8) weights are read from packed pairs
 // int8 weights are read from packed pairs (their values as bf16, scaled after the sum) by calls of
 // more rows of x than this; fewer stream the int8 weight itself (nk_seq_q16), half the bytes.
 // SmolLM2 int8 decode at 256 tokens of context, alternated in one process (2 Zen cores,
@@ -1100,17 +1101,15 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
       pk = ringserve::pairs::of(static_cast<const uint16_t*>(a.w), a.K, a.N, transpose_w);
     if (kPairs && kWeightsS8 && wt == DataType::S8 && a.xh && a.M > kS8PairRows)
       pk = ringserve::pairs::of(static_cast<const int8_t*>(a.w), a.K, a.N, transpose_w);
-    {
-      if (pk) {
-        a.pk = pk.get();
-        held.push_back(std::move(pk));  // a release during this call frees it after
-        if (a.K % 2 == 0) {
-          a.xp = a.xh, a.xps = a.K;
-        } else {  // the last pair's second half: 0 (an odd K's row read past its end)
-          xpad.assign(size_t(a.M * (a.K + 1)), 0);
-          for (int64_t m = 0; m < a.M; ++m) std::memcpy(xpad.data() + m * (a.K + 1), a.xh + m * a.K, size_t(a.K) * 2);
-          a.xp = xpad.data(), a.xps = a.K + 1;
-        }
+    if (pk) {
+      a.pk = pk.get();
+      held.push_back(std::move(pk));  // a release during this call frees it after
+      if (a.K % 2 == 0) {
+        a.xp = a.xh, a.xps = a.K;
+      } else {  // the last pair's second half: 0 (an odd K's row read past its end)
+        xpad.assign(size_t(a.M * (a.K + 1)), 0);
+        for (int64_t m = 0; m < a.M; ++m) std::memcpy(xpad.data() + m * (a.K + 1), a.xh + m * a.K, size_t(a.K) * 2);
+        a.xp = xpad.data(), a.xps = a.K + 1;
       }
     }
     if (a.M == 0 || a.N == 0) continue;
