@@ -56,6 +56,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -1146,12 +1149,26 @@ RINGSERVE_FFI_HANDLER(RingserveCpuMatmul, matmul)
 
 // The executor's weights: `n` buffers (address, bytes) that keep their contents until it releases
 // `owner` (model/kernels/cpu_matmul.py `register_weights`); a bf16 [K, N] one is read from its
-// packed pairs (pairs.h), made on its first call. An address registered again moves to the new
-// owner and drops what was packed from it.
+// packed pairs (pairs.h), made on its first call, in the memory the last reserve faulted in if
+// one did. An address registered again moves to the new owner and drops what was packed from it.
 extern "C" void ringserve_cpu_matmul_register(int64_t owner, const uint64_t* addrs, const uint64_t* bytes, int64_t n) {
   std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
-  auto arena = std::make_shared<ringserve::pairs::Arena>();  // the owner's copies, side by side
+  auto arena = std::exchange(ringserve::pairs::spare(), nullptr);  // the owner's copies, side by side
+  if (!arena) arena = std::make_shared<ringserve::pairs::Arena>();
   for (int64_t i = 0; i < n; ++i) ringserve::pairs::registry()[uintptr_t(addrs[i])] = {owner, size_t(bytes[i]), nullptr, arena};
+}
+
+// Fault in memory for packed copies of `sizes` bytes each, for the next register to pack into
+// (model/kernels/cpu_matmul.py `reserve`): returns at once, the pages come in on a thread of
+// their own; chunks still coming when that register takes the arena join it as they are in. A
+// reserve that no register takes is freed by the next reserve.
+extern "C" void ringserve_cpu_matmul_reserve(const uint64_t* sizes, int64_t n) {
+  auto arena = std::make_shared<ringserve::pairs::Arena>();
+  {
+    std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
+    ringserve::pairs::spare() = arena;
+  }
+  std::thread([arena, s = std::vector<uint64_t>(sizes, sizes + n)] { arena->reserve(s.data(), int64_t(s.size())); }).detach();
 }
 
 // Forget every buffer of `owner` and free its packed copies (a call still reading one keeps it
@@ -1169,6 +1186,27 @@ extern "C" int64_t ringserve_cpu_matmul_packed_bytes(int64_t owner) {
   for (auto& [addr, r] : ringserve::pairs::registry())
     if (r.packed && (owner < 0 || r.owner == owner)) total += int64_t(r.packed->bytes());
   return total;
+}
+
+// The bytes `owner`'s arena maps (a negative owner: the reserve no register has taken yet): in
+// use, and reserved not yet used
+extern "C" void ringserve_cpu_matmul_arena_bytes(int64_t owner, int64_t* in_use, int64_t* reserved) {
+  std::shared_ptr<ringserve::pairs::Arena> arena;
+  {
+    std::lock_guard<std::mutex> lock(ringserve::pairs::mu());
+    arena = ringserve::pairs::spare();
+    if (owner >= 0) {
+      arena = nullptr;
+      for (auto& [addr, r] : ringserve::pairs::registry())
+        if (r.owner == owner) {
+          arena = r.arena;
+          break;
+        }
+    }
+  }
+  const auto b = arena ? arena->bytes() : std::pair<size_t, size_t>{0, 0};
+  *in_use = int64_t(b.first);
+  *reserved = int64_t(b.second);
 }
 
 // Whether this build reads registered bf16 weights from packed pairs (AVX512-BF16)

@@ -32,6 +32,7 @@
 #include <new>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -47,39 +48,111 @@ constexpr int64_t kCols = 64;  // columns of a packed tile: four 16-lane vectors
 // step, as the weights are, which model/params.py `huge_pages` keeps on huge pages: a TLB miss
 // every 4 KiB otherwise; most single copies are smaller than a huge page, so they share chunks).
 // A copy holds its arena: released chunks are unmapped once no call reads from them.
+//
+// `reserve` faults chunks in ahead of the copies (the executor's weights, while its programs
+// load): the first write of a page is a fault, and on a VM whose host backs guest memory on
+// first use, SmolLM2 bf16's 270 MB of pairs faulted inside the first step took it from ~20 ms to
+// 0.4-0.9 s (perf: 92% of it clear_page under pack). `take` then uses the reserved chunk that
+// fits best before it maps a new one.
 class Arena {
  public:
   static constexpr size_t kHuge = size_t(2) << 20, kChunk = size_t(32) << 20;
   ~Arena() {
     for (auto& [p, n] : chunks_) munmap(p, n);
+    for (auto& [p, n] : free_) munmap(p, n);
   }
-  // `words` zeroed u32, 64-byte aligned
+  // `words` zeroed u32, 64-byte aligned: a copy under kChunk from the chunk being filled, a
+  // larger one in a chunk of its own; a chunk from the reserved ones that fits best if one does
   uint32_t* take(size_t words) {
     std::lock_guard<std::mutex> lock(mu_);
     const size_t want = (words * 4 + 63) / 64 * 64;
-    if (chunks_.empty() || used_ + want > chunks_.back().second) {
-      const size_t n = std::max(kChunk, (want + kHuge - 1) / kHuge * kHuge);
-      void* raw = mmap(nullptr, n + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (raw == MAP_FAILED) throw std::bad_alloc();
-      char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge);
-      if (base > raw) munmap(raw, size_t(base - static_cast<char*>(raw)));  // the chunk from a 2 MiB boundary
-      const size_t tail = size_t(static_cast<char*>(raw) + n + kHuge - (base + n));
-      if (tail) munmap(base + n, tail);
-#ifdef MADV_HUGEPAGE
-      madvise(base, n, MADV_HUGEPAGE);  // advice: refused or absent, 4 KiB pages serve as well
-#endif
-      chunks_.emplace_back(base, n);
+    if (want >= kChunk) return static_cast<uint32_t*>(chunk(round(want)));
+    if (!fill_ || used_ + want > kChunk) {
+      fill_ = static_cast<char*>(chunk(kChunk));
       used_ = 0;
     }
-    uint32_t* p = reinterpret_cast<uint32_t*>(static_cast<char*>(chunks_.back().first) + used_);
+    uint32_t* p = reinterpret_cast<uint32_t*>(fill_ + used_);
     used_ += want;
     return p;
   }
+  // Fault in chunks for copies of `sizes` bytes each, laid out as `take` will (blocks; the
+  // chunks join the arena one by one as they are in).
+  void reserve(const uint64_t* sizes, int64_t n) {
+    std::vector<size_t> chunks;
+    size_t shared = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t want = (size_t(sizes[i]) + 63) / 64 * 64;
+      if (want >= kChunk) {
+        chunks.push_back(round(want));
+      } else if (shared + want > kChunk) {
+        chunks.push_back(kChunk);
+        shared = want;
+      } else {
+        shared += want;
+      }
+    }
+    if (shared) chunks.push_back(kChunk);
+    for (size_t bytes : chunks) {
+      void* p = map(bytes);
+      fault_in(p, bytes);
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.emplace_back(p, bytes);
+    }
+  }
+
+ // bytes mapped: in use (chunks copies were taken from) and reserved (not yet taken)
+  std::pair<size_t, size_t> bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::pair<size_t, size_t> b{0, 0};
+    for (auto& c : chunks_) b.first += c.second;
+    for (auto& c : free_) b.second += c.second;
+    return b;
+  }
 
  private:
+  static size_t round(size_t bytes) { return (bytes + kHuge - 1) / kHuge * kHuge; }
+  // a chunk of at least `n` bytes, in use from now: the smallest reserved one that holds them,
+  // else a new one of `n` (under mu_)
+  void* chunk(size_t n) {
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->second >= n && (best == free_.end() || it->second < best->second)) best = it;
+    if (best != free_.end()) {
+      chunks_.push_back(*best);
+      free_.erase(best);
+    } else {
+      chunks_.emplace_back(map(n), n);
+    }
+    return chunks_.back().first;
+  }
+  // `n` bytes (a multiple of 2 MiB) of zeroed anonymous memory from a 2 MiB boundary
+  static void* map(size_t n) {
+    void* raw = mmap(nullptr, n + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) throw std::bad_alloc();
+    char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge);
+    if (base > raw) munmap(raw, size_t(base - static_cast<char*>(raw)));  // the chunk from a 2 MiB boundary
+    const size_t tail = size_t(static_cast<char*>(raw) + n + kHuge - (base + n));
+    if (tail) munmap(base + n, tail);
+#ifdef MADV_HUGEPAGE
+    madvise(base, n, MADV_HUGEPAGE);  // advice: refused or absent, 4 KiB pages serve as well
+#endif
+    return base;
+  }
+  // every page of [p, p + n) in, its zeros kept (MADV_POPULATE_WRITE, Linux 5.14+; else a write
+  // of zero to each page)
+  static void fault_in(void* p, size_t n) {
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
+#endif
+    volatile char* c = static_cast<volatile char*>(p);
+    for (size_t at = 0; at < n; at += 4096) c[at] = 0;
+  }
+
   std::mutex mu_;
-  std::vector<std::pair<void*, size_t>> chunks_;
-  size_t used_ = 0;
+  std::vector<std::pair<void*, size_t>> chunks_;  // in use
+  std::vector<std::pair<void*, size_t>> free_;    // reserved, not yet used
+  char* fill_ = nullptr;                          // the chunk the copies under kChunk fill
+  size_t used_ = 0;                               // bytes of it taken
 };
 
 struct Packed {
@@ -156,6 +229,11 @@ inline std::mutex& mu() {
 inline std::unordered_map<uintptr_t, Registered>& registry() {
   static std::unordered_map<uintptr_t, Registered> r;
   return r;
+}
+// the arena `ringserve_cpu_matmul_reserve` fills for the next registrant (null: none)
+inline std::shared_ptr<Arena>& spare() {
+  static std::shared_ptr<Arena> a;
+  return a;
 }
 
 // The packed copy of the registered weight w [K, N] (or [N, K], `transposed`; bf16 or int8; made

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -393,6 +394,53 @@ def test_a_registered_stack_packs_each_layer_apart():
         assert _rel_err(got, np.asarray(x, np.float64) @ np.asarray(stack[2], np.float64)) < 1e-5
     finally:
         cpu_matmul.release_weights(owner)
+
+
+def _reserved(want: int) -> tuple[int, int]:
+    """The reserve nobody has taken, once `want` bytes of it are in (its thread faults them in)."""
+    deadline = time.monotonic() + 30
+    while (got := cpu_matmul.arena_bytes())[1] < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return got
+
+
+@needs_pairs
+def test_the_next_registrant_packs_into_the_memory_a_reserve_faulted_in():
+    """`reserve` maps the copies' memory ahead, as `take` will lay it out (copies under 32 MiB
+    share 32 MiB chunks, a larger one has its own); the next registrant takes it and packs into
+    it without mapping more, to the same bits as without a reserve; a reserve nobody took is
+    replaced (and freed) by the next; f32 and int8 matrices reserve nothing (int8's pairs wait
+    for calls of many rows)."""
+    chunk, mib = 32 << 20, 1 << 20
+    rng = np.random.default_rng(5)
+    small = [jnp.asarray(rng.standard_normal((96, 130)), jnp.bfloat16), jnp.asarray(rng.standard_normal((130, 64)), jnp.bfloat16)]
+    big = jnp.asarray(rng.standard_normal((4096, 4160)), jnp.bfloat16)  # 65 tiles x 2048 pairs: 32.5 MiB, a 34 MiB chunk
+    assert cpu_matmul.pairs_bytes(big.shape) == 65 * 64 * 2048 * 4
+    call = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, out_dtype=jnp.float32))
+    calls_t = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w=True, out_dtype=jnp.float32))
+    x96, x64 = (jnp.asarray(rng.standard_normal((5, k)), jnp.bfloat16) for k in (96, 64))
+    x4096 = jnp.asarray(rng.standard_normal((3, 4096)), jnp.bfloat16)
+    plain = cpu_matmul.register_weights([*small, big])  # the bits without a reserve
+    try:
+        want = [np.asarray(call(x96, small[0])), np.asarray(calls_t(x64, small[1])), np.asarray(call(x4096, big))]
+        assert cpu_matmul.arena_bytes(plain) == (chunk + 34 * mib, 0)
+    finally:
+        cpu_matmul.release_weights(plain)
+
+    cpu_matmul.reserve([small[0], jax.ShapeDtypeStruct((3, 8, 8), jnp.float32), jax.ShapeDtypeStruct((4096, 4096), jnp.int8)])
+    assert _reserved(chunk) == (0, chunk)
+    cpu_matmul.reserve([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*small, big)])  # avals do
+    assert _reserved(chunk + 34 * mib) == (0, chunk + 34 * mib)  # the first one gone
+    owner = cpu_matmul.register_weights([*small, big])
+    try:
+        assert cpu_matmul.arena_bytes() == (0, 0) and cpu_matmul.arena_bytes(owner) == (0, chunk + 34 * mib)
+        got = [np.asarray(call(x96, small[0])), np.asarray(calls_t(x64, small[1])), np.asarray(call(x4096, big))]
+        assert cpu_matmul.arena_bytes(owner) == (chunk + 34 * mib, 0)  # all taken, nothing more mapped
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    finally:
+        cpu_matmul.release_weights(owner)
+    assert cpu_matmul.arena_bytes(owner) == (0, 0)
 
 
 @needs_pairs
