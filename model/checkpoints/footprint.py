@@ -42,8 +42,8 @@ def read_footprint(path: str | Path) -> Footprint:
 
         layers, kv_heads, head_dim, params = read_gguf_footprint(path)
         return Footprint(layers, kv_heads, head_dim, params)
-    from model.checkpoints.weights import read_safetensors
+    from model.checkpoints.weights import safetensors_header
 
     mc = ModelConfig.from_dir(path)
-    params = sum(math.prod(a.shape) for f in sorted(path.glob("*.safetensors")) for _, a in read_safetensors(f))
+    params = sum(math.prod(t["shape"]) for f in sorted(path.glob("*.safetensors")) for t in safetensors_header(f)[0].values())
     return Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, params)

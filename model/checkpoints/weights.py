@@ -8,32 +8,33 @@ memory-mapped, so loading a checkpoint costs no copy until a tensor is placed on
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from model.checkpoints.config import ModelConfig
 
-_DTYPES = {
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F64": np.dtype(np.float64),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
+
+@functools.cache
+def _numpy_dtypes() -> dict[str, np.dtype]:
+    """safetensors' dtype names as NumPy's (ml_dtypes for bfloat16: imported here, on the first
+    read of tensors, as it takes 0.45 s of CPU that the processes reading headers alone skip)."""
+    import ml_dtypes
+
+    return {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+            "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+            "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}  # fmt: skip
 
 
-def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, array) for every tensor of one .safetensors file (memory-mapped, read-only)."""
+def safetensors_header(path: str | Path) -> tuple[dict[str, dict], int]:
+    """One .safetensors file's header, {name: {dtype, shape, data_offsets}} (its __metadata__
+    left out), and the byte its tensors' data starts at. ValueError naming the file when it is
+    not one."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -50,9 +51,17 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: malformed safetensors header ({e})") from None
     header.pop("__metadata__", None)
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    return header, 8 + n
+
+
+def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array) for every tensor of one .safetensors file (memory-mapped, read-only)."""
+    path = Path(path)
+    header, start = safetensors_header(path)
+    size = path.stat().st_size
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start) if size > start else np.zeros(0, np.uint8)
     for name, info in header.items():
-        dt = _DTYPES.get(info.get("dtype"))
+        dt = _numpy_dtypes().get(info.get("dtype"))
         if dt is None:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
         begin, end = info["data_offsets"]
