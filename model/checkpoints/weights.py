@@ -60,8 +60,9 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     header, start = safetensors_header(path)
     size = path.stat().st_size
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start) if size > start else np.zeros(0, np.uint8)
+    dtypes = _numpy_dtypes()
     for name, info in header.items():
-        dt = _numpy_dtypes().get(info.get("dtype"))
+        dt = dtypes.get(str(info.get("dtype")))
         if dt is None:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
         begin, end = info["data_offsets"]
