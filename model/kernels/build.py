@@ -51,7 +51,7 @@ def library_path(name: str, flags: Sequence[str], link: Sequence[str] = ()) -> P
     h = hashlib.sha256((HERE / f"{name}.cc").read_bytes())
     for header in sorted(HERE.glob("*.h")):  # included as "pool.h": a changed header rebuilds
         h.update(header.name.encode() + header.read_bytes())
-    h.update(" ".join([*flags, *link, jax.__version__]).encode())
+    h.update(" ".join([*flags, *link, jax.__version__, "linked-apart"]).encode())  # (no crtfastmath.o)
     if "-march=native" in flags:
         h.update(_cpu_identity())
     return cache_dir("kernels", f"{name}-{h.hexdigest()[:16]}.so")
@@ -69,12 +69,22 @@ def build(name: str, flags: Sequence[str], link: Sequence[str] = ()) -> ctypes.C
         with one_maker(out):
             if not out.exists():  # (else built while this one waited)
                 tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-                cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-w", *flags, str(source),
-                       f"-I{jax.ffi.include_dir()}", *link, "-o", str(tmp)]  # fmt: skip
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    tmp.unlink(missing_ok=True)
-                    raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+                obj = tmp.with_suffix(".o")
+                # compiled, then linked without `flags`: g++ 12 links crtfastmath.o into a shared
+                # library whenever -ffast-math is on its link line, and loading that library
+                # turns on flush-to-zero for the loading thread and every thread it starts (the
+                # caller's numpy and torch included)
+                steps = ([cxx, "-std=c++17", "-c", "-fPIC", "-w", *flags, str(source), f"-I{jax.ffi.include_dir()}",
+                          "-o", str(obj)],
+                         [cxx, "-shared", str(obj), *link, "-o", str(tmp)])  # fmt: skip
+                try:
+                    for cmd in steps:
+                        done = subprocess.run(cmd, capture_output=True, text=True)
+                        if done.returncode != 0:
+                            tmp.unlink(missing_ok=True)
+                            raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+                finally:
+                    obj.unlink(missing_ok=True)
                 tmp.replace(out)
     return ctypes.CDLL(str(out))
 

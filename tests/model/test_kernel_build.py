@@ -157,5 +157,33 @@ def test_builders_of_one_library_build_it_once(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join(120)
-    assert len(runs) == 1 and len(libs) == 3
+    assert [cmd[1:3] for cmd in runs] == [["-std=c++17", "-c"], ["-shared", runs[0][-1]]]  # one compile, one link
+    assert len(libs) == 3
     assert all(hasattr(lib, "RingserveLazyZeros") for lib in libs)
+
+
+def test_loading_the_kernels_leaves_denormals_alone():
+    """A library built with -ffast-math and linked by g++ 12 in the same command carries
+    crtfastmath.o, which turns on flush-to-zero for the thread that loads it and every thread it
+    starts: an engine in the caller's process would change the caller's numpy (and torch) math.
+    The kernels are linked apart from their flags: after loading every one, a denormal is one."""
+    import json
+    import subprocess
+    import sys
+
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler (g++, or $CXX)")
+    code = (
+        "import threading, numpy as np\n"
+        "from model.kernels import cpu_attention, cpu_matmul, cpu_memory\n"
+        "reasons = [cpu_attention.reason(), cpu_memory.reason(),"
+        " *(cpu_matmul.loader_of(w)() for w in cpu_matmul.WEIGHTS)]\n"
+        "assert reasons == [None] * len(reasons), reasons\n"
+        "out = [float(np.float32(1e-38) / np.float32(100))]\n"
+        "t = threading.Thread(target=lambda: out.append(float(np.float32(1e-38) / np.float32(100)))); t.start(); t.join()\n"
+        "print(out)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=build.HERE.parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    here, started = json.loads(done.stdout)
+    assert here > 0 and started > 0, (here, started)
