@@ -58,9 +58,13 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "bf16.h"
 #include "pairs.h"
@@ -607,6 +611,137 @@ constexpr bool kPairs = false;
 constexpr int64_t kS8PairRows = 0;
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Sapphire Rapids and later): the packed pairs' tiles are AMX's B operand as they are. A
+// packed tile's 16 pairs of K x 16 columns are 16 rows of 64 bytes, 256 bytes apart (pairs.h:
+// [KP][64] u32), so a B tile loads from the copy in place; 16 rows of x x 32 of K (bf16, 64
+// bytes) are an A tile, K * 2 bytes apart. tdpbf16ps adds to each f32 of a 16 x 16 C tile the
+// 32 products of its row of A and column of B, pair by pair in K order (bf16 products exact,
+// sums in f32, inputs and results below f32's normal range flushed to zero, as vdpbf16ps).
+//
+//   tiles 0-3   C: rows r..r+15 and r+16..r+31 x columns c..c+15 and c+16..c+31 of y
+//   tiles 4-5   A: those rows' 32 values of K at the step
+//   tile  6-7   B: the step's 16 pairs of K x those columns
+//
+// Every row of y is summed the same way whatever the other rows of the call (a row past M is
+// zeros, never read back), so a row's bits do not depend on how many rows its call has.
+// Linux lends a process AMX's tile registers only when it asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM, Linux 5.16+); before, the first tile instruction faults (SIGILL): that
+// is why AMX "faulted" in this VM for programs that never asked.
+namespace amx {
+
+struct Config {  // LDTILECFG's 64 bytes: palette 1, every tile 16 rows x 64 bytes
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+static_assert(sizeof(Config) == 64);
+
+// Whether the tiles may be used: this process asked Linux for them and got them (once per
+// process; RINGSERVE_AMX=0 keeps the AVX-512 pairs, for tests and benchmarks).
+inline bool usable() {
+  static const bool ok = [] {
+    const char* e = std::getenv("RINGSERVE_AMX");
+    if (e && std::string_view(e) == "0") return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// C tile `c` (16 x 16 f32, stored) into y from row m, column n: the rows below M, the columns below N
+inline void store(const Args& a, const float* c, int64_t m, int64_t n) {
+  if (n >= a.N) return;
+  const simd::Mask msk = mask_of(a.N - n);
+  for (int64_t r = 0; r < 16 && m + r < a.M; ++r) store16(a, m + r, n, _mm512_load_ps(c + 16 * r), msk);
+}
+
+// Up to 16 rows of x (from m; 16 rows readable at x) x packed tile t, its 64 columns at once:
+// C tiles 0-3 the four column blocks, A tile 4, B tiles 5-7 in turn. The tile is read in address
+// order, a step's 16 pairs x 64 columns one run of 4 KB (decode's rows: the weights stream)
+inline void one_block(const Args& a, const uint16_t* x, int64_t stride, int64_t steps, int64_t m, int64_t t,
+                      float (*c)[16 * 16]) {
+  const uint32_t* b = a.pk->tile(t);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr int64_t row = ringserve::pairs::kCols * 4;
+  for (int64_t s = 0; s < steps; ++s, b += 16 * ringserve::pairs::kCols) {
+    _tile_loadd(4, x + 32 * s, stride);
+    _tile_loadd(5, b, row);
+    _tile_loadd(6, b + 16, row);
+    _tile_loadd(7, b + 32, row);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 48, row);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+  for (int q = 0; q < 4; ++q) store(a, c[q], m, t * ringserve::pairs::kCols + 16 * q);
+}
+
+// Rows m0..m1-1 of y x the packed tiles t0..t1-1 (64 columns each), 32 rows at a time, each
+// tile for every 32 rows (the item's tiles stay in L2 while its rows pass). K % 32 == 0.
+void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
+  static const Config config;
+  _tile_loadconfig(&config);
+  const int64_t steps = a.pk->KP / 16, stride = a.xps * 2;
+  alignas(64) float c[4][16 * 16];
+  thread_local std::vector<uint16_t> pad;  // the last rows, under 32, and zeros after them
+  for (int64_t m = m0; m < m1; m += 32) {
+    const int64_t live = std::min<int64_t>(32, a.M - m);
+    const uint16_t* x = a.xp + m * a.xps;
+    if (live % 16) {  // a tile loads 16 rows: those past M read as zeros from a copy, not past x
+      pad.assign(size_t((live > 16 ? 32 : 16) * a.xps), 0);
+      std::memcpy(pad.data(), x, size_t(live * a.xps) * 2);
+      x = pad.data();
+    }
+    if (live <= 16) {  // one block of rows: the tile's four column blocks in one pass along K
+      for (int64_t t = t0; t < t1; ++t) one_block(a, x, stride, steps, m, t, c);
+      continue;
+    }
+    const uint16_t* x1 = x + 16 * a.xps;
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint32_t* w = a.pk->tile(t);
+      for (int h = 0; h < 4; h += 2) {  // the tile's columns 16h..16h+31
+        const int64_t n0 = t * ringserve::pairs::kCols + 16 * h;
+        if (n0 >= a.N) break;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint32_t* b = w + 16 * h;
+        for (int64_t s = 0; s < steps; ++s, b += 16 * ringserve::pairs::kCols) {
+          _tile_loadd(4, x + 32 * s, stride);
+          _tile_loadd(5, x1 + 32 * s, stride);
+          _tile_loadd(6, b, ringserve::pairs::kCols * 4);
+          _tile_loadd(7, b + 16, ringserve::pairs::kCols * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        for (int q = 0; q < 4; ++q) store(a, c[q], m + 16 * (q >> 1), n0 + 16 * (q & 1));
+      }
+    }
+  }
+  _tile_release();  // the registers back to their initial state: no 8 KB of tile data to save at a switch
+}
+
+}  // namespace amx
+#define RINGSERVE_AMX 1
+#endif
+
 #if RINGSERVE_SIMD == 256
 // int8 w [N, K] for up to 4 rows of x quantized to int16 (`quantize_rows`; K a multiple of 16,
 // at most kQ16MaxK), each weight row read once for them: 16 weights widen to int16 in one
@@ -863,6 +998,7 @@ struct Plan {
   Tile main = nullptr, tail = nullptr;
   int64_t cols = 0, tiles = 0, per_item = 0, full_rows = 0, row_groups = 1, group_rows = 0;
   int mb = 0;
+  bool amx = false;  // packed pairs through AMX (amx::rows), rows in groups of `group_rows`
   // kPackKn and more than one block of rows, either layout: each tile packed, then read by them all
   Pack pack = nullptr;
   PanelTile pmain = nullptr, ptail = nullptr;
@@ -881,6 +1017,12 @@ struct Plan {
       }
       return;
     }
+#ifdef RINGSERVE_AMX
+    if (amx) {  // row groups outermost: a thread's next item reads the rows its last one read (in L2)
+      const int64_t groups = items / row_groups, u0 = (i % groups) * per_item, r0 = (i / groups) * group_rows;
+      return amx::rows(a, r0, std::min(a.M, r0 + group_rows), u0, std::min(tiles, u0 + per_item));
+    }
+#endif
     const int64_t g = row_groups > 1 ? i % row_groups : 0;
     const int64_t m0 = g * group_rows, m1 = row_groups > 1 ? std::min(full_rows, m0 + group_rows) : full_rows;
     for (int64_t t = t0; t < t1; ++t) {  // each tile once for every row of x (it stays in L2)
@@ -914,6 +1056,23 @@ Plan plan(const Args& a, bool transpose_w, int64_t threads) {
     p.cols = ringserve::pairs::kCols;
     p.tiles = a.pk->tiles;
     const int64_t tile_bytes = a.pk->KP * p.cols * 4;
+#ifdef RINGSERVE_AMX
+    if (K % 32 == 0 && amx::usable()) {  // through AMX: items of tiles (within L2) x groups of 32-row blocks
+      const int64_t target = std::clamp<int64_t>(p.tiles * tile_bytes / (8 * threads), 32 << 10, 256 << 10);
+      p.per_item = std::max<int64_t>(1, target / tile_bytes);
+      p.items = (p.tiles + p.per_item - 1) / p.per_item;
+      // rows: as many groups as make 8 items a thread, and groups of at most ~512 KB of x (with
+      // the item's tiles, within L2; one group for every tile read x from memory once a tile)
+      const int64_t blocks = (M + 31) / 32, most = std::max<int64_t>(1, (512 << 10) / (64 * K));
+      p.row_groups = std::clamp<int64_t>((8 * threads + p.items - 1) / p.items, 1, blocks);
+      p.group_rows = std::min((blocks + p.row_groups - 1) / p.row_groups, most) * 32;
+      p.row_groups = (M + p.group_rows - 1) / p.group_rows;
+      p.items *= p.row_groups;
+      p.full_rows = M;
+      p.amx = true;
+      return p;
+    }
+#endif
     const int64_t target = std::clamp<int64_t>(p.tiles * tile_bytes / (8 * threads), 32 << 10, 512 << 10);
     p.per_item = std::max<int64_t>(1, target / tile_bytes);
     p.items = (p.tiles + p.per_item - 1) / p.per_item;
@@ -1211,3 +1370,12 @@ extern "C" void ringserve_cpu_matmul_arena_bytes(int64_t owner, int64_t* in_use,
 
 // Whether this build reads registered bf16 weights from packed pairs (AVX512-BF16)
 extern "C" int ringserve_cpu_matmul_pairs() { return kPairs ? 1 : 0; }
+
+// Whether it multiplies them through AMX's tiles (built for them, and Linux lent them)
+extern "C" int ringserve_cpu_matmul_amx() {
+#ifdef RINGSERVE_AMX
+  return amx::usable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}

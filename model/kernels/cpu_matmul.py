@@ -149,6 +149,13 @@ def packs_pairs(weights: str = "bfloat16") -> bool:
     return lib is not None and bool(lib.ringserve_cpu_matmul_pairs())
 
 
+def uses_amx(weights: str = "bfloat16") -> bool:
+    """Whether the library for `weights` multiplies registered weights' packed pairs through AMX
+    (cpu_matmul.cc `amx::rows`: a Sapphire Rapids or later CPU, whose Linux lends the process
+    its tiles; K a multiple of 32; RINGSERVE_AMX=0 keeps the AVX-512 pairs)."""
+    return packs_pairs(weights) and bool(_LIBS[weights].ringserve_cpu_matmul_amx())
+
+
 def register_weights(arrays: list[jax.Array]) -> int | None:
     """Register the bf16 matrices of `arrays` (the executor's weights, CPU; a stack [L, K, N]:
     each layer's) as buffers whose contents stay as they are until `release_weights(owner)`: the

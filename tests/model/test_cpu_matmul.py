@@ -478,3 +478,55 @@ def test_the_executor_registers_its_bf16_weights_for_pairs_and_again_after_a_swa
     assert got == greedy_with_cached_prefix(fresh, prompts, 16, 8)
     ex.drop_params()
     assert ex._packed[0] is None
+
+
+needs_amx = pytest.mark.skipif(not cpu_matmul.uses_amx(), reason="AMX: a Sapphire Rapids or later CPU whose Linux lends it")
+
+
+@needs_amx
+@pytest.mark.parametrize("k, n, transpose_w", [(576, 1536, False), (64, 2100, False), (96, 200, True)])
+def test_amx_multiplies_registered_weights_at_every_row_count(k, n, transpose_w):
+    """Where AMX runs, a registered bf16 weight with K a multiple of 32 multiplies through its
+    tiles at every row count: the tails of its 16-row tiles (1, 15, 17, 31, 33 rows) and of its
+    16-column blocks (N 200, 2100) to f32 rounding of float64, bf16 results its f32 ones rounded
+    to nearest even; a row's bits do not depend on the other rows of its call (one block of 16
+    rows or two); RINGSERVE_AMX=0 in a fresh process keeps the AVX-512 pairs, to the same
+    tolerance."""
+    rng = np.random.default_rng(k + n)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), jnp.bfloat16)
+    wf = np.asarray(w, np.float64).T if transpose_w else np.asarray(w, np.float64)
+    call = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w=transpose_w, out_dtype=jnp.float32))
+    call_bf16 = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w=transpose_w))
+    x = jnp.asarray(rng.standard_normal((70, k)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ wf
+    owner = cpu_matmul.register_weights([w])
+    try:
+        whole = np.asarray(call(x, w))
+        assert _rel_err(whole, want) < 1e-5
+        np.testing.assert_array_equal(np.asarray(call_bf16(x, w)), np.asarray(jnp.asarray(whole).astype(jnp.bfloat16)))
+        for m in (1, 15, 16, 17, 31, 33):
+            np.testing.assert_array_equal(np.asarray(call(x[:m], w)), whole[:m])
+            np.testing.assert_array_equal(np.asarray(call(x[m - 1 : m + 1], w)), whole[m - 1 : m + 1])
+    finally:
+        cpu_matmul.release_weights(owner)
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from model.kernels import cpu_matmul\n"
+        f"rng = np.random.default_rng({k + n})\n"
+        f"w = jnp.asarray(rng.standard_normal({(n, k) if transpose_w else (k, n)}), jnp.bfloat16)\n"
+        f"x = jnp.asarray(rng.standard_normal((70, {k})), jnp.bfloat16)\n"
+        "owner = cpu_matmul.register_weights([w])\n"
+        f"y = cpu_matmul.matmul(x, w, transpose_w={transpose_w}, out_dtype=jnp.float32)\n"
+        "print(cpu_matmul.uses_amx(), cpu_matmul.packed_bytes(owner) > 0)\n"
+        "np.save(__import__('sys').argv[1], np.asarray(y))\n"
+    )
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "y.npy")
+        env = {**os.environ, "RINGSERVE_AMX": "0"}
+        done = subprocess.run([sys.executable, "-c", code, out], capture_output=True, text=True, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split() == ["False", "True"]  # the pairs, without AMX
+        assert _rel_err(np.load(out), want) < 1e-5
