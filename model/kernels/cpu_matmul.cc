@@ -686,6 +686,42 @@ inline void one_block(const Args& a, const uint16_t* x, int64_t stride, int64_t 
   for (int q = 0; q < 4; ++q) store(a, c[q], m, t * ringserve::pairs::kCols + 16 * q);
 }
 
+// A 32 x 32 block of y summed in C tiles 0-3, stored as two [16][32] f32 halves (`c`), written
+// out while the next block's products run (`Block::out`): the conversion to bf16 and the stores
+// are the AVX-512 ports' work, the sums the tiles', so the two overlap (SmolLM2's 2048 x 576 x
+// 1536 on one core: 926 GF/s written after its block, 1132 meanwhile; 1292 not written at all).
+struct Block {
+  alignas(64) float c[2][16 * 32];
+  int64_t m = 0, n = 0;  // y's row and column of c[0][0]
+  int64_t done = 32;     // rows written (32: none pending)
+
+  void take(int64_t m_, int64_t n_) {
+    _tile_stored(0, c[0], 128);
+    _tile_stored(1, c[0] + 16, 128);
+    _tile_stored(2, c[1], 128);
+    _tile_stored(3, c[1] + 16, 128);
+    m = m_, n = n_, done = 0;
+  }
+  // rows done..r1-1 of the block into y (those below M; columns below N): bf16 without a scale
+  // through vcvtne2ps2bf16 (nearest even, as store_bf16: a tile's sums are never below f32's
+  // normal range, where the instruction flushes), anything else through store16
+  void out(const Args& a, int64_t r1) {
+    r1 = std::min<int64_t>(r1, a.M - m);
+    const bool fast = a.y_bf16 && !a.scale && n + 32 <= a.N;
+    for (; done < r1; ++done) {
+      const float* cr = c[done >> 4] + (done & 15) * 32;
+      if (fast) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(cr + 16), _mm512_load_ps(cr));
+        _mm512_storeu_si512(static_cast<uint16_t*>(a.y) + (m + done) * a.N + n, (__m512i)v);
+      } else {
+        for (int h = 0; h < 2; ++h)
+          if (n + 16 * h < a.N) store16(a, m + done, n + 16 * h, _mm512_load_ps(cr + 16 * h), mask_of(a.N - n - 16 * h));
+      }
+    }
+    if (done >= a.M - m) done = 32;
+  }
+};
+
 // Rows m0..m1-1 of y x the packed tiles t0..t1-1 (64 columns each), 32 rows at a time, each
 // tile for every 32 rows (the item's tiles stay in L2 while its rows pass). K % 32 == 0.
 void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
@@ -693,6 +729,9 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
   _tile_loadconfig(&config);
   const int64_t steps = a.pk->KP / 16, stride = a.xps * 2;
   alignas(64) float c[4][16 * 16];
+  Block blocks[2];  // the one being written out, the one being summed
+  int cur = 0;
+  const int64_t per_step = (32 + steps - 1) / steps;  // rows written out a step
   thread_local std::vector<uint16_t> pad;  // the last rows, under 32, and zeros after them
   for (int64_t m = m0; m < m1; m += 32) {
     const int64_t live = std::min<int64_t>(32, a.M - m);
@@ -712,6 +751,7 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
       for (int h = 0; h < 4; h += 2) {  // the tile's columns 16h..16h+31
         const int64_t n0 = t * ringserve::pairs::kCols + 16 * h;
         if (n0 >= a.N) break;
+        Block& last = blocks[cur ^ 1];
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -726,15 +766,16 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
           _tile_dpbf16ps(1, 4, 7);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
+          if (last.done < 32) last.out(a, last.done + per_step);
         }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-        for (int q = 0; q < 4; ++q) store(a, c[q], m + 16 * (q >> 1), n0 + 16 * (q & 1));
+        if (last.done < 32) last.out(a, 32);
+        blocks[cur].take(m, n0);
+        cur ^= 1;
       }
     }
   }
+  for (Block& b : blocks)
+    if (b.done < 32) b.out(a, 32);
   _tile_release();  // the registers back to their initial state: no 8 KB of tile data to save at a switch
 }
 
@@ -1201,26 +1242,31 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
   a.K = xd.back();
   a.M = 1;
   for (size_t d = 0; d + 1 < xd.size(); ++d) a.M *= xd[d];
+  // x as f32 and as int16 rows: made on first need, by a weight that is not read from packed
+  // pairs (those read x's bf16 bits in place: widening a prefill's x first took longer than
+  // AMX's products of it)
   std::vector<float> wide;
-  if (xt == DataType::BF16) {
-    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
-    wide.resize(size_t(a.M * a.K));
-    for (size_t e = 0; e < wide.size(); ++e) wide[e] = bf16_to_f32(xb[e]);
-    a.x = wide.data();
-    a.xh = xb;
-  } else {
-    a.x = static_cast<const float*>(x.untyped_data());
-    a.xh = nullptr;
-  }
+  a.xh = xt == DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  a.x = a.xh ? nullptr : static_cast<const float*>(x.untyped_data());
   a.xq = nullptr;
   a.xs = nullptr;
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> xs;
-  if (kQ16 && q8 && transpose_w && a.xh && a.M <= kQ16Rows && a.K % kQ16Step == 0 && a.K <= kQ16MaxK &&
-      quantize_rows(a.x, a.M, a.K, xq, xs)) {
-    a.xq = xq.data();
-    a.xs = xs.data();
-  }
+  bool quantize_tried = false;
+  auto plain_x = [&] {
+    if (!a.x) {
+      wide.resize(size_t(a.M * a.K));
+      for (size_t e = 0; e < wide.size(); ++e) wide[e] = bf16_to_f32(a.xh[e]);
+      a.x = wide.data();
+    }
+    if (kQ16 && q8 && !quantize_tried) {
+      quantize_tried = true;
+      if (transpose_w && a.xh && a.M <= kQ16Rows && a.K % kQ16Step == 0 && a.K <= kQ16MaxK && quantize_rows(a.x, a.M, a.K, xq, xs)) {
+        a.xq = xq.data();
+        a.xs = xs.data();
+      }
+    }
+  };
   static const int64_t cap = ringserve::thread_cap("RINGSERVE_MATMUL_THREADS");
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(call.pool().num_threads(), cap));
   std::vector<Plan> plans;
@@ -1279,6 +1325,7 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
       std::memset(a.y, 0, size_t(a.M * a.N) * (a.y_bf16 ? 2 : 4));
       continue;
     }
+    if (!a.pk) plain_x();
     if (!(wt == DataType::F32 ? kWeightsF32 : wt == DataType::BF16 ? kWeightsBf16 : kWeightsS8))
       return call.error(wt == DataType::F32    ? "cpu_matmul: this build has no f32 weights (one build per weight dtype)"
                         : wt == DataType::BF16 ? "cpu_matmul: this build has no bf16 weights (one build per weight dtype)"
