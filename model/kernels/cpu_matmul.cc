@@ -58,14 +58,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx.h"
 #include "bf16.h"
 #include "pairs.h"
 #include "pool.h"
@@ -90,6 +87,10 @@ struct Args {
   bool y_bf16;
   int64_t M, K, N;
   const ringserve::pairs::Packed* pk = nullptr;  // w's packed pairs (pairs.h: a registered bf16 [K, N]), or null
+  // gated (AMX, model/layers.py GatedMLP): y = silu(x @ w) * (x @ w2), w2's packed pairs and scale
+  bool gated = false;
+  const ringserve::pairs::Packed* pk2 = nullptr;
+  const float* scale2 = nullptr;
   const uint16_t* xp = nullptr;                  // x's bf16 rows for them, xps values apart (K rounded up to even)
   int64_t xps = 0;
 };
@@ -611,13 +612,13 @@ constexpr bool kPairs = false;
 constexpr int64_t kS8PairRows = 0;
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// AMX (Sapphire Rapids and later): the packed pairs' tiles are AMX's B operand as they are. A
-// packed tile's 16 pairs of K x 16 columns are 16 rows of 64 bytes, 256 bytes apart (pairs.h:
-// [KP][64] u32), so a B tile loads from the copy in place; 16 rows of x x 32 of K (bf16, 64
-// bytes) are an A tile, K * 2 bytes apart. tdpbf16ps adds to each f32 of a 16 x 16 C tile the
-// 32 products of its row of A and column of B, pair by pair in K order (bf16 products exact,
-// sums in f32, inputs and results below f32's normal range flushed to zero, as vdpbf16ps).
+#ifdef RINGSERVE_AMX
+// AMX (amx.h): the packed pairs' tiles are AMX's B operand as they are. A packed tile's 16 pairs
+// of K x 16 columns are 16 rows of 64 bytes, 256 bytes apart (pairs.h: [KP][64] u32), so a B tile
+// loads from the copy in place; 16 rows of x x 32 of K (bf16, 64 bytes) are an A tile, K * 2
+// bytes apart. tdpbf16ps adds to each f32 of a 16 x 16 C tile the 32 products of its row of A
+// and column of B, pair by pair in K order (bf16 products exact, sums in f32, inputs and
+// results below f32's normal range flushed to zero, as vdpbf16ps).
 //
 //   tiles 0-3   C: rows r..r+15 and r+16..r+31 x columns c..c+15 and c+16..c+31 of y
 //   tiles 4-5   A: those rows' 32 values of K at the step
@@ -625,44 +626,64 @@ constexpr int64_t kS8PairRows = 0;
 //
 // Every row of y is summed the same way whatever the other rows of the call (a row past M is
 // zeros, never read back), so a row's bits do not depend on how many rows its call has.
-// Linux lends a process AMX's tile registers only when it asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM, Linux 5.16+); before, the first tile instruction faults (SIGILL): that
-// is why AMX "faulted" in this VM for programs that never asked.
 namespace amx {
 
-struct Config {  // LDTILECFG's 64 bytes: palette 1, every tile 16 rows x 64 bytes
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-static_assert(sizeof(Config) == 64);
+using ringserve::amx::usable;
 
-// Whether the tiles may be used: this process asked Linux for them and got them (once per
-// process; RINGSERVE_AMX=0 keeps the AVX-512 pairs, for tests and benchmarks).
-inline bool usable() {
-  static const bool ok = [] {
-    const char* e = std::getenv("RINGSERVE_AMX");
-    if (e && std::string_view(e) == "0") return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
+// f32 lanes rounded to bf16 (nearest even; a NaN stays a quiet NaN, as store_bf16) and widened back
+inline __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
-// C tile `c` (16 x 16 f32, stored) into y from row m, column n: the rows below M, the columns below N
-inline void store(const Args& a, const float* c, int64_t m, int64_t n) {
-  if (n >= a.N) return;
+// e^x on f32 lanes, x clamped to [-88, 88]: 2^n e^r with r = x - n ln 2 in [-ln2/2, ln2/2] and
+// Cephes' degree-6 polynomial for e^r (within 2 ulp of f32)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The gated MLP's activation as model/layers.py computes it for bf16: g and u rounded to bf16
+// (the projections' outputs), silu(g) = g * sigmoid(g) in f32 rounded to bf16, times u in f32
+// (the caller rounds the product to bf16). The exp is exp16's, not XLA's: a result may differ
+// from XLA's by a bf16 step where the two exps' last f32 bits round apart.
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  g = round_bf16(g);
+  u = round_bf16(u);
+  const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(round_bf16(_mm512_mul_ps(g, sig)), u);
+}
+
+// y[m, n:n+16] (lanes below N) from stored C rows: the product's (its scale applied), or, gated,
+// silu_mul of the gate's and the up projection's (each scaled), rounded to y's dtype
+inline void out16(const Args& a, int64_t m, int64_t n, const float* g, const float* u) {
   const simd::Mask msk = mask_of(a.N - n);
-  for (int64_t r = 0; r < 16 && m + r < a.M; ++r) store16(a, m + r, n, _mm512_load_ps(c + 16 * r), msk);
+  if (!a.gated) return store16(a, m, n, _mm512_load_ps(g), msk);
+  __m512 gv = _mm512_load_ps(g), uv = _mm512_load_ps(u);
+  if (a.scale) gv = _mm512_mul_ps(gv, _mm512_maskz_loadu_ps(msk, a.scale + n));
+  if (a.scale2) uv = _mm512_mul_ps(uv, _mm512_maskz_loadu_ps(msk, a.scale2 + n));
+  simd::store_bf16(static_cast<uint16_t*>(a.y) + m * a.N + n, silu_mul(gv, uv), msk);
 }
 
-// Up to 16 rows of x (from m; 16 rows readable at x) x packed tile t, its 64 columns at once:
+// Up to 16 rows of x (16 rows readable at x) x packed tile t of `pk`, its 64 columns at once:
 // C tiles 0-3 the four column blocks, A tile 4, B tiles 5-7 in turn. The tile is read in address
 // order, a step's 16 pairs x 64 columns one run of 4 KB (decode's rows: the weights stream)
-inline void one_block(const Args& a, const uint16_t* x, int64_t stride, int64_t steps, int64_t m, int64_t t,
-                      float (*c)[16 * 16]) {
-  const uint32_t* b = a.pk->tile(t);
+inline void one_block(const ringserve::pairs::Packed* pk, const uint16_t* x, int64_t stride, int64_t steps,
+                      int64_t t, float (*c)[16 * 16]) {
+  const uint32_t* b = pk->tile(t);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -683,52 +704,63 @@ inline void one_block(const Args& a, const uint16_t* x, int64_t stride, int64_t 
   _tile_stored(1, c[1], 64);
   _tile_stored(2, c[2], 64);
   _tile_stored(3, c[3], 64);
-  for (int q = 0; q < 4; ++q) store(a, c[q], m, t * ringserve::pairs::kCols + 16 * q);
 }
 
-// A 32 x 32 block of y summed in C tiles 0-3, stored as two [16][32] f32 halves (`c`), written
-// out while the next block's products run (`Block::out`): the conversion to bf16 and the stores
-// are the AVX-512 ports' work, the sums the tiles', so the two overlap (SmolLM2's 2048 x 576 x
-// 1536 on one core: 926 GF/s written after its block, 1132 meanwhile; 1292 not written at all).
+// A 32 x 32 block of y summed in C tiles 0-3, stored as two [16][32] f32 halves (`c`; gated: the
+// gate's, and the up projection's in `u`), written out while the next block's products run
+// (`out`): the conversion and the stores are the AVX-512 ports' work, the sums the tiles', so
+// the two overlap (SmolLM2's 2048 x 576 x 1536 on one core: 926 GF/s written after its block,
+// 1132 meanwhile; 1292 not written at all).
 struct Block {
   alignas(64) float c[2][16 * 32];
+  alignas(64) float u[2][16 * 32];
   int64_t m = 0, n = 0;  // y's row and column of c[0][0]
   int64_t done = 32;     // rows written (32: none pending)
 
-  void take(int64_t m_, int64_t n_) {
-    _tile_stored(0, c[0], 128);
-    _tile_stored(1, c[0] + 16, 128);
-    _tile_stored(2, c[1], 128);
-    _tile_stored(3, c[1] + 16, 128);
-    m = m_, n = n_, done = 0;
+  static void keep(float (*to)[16 * 32]) {
+    _tile_stored(0, to[0], 128);
+    _tile_stored(1, to[0] + 16, 128);
+    _tile_stored(2, to[1], 128);
+    _tile_stored(3, to[1] + 16, 128);
   }
+  void take(int64_t m_, int64_t n_) { m = m_, n = n_, done = 0; }
   // rows done..r1-1 of the block into y (those below M; columns below N): bf16 without a scale
   // through vcvtne2ps2bf16 (nearest even, as store_bf16: a tile's sums are never below f32's
-  // normal range, where the instruction flushes), anything else through store16
+  // normal range, where the instruction flushes), anything else through out16
   void out(const Args& a, int64_t r1) {
-    r1 = std::min<int64_t>(r1, a.M - m);
-    const bool fast = a.y_bf16 && !a.scale && n + 32 <= a.N;
+    r1 = std::min<int64_t>(std::min<int64_t>(r1, 32), a.M - m);  // (per_step x steps may pass 32)
+    const bool fast = !a.gated && a.y_bf16 && !a.scale && n + 32 <= a.N;
     for (; done < r1; ++done) {
       const float* cr = c[done >> 4] + (done & 15) * 32;
+      const float* ur = u[done >> 4] + (done & 15) * 32;
       if (fast) {
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(cr + 16), _mm512_load_ps(cr));
         _mm512_storeu_si512(static_cast<uint16_t*>(a.y) + (m + done) * a.N + n, (__m512i)v);
       } else {
         for (int h = 0; h < 2; ++h)
-          if (n + 16 * h < a.N) store16(a, m + done, n + 16 * h, _mm512_load_ps(cr + 16 * h), mask_of(a.N - n - 16 * h));
+          if (n + 16 * h < a.N) out16(a, m + done, n + 16 * h, cr + 16 * h, ur + 16 * h);
       }
     }
     if (done >= a.M - m) done = 32;
   }
 };
 
+// Calls of up to this many rows (decode's) run every 16 rows as one_block: each tile is read in
+// address order (from memory for the first 16 rows, from L2 after), where the 2 x 2 blocks read
+// each 4 KB step of it twice, 128 bytes of every 256, and waited on memory at the B loads (perf:
+// 55% of their time). The sums are the same either way (a C element adds the same A row x B
+// column products in the same K order). 30 layers of SmolLM2's gate and down projections at 64
+// rows: 7.9 -> 7.1 ms.
+constexpr int64_t kStreamRows = 64;
+
 // Rows m0..m1-1 of y x the packed tiles t0..t1-1 (64 columns each), 32 rows at a time, each
-// tile for every 32 rows (the item's tiles stay in L2 while its rows pass). K % 32 == 0.
+// tile for every 32 rows (the item's tiles stay in L2 while its rows pass). K % 32 == 0. Gated
+// (a.pk the gate's pairs, a.pk2 the up projection's): each block summed for both, then y =
+// silu_mul of the two.
 void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
-  static const Config config;
-  _tile_loadconfig(&config);
+  const ringserve::amx::Tiles tiles;
   const int64_t steps = a.pk->KP / 16, stride = a.xps * 2;
-  alignas(64) float c[4][16 * 16];
+  alignas(64) float c[4][16 * 16], cu[4][16 * 16];
   Block blocks[2];  // the one being written out, the one being summed
   int cur = 0;
   const int64_t per_step = (32 + steps - 1) / steps;  // rows written out a step
@@ -741,46 +773,56 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
       std::memcpy(pad.data(), x, size_t(live * a.xps) * 2);
       x = pad.data();
     }
-    if (live <= 16) {  // one block of rows: the tile's four column blocks in one pass along K
-      for (int64_t t = t0; t < t1; ++t) one_block(a, x, stride, steps, m, t, c);
+    if (live <= 16 || a.M <= kStreamRows) {  // blocks of 16 rows, each tile's four column blocks in one pass
+      for (int64_t r = 0; r < live; r += 16)
+        for (int64_t t = t0; t < t1; ++t) {
+          one_block(a.pk, x + r * a.xps, stride, steps, t, c);
+          if (a.gated) one_block(a.pk2, x + r * a.xps, stride, steps, t, cu);
+          for (int q = 0; q < 4; ++q) {
+            const int64_t n = t * ringserve::pairs::kCols + 16 * q;
+            if (n >= a.N) break;
+            for (int64_t i = 0; i < 16 && m + r + i < a.M; ++i) out16(a, m + r + i, n, c[q] + 16 * i, cu[q] + 16 * i);
+          }
+        }
       continue;
     }
     const uint16_t* x1 = x + 16 * a.xps;
     for (int64_t t = t0; t < t1; ++t) {
-      const uint32_t* w = a.pk->tile(t);
       for (int h = 0; h < 4; h += 2) {  // the tile's columns 16h..16h+31
         const int64_t n0 = t * ringserve::pairs::kCols + 16 * h;
         if (n0 >= a.N) break;
         Block& last = blocks[cur ^ 1];
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint32_t* b = w + 16 * h;
-        for (int64_t s = 0; s < steps; ++s, b += 16 * ringserve::pairs::kCols) {
-          _tile_loadd(4, x + 32 * s, stride);
-          _tile_loadd(5, x1 + 32 * s, stride);
-          _tile_loadd(6, b, ringserve::pairs::kCols * 4);
-          _tile_loadd(7, b + 16, ringserve::pairs::kCols * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-          if (last.done < 32) last.out(a, last.done + per_step);
+        Block& now = blocks[cur];
+        for (int w = 0; w < (a.gated ? 2 : 1); ++w) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          const uint32_t* b = (w ? a.pk2 : a.pk)->tile(t) + 16 * h;
+          for (int64_t s = 0; s < steps; ++s, b += 16 * ringserve::pairs::kCols) {
+            _tile_loadd(4, x + 32 * s, stride);
+            _tile_loadd(5, x1 + 32 * s, stride);
+            _tile_loadd(6, b, ringserve::pairs::kCols * 4);
+            _tile_loadd(7, b + 16, ringserve::pairs::kCols * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            if (last.done < 32) last.out(a, last.done + per_step);
+          }
+          Block::keep(w ? now.u : now.c);
         }
         if (last.done < 32) last.out(a, 32);
-        blocks[cur].take(m, n0);
+        now.take(m, n0);
         cur ^= 1;
       }
     }
   }
   for (Block& b : blocks)
     if (b.done < 32) b.out(a, 32);
-  _tile_release();  // the registers back to their initial state: no 8 KB of tile data to save at a switch
 }
 
 }  // namespace amx
-#define RINGSERVE_AMX 1
 #endif
 
 #if RINGSERVE_SIMD == 256
@@ -1187,6 +1229,21 @@ Plan plan_if(const Args& a, bool transpose_w, int64_t threads) {
   return Plan{};  // (not reached: the caller refuses a dtype not built)
 }
 
+// h = silu(g) * u over n bf16 values (the products' outputs, rounded), as model/layers.py's
+// silu_mul computes it: silu in f32 rounded to bf16, the product rounded to bf16
+void gated_activation(const uint16_t* g, const uint16_t* u, uint16_t* h, size_t n) {
+  size_t i = 0;
+#ifdef RINGSERVE_AMX
+  for (; i + 16 <= n; i += 16)
+    simd::store_bf16(h + i, amx::silu_mul(simd::load(g + i), simd::load(u + i)), mask_of(16));
+#endif
+  for (; i < n; ++i) {
+    const float x = bf16_to_f32(g[i]);
+    const float sl = bf16_to_f32(f32_to_bf16(x / (1.f + std::exp(-x))));
+    h[i] = f32_to_bf16(sl * bf16_to_f32(u[i]));
+  }
+}
+
 // Every item of every plan in one deal to the pool; then the block sums, in block order
 void run(const ringserve::ThreadPool& pool, int64_t cap, std::vector<Plan>& plans) {
   size_t need = 0;
@@ -1215,7 +1272,12 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
   bool transpose_w = false;
   if (!x.ok() || !call.attr("transpose_w", &transpose_w))
     return call.error("cpu_matmul: x first, and the attribute transpose_w (bool)");
-  const size_t G = size_t(call.rets());
+  // gated (optional attribute): two weights (the gate's, the up projection's) and one result,
+  // silu(x @ w0) * (x @ w1) as model/layers.py's GatedMLP computes it in bf16 (`silu_mul`)
+  bool gated = false;
+  if (!call.attr("gated", &gated)) gated = false;
+  if (gated && call.rets() != 1) return call.error("cpu_matmul: gated: the gate's and the up projection's weights, one result");
+  const size_t G = gated ? 2 : size_t(call.rets());  // the weights
   // Stacked weights ([L, K, N] or [L, N, K], scales [L, N]) end the operands with the layer to
   // read (s32 scalar): the layers' scan hands the kernel the whole stack, never a slice (a
   // slice would be a copy of the layer's weights every step)
@@ -1273,7 +1335,7 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
   std::vector<std::shared_ptr<const ringserve::pairs::Packed>> held;  // the packed pairs this call reads
   thread_local std::vector<uint16_t> xpad;                          // x padded to an even K for them
   for (size_t g = 0; g < G; ++g) {
-    const Buffer w = call.arg(1 + int64_t(g)), y = call.ret(int64_t(g));
+    const Buffer w = call.arg(1 + int64_t(g)), y = call.ret(gated ? 0 : int64_t(g));
     if (!w.ok() || !y.ok()) return call.error("cpu_matmul: buffers expected");
     auto wd_all = w.dimensions(), yd = y.dimensions();
     const size_t rank = stacked ? 3 : 2;
@@ -1303,6 +1365,8 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
     a.w = static_cast<const char*>(w.untyped_data()) + size_t(layer) * size_t(a.K * a.N) * item;
     a.y = y.untyped_data();
     a.y_bf16 = yt == DataType::BF16;
+    if (gated && (xt != DataType::BF16 || yt != DataType::BF16))
+      return call.error("cpu_matmul: gated: x and the result must be bf16");
     a.pk = nullptr;
     std::shared_ptr<const ringserve::pairs::Packed> pk;  // bf16 weights: every call; int8: many rows
     if (kPairs && kWeightsBf16 && wt == DataType::BF16 && a.xh && a.M > 0)
@@ -1333,6 +1397,29 @@ XLA_FFI_Error* matmul(const ringserve::Call& call) {
     plans.push_back(wt == DataType::F32    ? plan_if<kWeightsF32, float>(a, transpose_w, threads)
                     : wt == DataType::BF16 ? plan_if<kWeightsBf16, uint16_t>(a, transpose_w, threads)
                                            : plan_if<kWeightsS8, int8_t>(a, transpose_w, threads));
+  }
+  if (gated && plans.size() == 2) {
+#ifdef RINGSERVE_AMX
+    if (plans[0].amx && plans[1].amx) {  // one plan: each block summed for both weights, then silu_mul
+      Plan& p = plans[0];
+      p.a.gated = true;
+      p.a.pk2 = plans[1].a.pk;
+      p.a.scale2 = plans[1].a.scale;
+      plans.pop_back();
+      run(call.pool(), cap, plans);
+      return nullptr;
+    }
+#endif
+    // elsewhere: both products into bf16 buffers of their own (as XLA's would be), then silu_mul
+    thread_local std::vector<uint16_t> gu;
+    const size_t n = size_t(a.M * a.N);
+    gu.resize(2 * n);
+    uint16_t* h = static_cast<uint16_t*>(plans[0].a.y);
+    plans[0].a.y = gu.data();
+    plans[1].a.y = gu.data() + n;
+    run(call.pool(), cap, plans);
+    gated_activation(gu.data(), gu.data() + n, h, n);
+    return nullptr;
   }
   run(call.pool(), cap, plans);
   return nullptr;

@@ -141,6 +141,26 @@ def matmuls(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, sca
     return list(jax.ffi.ffi_call(target(kinds.pop()), outs)(x, *ws, *extra, transpose_w=transpose_w))
 
 
+def gated(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, scales: list[jax.Array] | None = None,
+          layer: jax.Array | int | None = None) -> jax.Array:  # fmt: skip
+    """silu(x @ ws[0]) * (x @ ws[1]) for bf16 x, as model/layers.py's GatedMLP computes it (each
+    product rounded to bf16, silu in f32 rounded to bf16, the product rounded): one call, and
+    where AMX multiplies registered weights each block of both products is summed and activated
+    in place (cpu_matmul.cc `amx::rows`), never written out as two [..., N] arrays. Arguments
+    as `matmuls`'."""
+    if len(ws) != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError("cpu_matmul.gated: bf16 x and two weights (the gate's, the up projection's)")
+    n = ws[0].shape[-2] if transpose_w else ws[0].shape[-1]
+    extra = [] if scales is None else [s.astype(jnp.float32) for s in scales]
+    if layer is not None:
+        extra.append(jnp.asarray(layer, jnp.int32))
+    kinds = {jnp.dtype(w.dtype).name for w in ws}
+    if len(kinds) != 1:
+        raise ValueError(f"cpu_matmul.gated: the weights of one call share a dtype, got {sorted(kinds)}")
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16)
+    return jax.ffi.ffi_call(target(kinds.pop()), out)(x, *ws, *extra, transpose_w=transpose_w, gated=True)
+
+
 def packs_pairs(weights: str = "bfloat16") -> bool:
     """Whether the library for `weights` (bfloat16, int8) reads registered weights from packed
     pairs (AVX512-BF16: cpu_matmul.cc `pair_tile`, pairs.h; int8 above kS8PairRows rows); False

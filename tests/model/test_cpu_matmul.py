@@ -503,6 +503,8 @@ def test_amx_multiplies_registered_weights_at_every_row_count(k, n, transpose_w)
     try:
         whole = np.asarray(call(x, w))
         assert _rel_err(whole, want) < 1e-5
+        for _ in range(40):  # items on both threads: a block written past its 32 rows raced the next item's
+            np.testing.assert_array_equal(np.asarray(call(x, w)), whole)
         np.testing.assert_array_equal(np.asarray(call_bf16(x, w)), np.asarray(jnp.asarray(whole).astype(jnp.bfloat16)))
         for m in (1, 15, 16, 17, 31, 33):
             np.testing.assert_array_equal(np.asarray(call(x[:m], w)), whole[:m])
@@ -530,3 +532,61 @@ def test_amx_multiplies_registered_weights_at_every_row_count(k, n, transpose_w)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.split() == ["False", "True"]  # the pairs, without AMX
         assert _rel_err(np.load(out), want) < 1e-5
+
+
+def _bf16_steps(got, want) -> np.ndarray:
+    """How many bf16 steps apart two bf16 arrays of one sign pattern are, element by element."""
+    g = np.asarray(got).view(np.uint16).astype(np.int32)
+    w = np.asarray(want).view(np.uint16).astype(np.int32)
+    return np.abs(g - w)
+
+
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("register", [True, False])
+def test_gated_is_silu_of_the_gate_times_up_as_layers_computes_it(wdtype, register):
+    """`gated` (GatedMLP's silu(x @ wg) * (x @ wu) in one call) against the same two products
+    from `matmuls` and model/layers.py's XLA activation: within two bf16 steps where its exp and
+    XLA's round apart, in under 1% of the values, at every row count (the 16-row blocks of AMX,
+    its 32-row blocks past 64 rows, int8's int16 stream up to 16 rows); registered weights (read
+    from packed pairs: AMX sums both products and activates them in place) and unregistered ones
+    (both products, then the activation); a row's bits do not depend on its call's other rows
+    (int8: on either side of where x turns from int16 rows to bf16 pairs, or to f32 unregistered)."""
+    from model.layers import silu
+
+    k, n = 576, 200
+    rng = np.random.default_rng(7)
+    if wdtype == "int8":
+        ws = [jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8)) for _ in range(2)]
+        scales = [jnp.asarray((rng.random(n) * 0.01 + 0.001).astype(np.float32)) for _ in range(2)]
+        transpose = True
+    else:
+        ws = [jnp.asarray(rng.standard_normal((k, n)) * 0.06, jnp.bfloat16) for _ in range(2)]
+        scales, transpose = None, False
+    x = jnp.asarray(rng.standard_normal((100, k)), jnp.bfloat16)
+    fused = jax.jit(lambda x, a, b: cpu_matmul.gated(x, [a, b], transpose_w=transpose, scales=scales))
+    plain = jax.jit(lambda x, a, b: (lambda g, u: silu(g) * u)(*cpu_matmul.matmuls(x, [a, b], transpose_w=transpose, scales=scales)))
+    owner = cpu_matmul.register_weights(ws) if register else None
+    try:
+        whole = np.asarray(fused(x, *ws))
+        cut = (16 if register else 64) if wdtype == "int8" else 0  # int8's int16 rows up to `cut`
+        few = np.asarray(fused(x[:cut], *ws)) if cut else whole
+        for m in (1, 5, 16, 17, 40, 64, 65, 100):
+            got, want = np.asarray(fused(x[:m], *ws)), np.asarray(plain(x[:m], *ws))
+            np.testing.assert_array_equal(got, (few if m <= cut else whole)[:m])
+            steps = _bf16_steps(got, want)
+            assert steps.max() <= 2 and (steps > 0).mean() < 0.01, (m, steps.max(), (steps > 0).mean())
+    finally:
+        cpu_matmul.release_weights(owner)
+
+
+def test_the_mlp_takes_the_gated_call_for_bf16_on_the_kernel_only():
+    """GatedMLP's activation runs in the gated call for bf16 x on the kernel's dots, and as XLA's
+    expression under XLA's dot, for f32 and with adapters."""
+    from model.layers import GatedMLP
+
+    def calls(dtype, dot) -> bool:
+        mlp = GatedMLP(32, 64, dtype, (), (), dot=dot)
+        return "gated = true" in jax.jit(lambda x: mlp(x)).lower(jnp.ones((2, 32), dtype)).as_text()
+
+    assert calls(jnp.bfloat16, "kernel")
+    assert not calls(jnp.bfloat16, "xla") and not calls(jnp.bfloat16, "invariant") and not calls(jnp.float32, "kernel")
