@@ -2,6 +2,7 @@
 
     python -m bench.cpu_attention
     python -m bench.cpu_attention --cases decode:64x256,extend:1x512 --dtype bf16 --repeats 50
+    python -m bench.cpu_attention --dtype bf16 --layout pairs      # the pair layouts (AVX512-BF16, AMX)
 
 Each case is one call of model/kernels/cpu_attention.cc with SmolLM2-135M's heads (9 query
 heads, 3 KV heads, head dim 64, pages of 16 keys) over a pool of `--layers` layers (default 30,
@@ -26,7 +27,7 @@ import numpy as np
 
 
 def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, pages_order: str = "random",
-             heads=(9, 3), d=64, s=16):  # fmt: skip
+             heads=(9, 3), d=64, s=16, layout: str = "plain"):  # fmt: skip
     import jax
     import jax.numpy as jnp
 
@@ -64,6 +65,9 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
 
     k = cache((hkv, layers * pages, d, s))
     v = cache((hkv, layers * pages, s, d))
+    if layout == "pairs":  # model/attention/cpu_kernel.py's pair layouts (bf16 caches, AVX512-BF16)
+        k = k.reshape(hkv, layers * pages, d // 2, 2, s).transpose(0, 1, 2, 4, 3)
+        v = v.reshape(hkv, layers * pages, s // 2, 2, d).transpose(0, 1, 2, 4, 3)
     fb = [jnp.asarray(x) for x in (table, row_start, kv_len, positions)]
 
     def one(q, k, v, layer, table, row_start, kv_len, positions):
@@ -88,7 +92,7 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
     ms = statistics.median(times)
     keys = b * ctx if kind == "decode" else b * n
     kv_bytes = keys * hkv * d * 2 * (2 if dtype == "bf16" else 4)
-    return {"case": f"{kind} {b}x{n}", "dtype": dtype, "call_ms": ms / layers, "step_ms": ms,
+    return {"case": f"{kind} {b}x{n}", "dtype": dtype if layout == "plain" else f"{dtype} {layout}", "call_ms": ms / layers, "step_ms": ms,
             "kv_mb": kv_bytes / 1e6, "gb_s": kv_bytes * layers / (ms / 1e3) / 1e9,
             "best_step_ms": min(times)}  # fmt: skip
 
@@ -101,6 +105,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--pages", default="random", choices=["random", "sequential"],
                     help="the rows' page tables: pages scattered over the pool, or each row's consecutive")
+    ap.add_argument("--layout", default="plain", choices=["plain", "pairs"],
+                    help="bf16 caches: the native layout, or the pair layouts (model/attention/cpu_kernel.py)")
     a = ap.parse_args(argv)
     rows = []
     print(f"{'case':>16s} {'dtype':>5s} {'call ms':>8s} {'step ms':>8s} {'KV MB':>7s} {'GB/s':>6s}")
@@ -108,7 +114,8 @@ def main(argv=None):
         for item in a.cases.split(","):
             kind, _, dims = item.partition(":")
             b, _, n = dims.partition("x")
-            r = run_case(kind, int(b), int(n), dt, a.layers, a.repeats, a.pages)
+            r = run_case(kind, int(b), int(n), dt, a.layers, a.repeats, a.pages,
+                         layout=a.layout if dt == "bf16" else "plain")  # fmt: skip
             rows.append(r)
             print(f"{r['case']:>16s} {dt:>5s} {r['call_ms']:8.3f} {r['step_ms']:8.2f} {r['kv_mb']:7.2f} {r['gb_s']:6.1f}", flush=True)
     print(json.dumps(rows))

@@ -18,6 +18,21 @@
 // Work items are (row, KV head, block of up to 8 query tokens); each walks its row's pages in
 // order with an online softmax, so a query's sums are the same whatever else is in the batch.
 // Items are dealt to the calling thread and to helpers on XLA's intra-op pool (pool.h).
+//
+// The pair layouts (bf16 caches where the CPU has AVX512-BF16: model/attention/cpu_kernel.py
+// picks them, pages of 16 keys, head dims of 32s): each page holds the two values vdpbf16ps and
+// AMX multiply together side by side, so a page is read as the instructions' operand as it is
+//
+//   k_cache  [Hkv, L*P, D/2, 16, 2] u16   row p of a page: (k[2p][s], k[2p+1][s]) for its 16 keys
+//   v_cache  [Hkv, L*P, 8, D, 2] u16      row j of a page: (v[2j][d], v[2j+1][d]) for every dim
+//
+// and an item (up to 16 queries: a row's tokens x the KV head's G query heads) runs in two
+// passes over its row's keys (`pairs_item`): every score (q.k, exact bf16 products summed in
+// f32, then scaled), the softmax over all of a query's visible keys at once, its probabilities
+// rounded to bf16 (as HF's bf16 attention rounds softmax's output), then their sums with the
+// values. With AMX the products run in its tiles (a page's 32 dims of K are a B tile as they
+// lie; two pages of V copied side by side are four); elsewhere through vdpbf16ps. A query's
+// sums do not depend on the other queries of its item, nor on how its row was cut into steps.
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "bf16.h"
 #include "pool.h"
 #include "simd.h"
@@ -55,6 +71,7 @@ struct Args {
   int64_t pages_per_head;  // L * P: the caches' second axis
   int64_t window;
   float scale;
+  bool pairs = false;  // the pair layouts (bf16 bits; pages of 16, D a multiple of 32)
 };
 
 struct Item {
@@ -448,7 +465,239 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   }
 }
 
+#ifdef __AVX512BF16__
+// ---- the pair layouts -----------------------------------------------------------------------
+
+constexpr int64_t kPairQueries = 16;  // the most queries of an item (one AMX tile of rows)
+
+inline void prefetch_page(const void* p, size_t bytes) {
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
+}
+
+// The item's scores [16, ld] f32 (rows past its queries: zeros' products; unscaled) for pages
+// p0..p0+np-1 of its row: qh [16, DC] bf16 queries; kpage(i): page p0+i's keys in the pair layout;
+// ahead(i) as page i's keys are read (prefetches)
+template <int DC, class KPage, class Ahead>
+void pair_scores(const uint16_t* qh, int64_t nq, KPage kpage, Ahead ahead, int64_t np, float* sc, int64_t ld) {
+#ifdef RINGSERVE_AMX
+  if (ringserve::amx::usable()) {  // C tiles 0-3: 4 pages' 16 keys; A 4: 32 dims of q; B 5-7: those of a page
+    const ringserve::amx::Tiles tiles;
+    for (int64_t c = 0; c < np; c += 4) {
+      const int64_t cnt = std::min<int64_t>(4, np - c);
+      for (int64_t i = c; i < std::min(np, c + 4); ++i) ahead(i);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t dc = 0; dc < DC / 32; ++dc) {
+        _tile_loadd(4, qh + dc * 32, DC * 2);
+        const int64_t rows = dc * 16 * 32;  // the page's pair rows 16 dc.. (32 u16 each)
+        _tile_loadd(5, kpage(c) + rows, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (cnt > 1) {
+          _tile_loadd(6, kpage(c + 1) + rows, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (cnt > 2) {
+          _tile_loadd(7, kpage(c + 2) + rows, 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (cnt > 3) {
+          _tile_loadd(5, kpage(c + 3) + rows, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, sc + c * 16, ld * 4);
+      _tile_stored(1, sc + c * 16 + 16, ld * 4);
+      _tile_stored(2, sc + c * 16 + 32, ld * 4);
+      _tile_stored(3, sc + c * 16 + 48, ld * 4);
+    }
+    return;
+  }
+#endif
+  // vdpbf16ps: a page's pair row p is 16 keys' dims 2p, 2p+1; 4 queries' 16 scores in registers
+  for (int64_t q0 = 0; q0 < nq; q0 += 4) {
+    const int64_t nb = std::min<int64_t>(4, nq - q0);
+    for (int64_t i = 0; i < np; ++i) {
+      if (q0 == 0) ahead(i);
+      const uint16_t* k = kpage(i);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t p = 0; p < DC / 2; ++p) {
+        const __m512bh kr = (__m512bh)_mm512_loadu_si512(k + p * 32);
+        for (int b = 0; b < 4; ++b) {
+          if (b >= nb) break;
+          int32_t qq;
+          std::memcpy(&qq, qh + (q0 + b) * DC + 2 * p, 4);
+          acc[b] = _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_set1_epi32(qq), kr);
+        }
+      }
+      for (int b = 0; b < nb; ++b) _mm512_storeu_ps(sc + (q0 + b) * ld + i * 16, acc[b]);
+    }
+  }
+}
+
+// The item's outputs [16, DC] f32 = its probabilities (ph [16, ldp] bf16, normalised; zeros past
+// its keys and queries) x the values of pages p0..p0+np-1 (vpage(i): the pair layout)
+template <int DC, class VPage>
+void pair_values(const uint16_t* ph, int64_t ldp, int64_t nq, VPage vpage, int64_t np, float* o) {
+#ifdef RINGSERVE_AMX
+  if (ringserve::amx::usable()) {
+    // two pages' values side by side: B tiles of 16 key pairs x 16 dims, a row of PASS dims
+    // (PASS * 4 bytes) a pair (64 dims a pass: C tiles 0-3 hold 16 queries x 64 dims, or 0-1
+    // for 32; A 4: 32 keys' probabilities)
+    constexpr int64_t PASS = DC < 64 ? DC : 64, NB = PASS / 16;
+    thread_local std::vector<uint16_t> vb;
+    vb.resize(16 * PASS * 2);
+    const ringserve::amx::Tiles tiles;
+    for (int64_t dh = 0; dh < DC / PASS; ++dh) {
+      _tile_zero(0);
+      _tile_zero(1);
+      if constexpr (NB == 4) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t i = 0; i < np; i += 2) {
+        for (int64_t h = 0; h < 2; ++h) {  // page i + h's 8 key pairs, dims PASS dh.. (zeros past the last page)
+          uint16_t* dst = vb.data() + h * 8 * PASS * 2;
+          if (i + h < np) {
+            const uint16_t* src = vpage(i + h) + dh * PASS * 2;
+            for (int64_t j = 0; j < 8; ++j) std::memcpy(dst + j * PASS * 2, src + j * DC * 2, PASS * 4);
+          } else {
+            std::memset(dst, 0, 8 * PASS * 4);
+          }
+        }
+        _tile_loadd(4, ph + i * 16, ldp * 2);
+        _tile_loadd(5, vb.data(), PASS * 4);
+        _tile_loadd(6, vb.data() + 32, PASS * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        if constexpr (NB == 4) {
+          _tile_loadd(7, vb.data() + 64, PASS * 4);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, vb.data() + 96, PASS * 4);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, o + dh * PASS, DC * 4);
+      _tile_stored(1, o + dh * PASS + 16, DC * 4);
+      if constexpr (NB == 4) {
+        _tile_stored(2, o + dh * PASS + 32, DC * 4);
+        _tile_stored(3, o + dh * PASS + 48, DC * 4);
+      }
+    }
+    return;
+  }
+#endif
+  // vdpbf16ps: a page's pair row j is keys 2j, 2j+1 for every dim; 2 queries x DC/16 vectors
+  constexpr int V = DC / 16;
+  for (int64_t q0 = 0; q0 < nq; q0 += 2) {
+    const int64_t nb = std::min<int64_t>(2, nq - q0);
+    __m512 acc[2][V];
+    for (int b = 0; b < 2; ++b)
+      for (int c = 0; c < V; ++c) acc[b][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < np; ++i) {
+      const uint16_t* v = vpage(i);
+      for (int64_t j = 0; j < 8; ++j) {
+        __m512bh vr[V];
+        for (int c = 0; c < V; ++c) vr[c] = (__m512bh)_mm512_loadu_si512(v + j * DC * 2 + c * 32);
+        for (int b = 0; b < 2; ++b) {
+          if (b >= nb) break;
+          int32_t pp;
+          std::memcpy(&pp, ph + (q0 + b) * ldp + i * 16 + 2 * j, 4);
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(pp);
+          for (int c = 0; c < V; ++c) acc[b][c] = _mm512_dpbf16_ps(acc[b][c], pb, vr[c]);
+        }
+      }
+    }
+    for (int b = 0; b < nb; ++b)
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + (q0 + b) * DC + c * 16, acc[b][c]);
+  }
+}
+
+// One item in the pair layouts: queries t0..t1-1 of row `row` x the G query heads of KV head
+// `head` (at most kPairQueries), in two passes over the row's pages (the header's account)
+template <int DC>
+void pairs_item(const Args& a, const Item& it) {
+  constexpr int64_t S = 16;
+  const int64_t G = a.H / a.Hkv;
+  const int64_t nq = int64_t(it.t1 - it.t0) * G;
+  thread_local std::vector<uint16_t> qh, ph;
+  thread_local std::vector<float> sc, o;
+  qh.assign(size_t(kPairQueries * DC), 0);
+  int32_t max_pos = 0, min_pos = INT32_MAX;
+  for (int32_t t = it.t0; t < it.t1; ++t) {
+    max_pos = std::max(max_pos, a.positions[t]);
+    min_pos = std::min(min_pos, a.positions[t]);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = int64_t(t - it.t0) * G + g, at = (int64_t(t) * a.H + int64_t(it.head) * G + g) * DC;
+      if (a.q_bf16)
+        std::memcpy(qh.data() + qi * DC, static_cast<const uint16_t*>(a.q) + at, DC * 2);
+      else
+        for (int64_t d = 0; d < DC; ++d) qh[size_t(qi * DC + d)] = ringserve::f32_to_bf16(static_cast<const float*>(a.q)[at + d]);
+    }
+  }
+  const int32_t kv_len = a.kv_len[it.row];
+  max_pos = std::min<int32_t>(max_pos, kv_len - 1);
+  if (max_pos < 0) return;  // (outputs stay zeros)
+  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, int64_t(min_pos) - a.window + 1) : 0;
+  const int64_t p0 = first_key / S, np = max_pos / S - p0 + 1, nk = np * S;
+  const int64_t ld = (nk + 63) / 64 * 64, ldp = (nk + 31) / 32 * 32;
+  const int32_t* table = a.pages + int64_t(it.row) * a.MP;
+  const size_t page_elems = size_t(DC * S);
+  auto page_of = [&](const void* cache, int64_t i) {
+    const size_t page = size_t(it.head) * size_t(a.pages_per_head) + size_t(int64_t(table[p0 + i]) + a.layer_offset);
+    return static_cast<const uint16_t*>(cache) + page * page_elems;
+  };
+  sc.resize(size_t(kPairQueries * ld));
+  // pages ahead of the one scored are elsewhere in memory: asked for into L2, the values' too
+  // (the second pass reads them)
+  for (int64_t i = 0; i < std::min<int64_t>(np, 4); ++i) prefetch_page(page_of(a.k, i), page_elems * 2);
+  auto ahead = [&](int64_t i) {  // page i's keys are being scored: ask for those 4 pages on, and its values
+    if (i + 4 < np) prefetch_page(page_of(a.k, i + 4), page_elems * 2);
+    prefetch_page(page_of(a.v, i), page_elems * 2);
+  };
+  pair_scores<DC>(qh.data(), nq, [&](int64_t i) { return page_of(a.k, i); }, ahead, np, sc.data(), ld);
+  // the softmax of each query over its visible keys, normalised, rounded to bf16 (nearest even)
+  ph.assign(size_t(kPairQueries * ldp), 0);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int32_t pos = a.positions[it.t0 + qi / G];
+    const int64_t lo = a.window > 0 ? int64_t(pos) - a.window + 1 : 0;
+    const int64_t k0 = std::max<int64_t>(lo, p0 * S) - p0 * S;  // the visible keys: k0..k1-1 of the item's
+    const int64_t k1 = std::min<int64_t>(int64_t(pos) + 1, kv_len) - p0 * S;
+    if (k1 <= k0) continue;  // none: zeros
+    float* s = sc.data() + qi * ld;
+    float m = kNegInf;
+    for (int64_t j = k0; j < k1; ++j) m = std::max(m, s[j] * a.scale);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = k0; j < k1; ++j) {
+      const float e = std::exp(s[j] * a.scale - m);
+      s[j] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+    uint16_t* p = ph.data() + qi * ldp;
+    int64_t j = k0;
+    for (; j + 16 <= k1; j += 16) simd::store_bf16(p + j, simd::mul(simd::load(s + j), simd::set1(inv)), simd::mask_of(16));
+    if (j < k1) simd::store_bf16(p + j, simd::mul(simd::load(s + j, simd::mask_of(k1 - j)), simd::set1(inv)), simd::mask_of(k1 - j));
+  }
+  o.resize(size_t(kPairQueries * DC));
+  pair_values<DC>(ph.data(), ldp, nq, [&](int64_t i) { return page_of(a.v, i); }, np, o.data());
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t t = it.t0 + qi / G, g = qi % G;
+    std::memcpy(a.out + (t * a.H + int64_t(it.head) * G + g) * DC, o.data() + qi * DC, DC * 4);
+  }
+}
+constexpr bool kPairLayouts = true;
+#else
+constexpr bool kPairLayouts = false;
+constexpr int64_t kPairQueries = 16;
+#endif
+
 void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
+#ifdef __AVX512BF16__
+  if (a.pairs) return a.D == 32 ? pairs_item<32>(a, it) : a.D == 64 ? pairs_item<64>(a, it) : pairs_item<128>(a, it);
+#endif
   if (a.S == 16 && a.D == 64) return run_item<16, 64>(a, it, scratch);
   if (a.S == 16 && a.D == 128) return run_item<16, 128>(a, it, scratch);
   run_item<0, 0>(a, it, scratch);
@@ -470,10 +719,17 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   float scale = 0.f;
   if (!call.attr("num_pages", &num_pages) || !call.attr("window", &window) || !call.attr("scale", &scale))
     return call.error("cpu_attention: attributes num_pages (i64), window (i64), scale (f32)");
-  auto qd = q.dimensions(), kd = k.dimensions(), pd = pages.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
-    return call.error("cpu_attention: q [T, H, D], k [Hkv, L*P, D, S], pages [R, MP]");
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pages.dimensions();
+  const bool pairs = kd.size() == 5;  // the pair layouts: k [Hkv, L*P, D/2, 16, 2], v [Hkv, L*P, 8, D, 2]
+  if (qd.size() != 3 || (kd.size() != 4 && !pairs) || vd.size() != kd.size() || pd.size() != 2)
+    return call.error("cpu_attention: q [T, H, D], k [Hkv, L*P, D, S] (pairs: [Hkv, L*P, D/2, 16, 2]), pages [R, MP]");
   const bool bits = k.element_type() == DataType::U16;
+  if (pairs) {
+    if (!kPairLayouts) return call.error("cpu_attention: this build reads no pair layout (AVX512-BF16)");
+    if (!bits || kd[3] != 16 || kd[4] != 2 || vd[2] != 8 || vd[4] != 2 || vd[3] != 2 * kd[2] || vd[0] != kd[0] ||
+        vd[1] != kd[1] || (qd[2] != 32 && qd[2] != 64 && qd[2] != 128))
+      return call.error("cpu_attention: pair layouts are bf16 bits, pages of 16, k [Hkv, L*P, D/2, 16, 2], v [Hkv, L*P, 8, D, 2], D 32, 64 or 128");
+  }
   if (!bits && k.element_type() != DataType::F32)
     return call.error("cpu_attention: the cache must be f32 or bf16 bits (u16)");
   if (v.element_type() != k.element_type()) return call.error("cpu_attention: k_cache and v_cache types differ");
@@ -490,20 +746,23 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   a.positions = positions.typed_data<const int32_t>();
   a.out = out.typed_data<float>();
   a.T = qd[0], a.H = qd[1], a.D = qd[2];
-  a.Hkv = kd[0], a.S = kd[3];
+  a.Hkv = kd[0], a.S = pairs ? 16 : kd[3];
+  a.pairs = pairs;
   a.MP = pd[1], a.R = pd[0];
   a.layer_offset = int64_t(layer.typed_data<const int32_t>()[0]) * num_pages;
   a.window = window;
   a.scale = scale;
-  if (kd[2] != a.D || a.H % a.Hkv != 0)
+  if ((pairs ? 2 * kd[2] : kd[2]) != a.D || a.H % a.Hkv != 0)
     return call.error("cpu_attention: head_dim or head counts disagree");
+  const int64_t block = pairs ? kPairQueries / (a.H / a.Hkv) : kBlock;  // query tokens an item
+  if (block < 1) return call.error("cpu_attention: pair layouts take at most 16 query heads a KV head");
   a.pages_per_head = kd[1];
   std::memset(a.out, 0, size_t(a.T * a.H * a.D) * sizeof(float));
   for (int32_t r = 0; r < a.R; ++r) {
     if (a.kv_len[r] <= 0) continue;
     const int32_t t0 = a.row_start[r], t1 = std::min<int64_t>(a.row_start[r + 1], a.T);
-    for (int32_t b = t0; b < t1; b += kBlock)
-      for (int32_t h = 0; h < a.Hkv; ++h) items.push_back({r, h, b, std::min(b + kBlock, t1)});
+    for (int32_t b = t0; b < t1; b += int32_t(block))
+      for (int32_t h = 0; h < a.Hkv; ++h) items.push_back({r, h, b, std::min(b + int32_t(block), t1)});
   }
   // longest first: items of long rows start early, the short ones fill the gaps
   if (items.empty()) return nullptr;
@@ -521,3 +780,13 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
 }  // namespace
 
 RINGSERVE_FFI_HANDLER(RingserveCpuAttention, attend)
+
+// Whether this build reads bf16 caches in the pair layouts (AVX512-BF16; with AMX where Linux lends it)
+extern "C" int ringserve_cpu_attention_pairs() { return kPairLayouts ? 1 : 0; }
+extern "C" int ringserve_cpu_attention_amx() {
+#ifdef RINGSERVE_AMX
+  return ringserve::amx::usable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}

@@ -203,18 +203,21 @@ def test_cpu_kernel_bf16_queries(d, heads):
     assert not np.array_equal(got, want)  # the vdpbf16ps items: bf16 probabilities move some outputs
 
 
-@pytest.mark.parametrize("arch, dtype", [("mistral", "float32"), ("qwen3", "bfloat16")])
+@pytest.mark.parametrize("arch, dtype", [("mistral", "float32"), ("qwen3", "bfloat16"), ("llama", "bfloat16")])
 def test_cpu_kernel_matches_native_with_a_window_and_in_bf16(tiny_dir, arch, dtype):
     """The C++ kernel against the pure-JAX native backend: Mistral's sliding window (f32, to the
     same tolerance), and a bf16 cache stored as bits (the same greedy tokens, logits within bf16's
-    rounding of the scale)."""
+    rounding of the scale): Qwen3's head dim 48 in the native layout, Llama's 32 in the pair
+    layouts where the kernel reads them (the backend writes K and V there)."""
     from model.kernels import cpu_attention
 
     if (why := cpu_attention.reason()) is not None:
         pytest.skip(f"the C++ attention kernel: {why}")
     path = tiny_dir(arch)
     want = run_scenario(executor(path, "native", dtype=dtype))
-    got = run_scenario(executor(path, "cpu_kernel", dtype=dtype))
+    ex = executor(path, "cpu_kernel", dtype=dtype)
+    assert getattr(ex.attn, "pairs", False) == (arch == "llama" and dtype == "bfloat16" and cpu_attention.reads_pairs())
+    got = run_scenario(ex)
     if dtype == "float32":
         assert_close(got, want)
         return
@@ -274,3 +277,138 @@ def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
     assert resolve_backend("auto", "cpu") == "native"  # falls back, with the reason logged
     with pytest.raises(ValueError, match=r"'cpu_kernel' is not available here: no C\+\+ compiler"):
         resolve_backend("cpu_kernel", "cpu")
+
+
+def _to_pairs(k, v):
+    """Native-layout caches k [Hkv, P, D, 16], v [Hkv, P, 16, D] in the pair layouts
+    (model/attention/cpu_kernel.py): k [Hkv, P, D/2, 16, 2], v [Hkv, P, 8, D, 2]."""
+    hkv, p, d, s = k.shape
+    return (k.reshape(hkv, p, d // 2, 2, s).transpose(0, 1, 2, 4, 3),
+            v.reshape(hkv, p, s // 2, 2, d).transpose(0, 1, 2, 4, 3))  # fmt: skip
+
+
+def _pairs_case(d, heads=(6, 2), window=0, kv_len=(37, 40, 32, 0), new=(1, 21, 1, 0), q_dtype="bf16", seed=0, env=None):
+    """The kernel on bf16 caches in the pair layouts: rows of `kv_len` keys of which the last
+    `new` are this step's queries (a decode, an extend, a decode at a page's end, a padding row),
+    pages of 16 scattered over layer 1's range. Returns (out, reference with f32 softmax,
+    reference with the kernel's rounding: probabilities normalised, then rounded to bf16). `env`:
+    run it in a fresh process with these variables (RINGSERVE_AMX=0: without the tiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    from model.kernels import cpu_attention
+
+    if not cpu_attention.reads_pairs():
+        pytest.skip("the kernel reads the pair layouts where the CPU has AVX512-BF16")
+    # the same keys, values, pages and queries (by row and position) whatever the case's rows
+    rng = np.random.default_rng(seed)
+    (h, hkv), s, num_pages, layers, per = heads, 16, 24, 2, 4  # rows of up to 64 keys
+    k = jnp.asarray(rng.normal(size=(hkv, layers * num_pages, d, s)).astype(np.float32)).astype(jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(hkv, layers * num_pages, s, d)).astype(np.float32)).astype(jnp.bfloat16)
+    kv_len, new = np.array(kv_len, np.int32), list(new)
+    rows = len(kv_len)
+    pages = rng.permutation(np.arange(1, num_pages))[: rows * per].reshape(rows, per).astype(np.int32)
+    q_all = rng.normal(size=(rows, per * s, h, d)).astype(np.float32)
+    row_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    positions = np.concatenate([np.arange(kv_len[r] - new[r], kv_len[r]) for r in range(rows)]).astype(np.int32)
+    q_rows = np.concatenate([q_all[r, kv_len[r] - new[r] : kv_len[r]] for r in range(rows)])
+    q = jnp.asarray(q_rows).astype(jnp.bfloat16)
+    kf, vf, qf = (np.asarray(a.astype(jnp.float32), np.float64) for a in (k, v, q))
+    kp, vp = _to_pairs(jax.lax.bitcast_convert_type(k, jnp.uint16), jax.lax.bitcast_convert_type(v, jnp.uint16))
+    scale = 1.0 / np.sqrt(d)
+    args = dict(q=np.asarray(q if q_dtype == "bf16" else q.astype(jnp.float32)), k=np.asarray(kp), v=np.asarray(vp),
+                pages=pages, row_start=row_start, kv_len=kv_len, positions=positions)  # fmt: skip
+    if env is None:
+        call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        out = np.asarray(call(*(jnp.asarray(a) for a in args.values()), np.int32(1), num_pages=np.int64(num_pages),
+                              window=np.int64(window), scale=np.float32(scale)))  # fmt: skip
+    else:
+        out = _pairs_in_process(args, num_pages, window, scale, env)
+    ref, ref16 = np.zeros_like(out), np.zeros_like(out)
+    for r in range(rows):
+        ids = [pages[r, j // s] + num_pages for j in range(kv_len[r])]  # layer 1's pages
+        for t in range(row_start[r], row_start[r + 1]):
+            lo = max(0, positions[t] - window + 1) if window else 0
+            for head in range(h):
+                g = head // (h // hkv)
+                keys = np.stack([kf[g, ids[j], :, j % s] for j in range(lo, positions[t] + 1)])
+                vals = np.stack([vf[g, ids[j], j % s, :] for j in range(lo, positions[t] + 1)])
+                w = keys @ qf[t, head] * scale
+                w = np.exp(w - w.max())
+                ref[t, head] = w @ vals / w.sum()
+                p16 = np.asarray(jnp.asarray((w / w.sum()).astype(np.float32)).astype(jnp.bfloat16).astype(jnp.float32))
+                ref16[t, head] = p16 @ vals
+    return out, ref, ref16
+
+
+def _pairs_in_process(args, num_pages, window, scale, env):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bf16 = args["q"].dtype != np.float32
+        np.savez(os.path.join(tmp, "in.npz"), **(args | {"q": args["q"].view(np.uint16) if bf16 else args["q"]}))
+        code = (
+            "import sys, numpy as np, jax, jax.numpy as jnp\n"
+            "from model.kernels import cpu_attention\n"
+            "assert cpu_attention.reason() is None\n"
+            "a = np.load(sys.argv[1])\n"
+            "q = jnp.asarray(a['q']) if a['q'].dtype == np.float32 else jax.lax.bitcast_convert_type(jnp.asarray(a['q']), jnp.bfloat16)\n"
+            "call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))\n"
+            "out = call(q, *(jnp.asarray(a[n]) for n in ('k', 'v', 'pages', 'row_start', 'kv_len', 'positions')),"
+            f" np.int32(1), num_pages=np.int64({num_pages}), window=np.int64({window}), scale=np.float32({scale!r}))\n"
+            "np.save(sys.argv[2], np.asarray(out))\n"
+            "print(cpu_attention.uses_amx())\n"
+        )
+        out = os.path.join(tmp, "out.npy")
+        done = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "in.npz"), out], capture_output=True,
+                              text=True, env={**os.environ, **env}, cwd=Path(__file__).parents[2])  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split() == [str(env.get("RINGSERVE_AMX") != "0" and _amx())]
+        return np.load(out)
+
+
+def _amx() -> bool:
+    from model.kernels import cpu_attention
+
+    return cpu_attention.uses_amx()
+
+
+@pytest.mark.parametrize("d, heads", [(64, (6, 2)), (128, (8, 1)), (32, (9, 3)), (64, (16, 1))])
+def test_cpu_kernel_pair_layouts_match_the_reference(d, heads):
+    """bf16 caches in the pair layouts (vdpbf16ps's and AMX's operands as they lie): each query's
+    softmax over all its visible keys, its probabilities normalised then rounded to bf16, as HF's
+    bf16 attention rounds them: within bf16's rounding of the f32 reference, and to f32 rounding
+    of the same computation in float64 (where the exps' last bits round a probability the other
+    way, one bf16 step of it); head dims 32, 64 and 128, 1 to 16 query heads a KV head; q in bf16
+    or f32 (rounded to bf16 first)."""
+    for q_dtype in ("bf16", "f32"):
+        got, ref, ref16 = _pairs_case(d, heads=heads, q_dtype=q_dtype)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=8e-3)
+        err = np.abs(got - ref16)
+        assert np.median(err) < 1e-6 and err.max() < 2e-2, (np.median(err), err.max())
+
+
+def test_cpu_kernel_pair_layouts_with_a_window_and_without_amx():
+    """A sliding window (keys before it masked, pages before it skipped), with AMX where Linux
+    lends it and without (RINGSERVE_AMX=0 in a fresh process: vdpbf16ps): both within bf16's
+    rounding of the reference."""
+    got, ref, _ = _pairs_case(64, heads=(6, 2), window=24, kv_len=(37, 60, 32, 0), new=(1, 40, 1, 0))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=8e-3)
+    no_amx, _, _ = _pairs_case(64, heads=(6, 2), window=24, kv_len=(37, 60, 32, 0), new=(1, 40, 1, 0),
+                               env={"RINGSERVE_AMX": "0"})  # fmt: skip
+    np.testing.assert_allclose(no_amx, ref, rtol=0, atol=8e-3)
+
+
+def test_cpu_kernel_pair_layouts_give_a_query_the_same_bits_however_its_row_was_cut():
+    """In the pair layouts a query's output depends only on its own keys: a row of 60 tokens
+    computed in one step, as 2 chunks (37 + 23), and token by token from 55 (decode steps) gives
+    every token the same bits (the chunked-prefill and decode invariance a temperature-0 output
+    relies on), beside other rows of any length."""
+    whole, _, _ = _pairs_case(64, kv_len=(60, 9), new=(60, 3), seed=3)
+    first, _, _ = _pairs_case(64, kv_len=(37, 9), new=(37, 3), seed=3)
+    second, _, _ = _pairs_case(64, kv_len=(60, 21), new=(23, 1), seed=3)
+    np.testing.assert_array_equal(first[:37], whole[:37])
+    np.testing.assert_array_equal(second[:23], whole[37:60])
+    for pos in range(55, 60):
+        step, _, _ = _pairs_case(64, kv_len=(pos + 1, 9), new=(1, 2), seed=3)
+        np.testing.assert_array_equal(step[0], whole[pos])
