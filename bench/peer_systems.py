@@ -48,6 +48,7 @@ class System:
     name: str
     kind: str  # one of KINDS
     precision: str  # one of PRECISIONS; q4_1 = as shipped; q8_0 for ringserve: int8 weights, bf16 compute
+    tree: str = ""  # ringserve: another checkout to run (`name@tag`, bench.peers --tree tag=DIR); "": this one
 
     @property
     def dtype(self) -> str:
@@ -69,10 +70,17 @@ SYSTEMS = {s.name: s for s in (
 DEFAULT_SYSTEMS = ("ringserve", "vllm", "vllm-bf16", "llamacpp", "llamacpp-q4_1")  # issue 29's table
 
 
-def system(name: str) -> System:
-    if name not in SYSTEMS:
-        raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
-    return SYSTEMS[name]
+def system(name: str, trees: dict[str, str] | None = None) -> System:
+    """The system `name`; `base@tag`: ringserve system `base` run from the checkout `trees[tag]`
+    (another commit, measured beside this one in the same sitting)."""
+    base, _, tag = name.partition("@")
+    if base not in SYSTEMS:
+        raise ValueError(f"unknown system {base!r}; known: {', '.join(SYSTEMS)}")
+    if not tag:
+        return SYSTEMS[base]
+    if SYSTEMS[base].kind != "ringserve" or tag not in (trees or {}):
+        raise ValueError(f"system {name!r}: a ringserve system @ a tag given by --tree {tag}=DIR")
+    return dataclasses.replace(SYSTEMS[base], name=name, tree=str(Path((trees or {})[tag]).resolve()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

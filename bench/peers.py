@@ -4,6 +4,7 @@ the systems alternate over the rounds, every run is printed, then the ratios to 
 
     python -m bench.peers [--model smollm2] [--systems ringserve vllm vllm-bf16 llamacpp llamacpp-q4_1]
                           [--rounds 2] [--output-json PATH]
+    python -m bench.peers --tree before=../before --systems ringserve-bf16@before ringserve-bf16 vllm-bf16
 
 Peers come from tools/install_peers.sh (vLLM for CPU; llama.cpp's own llama-server), which puts
 them into $RINGSERVE_CACHE/peers/; one that is absent, or whose model file cannot be made, is
@@ -241,9 +242,12 @@ def run_one(s: ps.System, served: Path, wl: Workload, a: argparse.Namespace, lay
                            "load1": os.getloadavg()[0]}  # fmt: skip
     print(f"[{s.name} round {rnd}] starting: {' '.join(cmd.argv)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    env = {**os.environ, **cmd.env} | ({"PYTHONPATH": s.tree} if s.tree else {})  # another checkout's modules
+    if s.tree:
+        run["tree"] = s.tree
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=ps.REPO, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(cmd.argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=s.tree or ps.REPO, start_new_session=True)  # fmt: skip
     sampler = TreeSampler(proc.pid).start()
     try:
         model = wait_ready(proc, url, log, a.ready_timeout)
@@ -322,7 +326,10 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
     a = ap.add_argument
     a("--model", default="smollm2", help="'smollm2', 'tiny' or an HF-format directory")
-    a("--systems", nargs="+", default=list(ps.DEFAULT_SYSTEMS), choices=list(ps.SYSTEMS))
+    a("--systems", nargs="+", default=list(ps.DEFAULT_SYSTEMS),
+      help=f"of {', '.join(ps.SYSTEMS)}; a ringserve one as NAME@TAG runs the checkout --tree TAG=DIR")
+    a("--tree", action="append", default=[], metavar="TAG=DIR",
+      help="another ringserve checkout (e.g. a git worktree of an earlier commit), for systems NAME@TAG")
     a("--reference", default="ringserve", help="the system the ratios are taken against")
     a("--rounds", type=int, default=2, help="every system runs once per round, in --systems order")
     a("--burst", type=int, default=64, help="requests sent at once (also every server's parallel limit)")
@@ -362,6 +369,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.checkpoints.resolve import resolve_model
 
     a.extra = {k: getattr(a, f"{k}_args").split() for k in ps.KINDS}
+    a.trees = dict(t.split("=", 1) for t in a.tree)
+    for name in a.systems:
+        ps.system(name, a.trees)  # ValueError naming an unknown system or tag
     if a.max_len is None:
         a.max_len = 256 * math.ceil((a.input_len[1] + a.output_len[1]) / 256)
     from model.checkpoints.paths import cache_dir
@@ -385,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     served: dict[str, Path] = {}
     for name in a.systems:
-        s = ps.system(name)
+        s = ps.system(name, a.trees)
         reason = ps.missing(s, layout)
         if reason is None:
             try:
@@ -406,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     for rnd in range(1, a.rounds + 1):
         for name, path in served.items():
-            runs.append(run_one(ps.system(name), path, wl, a, layout, logdir, rnd))
+            runs.append(run_one(ps.system(name, a.trees), path, wl, a, layout, logdir, rnd))
             print(format_runs(runs[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
 
     med = medians(runs)

@@ -25,7 +25,7 @@ def _check(lib: ctypes.CDLL) -> None:
     _LIB.append(lib)
 
 
-reason = loader("cpu_attention", ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], {TARGET: "RingserveCpuAttention"},
+reason = loader("cpu_attention", ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd"], {TARGET: "RingserveCpuAttention"},
                 check=_check)  # fmt: skip
 """None when the kernel runs here; otherwise why not."""
 

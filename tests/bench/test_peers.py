@@ -73,6 +73,18 @@ def test_a_missing_peer_has_a_reason_naming_the_install_script(tmp_path):
         ps.system("sglang")
 
 
+def test_a_ringserve_system_at_a_tag_runs_another_checkout(tmp_path):
+    """`NAME@TAG` (bench.peers --tree TAG=DIR): ringserve system NAME served from checkout DIR,
+    with its own name in the report; a peer, or a tag not given, is refused by name."""
+    s = ps.system("ringserve-bf16@before", {"before": str(tmp_path)})
+    assert (s.name, s.kind, s.precision, s.tree) == ("ringserve-bf16@before", "ringserve", "bf16", str(tmp_path))
+    assert ps.system("ringserve-bf16").tree == ""
+    with pytest.raises(ValueError, match="'vllm@before': a ringserve system @ a tag"):
+        ps.system("vllm@before", {"before": str(tmp_path)})
+    with pytest.raises(ValueError, match="'ringserve@old': a ringserve system @ a tag given by --tree old=DIR"):
+        ps.system("ringserve@old", {"before": str(tmp_path)})
+
+
 def test_commands_bind_localhost_with_the_same_limits():
     layout = ps.Layout(Path("/p"))
     lim = ps.Limits(max_len=768, parallel=64, threads=2)
