@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -468,7 +469,7 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
 #ifdef __AVX512BF16__
 // ---- the pair layouts -----------------------------------------------------------------------
 
-constexpr int64_t kPairQueries = 16;  // the most queries of an item (one AMX tile of rows)
+constexpr int64_t kPairQueries = 32;  // the most queries of an item (two AMX tiles of rows)
 
 inline void prefetch_page(const void* p, size_t bytes) {
   for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
@@ -480,8 +481,36 @@ inline void prefetch_page(const void* p, size_t bytes) {
 template <int DC, class KPage, class Ahead>
 void pair_scores(const uint16_t* qh, int64_t nq, KPage kpage, Ahead ahead, int64_t np, float* sc, int64_t ld) {
 #ifdef RINGSERVE_AMX
+  if (ringserve::amx::usable() && nq > 16) {
+    // 32 queries: C tiles 0-1 rows 0-15 x two pages' keys, 2-3 rows 16-31; A 4-5: their 32 dims
+    // of q at a step; B 6-7: the two pages' (a page past the last: zeros)
+    alignas(64) static const uint16_t zeros[16 * 32] = {};
+    for (int64_t c = 0; c < np; c += 2) {
+      ahead(c);
+      if (c + 1 < np) ahead(c + 1);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t dc = 0; dc < DC / 32; ++dc) {
+        const int64_t rows = dc * 16 * 32;  // the pages' pair rows 16 dc.. (32 u16 each)
+        _tile_loadd(4, qh + dc * 32, DC * 2);
+        _tile_loadd(5, qh + 16 * DC + dc * 32, DC * 2);
+        _tile_loadd(6, kpage(c) + rows, 64);
+        _tile_loadd(7, c + 1 < np ? kpage(c + 1) + rows : zeros, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, sc + c * 16, ld * 4);
+      _tile_stored(1, sc + c * 16 + 16, ld * 4);
+      _tile_stored(2, sc + 16 * ld + c * 16, ld * 4);
+      _tile_stored(3, sc + 16 * ld + c * 16 + 16, ld * 4);
+    }
+    return;
+  }
   if (ringserve::amx::usable()) {  // C tiles 0-3: 4 pages' 16 keys; A 4: 32 dims of q; B 5-7: those of a page
-    const ringserve::amx::Tiles tiles;
     for (int64_t c = 0; c < np; c += 4) {
       const int64_t cnt = std::min<int64_t>(4, np - c);
       for (int64_t i = c; i < std::min(np, c + 4); ++i) ahead(i);
@@ -541,6 +570,43 @@ void pair_scores(const uint16_t* qh, int64_t nq, KPage kpage, Ahead ahead, int64
 template <int DC, class VPage>
 void pair_values(const uint16_t* ph, int64_t ldp, int64_t nq, VPage vpage, int64_t np, float* o) {
 #ifdef RINGSERVE_AMX
+  if (ringserve::amx::usable() && nq > 16) {
+    // 32 queries, 32 dims a pass: C tiles 0-1 rows 0-15 x 16 dims each, 2-3 rows 16-31; A 4-5:
+    // those rows' probabilities of 32 keys; B 6-7: two pages' values of the pass's dims, copied
+    // side by side (16 key pairs, 128 bytes a row; zeros past the last page)
+    thread_local std::vector<uint16_t> vb;
+    vb.resize(16 * 32 * 2);
+    for (int64_t dh = 0; dh < DC / 32; ++dh) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t i = 0; i < np; i += 2) {
+        for (int64_t h = 0; h < 2; ++h) {
+          uint16_t* dst = vb.data() + h * 8 * 64;
+          if (i + h < np) {
+            const uint16_t* src = vpage(i + h) + dh * 64;
+            for (int64_t j = 0; j < 8; ++j) std::memcpy(dst + j * 64, src + j * DC * 2, 128);
+          } else {
+            std::memset(dst, 0, 8 * 128);
+          }
+        }
+        _tile_loadd(4, ph + i * 16, ldp * 2);
+        _tile_loadd(5, ph + 16 * ldp + i * 16, ldp * 2);
+        _tile_loadd(6, vb.data(), 128);
+        _tile_loadd(7, vb.data() + 32, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, o + dh * 32, DC * 4);
+      _tile_stored(1, o + dh * 32 + 16, DC * 4);
+      _tile_stored(2, o + 16 * DC + dh * 32, DC * 4);
+      _tile_stored(3, o + 16 * DC + dh * 32 + 16, DC * 4);
+    }
+    return;
+  }
   if (ringserve::amx::usable()) {
     // two pages' values side by side: B tiles of 16 key pairs x 16 dims, a row of PASS dims
     // (PASS * 4 bytes) a pair (64 dims a pass: C tiles 0-3 hold 16 queries x 64 dims, or 0-1
@@ -548,7 +614,6 @@ void pair_values(const uint16_t* ph, int64_t ldp, int64_t nq, VPage vpage, int64
     constexpr int64_t PASS = DC < 64 ? DC : 64, NB = PASS / 16;
     thread_local std::vector<uint16_t> vb;
     vb.resize(16 * PASS * 2);
-    const ringserve::amx::Tiles tiles;
     for (int64_t dh = 0; dh < DC / PASS; ++dh) {
       _tile_zero(0);
       _tile_zero(1);
@@ -648,6 +713,10 @@ void pairs_item(const Args& a, const Item& it) {
     const size_t page = size_t(it.head) * size_t(a.pages_per_head) + size_t(int64_t(table[p0 + i]) + a.layer_offset);
     return static_cast<const uint16_t*>(cache) + page * page_elems;
   };
+#ifdef RINGSERVE_AMX
+  std::optional<ringserve::amx::Tiles> tiles;  // both passes' tiles, configured once an item
+  if (ringserve::amx::usable()) tiles.emplace();
+#endif
   sc.resize(size_t(kPairQueries * ld));
   // pages ahead of the one scored are elsewhere in memory: asked for into L2, the values' too
   // (the second pass reads them)
@@ -691,7 +760,7 @@ void pairs_item(const Args& a, const Item& it) {
 constexpr bool kPairLayouts = true;
 #else
 constexpr bool kPairLayouts = false;
-constexpr int64_t kPairQueries = 16;
+constexpr int64_t kPairQueries = 32;
 #endif
 
 void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
