@@ -78,7 +78,9 @@ class CpuKernelAttention(NativeAttention):
     def attend(self, q, kv, layer, fb):
         g = self.geo
         qk = q if q.dtype == jnp.bfloat16 else q.astype(jnp.float32)  # bf16: vdpbf16ps in prefill (AVX512-BF16)
-        out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        # a bf16 model's output comes back in bf16, rounded as astype rounds (one pass less)
+        od = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+        out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, od))(
             qk, kv[0], kv[1], fb.pages, fb.row_start, fb.kv_len, fb.positions,
             jnp.asarray(layer, jnp.int32),
             num_pages=np.int64(g.num_pages), window=np.int64(g.sliding_window or 0), scale=np.float32(g.scale),

@@ -12,7 +12,7 @@
 //   kv_len   [R] i32                  keys valid after this step's writes (0: a padding row)
 //   positions[T] i32                  each token's position: it sees keys 0..position
 //   layer    [] i32                   layer l's pages are page id + l * num_pages
-//   out      [T, H, D] f32            (tokens of padding rows: zeros)
+//   out      [T, H, D] f32|bf16       (tokens of padding rows: zeros; bf16: rounded to nearest even)
 //   attributes: num_pages (per layer), window (sliding window, 0 = none), scale
 //
 // Work items are (row, KV head, block of up to 8 query tokens); each walks its row's pages in
@@ -66,7 +66,8 @@ struct Args {
   const void* v;
   bool bits;  // caches hold bf16 bits
   const int32_t *pages, *row_start, *kv_len, *positions;
-  float* out;
+  void* out;     // [T, H, D] f32, or bf16 (`out_bf16`: a bf16 model's, rounded to nearest even)
+  bool out_bf16;
   int64_t T, H, D, Hkv, S, MP, R;
   int64_t layer_offset;  // layer * num_pages
   int64_t pages_per_head;  // L * P: the caches' second axis
@@ -459,9 +460,12 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
   for (int32_t t = it.t0; t < it.t1; ++t) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = int64_t(t - it.t0) * G + g;
-      float* o = a.out + (int64_t(t) * a.H + int64_t(it.head) * G + g) * D;
+      const int64_t at = (int64_t(t) * a.H + int64_t(it.head) * G + g) * D;
       const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[qi * D + d] * inv;
+      if (a.out_bf16)
+        for (int64_t d = 0; d < D; ++d) static_cast<uint16_t*>(a.out)[at + d] = ringserve::f32_to_bf16(acc[qi * D + d] * inv);
+      else
+        for (int64_t d = 0; d < D; ++d) static_cast<float*>(a.out)[at + d] = acc[qi * D + d] * inv;
     }
   }
 }
@@ -688,7 +692,9 @@ void pairs_item(const Args& a, const Item& it) {
   const int64_t nq = int64_t(it.t1 - it.t0) * G;
   thread_local std::vector<uint16_t> qh, ph;
   thread_local std::vector<float> sc, o;
-  qh.assign(size_t(kPairQueries * DC), 0);
+  // rows past the item's queries hold whatever they held: a tile row's products and sums reach
+  // only that row of the result, which is never read (no zeroing a decode item's 13 of 16 rows)
+  qh.resize(size_t(kPairQueries * DC));
   int32_t max_pos = 0, min_pos = INT32_MAX;
   for (int32_t t = it.t0; t < it.t1; ++t) {
     max_pos = std::max(max_pos, a.positions[t]);
@@ -727,12 +733,15 @@ void pairs_item(const Args& a, const Item& it) {
   };
   pair_scores<DC>(qh.data(), nq, [&](int64_t i) { return page_of(a.k, i); }, ahead, np, sc.data(), ld);
   // the softmax of each query over its visible keys, normalised, rounded to bf16 (nearest even)
-  ph.assign(size_t(kPairQueries * ldp), 0);
+  ph.resize(size_t(kPairQueries * ldp));
   for (int64_t qi = 0; qi < nq; ++qi) {
     const int32_t pos = a.positions[it.t0 + qi / G];
     const int64_t lo = a.window > 0 ? int64_t(pos) - a.window + 1 : 0;
     const int64_t k0 = std::max<int64_t>(lo, p0 * S) - p0 * S;  // the visible keys: k0..k1-1 of the item's
     const int64_t k1 = std::min<int64_t>(int64_t(pos) + 1, kv_len) - p0 * S;
+    uint16_t* p = ph.data() + qi * ldp;  // zeros but for the visible keys' probabilities
+    std::memset(p, 0, size_t(std::max<int64_t>(k0, 0)) * 2);
+    std::memset(p + std::max(k0, k1), 0, size_t(ldp - std::max(k0, k1)) * 2);
     if (k1 <= k0) continue;  // none: zeros
     float* s = sc.data() + qi * ld;
     float m = kNegInf;
@@ -745,7 +754,6 @@ void pairs_item(const Args& a, const Item& it) {
       sum += e;
     }
     const float inv = 1.f / sum;
-    uint16_t* p = ph.data() + qi * ldp;
     int64_t j = k0;
     for (; j + 16 <= k1; j += 16) simd::store_bf16(p + j, simd::mul(simd::load(s + j), simd::set1(inv)), simd::mask_of(16));
     if (j < k1) simd::store_bf16(p + j, simd::mul(simd::load(s + j, simd::mask_of(k1 - j)), simd::set1(inv)), simd::mask_of(k1 - j));
@@ -754,7 +762,12 @@ void pairs_item(const Args& a, const Item& it) {
   pair_values<DC>(ph.data(), ldp, nq, [&](int64_t i) { return page_of(a.v, i); }, np, o.data());
   for (int64_t qi = 0; qi < nq; ++qi) {
     const int64_t t = it.t0 + qi / G, g = qi % G;
-    std::memcpy(a.out + (t * a.H + int64_t(it.head) * G + g) * DC, o.data() + qi * DC, DC * 4);
+    const int64_t at = (t * a.H + int64_t(it.head) * G + g) * DC;
+    if (a.out_bf16)
+      for (int64_t d = 0; d < DC; d += 16)
+        simd::store_bf16(static_cast<uint16_t*>(a.out) + at + d, simd::load(o.data() + qi * DC + d), simd::mask_of(16));
+    else
+      std::memcpy(static_cast<float*>(a.out) + at, o.data() + qi * DC, DC * 4);
   }
 }
 constexpr bool kPairLayouts = true;
@@ -780,8 +793,9 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
                kv_len = call.arg(5), positions = call.arg(6), layer = call.arg(7), out = call.ret(0);
   for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, layer, out})
     if (!b.ok()) return call.error("cpu_attention: buffers expected");
-  if ((q.element_type() != DataType::F32 && q.element_type() != DataType::BF16) || out.element_type() != DataType::F32)
-    return call.error("cpu_attention: q must be f32 or bf16, out f32");
+  if ((q.element_type() != DataType::F32 && q.element_type() != DataType::BF16) ||
+      (out.element_type() != DataType::F32 && out.element_type() != DataType::BF16))
+    return call.error("cpu_attention: q must be f32 or bf16, out f32 or bf16");
   for (const Buffer& b : {pages, row_start, kv_len, positions, layer})
     if (b.element_type() != DataType::S32) return call.error("cpu_attention: pages, row_start, kv_len, positions and layer must be s32");
   int64_t num_pages = 0, window = 0;
@@ -813,7 +827,8 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   a.row_start = row_start.typed_data<const int32_t>();
   a.kv_len = kv_len.typed_data<const int32_t>();
   a.positions = positions.typed_data<const int32_t>();
-  a.out = out.typed_data<float>();
+  a.out = out.untyped_data();
+  a.out_bf16 = out.element_type() == DataType::BF16;
   a.T = qd[0], a.H = qd[1], a.D = qd[2];
   a.Hkv = kd[0], a.S = pairs ? 16 : kd[3];
   a.pairs = pairs;
@@ -826,7 +841,7 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   const int64_t block = pairs ? kPairQueries / (a.H / a.Hkv) : kBlock;  // query tokens an item
   if (block < 1) return call.error("cpu_attention: pair layouts take at most 16 query heads a KV head");
   a.pages_per_head = kd[1];
-  std::memset(a.out, 0, size_t(a.T * a.H * a.D) * sizeof(float));
+  std::memset(a.out, 0, size_t(a.T * a.H * a.D) * (a.out_bf16 ? 2 : 4));
   for (int32_t r = 0; r < a.R; ++r) {
     if (a.kv_len[r] <= 0) continue;
     const int32_t t0 = a.row_start[r], t1 = std::min<int64_t>(a.row_start[r + 1], a.T);

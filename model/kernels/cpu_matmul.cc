@@ -749,9 +749,11 @@ struct Block {
 // address order (from memory for the first 16 rows, from L2 after), where the 2 x 2 blocks read
 // each 4 KB step of it twice, 128 bytes of every 256, and waited on memory at the B loads (perf:
 // 55% of their time). The sums are the same either way (a C element adds the same A row x B
-// column products in the same K order). 30 layers of SmolLM2's gate and down projections at 64
-// rows: 7.9 -> 7.1 ms.
-constexpr int64_t kStreamRows = 64;
+// column products in the same K order). Past 32 rows the 2 x 2 blocks' fewer loads a product
+// win where the call is compute-bound: the LM head (49,152 x 576) at 64 rows 3.3 ms against 3.9
+// streamed; 30 layers of SmolLM2's gate and down projections at 32 rows 5.8 against 6.7 ms (noisy
+// VM: each figure moved 10-30% between runs).
+constexpr int64_t kStreamRows = 32;
 
 // Rows m0..m1-1 of y x the packed tiles t0..t1-1 (64 columns each), 32 rows at a time, each
 // tile for every 32 rows (the item's tiles stay in L2 while its rows pass). K % 32 == 0. Gated
