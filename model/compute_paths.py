@@ -126,9 +126,11 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
 def prebuild_kernels(cfg: ExecutorConfig) -> None:
     """Start building, side by side, the CPU custom calls this configuration may use (each is
     built once per machine, model/kernels/build.py); the first use of each waits for its own."""
-    from model.kernels import build, cpu_attention, cpu_matmul, cpu_memory
+    from model.kernels import build, cpu_attention, cpu_matmul, cpu_memory, cpu_norm
 
     wanted = [cpu_memory.reason]  # the KV pool's zeros
+    if cfg.tp_size == 1 and cfg.dtype == "bfloat16" and cfg.cpu_matmul in ("auto", "kernel") and not cfg.deterministic:
+        wanted.append(cpu_norm.reason)  # bf16 norms under the kernel dots (model/layers.py RMSNorm)
     if cfg.tp_size == 1 and cfg.attention_backend in ("auto", "cpu_kernel"):
         wanted.append(cpu_attention.reason)
     if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel") and (load := cpu_matmul.loader_of(matmul_weights(cfg))):
@@ -138,6 +140,6 @@ def prebuild_kernels(cfg: ExecutorConfig) -> None:
 
 def custom_calls() -> tuple[str, ...]:
     """The FFI targets a step program may call (its exported module names them: model/program_cache.py)."""
-    from model.kernels import cpu_attention, cpu_matmul, onednn
+    from model.kernels import cpu_attention, cpu_matmul, cpu_norm, onednn
 
-    return cpu_attention.TARGET, *cpu_matmul.TARGETS.values(), onednn.TARGET, onednn.TARGET_Q8
+    return cpu_attention.TARGET, cpu_norm.TARGET, *cpu_matmul.TARGETS.values(), onednn.TARGET, onednn.TARGET_Q8

@@ -29,19 +29,43 @@ def param(shape: tuple[int, ...], dtype, sharding: Sharding = ()) -> nnx.Param:
 
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis of x [T, ...]; weight [dim], replicated. Batch-invariant
-    (`rowwise`) in the deterministic mode."""
+    (`rowwise`) in the deterministic mode. `dot` (the layer's, `matmul`): under the CPU
+    custom-call dots (kernel*) a bf16 norm runs in cpu_norm's kernel (model/kernels/cpu_norm.py),
+    where it builds."""
 
-    def __init__(self, dim: int, eps: float, dtype, deterministic: bool = False):
+    def __init__(self, dim: int, eps: float, dtype, deterministic: bool = False, dot: str = "xla"):
         self.weight = param((dim,), dtype)
         self.eps = eps
         self.deterministic = deterministic
+        self.dot = dot
+
+    def _kernel(self, x: jax.Array) -> bool:
+        if self.deterministic or not self.dot.startswith("kernel") or x.dtype != jnp.bfloat16:
+            return False
+        from model.kernels import cpu_norm
+
+        return cpu_norm.reason() is None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w, eps = self.weight[...], self.eps
+        if self._kernel(x):
+            from model.kernels import cpu_norm
+
+            return cpu_norm.rms_norm(x, w, eps)
         if not self.deterministic:
             return rms_norm(x, w, eps)
         flat = x.reshape(-1, x.shape[-1])
         return rowwise(lambda a: rms_norm(a, w, eps), flat).reshape(x.shape)
+
+    def add(self, x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x + a, self(x + a)): the residual stream and the next sublayer's input, in one pass
+        where the kernel runs."""
+        if self._kernel(x) and a.dtype == x.dtype:
+            from model.kernels import cpu_norm
+
+            return cpu_norm.add_rms_norm(x, a, self.weight[...], self.eps)
+        s = x + a
+        return s, self(s)
 
 
 class Linear(nnx.Module):

@@ -93,15 +93,15 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, tp: int, dot: str,
                  quant: str | None = None):  # fmt: skip
         h, i, eps, det = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, dot == "invariant"
-        self.input_layernorm = RMSNorm(h, eps, dtype, det)
+        self.input_layernorm = RMSNorm(h, eps, dtype, det, dot)
         self.self_attn = Attention(cfg, backend, dtype, tp, dot, quant)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype, det)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, det, dot)
         self.mlp = GatedMLP(h, i, dtype, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), dot, quant)
 
     def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any]:
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb, lora)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x), lora, layer), kv
+        x, h = self.post_attention_layernorm.add(x, a)
+        return x + self.mlp(h, lora, layer), kv
 
 
 class Decoder(nnx.Module):

@@ -59,14 +59,15 @@ def test_a_configuration_builds_the_matmul_library_of_its_weights_alone(monkeypa
     from types import SimpleNamespace
 
     from model import compute_paths
-    from model.kernels import cpu_attention, cpu_matmul, cpu_memory
+    from model.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm
 
     asked: list = []
     monkeypatch.setattr(build, "prebuild", lambda *reasons: asked.extend(reasons))
     cfg = SimpleNamespace(cpu_matmul="auto", deterministic=False, tp_size=1, dtype=dtype, quantization=quantization,
                           attention_backend="auto")  # fmt: skip
     compute_paths.prebuild_kernels(cfg)
-    assert asked == [cpu_memory.reason, cpu_attention.reason, cpu_matmul.loader_of(weights)]
+    norm = [cpu_norm.reason] if dtype == "bfloat16" else []  # bf16 norms (model/layers.py RMSNorm)
+    assert asked == [cpu_memory.reason, *norm, cpu_attention.reason, cpu_matmul.loader_of(weights)]
     assert len({cpu_matmul.loader_of(w) for w in cpu_matmul.WEIGHTS}) == 3
 
 
@@ -78,7 +79,7 @@ TARGETS = ["-march=sapphirerapids", "-march=haswell", "-march=x86-64"]
 @pytest.mark.parametrize(
     "name, flags",
     [("cpu_matmul", []), *(("cpu_matmul", [f"-DRINGSERVE_WEIGHTS={w}"]) for w in (1, 2, 3)),
-     ("cpu_attention", ["-ffast-math", "-fopenmp-simd"])],
+     ("cpu_attention", ["-ffast-math", "-fopenmp-simd"]), ("cpu_norm", [])],
 )  # fmt: skip
 def test_kernels_compile_for_every_vector_width(name, flags):
     """Each CPU kernel's source compiles for every width simd.h has (g++ -fsyntax-only): a path
@@ -175,8 +176,8 @@ def test_loading_the_kernels_leaves_denormals_alone():
         pytest.skip("no C++ compiler (g++, or $CXX)")
     code = (
         "import threading, numpy as np\n"
-        "from model.kernels import cpu_attention, cpu_matmul, cpu_memory\n"
-        "reasons = [cpu_attention.reason(), cpu_memory.reason(),"
+        "from model.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm\n"
+        "reasons = [cpu_attention.reason(), cpu_memory.reason(), cpu_norm.reason(),"
         " *(cpu_matmul.loader_of(w)() for w in cpu_matmul.WEIGHTS)]\n"
         "assert reasons == [None] * len(reasons), reasons\n"
         "out = [float(np.float32(1e-38) / np.float32(100))]\n"
