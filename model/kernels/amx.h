@@ -53,6 +53,29 @@ struct Tiles {
   Tiles& operator=(const Tiles&) = delete;
 };
 
+// The 2 x 2 blocks both kernels sum: C tiles 0-3 zeroed; then += A tiles 4-5 x B tiles 6-7
+// (0 = 4 x 6, 1 = 4 x 7, 2 = 5 x 6, 3 = 5 x 7); then stored as f32 rows `stride` bytes apart from
+// c: tiles 0 and 1 side by side in rows 0-15, 2 and 3 in rows 16-31
+inline void zero_2x2() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+inline void dp_2x2() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+inline void store_2x2(float* c, int64_t stride) {
+  float* low = c + 16 * stride / int64_t(sizeof(float));
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  _tile_stored(2, low, stride);
+  _tile_stored(3, low + 16, stride);
+}
+
 }  // namespace ringserve::amx
 
 #endif

@@ -492,25 +492,16 @@ void pair_scores(const uint16_t* qh, int64_t nq, KPage kpage, Ahead ahead, int64
     for (int64_t c = 0; c < np; c += 2) {
       ahead(c);
       if (c + 1 < np) ahead(c + 1);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      ringserve::amx::zero_2x2();
       for (int64_t dc = 0; dc < DC / 32; ++dc) {
         const int64_t rows = dc * 16 * 32;  // the pages' pair rows 16 dc.. (32 u16 each)
         _tile_loadd(4, qh + dc * 32, DC * 2);
         _tile_loadd(5, qh + 16 * DC + dc * 32, DC * 2);
         _tile_loadd(6, kpage(c) + rows, 64);
         _tile_loadd(7, c + 1 < np ? kpage(c + 1) + rows : zeros, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        ringserve::amx::dp_2x2();
       }
-      _tile_stored(0, sc + c * 16, ld * 4);
-      _tile_stored(1, sc + c * 16 + 16, ld * 4);
-      _tile_stored(2, sc + 16 * ld + c * 16, ld * 4);
-      _tile_stored(3, sc + 16 * ld + c * 16 + 16, ld * 4);
+      ringserve::amx::store_2x2(sc + c * 16, ld * 4);
     }
     return;
   }
@@ -581,10 +572,7 @@ void pair_values(const uint16_t* ph, int64_t ldp, int64_t nq, VPage vpage, int64
     thread_local std::vector<uint16_t> vb;
     vb.resize(16 * 32 * 2);
     for (int64_t dh = 0; dh < DC / 32; ++dh) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      ringserve::amx::zero_2x2();
       for (int64_t i = 0; i < np; i += 2) {
         for (int64_t h = 0; h < 2; ++h) {
           uint16_t* dst = vb.data() + h * 8 * 64;
@@ -599,15 +587,9 @@ void pair_values(const uint16_t* ph, int64_t ldp, int64_t nq, VPage vpage, int64
         _tile_loadd(5, ph + 16 * ldp + i * 16, ldp * 2);
         _tile_loadd(6, vb.data(), 128);
         _tile_loadd(7, vb.data() + 32, 128);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        ringserve::amx::dp_2x2();
       }
-      _tile_stored(0, o + dh * 32, DC * 4);
-      _tile_stored(1, o + dh * 32 + 16, DC * 4);
-      _tile_stored(2, o + 16 * DC + dh * 32, DC * 4);
-      _tile_stored(3, o + 16 * DC + dh * 32 + 16, DC * 4);
+      ringserve::amx::store_2x2(o + dh * 32, DC * 4);
     }
     return;
   }

@@ -717,12 +717,7 @@ struct Block {
   int64_t m = 0, n = 0;  // y's row and column of c[0][0]
   int64_t done = 32;     // rows written (32: none pending)
 
-  static void keep(float (*to)[16 * 32]) {
-    _tile_stored(0, to[0], 128);
-    _tile_stored(1, to[0] + 16, 128);
-    _tile_stored(2, to[1], 128);
-    _tile_stored(3, to[1] + 16, 128);
-  }
+  static void keep(float (*to)[16 * 32]) { ringserve::amx::store_2x2(to[0], 128); }
   void take(int64_t m_, int64_t n_) { m = m_, n = n_, done = 0; }
   // rows done..r1-1 of the block into y (those below M; columns below N): bf16 without a scale
   // through vcvtne2ps2bf16 (nearest even, as store_bf16: a tile's sums are never below f32's
@@ -796,20 +791,14 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t t0, int64_t t1) {
         Block& last = blocks[cur ^ 1];
         Block& now = blocks[cur];
         for (int w = 0; w < (a.gated ? 2 : 1); ++w) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          ringserve::amx::zero_2x2();
           const uint32_t* b = (w ? a.pk2 : a.pk)->tile(t) + 16 * h;
           for (int64_t s = 0; s < steps; ++s, b += 16 * ringserve::pairs::kCols) {
             _tile_loadd(4, x + 32 * s, stride);
             _tile_loadd(5, x1 + 32 * s, stride);
             _tile_loadd(6, b, ringserve::pairs::kCols * 4);
             _tile_loadd(7, b + 16, ringserve::pairs::kCols * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            ringserve::amx::dp_2x2();
             if (last.done < 32) last.out(a, last.done + per_step);
           }
           Block::keep(w ? now.u : now.c);

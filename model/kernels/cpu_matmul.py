@@ -132,13 +132,21 @@ def matmuls(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, sca
     and layer `layer`'s multiply, read in place (the layers' scan: `w[layer]` would copy them)."""
     outs = [jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[-2] if transpose_w else w.shape[-1]), out_dtype or x.dtype)
             for w in ws]  # fmt: skip
+    name, extra = _call_of(ws, scales, layer, "matmuls")
+    return list(jax.ffi.ffi_call(name, outs)(x, *ws, *extra, transpose_w=transpose_w))
+
+
+def _call_of(ws: list[jax.Array], scales: list[jax.Array] | None, layer: jax.Array | int | None,
+             what: str) -> tuple[str, list[jax.Array]]:  # fmt: skip
+    """The target of the weights' dtype and the operands after them: the scales (f32), then the
+    layer of stacked weights (s32). ValueError where the weights' dtypes differ."""
     extra = [] if scales is None else [s.astype(jnp.float32) for s in scales]
     if layer is not None:
         extra.append(jnp.asarray(layer, jnp.int32))
     kinds = {jnp.dtype(w.dtype).name for w in ws}
     if len(kinds) != 1:
-        raise ValueError(f"cpu_matmul.matmuls: the weights of one call share a dtype, got {sorted(kinds)}")
-    return list(jax.ffi.ffi_call(target(kinds.pop()), outs)(x, *ws, *extra, transpose_w=transpose_w))
+        raise ValueError(f"cpu_matmul.{what}: the weights of one call share a dtype, got {sorted(kinds)}")
+    return target(kinds.pop()), extra
 
 
 def gated(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, scales: list[jax.Array] | None = None,
@@ -151,14 +159,9 @@ def gated(x: jax.Array, ws: list[jax.Array], *, transpose_w: bool = False, scale
     if len(ws) != 2 or x.dtype != jnp.bfloat16:
         raise ValueError("cpu_matmul.gated: bf16 x and two weights (the gate's, the up projection's)")
     n = ws[0].shape[-2] if transpose_w else ws[0].shape[-1]
-    extra = [] if scales is None else [s.astype(jnp.float32) for s in scales]
-    if layer is not None:
-        extra.append(jnp.asarray(layer, jnp.int32))
-    kinds = {jnp.dtype(w.dtype).name for w in ws}
-    if len(kinds) != 1:
-        raise ValueError(f"cpu_matmul.gated: the weights of one call share a dtype, got {sorted(kinds)}")
+    name, extra = _call_of(ws, scales, layer, "gated")
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16)
-    return jax.ffi.ffi_call(target(kinds.pop()), out)(x, *ws, *extra, transpose_w=transpose_w, gated=True)
+    return jax.ffi.ffi_call(name, out)(x, *ws, *extra, transpose_w=transpose_w, gated=True)
 
 
 def packs_pairs(weights: str = "bfloat16") -> bool:
