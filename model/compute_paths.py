@@ -8,6 +8,7 @@ custom calls a configuration may use (`prebuild_kernels` builds them side by sid
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from model.layers import STACK_READING_DOTS
@@ -123,10 +124,10 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
     return "xla"
 
 
-def prebuild_kernels(cfg: ExecutorConfig) -> None:
-    """Start building, side by side, the CPU custom calls this configuration may use (each is
-    built once per machine, model/kernels/build.py); the first use of each waits for its own."""
-    from model.kernels import build, cpu_attention, cpu_matmul, cpu_memory, cpu_norm
+def kernel_loaders(cfg: ExecutorConfig) -> list[Callable[[], str | None]]:
+    """The `reason()` of each CPU custom call this configuration's programs may call
+    (model/kernels/build.py `loader`: its first call builds and registers the kernel)."""
+    from model.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm
 
     wanted = [cpu_memory.reason]  # the KV pool's zeros
     if cfg.tp_size == 1 and cfg.dtype == "bfloat16" and cfg.cpu_matmul in ("auto", "kernel") and not cfg.deterministic:
@@ -135,7 +136,24 @@ def prebuild_kernels(cfg: ExecutorConfig) -> None:
         wanted.append(cpu_attention.reason)
     if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel") and (load := cpu_matmul.loader_of(matmul_weights(cfg))):
         wanted.append(load)  # the library of this configuration's weight dtype alone
-    build.prebuild(*wanted)
+    return wanted
+
+
+def prebuild_kernels(cfg: ExecutorConfig) -> None:
+    """Start building, side by side, the CPU custom calls this configuration may use (each is
+    built once per machine, model/kernels/build.py); the first use of each waits for its own."""
+    from model.kernels import build
+
+    build.prebuild(*kernel_loaders(cfg))
+
+
+def load_kernels(cfg: ExecutorConfig) -> None:
+    """Register now every CPU custom call this configuration's programs may call. A program read
+    back from disk (model/program_cache.py) is not traced, and tracing is where a kernel is
+    otherwise first loaded: without this, a bf16 warm start could not read back its first program
+    (no handler yet for the norm's target, whose first use is in a trace) and traced it again."""
+    for reason in kernel_loaders(cfg):
+        reason()
 
 
 def custom_calls() -> tuple[str, ...]:

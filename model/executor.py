@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from kvmem.allocator import cdiv
 from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint, release_pages
-from model.compute_paths import custom_calls, prebuild_kernels, resolve_dot, resolve_layer_loop
+from model.compute_paths import custom_calls, load_kernels, prebuild_kernels, resolve_dot, resolve_layer_loop
 from model.kernels import cpu_memory
 from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
@@ -225,6 +225,8 @@ class ModelExecutor:
             self._on_disk = ProgramCache({
                 "executor": dataclasses.asdict(cfg), "model": repr(mc), "attention": self.backend, "dot": self.dot,
                 "layer_loop": self.layer_loop})  # fmt: skip
+            if self.platform == "cpu":
+                load_kernels(cfg)  # (before a program is read back)
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)

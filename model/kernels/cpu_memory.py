@@ -26,6 +26,7 @@ import errno
 import logging
 import mmap
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -87,7 +88,7 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
         while after is not None and not after.wait(0.5):
             if stop():
                 return
-        page = mmap.PAGESIZE
+        page, t0 = mmap.PAGESIZE, time.perf_counter()
         for ptr, size in spans:
             lo, hi = -(-ptr // page) * page, (ptr + size) // page * page
             for at in range(lo, hi, CHUNK):
@@ -97,6 +98,7 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
                     err = ctypes.get_errno()  # EINVAL: a kernel before 5.14; ENOMEM: freed meanwhile
                     log.debug("KV pages left to their first write: madvise: %s", errno.errorcode.get(err, err))
                     return
+        log.debug("KV pool's pages in: %.0f MB in %.2f s", sum(n for _, n in spans) / 1e6, time.perf_counter() - t0)
 
     t = threading.Thread(target=run, name="ringserve-kv-populate", daemon=True)
     t.start()

@@ -213,3 +213,45 @@ def test_the_least_recently_used_entries_are_pruned(tmp_path, monkeypatch):
             assert cache.load(keys[0]) is not None
         cache.compile(lambda a: a + 1, (x,), (), out_tree, donate_argnums=(), custom_calls=())
     assert sorted(p.name for p in cache.dir.iterdir()) == sorted(f"{k}.exported" for k in (keys[0], keys[2]))
+
+
+_FRESH_START = """
+import json, sys
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+import model.executor as mx
+traced = []
+real = mx.make_step
+def counting(*a, **k):
+    step = real(*a, **k)
+    def traced_step(*args):
+        traced.append(1)
+        return step(*args)
+    return traced_step
+mx.make_step = counting
+cfg = json.loads(sys.argv[3])
+ex = mx.ModelExecutor(sys.argv[1], mx.ExecutorConfig(**cfg))
+print(json.dumps({"hits": ex._on_disk.hits, "misses": ex._on_disk.misses, "traced": len(traced), "dot": ex.dot}))
+"""
+
+
+def test_a_fresh_bf16_process_reads_back_every_program(tiny_dir, tmp_path):
+    """A warm start is a new process: every custom call its programs call (the bf16 norms' too,
+    whose first use is otherwise in a trace) is registered before the first is read back, so
+    that none is traced again."""
+    import json
+    import subprocess
+    import sys
+
+    from model.kernels import cpu_matmul, cpu_norm
+
+    if cpu_norm.reason() is not None or cpu_matmul.reason("bfloat16") is not None:
+        pytest.skip(f"no bf16 kernels here: {cpu_norm.reason() or cpu_matmul.reason('bfloat16')}")
+    cfg = dict(CFG, dtype="bfloat16", top_logprobs_num=0, token_ids_logprob_num=0, program_cache=True)
+    cmd = [sys.executable, "-c", _FRESH_START, str(tiny_dir("llama")), str(tmp_path / "xla"), json.dumps(cfg)]
+    runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout.splitlines()[-1])
+            for _ in range(2)]  # fmt: skip
+    assert runs[0]["dot"].startswith("kernel")
+    n = runs[0]["misses"]
+    assert n > 0 and runs[0]["hits"] == 0
+    assert runs[1] == {"hits": n, "misses": 0, "traced": 0, "dot": runs[0]["dot"]}
