@@ -39,9 +39,6 @@ from model.checkpoints.tokenizer import FastTokenizer
 log = logging.getLogger("ringserve.engine")
 
 READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
-# transformers' tokenizer (chat templates; a FastTokenizer's `full`) loads this long after ready:
-# loaded at once, its ~1.7 s of GIL-bound imports delayed the first answer by as much as it saved
-PRELOAD_AFTER_S = 1.0
 
 
 class Engine:
@@ -93,8 +90,6 @@ class Engine:
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "max_total_num_tokens": (args.num_pages - 1) * args.page_size,
                                          "kv_pool": self.kv_pool.as_dict()}  # fmt: skip
-            if isinstance(self._tok, FastTokenizer):  # transformers' own, off the start
-                self._tok.preload(after_s=PRELOAD_AFTER_S)
         except BaseException:
             self.shutdown()
             raise

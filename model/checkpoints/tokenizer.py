@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,17 +78,56 @@ class Decoder:
 
 class FastTokenizer(Decoder):
     """The frontend's tokenizer: `encode` and `decode` from the `tokenizers` backend, with
-    transformers' fast tokenizer's answers, and everything else (`apply_chat_template`,
-    `chat_template`, `__call__`, ...) from transformers' own tokenizer, `full`, loaded on first
-    use or by `preload()` in the background once the engine serves. So start-up never imports
-    transformers, and `engine.tokenizer` still answers all that transformers' does."""
+    transformers' fast tokenizer's answers; `chat_template` and `apply_chat_template(...,
+    tokenize=False)` from the kept template and special tokens, rendered by transformers' own
+    renderer (`transformers.utils.chat_template_utils`, which imports neither torch nor the
+    tokenizer classes); everything else (`__call__`, a tokenized chat, ...) from transformers'
+    own tokenizer, `full`, loaded on first use. So neither start-up nor serving (completions or
+    chats) loads transformers' tokenizer, and `engine.tokenizer` still answers all it does.
+
+    Why not load it in the background once the engine serves (as before): its imports and load
+    are 1.6 CPU-s without torch, 2.4 with it, GIL-bound in the frontend's process, and they ran
+    beside the first requests of a server started for a burst (SmolLM2 bf16, 64 requests sent
+    once compiled: the first prefill steps 550-950 ms against ~410 after)."""
 
     def __init__(self, spec: dict[str, Any], path: str | Path):
         super().__init__(spec)
         self.bos_token_id: int | None = spec["bos_token_id"]
+        chat = spec.get("chat")
+        self._chat: dict[str, Any] | None = chat if isinstance(chat, dict) else None
         self._path = str(path)
         self._full: Any = None
         self._lock = threading.Lock()
+
+    @property
+    def chat_template(self) -> Any:
+        """transformers' `chat_template` (a template, named templates, or None)."""
+        return self._chat["template"] if self._chat is not None else self.full.chat_template
+
+    def apply_chat_template(self, conversation: Any, tools: list | None = None, documents: list | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool | str = False, tokenize: bool = True, **kwargs: Any) -> Any:  # fmt: skip
+        """transformers' `apply_chat_template`: rendered here (`tokenize=False`, no callables
+        among `tools`, no transformers-only options), else by `full`."""
+        render = _chat_renderer() if self._chat is not None and not tokenize else None
+        if render is None or any(callable(t) for t in tools or ()) or _HF_CHAT_OPTIONS & kwargs.keys():
+            return self.full.apply_chat_template(
+                conversation, tools=tools, documents=documents, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=tokenize, **kwargs)  # fmt: skip
+        normalize, render_jinja = render
+        template = _pick_template(self._chat["template"], chat_template, tools)
+        if isinstance(conversation, (list, tuple)) and len(conversation) == 0:
+            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        batched = isinstance(conversation, (list, tuple)) and (
+            isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))  # fmt: skip
+        chats = [normalize(c) for c in (conversation if batched else [conversation])]
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+        rendered, _ = render_jinja(conversations=chats, tools=tools, documents=documents, chat_template=template,
+                                   continue_final_message=continue_final_message,
+                                   add_generation_prompt=add_generation_prompt, **{**self._chat["special"], **kwargs})  # fmt: skip
+        return rendered if batched else rendered[0]
 
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         if kwargs or not isinstance(text, str):  # pairs, padding, truncation, tensors: transformers'
@@ -108,18 +146,8 @@ class FastTokenizer(Decoder):
                 self._full = load_tokenizer(self._path)
             return self._full
 
-    def preload(self, after_s: float = 0.0) -> None:
-        """Load `full` on a background thread `after_s` seconds from now (a chat request then
-        finds it loaded; one before that loads it itself)."""
-
-        def load() -> None:
-            time.sleep(after_s)
-            self.full  # noqa: B018
-
-        threading.Thread(target=load, name="ringserve-tokenizer-full", daemon=True).start()
-
     def __getattr__(self, name: str) -> Any:  # only for what this class does not answer itself
-        if name.startswith("__") or name in ("_full", "_lock", "_path"):
+        if name.startswith("__") or name in ("_full", "_lock", "_path", "_chat"):
             raise AttributeError(name)
         return getattr(self.full, name)
 
@@ -128,6 +156,43 @@ class FastTokenizer(Decoder):
 
     def __repr__(self) -> str:
         return f"FastTokenizer({self._path!r}, {len(self)} tokens)"
+
+
+# apply_chat_template options only transformers' own tokenizer takes (a tokenized result's, the
+# control tokens' sanitizing): with any of them the call goes to `full`
+_HF_CHAT_OPTIONS = frozenset({"sanitize_control_tokens", "return_assistant_tokens_mask", "return_dict", "padding",
+                              "truncation", "max_length", "return_tensors", "tokenizer_kwargs"})  # fmt: skip
+
+
+def _chat_renderer() -> tuple[Any, Any] | None:
+    """transformers' message normalizing and template rendering (`apply_chat_template`'s own
+    steps), or None where this transformers has them elsewhere (then `full` renders)."""
+    quiet_transformers()
+    try:
+        from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+    except ImportError:
+        return None
+    return _normalize_chat_messages, render_jinja_template
+
+
+def _pick_template(kept: Any, asked: str | None, tools: list | None) -> str:
+    """transformers' `get_chat_template`: the asked template (or one of the named ones), else the
+    tokenizer's (of named ones: "tool_use" with tools, else "default")."""
+    if isinstance(kept, dict):
+        if asked is not None and asked in kept:
+            return str(kept[asked])
+        if asked is None:
+            if tools is not None and "tool_use" in kept:
+                return str(kept["tool_use"])
+            if "default" in kept:
+                return str(kept["default"])
+            raise ValueError(f"This model has multiple chat templates with no default specified; name one of "
+                             f"{sorted(kept)} as chat_template")  # fmt: skip
+    if asked is not None:
+        return asked
+    if kept is None:
+        raise ValueError("Cannot use apply_chat_template because this processor does not have a chat template.")
+    return str(kept)
 
 
 def decoder_spec(tok: Any) -> dict[str, Any] | None:
@@ -148,7 +213,25 @@ def decoder_spec(tok: Any) -> dict[str, Any] | None:
     backend.no_truncation()
     eos, bos = tok.eos_token_id, tok.bos_token_id
     return {"backend": backend.to_str(), "eos_token_id": None if eos is None else int(eos), "len": len(tok),
-            "bos_token_id": None if bos is None else int(bos), "encodes": _encodes_as_fast(tok)}  # fmt: skip
+            "bos_token_id": None if bos is None else int(bos), "encodes": _encodes_as_fast(tok),
+            "chat": _chat_spec(tok)}  # fmt: skip
+
+
+def _chat_spec(tok: Any) -> dict[str, Any] | None:
+    """What `FastTokenizer.apply_chat_template` renders with (the template or named templates,
+    and the special tokens every render is given), or None where the tokenizer renders its own
+    way (a subclass's apply_chat_template or get_chat_template) or these are not plain JSON."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(tok)
+    if (cls.apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template
+            or cls.get_chat_template is not PreTrainedTokenizerBase.get_chat_template):  # fmt: skip
+        return None
+    chat = {"template": tok.chat_template, "special": dict(tok.special_tokens_map)}
+    try:
+        return chat if json.loads(json.dumps(chat)) == chat else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _decodes_as_fast(cls: Any) -> bool:
@@ -179,15 +262,16 @@ def _spec_path(path: Path) -> Path | None:
     h = hashlib.sha256()
     try:
         h.update(
-            f"spec 2 transformers {version('transformers')} tokenizers {version('tokenizers')}\0".encode()
+            f"spec 3 transformers {version('transformers')} tokenizers {version('tokenizers')}\0".encode()
         )
     except PackageNotFoundError:
         return None
     found = False
-    for name in TOKENIZER_FILES:
+    named = sorted(str(f.relative_to(path)) for f in (path / "additional_chat_templates").glob("*.jinja"))
+    for name in (*TOKENIZER_FILES, *named):  # (the named templates: the kept chat templates are theirs too)
         f = path / name
         if f.is_file():
-            found = True
+            found = found or name in TOKENIZER_FILES
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     return cache_dir("tokenizers", h.hexdigest()[:24] + ".json") if found else None
 

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -96,16 +95,53 @@ def test_everything_else_is_transformers_own(tiny_dir, cache):
         tok.no_such_attribute  # noqa: B018
 
 
-def test_preload_loads_transformers_in_the_background(tiny_dir, cache):
-    d = tiny_dir("llama")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+NAMED = {"default": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ eos_token }}",
+         "tool_use": "{{ tools | tojson }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"}  # fmt: skip
+
+
+def _chats() -> list[tuple[object, dict]]:
+    """(conversation, keyword arguments) pairs apply_chat_template is asked with."""
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 世界"},
+            {"role": "assistant", "content": "hi", "tool_calls": None}, {"role": "user", "content": "and?"}]  # fmt: skip
+    return [(msgs, {"add_generation_prompt": True}), (msgs, {}), (msgs[:2], {"add_generation_prompt": False}),
+            ([msgs[:2], msgs], {"add_generation_prompt": True}),  # batched
+            ([*msgs, {"role": "assistant", "content": "I think"}], {"continue_final_message": True}),
+            (msgs, {"add_generation_prompt": True, "tools": TOOLS, "custom_flag": 3}),
+            (msgs, {"chat_template": "{% for m in messages %}{{ m.content | upper }}|{% endfor %}{{ bos_token }}"})]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "named"])
+def test_chats_render_as_transformers_without_its_tokenizer(tiny_dir, cache, tmp_path, family):
+    d = tiny_dir("qwen2" if family == "qwen2" else "llama")
+    if family == "named":  # a tokenizer with named templates
+        d = tmp_path / "named"
+        shutil.copytree(tiny_dir("llama"), d)
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = [{"name": k, "template": v} for k, v in NAMED.items()]
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = load_tokenizer(d)
     load_encoder(d)
     tok = load_encoder(d)
-    tok.preload()
-    for _ in range(600):
-        if tok._full is not None:
-            break
-        time.sleep(0.05)
-    assert tok._full is not None and tok.encode("ab cd") == tok.full.encode("ab cd")
+    assert isinstance(tok, FastTokenizer) and tok.chat_template == hf.chat_template
+    for conv, kw in _chats():
+        if family == "named" and "chat_template" in kw:
+            kw = {**kw, "chat_template": "tool_use"}  # a template by its name
+        want = hf.apply_chat_template(conv, tokenize=False, **kw)
+        assert tok.apply_chat_template(conv, tokenize=False, **kw) == want, (conv, kw)
+    assert tok._full is None  # transformers' tokenizer never loaded
+    for bad in ([], [["x"]]):
+        with pytest.raises((ValueError, TypeError)):
+            hf.apply_chat_template(bad, tokenize=False)
+        with pytest.raises((ValueError, TypeError)):
+            tok.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(ValueError, match="not compatible"):
+        tok.apply_chat_template(_chats()[0][0], add_generation_prompt=True, continue_final_message=True, tokenize=False)
+    # a tokenized chat (or an option of transformers' alone) is transformers' own
+    ids = tok.apply_chat_template(_chats()[0][0], add_generation_prompt=True, return_dict=False)
+    assert tok._full is not None
+    assert ids == hf.apply_chat_template(_chats()[0][0], add_generation_prompt=True, return_dict=False)
 
 
 def test_split_special_tokens_stays_with_transformers(tiny_dir, cache, tmp_path):
@@ -132,13 +168,13 @@ def test_a_cached_start_imports_no_transformers(tiny_dir, cache):
         "assert bytes_per_token(tok) is not None\n"
         "before = 'transformers' in sys.modules\n"
         "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True, tokenize=False)\n"
-        "print(type(tok).__name__, before, 'transformers' in sys.modules)"
+        "print(type(tok).__name__, before, 'transformers.tokenization_utils_base' in sys.modules, tok._full is None)"
     )
     root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "RINGSERVE_CACHE": str(cache)})  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["FastTokenizer", "False", "True"]
+    assert r.stdout.split() == ["FastTokenizer", "False", "False", "True"]  # a chat: transformers' renderer alone
 
 
 def test_engine_tokenizer_is_transformers_own(shared_engine):
