@@ -109,14 +109,15 @@ class FastTokenizer(Decoder):
                             continue_final_message: bool | str = False, tokenize: bool = True, **kwargs: Any) -> Any:  # fmt: skip
         """transformers' `apply_chat_template`: rendered here (`tokenize=False`, no callables
         among `tools`, no transformers-only options), else by `full`."""
-        render = _chat_renderer() if self._chat is not None and not tokenize else None
-        if render is None or any(callable(t) for t in tools or ()) or _HF_CHAT_OPTIONS & kwargs.keys():
+        chat = self._chat
+        render = _chat_renderer() if chat is not None and not tokenize else None
+        if chat is None or render is None or any(callable(t) for t in tools or ()) or _HF_CHAT_OPTIONS & kwargs.keys():
             return self.full.apply_chat_template(
                 conversation, tools=tools, documents=documents, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 tokenize=tokenize, **kwargs)  # fmt: skip
         normalize, render_jinja = render
-        template = _pick_template(self._chat["template"], chat_template, tools)
+        template = _pick_template(chat["template"], chat_template, tools)
         if isinstance(conversation, (list, tuple)) and len(conversation) == 0:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
         batched = isinstance(conversation, (list, tuple)) and (
@@ -126,7 +127,7 @@ class FastTokenizer(Decoder):
             raise ValueError("continue_final_message and add_generation_prompt are not compatible")
         rendered, _ = render_jinja(conversations=chats, tools=tools, documents=documents, chat_template=template,
                                    continue_final_message=continue_final_message,
-                                   add_generation_prompt=add_generation_prompt, **{**self._chat["special"], **kwargs})  # fmt: skip
+                                   add_generation_prompt=add_generation_prompt, **{**chat["special"], **kwargs})  # fmt: skip
         return rendered if batched else rendered[0]
 
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
