@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,22 @@ from model.step_inputs import DeviceRow, DeviceSampling
 
 CFG = dict(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, top_logprobs_num=2,
            token_ids_logprob_num=2)  # fmt: skip
+
+
+def counting_traces(make_step):
+    """`make_step` whose steps count their traces, and the list they count in (one 1 a trace)."""
+    calls: list[int] = []
+
+    def counting(*a, **k):
+        step = make_step(*a, **k)
+
+        def traced_step(*args):
+            calls.append(1)
+            return step(*args)
+
+        return traced_step
+
+    return counting, calls
 
 
 def _decode(ex: ModelExecutor) -> tuple[list, list, list]:
@@ -60,18 +77,7 @@ def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monk
 
     import model.executor as mx
 
-    calls = []
-    real = mx.make_step
-
-    def counting(*a, **k):
-        step = real(*a, **k)
-
-        def traced_step(*args):
-            calls.append(1)
-            return step(*args)
-
-        return traced_step
-
+    counting, calls = counting_traces(mx.make_step)
     monkeypatch.setattr(mx, "make_step", counting)
     again = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**CFG, program_cache=True))
     assert (again._on_disk.hits, again._on_disk.misses) == (n, 0)
@@ -220,15 +226,8 @@ import json, sys
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 import model.executor as mx
-traced = []
-real = mx.make_step
-def counting(*a, **k):
-    step = real(*a, **k)
-    def traced_step(*args):
-        traced.append(1)
-        return step(*args)
-    return traced_step
-mx.make_step = counting
+from tests.model.test_program_cache import counting_traces
+mx.make_step, traced = counting_traces(mx.make_step)
 cfg = json.loads(sys.argv[3])
 ex = mx.ModelExecutor(sys.argv[1], mx.ExecutorConfig(**cfg))
 print(json.dumps({"hits": ex._on_disk.hits, "misses": ex._on_disk.misses, "traced": len(traced), "dot": ex.dot}))
@@ -249,8 +248,9 @@ def test_a_fresh_bf16_process_reads_back_every_program(tiny_dir, tmp_path):
         pytest.skip(f"no bf16 kernels here: {cpu_norm.reason() or cpu_matmul.reason('bfloat16')}")
     cfg = dict(CFG, dtype="bfloat16", top_logprobs_num=0, token_ids_logprob_num=0, program_cache=True)
     cmd = [sys.executable, "-c", _FRESH_START, str(tiny_dir("llama")), str(tmp_path / "xla"), json.dumps(cfg)]
-    runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout.splitlines()[-1])
-            for _ in range(2)]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]  # (the script imports tests.model)
+    runs = [json.loads(subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True,
+                                      timeout=600).stdout.splitlines()[-1]) for _ in range(2)]  # fmt: skip
     assert runs[0]["dot"].startswith("kernel")
     n = runs[0]["misses"]
     assert n > 0 and runs[0]["hits"] == 0
