@@ -39,19 +39,18 @@ class RMSNorm(nnx.Module):
         self.deterministic = deterministic
         self.dot = dot
 
-    def _kernel(self, x: jax.Array) -> bool:
+    def _kernel(self, x: jax.Array) -> Any:
+        """cpu_norm where it computes this norm of `x`, else None."""
         if self.deterministic or not self.dot.startswith("kernel") or x.dtype != jnp.bfloat16:
-            return False
+            return None
         from model.kernels import cpu_norm
 
-        return cpu_norm.reason() is None
+        return cpu_norm if cpu_norm.reason() is None else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w, eps = self.weight[...], self.eps
-        if self._kernel(x):
-            from model.kernels import cpu_norm
-
-            return cpu_norm.rms_norm(x, w, eps)
+        if (kernel := self._kernel(x)) is not None:
+            return kernel.rms_norm(x, w, eps)
         if not self.deterministic:
             return rms_norm(x, w, eps)
         flat = x.reshape(-1, x.shape[-1])
@@ -60,10 +59,8 @@ class RMSNorm(nnx.Module):
     def add(self, x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x + a, self(x + a)): the residual stream and the next sublayer's input, in one pass
         where the kernel runs."""
-        if self._kernel(x) and a.dtype == x.dtype:
-            from model.kernels import cpu_norm
-
-            return cpu_norm.add_rms_norm(x, a, self.weight[...], self.eps)
+        if (kernel := self._kernel(x)) is not None and a.dtype == x.dtype:
+            return kernel.add_rms_norm(x, a, self.weight[...], self.eps)
         s = x + a
         return s, self(s)
 

@@ -16,6 +16,7 @@ own process is never touched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -165,9 +166,11 @@ _HF_CHAT_OPTIONS = frozenset({"sanitize_control_tokens", "return_assistant_token
                               "truncation", "max_length", "return_tensors", "tokenizer_kwargs"})  # fmt: skip
 
 
+@functools.cache
 def _chat_renderer() -> tuple[Any, Any] | None:
     """transformers' message normalizing and template rendering (`apply_chat_template`'s own
-    steps), or None where this transformers has them elsewhere (then `full` renders)."""
+    steps), or None where this transformers has them elsewhere (then `full` renders). Once a
+    process (`quiet_transformers` looks torch up on disk)."""
     quiet_transformers()
     try:
         from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
