@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,9 @@ from model.step_inputs import (
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Seconds a new KV pool waits, once the server serves, for its first step before its pages are
+# brought in anyway (new_kv)
+FIRST_STEP_WAIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,6 +191,7 @@ class ModelExecutor:
         self.kv_avals = self._kv_avals()
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
         self._populating: threading.Thread | None = None  # the KV pool's page-populating thread
+        self._pool_first_out: jax.Array | None = None  # the KV pool's first step's tokens (new_kv)
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
         self._settled = threading.Event()  # set once no more programs will compile (all, or failed)
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
@@ -336,19 +341,39 @@ class ModelExecutor:
         self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
         self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
         generation = self._kv_generation = self._kv_generation + 1
+        self._pool_first_out = None
         me = weakref.ref(self)  # the thread must not keep an executor (and its pool) that failed to start
 
         def stop() -> bool:
             ex = me()
             return ex is None or ex._kv_generation != generation
 
+        serving_since: list[float] = []
+
+        def after() -> bool | None:
+            """Once the server serves and the pool's first step is done, or it served
+            FIRST_STEP_WAIT_S with none; None once the pool is gone."""
+            ex = me()
+            if ex is None or stop():
+                return None
+            if not ex._serving.is_set():
+                return False
+            if ex._pool_first_out is not None:
+                ex._pool_first_out.block_until_ready()
+                return True
+            if not serving_since:
+                serving_since.append(time.monotonic())
+            return time.monotonic() - serving_since[0] >= FIRST_STEP_WAIT_S
+
         # once the server serves: beside the lead programs' tracing it was ready ~1.5 s later.
         # Beside the background compile it slows the loads (their executables' mappings wait for
         # its faults on the process's mmap lock: SmolLM2's first background program 5.6 s instead
         # of 0.14), but a step compiles its own program at once (`prepare`); after every program
         # (tried) it ran beside the first steps once all were compiled (`ringserve generate`'s
-        # tiny-model throughput 4.1-4.3k tok/s against 6.8-7.2k)
-        self._populating = cpu_memory.populate(self.kv, stop=stop, after=self._serving)
+        # tiny-model throughput 4.1-4.3k tok/s against 6.8-7.2k). After the pool's first step:
+        # beside it, that step (usually the server's first request) took 0.13-0.79 s instead of
+        # 0.10-0.12 (SmolLM2 bf16, a 2-token prompt right after a warm start).
+        self._populating = cpu_memory.populate(self.kv, stop=stop, after=after)
 
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,
@@ -500,6 +525,8 @@ class ModelExecutor:
             raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
         self.kv, self.future, out, accepted, prompt = prog(self.params, self.kv, self.future, hb.forward,
                                                            self._with_mask(hb), self._with_logprob(hb), lora)  # fmt: skip
+        if self._pool_first_out is None:  # (new_kv: the pool's pages come in after it)
+            self._pool_first_out = out.tokens
         return out, accepted, prompt
 
     @functools.cached_property

@@ -15,8 +15,11 @@ serves: run at the lowest priority after the background compile, it left most pa
 a burst sent once everything was compiled, which faulted them in its prefills (SmolLM2 f32,
 64 requests: TTFT median 27.7-28.8 s against 25.1 with the pool written at start; 20.8 as
 now). The price: requests in its first seconds share the cores with it (a 1-token request
-~1 s for ~8 s after ready on this VM, 0.1 s after). Where the kernel does not build (no
-compiler) or on any other platform, `zeros` is XLA's and nothing is populated.
+~1 s for ~8 s after ready on this VM, 0.1 s after). The executor holds it back until the pool's
+first step is done (or the pool has served a second with none): begun as the server served, it
+made that step, usually the server's first request, 0.13-0.79 s instead of 0.10-0.12 (SmolLM2
+bf16, a 2-token prompt after a warm start; the pass had begun up to 0.5 s into serving). Where the kernel does not build (no compiler) or on any other platform,
+`zeros` is XLA's and nothing is populated.
 """
 
 from __future__ import annotations
@@ -68,12 +71,18 @@ def zeros(aval: jax.ShapeDtypeStruct) -> jax.Array:
                    out_shardings=sharding)()  # fmt: skip
 
 
+class Populating(threading.Thread):
+    """The thread `populate` runs; `began`: time.monotonic() when it asked for the first page."""
+
+    began: float | None = None
+
+
 def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
-             after: threading.Event | None = None) -> threading.Thread | None:  # fmt: skip
-    """Fault in every page of `arrays` (this process's shards) on a daemon thread, once `after`
-    is set; it ends early once `stop()` is true (the arrays were freed or replaced), also while
-    it waits (an owner that failed before setting `after` must not be kept waiting). None where
-    nothing is to be done (not CPU, not Linux)."""
+             after: Callable[[], bool | None] | None = None) -> Populating | None:  # fmt: skip
+    """Fault in every page of `arrays` (this process's shards) on a daemon thread, once `after()`
+    answers True (asked every 50 ms; None: never); it ends early once `stop()` is true (the
+    arrays were freed or replaced), also while it waits (an owner that failed before `after()`
+    turned true must not be kept waiting). None where nothing is to be done (not CPU, not Linux)."""
     if jax.devices()[0].platform != "cpu":
         return None
     try:
@@ -85,9 +94,13 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
     spans = [(s.data.unsafe_buffer_pointer(), s.data.nbytes) for a in arrays for s in a.addressable_shards]
 
     def run() -> None:
-        while after is not None and not after.wait(0.5):
-            if stop():
+        while after is not None:
+            if stop() or (go := after()) is None:
                 return
+            if go:
+                break
+            time.sleep(0.05)
+        t.began = time.monotonic()
         page, t0 = mmap.PAGESIZE, time.perf_counter()
         for ptr, size in spans:
             lo, hi = -(-ptr // page) * page, (ptr + size) // page * page
@@ -100,6 +113,6 @@ def populate(arrays: Sequence[jax.Array], stop: Callable[[], bool],
                     return
         log.debug("KV pool's pages in: %.0f MB in %.2f s", sum(n for _, n in spans) / 1e6, time.perf_counter() - t0)
 
-    t = threading.Thread(target=run, name="ringserve-kv-populate", daemon=True)
+    t = Populating(target=run, name="ringserve-kv-populate", daemon=True)
     t.start()
     return t

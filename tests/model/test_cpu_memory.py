@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,59 @@ def test_an_executor_that_fails_to_start_is_not_kept_by_its_populating_thread(ti
     for t in [t for t in threading.enumerate() if t.name == "ringserve-kv-populate"]:
         t.join(10)
         assert not t.is_alive()
+
+
+def test_populate_waits_for_its_gate_and_gives_up_when_told():
+    """`after()`: False keeps the pages where they are, True starts the pass (`began`), None ends
+    the thread without a page brought in."""
+    z = cpu_memory.zeros(_aval((16 << 20,)))
+    go = threading.Event()
+    t = cpu_memory.populate([z], stop=lambda: False, after=lambda: go.is_set())
+    assert t is not None
+    t.join(0.3)
+    assert t.is_alive() and t.began is None
+    opened = time.monotonic()
+    go.set()
+    t.join(30)
+    assert not t.is_alive() and t.began is not None and t.began >= opened
+    t = cpu_memory.populate([z], stop=lambda: False, after=lambda: None)
+    t.join(10)
+    assert not t.is_alive() and t.began is None
+
+
+def _served_executor(tiny_dir):
+    from model.executor import ExecutorConfig, ModelExecutor
+
+    cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=64, max_batch=2, max_extend_tokens=16,
+                         extend_block=16)  # fmt: skip
+    return ModelExecutor(tiny_dir("llama"), cfg)
+
+
+def test_the_pool_pages_come_after_its_first_step(tiny_dir):
+    """The KV pool's pages are brought in once the pool's first step is done (beside it, that
+    step, usually the server's first request, shared the cores with the pass), not as the
+    executor starts serving."""
+    from model.step_inputs import DeviceRow
+
+    ex = _served_executor(tiny_dir)
+    t = ex._populating
+    assert t is not None
+    time.sleep(0.3)
+    assert t.began is None  # serving, no step yet, within FIRST_STEP_WAIT_S
+    before = time.monotonic()
+    out, _, _ = ex.run([DeviceRow(np.arange(3, 8, dtype=np.int32), 0, np.array([1], np.int32))])
+    out.tokens.block_until_ready()
+    t.join(30)
+    assert not t.is_alive() and t.began is not None and t.began >= before
+
+
+def test_an_idle_pool_pages_come_anyway(tiny_dir, monkeypatch):
+    """No step within FIRST_STEP_WAIT_S of serving: the pages are brought in all the same."""
+    import model.executor as executor
+
+    monkeypatch.setattr(executor, "FIRST_STEP_WAIT_S", 0.2)
+    ex = _served_executor(tiny_dir)
+    t = ex._populating
+    assert t is not None
+    t.join(30)
+    assert not t.is_alive() and t.began is not None
