@@ -359,7 +359,10 @@ class ModelExecutor:
             if not ex._serving.is_set():
                 return False
             if ex._pool_first_out is not None:
-                ex._pool_first_out.block_until_ready()
+                try:
+                    ex._pool_first_out.block_until_ready()
+                except Exception:  # noqa: BLE001 -- a failed (or freed) step: the pages come all the same
+                    log.debug("the KV pool's first step did not finish; bringing its pages in", exc_info=True)
                 return True
             if not serving_since:
                 serving_since.append(time.monotonic())
