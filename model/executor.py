@@ -190,7 +190,7 @@ class ModelExecutor:
         self._reserve_pairs(self.params_avals)
         self.kv_avals = self._kv_avals()
         self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
-        self._populating: threading.Thread | None = None  # the KV pool's page-populating thread
+        self._populating: cpu_memory.Populating | None = None  # the KV pool's page-populating thread
         self._pool_first_out: jax.Array | None = None  # the KV pool's first step's tokens (new_kv)
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
         self._settled = threading.Event()  # set once no more programs will compile (all, or failed)

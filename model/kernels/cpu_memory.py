@@ -18,8 +18,9 @@ now). The price: requests in its first seconds share the cores with it (a 1-toke
 ~1 s for ~8 s after ready on this VM, 0.1 s after). The executor holds it back until the pool's
 first step is done (or the pool has served a second with none): begun as the server served, it
 made that step, usually the server's first request, 0.13-0.79 s instead of 0.10-0.12 (SmolLM2
-bf16, a 2-token prompt after a warm start; the pass had begun up to 0.5 s into serving). Where the kernel does not build (no compiler) or on any other platform,
-`zeros` is XLA's and nothing is populated.
+bf16, a 2-token prompt after a warm start; the pass had begun up to 0.5 s into serving).
+Where the kernel does not build (no compiler) or on any other platform, `zeros` is XLA's and
+nothing is populated.
 """
 
 from __future__ import annotations
