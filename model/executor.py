@@ -348,11 +348,12 @@ class ModelExecutor:
             ex = me()
             return ex is None or ex._kv_generation != generation
 
-        serving_since: list[float] = []
+        serving_since: float | None = None  # when `after` first saw the server serving
 
         def after() -> bool | None:
             """Once the server serves and the pool's first step is done, or it served
             FIRST_STEP_WAIT_S with none; None once the pool is gone."""
+            nonlocal serving_since
             ex = me()
             if ex is None or stop():
                 return None
@@ -364,9 +365,9 @@ class ModelExecutor:
                 except Exception:  # noqa: BLE001 -- a failed (or freed) step: the pages come all the same
                     log.debug("the KV pool's first step did not finish; bringing its pages in", exc_info=True)
                 return True
-            if not serving_since:
-                serving_since.append(time.monotonic())
-            return time.monotonic() - serving_since[0] >= FIRST_STEP_WAIT_S
+            now = time.monotonic()
+            serving_since = now if serving_since is None else serving_since
+            return now - serving_since >= FIRST_STEP_WAIT_S
 
         # once the server serves: beside the lead programs' tracing it was ready ~1.5 s later.
         # Beside the background compile it slows the loads (their executables' mappings wait for
