@@ -84,6 +84,12 @@ class ServerArgs:
     )
     speculative_num_draft_tokens: int = _opt(4, "draft tokens per verify round (ngram)")
     speculative_ngram_max_match: int = _opt(4, "longest suffix n-gram looked up in the context (ngram)")
+    decode_steps: int = _opt(
+        1, "multi-step decode: when nothing waits and at most decode_steps_max_batch requests decode, one decode "
+        "batch runs this many steps on the device (tokens stream this many at a time; a request that stops "
+        "inside a run drops the rest): the host's work per step is paid once a run (cpu_kernel attention); 1: off"
+    )
+    decode_steps_max_batch: int = _opt(4, "largest decode batch that runs multi-step (decode_steps > 1)")
     new_token_ratio_init: float = _opt(0.7, "initial share of max_new_tokens reserved per running request")
     new_token_ratio_min: float = _opt(0.1, "floor of that share")
     new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay from init to min")
@@ -259,6 +265,16 @@ class ServerArgs:
         need(
             1 <= self.speculative_ngram_max_match <= 16,
             f"speculative_ngram_max_match={self.speculative_ngram_max_match}: must be in [1, 16]",
+        )
+        need(1 <= self.decode_steps <= 16, f"decode_steps={self.decode_steps}: must be in [1, 16]")
+        need(
+            1 <= self.decode_steps_max_batch <= self.max_running_requests,
+            f"decode_steps_max_batch={self.decode_steps_max_batch}: must be in [1, max_running_requests="
+            f"{self.max_running_requests}]",
+        )
+        need(
+            not (self.speculative and self.decode_steps > 1),
+            "speculative decoding and decode_steps > 1 cannot be combined (both run rounds of several tokens)",
         )
         need(
             not (self.speculative and self.enable_mixed_chunk),

@@ -92,6 +92,8 @@ class ExecutorConfig:
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
+    decode_steps: int = 1  # multi-step decode: decode steps a program runs one after another (1 = off)
+    decode_steps_rows: int = 4  # multi-step decode programs for decode batches of up to this many rows
     deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
     lora_slots: int = 0  # LoRA adapter pool slots incl. the empty slot 0 (max_loras_per_batch + 1); 0 = off
     lora_rank: int = 0  # max_lora_rank: every slot's rank (adapters of lower rank are zero-padded)
@@ -223,7 +225,7 @@ class ModelExecutor:
             return step(*args)
 
         self._traced = traced
-        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8))
+        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8, 9))
         self._on_disk: ProgramCache | None = None
         self._not_on_disk: set[StepShape] = set()  # programs `_compile_best` found not kept
         if cfg.program_cache and usable(self.platform, cfg.tp_size):
@@ -234,7 +236,11 @@ class ModelExecutor:
                 load_kernels(cfg)  # (before a program is read back)
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
-        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu)
+        if cfg.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(self.buckets.decode_batches[0], cfg.decode_steps)):
+            raise ValueError(f"decode_steps={cfg.decode_steps}: multi-step decode runs its steps' attention without a "
+                             f"host plan, which the {self.backend} backend needs (cpu_kernel has none)")  # fmt: skip
+        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu,
+                                    cfg.decode_steps, cfg.decode_steps_rows)  # fmt: skip
         self.programs = ProgramSet(self._compile, order, lead, contexts)
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
@@ -416,7 +422,7 @@ class ModelExecutor:
         if loaded_only:
             if self._on_disk is None or shape in self._not_on_disk:
                 return False
-            if not self._on_disk.has(self._program_args(shape), (top_n, shape.verify)):
+            if not self._on_disk.has(self._program_args(shape), _statics(shape, top_n)):
                 self._not_on_disk.add(shape)  # (asked again each padded step until compiled)
                 return False
         return self.programs.compile_now((shape, top_n))
@@ -427,14 +433,14 @@ class ModelExecutor:
         if self._on_disk is not None:
             hits = self._on_disk.hits
             try:
-                prog = self._on_disk.compile(self._traced, args, (top_n, shape.verify), self._out_tree(),
+                prog = self._on_disk.compile(self._traced, args, _statics(shape, top_n), self._out_tree(),
                                              donate_argnums=(1, 2), custom_calls=custom_calls())  # fmt: skip
             except Exception as e:  # (a jax whose export differs): traced as ever
                 log.warning("program %s: not through the program cache (%s: %s)", key, type(e).__name__, e)
             else:
                 self.trace_count += self._on_disk.hits - hits  # read back: counted as the trace it replaces
                 return prog
-        return self._jitted.lower(*args, top_n, shape.verify).compile()
+        return self._jitted.lower(*args, *_statics(shape, top_n)).compile()
 
     def _out_tree(self) -> Any:
         """The structure every step program returns (model/step.py): kv, the FutureMap, the
@@ -465,8 +471,9 @@ class ModelExecutor:
         return len(self.programs.order)
 
     # ---- serving ------------------------------------------------------------------------------
-    def prepare(self, rows: list[DeviceRow], verify: int = 0) -> HostBatch:
-        """The host side of a step: padded inputs, the program's shape, the backend's plan."""
+    def prepare(self, rows: list[DeviceRow], verify: int = 0, multistep: bool = False) -> HostBatch:
+        """The host side of a step: padded inputs, the program's shape, the backend's plan
+        (`multistep`: `verify` decode steps in one program, model/step.py)."""
         top_n, need = self.cfg.top_logprobs_num, 0
         ok: Callable[[StepShape], bool] | None = None
         if self.programs.pending:  # still compiling: the smallest compiled program that holds the step
@@ -483,7 +490,7 @@ class ModelExecutor:
             seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
             try:
                 hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
-                                 self.cfg.token_ids_logprob_num)  # fmt: skip
+                                 self.cfg.token_ids_logprob_num, multistep)  # fmt: skip
             except NoProgramYet as e:  # (CPU: a prefill longer than the smallest program's) compiled here, now
                 if self._compile_best(e.smallest, need, loaded_only=False) or self.programs.wait_for_more(seen):
                     continue
@@ -506,9 +513,10 @@ class ModelExecutor:
         so = self.run_step(rows, verify)
         return so.out, list(range(so.num_samples)), so.accepted
 
-    def run_step(self, rows: list[DeviceRow], verify: int = 0) -> StepOut:
-        """`run`, with the logprobs at the rows' wanted prompt positions (`StepOut`)."""
-        hb = self.prepare(rows, verify)
+    def run_step(self, rows: list[DeviceRow], verify: int = 0, multistep: bool = False) -> StepOut:
+        """`run`, with the logprobs at the rows' wanted prompt positions (`StepOut`); with
+        `multistep`, `verify` decode steps in one program (each row yields that many tokens)."""
+        hb = self.prepare(rows, verify, multistep)
         out, accepted, prompt = self.run_host_batch(hb)
         return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions)
 
@@ -583,6 +591,11 @@ class ModelExecutor:
         hb = self.prepare(rows)
         self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
         return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
+
+
+def _statics(shape: StepShape, top_n: int) -> tuple[int, int, bool]:
+    """The step function's static arguments for a program of `shape` (model/step.py)."""
+    return top_n, shape.verify, shape.multistep
 
 
 def _avals(tree: Any) -> Any:

@@ -85,11 +85,12 @@ def program_keys(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: 
 
 
 def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n: int,
-                  small_leads: bool = False) -> tuple[list[Key], int]:  # fmt: skip
+                  small_leads: bool = False, steps: int = 0, steps_rows: int = 0) -> tuple[list[Key], int]:  # fmt: skip
     """Every program key in the order to compile them, and how many lead (compiled before the
     engine serves).
 
-    Programs of one family (decode, extend, verify) are ordered by size (tokens, then context);
+    Programs of one family (decode, extend, verify, multi-step decode: `steps` > 1, up to
+    `steps_rows` rows) are ordered by size (tokens, then context);
     the largest of a family serves any step of it (padded), so each family's largest leads.
     With `small_leads` (CPU, where padding costs what real rows and tokens do) the smallest
     decode program (at the longest context) and extend program (at the shortest) lead instead
@@ -108,7 +109,7 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
     48, ...)."""
     orders: list[list[Key]] = []
     smallest: list[Key] = []
-    for family in buckets.families(verify):
+    for family in buckets.families(verify, steps, steps_rows):
         keys = [(s._replace(context=c), top_n) for s in family for c in contexts]  # ascending
         orders.append([keys[i] for i in widest_gap_first(len(keys))])
         # the fewest rows at the longest context (any one request's decode), the fewest tokens

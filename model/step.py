@@ -1,6 +1,6 @@
 """The traced step: forward + sample over the paged KV cache, as pure functions of their inputs.
 
-    step(params, kv, future, fb, rs, lb, lora, top_n, verify) -> kv, future, SampleOut, accepted, PositionLogprobs
+    step(params, kv, future, fb, rs, lb, lora, top_n, verify, multistep) -> kv, future, SampleOut, accepted, PositionLogprobs
 
 `params` is the parameter tree, `kv` the attention backend's cache arrays and `future` the
 FutureMap, all three passed in and (kv, future) returned updated: the executor donates them, so
@@ -8,13 +8,20 @@ the update is in place (model/executor.py). `fb` / `rs` / `lb` are one step's pa
 (model/step_inputs.py: forward, sampling, and the logprobs asked beyond the samples: prompt
 positions and token_ids_logprob); `lora` each row's adapter slot and the adapter pool
 (model/lora.py; None when the server serves no adapters: the program is the one without them);
-`top_n` and `verify` are static (part of the program's key).
+`top_n`, `verify` and `multistep` are static (part of the program's key).
 
 One path for every row (model/step_inputs.py): inputs `-(slot + 1)` read the FutureMap, each row
 samples its last k1 = max(1, verify) tokens, and a row accepts its leading drafts (the tokens
 after its first sampled one) that equal the targets sampled before them; a plain row has no
 drafts, so it accepts 0 and keeps its one sample. The FutureMap then holds, per slot, the token
 after the accepted ones (the bonus token) and its position.
+
+A multi-step decode program (`multistep`, k1 = verify steps) takes rows laid out as verify
+rounds (FUTURE(slot) and k1 - 1 places) and runs k1 decode steps one after another in one
+device loop, each step's samples the next one's inputs: every row yields k1 tokens, as a
+verify round that accepted all, so the scheduler books them on one path. The host planned
+the rows at their true lengths (nothing in flight is a bound), and no host plan is needed
+for the attention (the backends whose `plan` is empty: model/executor.py checks).
 
 FutureMap: per request slot (+ a sink row for padding) the token it sampled last and that
 token's position (= KV tokens valid before it).
@@ -30,7 +37,7 @@ import jax.numpy as jnp
 
 from model.llama import CausalLM
 from model.lora import LoraBatch
-from model.sampler import position_logprobs, sample_rows
+from model.sampler import SampleOut, position_logprobs, sample_rows
 from model.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingBatch
 
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any]]
@@ -43,11 +50,13 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
     (in the deterministic mode always that many, padded: one shape whatever the program)."""
 
     def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
-             top_n: int, verify: int):  # fmt: skip
+             top_n: int, verify: int, multistep: bool = False):  # fmt: skip
         """kv and the FutureMap (token, position per slot) in, updated, out, with the samples
         ([R * k1], row after row), the drafts each row accepted ([R] int32) and the logprobs
         at the wanted prompt positions ([P])."""
         k1 = max(1, verify)
+        if multistep:
+            return multi_step(params, kv, future, fb, rs, lb, lora, top_n, k1)
         tok, pos = future
         ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
         if k1 > 1:  # verify rounds were planned at bounds on their slots' lengths
@@ -66,6 +75,42 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         pos = pos.at[fb.sample_slot].set(fb.kv_len - (k1 - 1) + accepted)
         prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, position_group,
                                    fixed=fixed_rows is not None)  # fmt: skip
+        return kv, (tok, pos), out, accepted, prompt
+
+    def multi_step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
+                   top_n: int, k1: int):  # fmt: skip
+        """k1 decode steps in a device loop (the module docstring); outputs as `step`'s."""
+        tok, pos = future
+        r, n = fb.kv_len.shape[0], fb.num_rows[0]
+        real = jnp.arange(r) < n
+        first = fb.row_start[:-1]  # each row's first place (padding rows: the padding tokens)
+        ids = fb.input_ids[first]
+        ids = jnp.where(ids < 0, tok[jnp.maximum(-ids - 1, 0)], ids)
+        mask = None if rs.mask is None else rs.mask.reshape(r, k1, -1)
+
+        def one(j, carry):
+            kv, ids, outs = carry
+            at = first + j
+            dfb = fb._replace(input_ids=ids, positions=fb.positions[at], out_loc=fb.out_loc[at],
+                              row_start=jnp.minimum(jnp.arange(r + 1), n).astype(jnp.int32),
+                              kv_len=jnp.where(real, fb.kv_len - (k1 - 1) + j, 0), sample_idx=jnp.arange(r, dtype=jnp.int32))  # fmt: skip
+            h, kv = model.forward(params, ids, dfb, kv, lora)
+            sp = per_sample(rs._replace(mask=None if mask is None else mask[:, j]), lb.ids, dfb.positions + 1, 1)
+            o = sample_rows(lambda x: model.logits(params, x), h, sp, top_n, n, None, fixed_rows)
+            outs = jax.tree.map(lambda a, b: a.at[:, j].set(b), outs, o)
+            return kv, o.tokens, outs
+
+        k = lb.ids.shape[1]
+        outs = SampleOut(jnp.zeros((r, k1), jnp.int32), jnp.zeros((r, k1), jnp.float32),
+                         jnp.zeros((r, k1, top_n), jnp.int32), jnp.zeros((r, k1, top_n), jnp.float32),
+                         jnp.zeros((r, k1, k), jnp.float32))  # fmt: skip
+        kv, last, outs = jax.lax.fori_loop(0, k1, one, (kv, ids, outs))
+        out = jax.tree.map(lambda a: a.reshape((r * k1,) + a.shape[2:]), outs)
+        tok = tok.at[fb.sample_slot].set(last)
+        pos = pos.at[fb.sample_slot].set(fb.kv_len)
+        accepted = jnp.where(real, k1 - 1, 0).astype(jnp.int32)
+        assert lb.index is None  # (a decode program takes no prompt positions: empty logprobs, h unread)
+        prompt = position_logprobs(lambda x: model.logits(params, x), jnp.zeros((0, 1)), lb, top_n, position_group)
         return kv, (tok, pos), out, accepted, prompt
 
     return step

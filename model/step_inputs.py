@@ -9,6 +9,8 @@ one (`committed_len`: tokens whose KV is already written), its page table coveri
     decode row    one token, FUTURE(slot) = -(slot + 1): the token the slot sampled last,
                   read from the FutureMap on device (so the host never waits for it)
     verify round  FUTURE(slot) then k drafts (NO_DRAFT = -1 pads): k + 1 tokens, all sampled
+    multi-step    laid out as a verify round of k + 1 NO_DRAFT places: k + 1 decode steps run
+                  one after another on the device, each step's sample the next one's input
 
 Flat token layout: the rows' new tokens packed densely in row order, then padding up to the
 program's T (two rows of 6 and 1 tokens, T = 8):
@@ -73,6 +75,7 @@ class StepShape(NamedTuple):
     rows: int  # R: padded rows (requests); every row samples its last max(1, verify) tokens
     context: int = 0  # context bucket (longest kv_len) for backends with static loops; 0 = any
     verify: int = 0  # a verify program (speculative decoding): tokens per round (k + 1); 0 = not
+    multistep: bool = False  # a multi-step decode program: `verify` decode steps one after another
 
 
 class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -217,15 +220,16 @@ class Buckets:
             max_batch,
         )
 
-    def shapes(self, verify: int = 0) -> list[StepShape]:
+    def shapes(self, verify: int = 0, steps: int = 0, steps_rows: int = 0) -> list[StepShape]:
         """Every program shape (once); with `verify` (k + 1 > 0) also the verify programs, up
-        to max_rows rounds."""
-        return list(dict.fromkeys(s for family in self.families(verify) for s in family))
+        to max_rows rounds; with `steps` (> 1) the multi-step decode programs of up to
+        `steps_rows` rows (at least the smallest decode batch)."""
+        return list(dict.fromkeys(s for family in self.families(verify, steps, steps_rows) for s in family))
 
-    def families(self, verify: int = 0) -> list[list[StepShape]]:
-        """The shapes by kind (decode, extend, verify), each ascending: a kind's last shape
-        holds any step of that kind. (With extend_block 1 a decode shape may also be an
-        extend one.)"""
+    def families(self, verify: int = 0, steps: int = 0, steps_rows: int = 0) -> list[list[StepShape]]:
+        """The shapes by kind (decode, extend, verify, multi-step decode), each ascending: a
+        kind's last shape holds any step of that kind. (With extend_block 1 a decode shape may
+        also be an extend one.)"""
         dec = [StepShape(1, nb, nb) for nb in self.decode_batches]
         ext = [StepShape(self.extend_block, t, self.max_rows) for t in self.extend_tokens]
         ver = []
@@ -234,7 +238,17 @@ class Buckets:
                 ver.append(StepShape(self.extend_block, t, self.max_rows, verify=verify))
                 if t >= self.max_rows * verify:
                     break
-        return [f for f in (dec, ext, ver) if f]
+        multi = []
+        if steps > 1:
+            rows = max(steps_rows, self.decode_batches[0])
+            multi = [self.multistep_shape(nb, steps) for nb in self.decode_batches if nb <= rows]
+        return [f for f in (dec, ext, ver, multi) if f]
+
+    @staticmethod
+    def multistep_shape(rows: int, steps: int) -> StepShape:
+        """A multi-step decode program: `rows` rows of `steps` tokens (FUTURE, then NO_DRAFT
+        places), laid out as verify rounds are, each sampled in turn."""
+        return StepShape(1, rows * steps, rows, verify=steps, multistep=True)
 
     def positions(self, shape: StepShape) -> int:
         """P: the prompt positions a program of `shape` can compute logprobs at: T for an extend
@@ -244,8 +258,14 @@ class Buckets:
             return 0
         return shape.tokens
 
-    def fits(self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0) -> list[StepShape]:
+    def fits(self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0,
+             multistep: bool = False) -> list[StepShape]:  # fmt: skip
         """The shapes holding the step, smallest first; ValueError past the largest."""
+        if multistep:
+            fits = [self.multistep_shape(nb, verify) for nb in self.decode_batches if nb >= n_rows]
+            if not fits:
+                raise ValueError(f"multi-step decode of {n_rows} rows exceeds the largest bucket {self.decode_batches[-1]}")
+            return fits
         if verify:
             return [s._replace(verify=verify) for s in self._extend_fits(n_rows, n_tokens)]
         if not is_decode:
@@ -307,10 +327,14 @@ def build_batch(
     verify: int = 0,
     ok: Callable[[StepShape], bool] | None = None,
     logprob_ids: int = 0,
+    multistep: bool = False,
 ) -> HostBatch:
-    """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each);
-    `ok`: which shapes may be picked (default: any); `logprob_ids`: K, the token_ids_logprob
-    columns compiled in."""
+    """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each), or
+    with `multistep` that many decode steps run one after another on the device; `ok`: which
+    shapes may be picked (default: any); `logprob_ids`: K, the token_ids_logprob columns
+    compiled in."""
+    if multistep and not verify:
+        raise ValueError("a multi-step decode names its steps (verify = steps)")
     if not rows:
         raise ValueError("empty batch")
     ext = np.fromiter((r.extend_len for r in rows), np.int64, len(rows))
@@ -322,7 +346,7 @@ def build_batch(
     if wants_positions and verify:
         raise ValueError("a verify step's rows carry no prompt positions")
     is_decode = bool((ext == 1).all()) and not verify and not wants_positions
-    fits = buckets.fits(is_decode, len(rows), int(ext.sum()), verify)
+    fits = buckets.fits(is_decode, len(rows), int(ext.sum()), verify, multistep)
     shape = _first_ok(fits, ok)
     t, nr, k1 = shape.tokens, shape.rows, max(1, verify)
     n = len(rows)

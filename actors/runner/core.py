@@ -51,6 +51,8 @@ def executor_config(args) -> ExecutorConfig:
         program_cache=True,  # CPU, one device: model/program_cache.py
         background_compile=args.background_compile,
         verify_tokens=verify,
+        decode_steps=args.decode_steps,
+        decode_steps_rows=args.decode_steps_max_batch,
         deterministic=args.enable_deterministic_inference,
         lora_slots=args.max_loras_per_batch + 1 if args.enable_lora else 0,
         lora_rank=args.max_lora_rank if args.enable_lora else 0,
@@ -162,7 +164,7 @@ class RunnerCore:
         dev_rows = self.mirrors.apply(msg)
         t_applied = time.perf_counter()
         k1 = 1 + msg.drafts
-        so = self.ex.run_step(dev_rows, k1 if msg.drafts else 0)
+        so = self.ex.run_step(dev_rows, k1 if msg.drafts else 0, msg.multistep)
         if self.stamps is not None:
             self.stamps.dispatched(msg.step_id, t0, t_applied, so.out.tokens)
         want_ids = any(r.logprob_ids is not None for r in dev_rows)

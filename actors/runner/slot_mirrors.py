@@ -17,7 +17,8 @@ and targets from the lp columns; a slot keeps its request's token_ids_logprob.
 A verify round (speculative decoding) leaves the slot's length known on the device only (the
 FutureMap's position: how many drafts were accepted is decided there); its committed length is
 the scheduler's bound. The mirror then marks the slot UNKNOWN and takes the scheduler's length
-at the slot's next plain row (a session's next turn).
+at the slot's next plain row (a session's next turn). A multi-step decode's rows are exact: each
+advances the slot by its 1 + drafts tokens.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class SlotMirrors:
             if s is None:
                 raise ValueError(f"slot {slot} is not live on this runner (message out of order?)")
             c = int(committed[r])
-            if msg.drafts:  # a bound; the device knows the true length from now on
+            if msg.drafts and not msg.multistep:  # a bound; the device knows the true length from now on
                 s.committed_len = UNKNOWN
             elif s.committed_len == UNKNOWN:
                 s.committed_len = c

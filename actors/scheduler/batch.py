@@ -62,7 +62,8 @@ class Row:
     @classmethod
     def decode(cls, req: Req, new_pages: np.ndarray, drafts: np.ndarray | None = None) -> Row:
         """The request's next token, read from the FutureMap; with `drafts` (int32 [k]) a verify
-        round of k + 1 positions from wherever the device's FutureMap says the request is."""
+        round of k + 1 positions from wherever the device's FutureMap says the request is (a
+        multi-step decode: k NO_DRAFT places, k + 1 steps from the request's exact length)."""
         k = 0 if drafts is None else len(drafts)
         ids = np.empty(1 + k, np.int32)
         ids[0] = future(req.slot)
@@ -89,6 +90,7 @@ class ScheduledBatch:
     rows: list[Row]
     released_slots: list[int]
     is_decode: bool
+    multistep: bool = False  # the rows' 1 + drafts places are decode steps run one after another
 
     @property
     def reqs(self) -> list[Req]:

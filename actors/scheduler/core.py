@@ -41,6 +41,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from actors.scheduler.batch import Row, ScheduledBatch, StepResult
 from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
 from actors.scheduler.grammar import Grammars
@@ -48,7 +50,7 @@ from actors.scheduler.lora import LoraTable, cache_key
 from actors.scheduler.policy import InBatchPrefix, order_waiting
 from actors.scheduler.prefill import AddResult, BucketFit, PrefillAdder
 from actors.scheduler.req import FinishReason, Req, ReqStatus
-from actors.scheduler.spec import SpecState
+from actors.scheduler.spec import NO_DRAFT, SpecState
 from actors.scheduler.stats import SchedulerStats
 from actors.server_args import ServerArgs
 from actors.transport.messages import StartWeights
@@ -373,9 +375,24 @@ class SchedulerCore:
         return ScheduledBatch(0, rows, [], is_decode=False)
 
     def _decode_batch(self) -> ScheduledBatch | None:
-        rows = self._decode_rows(list(self.running), spare=self._retract_chunked)
+        rows = self._decode_rows(list(self.running), spare=self._retract_chunked, multistep=True)
         self.ratio.step()
-        return ScheduledBatch(0, rows, [], is_decode=True) if rows else None
+        return ScheduledBatch(0, rows, [], is_decode=True, multistep=rows[0].drafts > 0 and not self.args.speculative
+                              ) if rows else None  # fmt: skip
+
+    def _decode_steps(self, reqs: list[Req]) -> int:
+        """How many decode steps a decode batch of `reqs` runs on the device: decode_steps where
+        multi-step decode applies (nothing waits to prefill, at most decode_steps_max_batch
+        rows, none constrained by a grammar or a session's turn, each with that many tokens to
+        go past the steps in flight and room in its context), else 1."""
+        a, k = self.args, self.args.decode_steps
+        if k == 1 or self.waiting or self.chunked is not None or not 0 < len(reqs) <= a.decode_steps_max_batch:
+            return 1
+        for r in reqs:
+            to_go = r.max_new_tokens - (r.committed_len - r.origin_len + 1)  # (_length_reached_in_flight)
+            if r.grammar is not None or r.session_id is not None or to_go < k or r.committed_len + k > a.context_length:
+                return 1
+        return k
 
     def _retract_chunked(self) -> bool:
         """Free the KV of a half-prefilled request so that decoding can go on."""
@@ -384,13 +401,17 @@ class SchedulerCore:
         self._retract(self.chunked)
         return True
 
-    def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None) -> list[Row]:
+    def _decode_rows(self, reqs: list[Req], spare: Callable[[], bool] | None = None,
+                     multistep: bool = False) -> list[Row]:  # fmt: skip
         """One decode row per request, or with speculation one verify round (1 + k positions,
-        booked as an upper bound; the rejected ones are given back with the result)."""
+        booked as an upper bound; the rejected ones are given back with the result), or with
+        `multistep` where it applies (`_decode_steps`) decode_steps exact positions."""
         a = self.args
         need = 1 + (a.speculative_num_draft_tokens if a.speculative else 0)
         if need == 1:  # (a verify round books drafts it may give back: no exact count in flight)
             reqs = [r for r in reqs if r.session_id is not None or not _length_reached_in_flight(r)]
+            need = self._decode_steps(reqs) if multistep else 1
+        places = np.full(need - 1, NO_DRAFT, np.int32) if need > 1 and not a.speculative else None
         retracted_before = self.stats.num_retracted
         grants = prepare_decode(self.cache, reqs, self._retract, spare, defer_last=spare is None,
                                 reclaim=lambda: self.sessions.evict_oldest() is not None, need=need)  # fmt: skip
@@ -401,7 +422,7 @@ class SchedulerCore:
             if id(r) in grants:
                 assert r.kv is not None
                 valid = r.grammar.valid_drafts if r.grammar is not None else None
-                drafts = r.spec.scheduled(r.fill_ids(0, r.fill_len), valid) if r.spec is not None else None
+                drafts = r.spec.scheduled(r.fill_ids(0, r.fill_len), valid) if r.spec is not None else places
                 rows.append(Row.decode(r, grants[id(r)], drafts))
                 self.cache.commit(r.kv, need)
         return rows
@@ -430,7 +451,7 @@ class SchedulerCore:
             if req.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
                 outs.append(self._finish(req, FinishReason("length")))
                 continue
-            if row.drafts:
+            if row.drafts and not batch.multistep:
                 assert req.kv is not None and req.spec is not None
                 self.cache.uncommit(req.kv, row.drafts - accepted)  # the rejected drafts' positions
                 req.spec.counted(accepted)
@@ -439,7 +460,8 @@ class SchedulerCore:
             for j in range(i * k1, i * k1 + accepted + 1):  # a finish inside an accepted run drops the rest
                 reason = self._append(req, int(result.tokens[j]), j, result)
                 if reason is not None:
-                    self.stats.spec_dropped_tokens += i * k1 + accepted - j
+                    if not batch.multistep:
+                        self.stats.spec_dropped_tokens += i * k1 + accepted - j
                     break
             if reason is not None:
                 outs.append(self._finish(req, reason))

@@ -66,6 +66,7 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
         mask_rows=i32(list(masks)) if masks else b"",
         masks=i32(np.stack(list(masks.values()))) if masks else b"",
         prompt=_prompt_positions(rows),
+        multistep=batch.multistep,
     )
 
 

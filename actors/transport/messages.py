@@ -225,7 +225,9 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     the FutureMap on device. Extend rows carry ids, a decode row is [FUTURE], a verify round
     (`drafts` = k > 0: every row of the step is one) is [FUTURE, k drafts] with NO_DRAFT (-1)
     pads; its committed length is the scheduler's bound (its rounds in flight counted as all
-    accepted), and every one of its positions is sampled. `keep[r]` = 0: a middle prefill chunk,
+    accepted), and every one of its positions is sampled. A multi-step decode (`multistep`) is
+    laid out as verify rounds of NO_DRAFT places, each row 1 + drafts decode steps the device
+    runs one after another: its committed length is exact. `keep[r]` = 0: a middle prefill chunk,
     whose sample is discarded. Result rows come back in this order.
 
     Grammar masks travel only for constrained rows (M of them; k1 = 1 + drafts masks each, one
@@ -250,6 +252,7 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     mask_rows: bytes = b""  # int32 [M] rows whose samples a grammar constrains (ascending)
     masks: bytes = b""  # int32 [M, 1 + drafts, W] their allowed tokens, packed bits
     prompt: PromptPositions | None = None  # the prompt positions whose logprobs rows want
+    multistep: bool = False  # the rows are 1 + drafts decode steps run one after another (exact lengths)
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):
