@@ -18,14 +18,14 @@ SP = DeviceSampling(temperature=0.5, top_k=4, seed=9)
 
 
 def step(step_id: int, rows: list[tuple[int, int, list[int], list[int], bool]], *, starts=(), released=(),
-         drafts: int = 0) -> m.StepMsg:  # fmt: skip
+         drafts: int = 0, multistep: bool = False) -> m.StepMsg:  # fmt: skip
     """rows: (slot, committed, tokens, new pages, keep), through a real encode / decode."""
     msg = m.StepMsg(
         step_id, released=m.i32(list(released)), starts=[m.SlotStart(s, m.i32(p), SP) for s, p in starts],
         slots=m.i32([r[0] for r in rows]), committed=m.i32([r[1] for r in rows]),
         token_counts=m.i32([len(r[2]) for r in rows]), tokens=m.i32([t for r in rows for t in r[2]]),
         page_counts=m.i32([len(r[3]) for r in rows]), pages=m.i32([p for r in rows for p in r[3]]),
-        keep=m.u8([r[4] for r in rows]), drafts=drafts,
+        keep=m.u8([r[4] for r in rows]), drafts=drafts, multistep=multistep,
     )  # fmt: skip
     decoded = m.to_runner.decode(m.encode(msg))
     assert isinstance(decoded, m.StepMsg)
@@ -79,6 +79,19 @@ def test_verify_rounds_leave_the_length_to_the_device():
     assert mirrors.slots[0].committed_len == 9
 
 
+def test_multistep_rows_keep_the_length_exact():
+    """A multi-step decode's rows start at the slot's exact length and advance it by all their
+    steps: the next row's committed_len is checked against that."""
+    mirrors = SlotMirrors(2)
+    mirrors.apply(step(1, [(0, 0, [5, 6, 7], [1], True)], starts=[(0, [])]))
+    rows = mirrors.apply(step(2, [(0, 3, [-1, -1, -1, -1], [], True)], drafts=3, multistep=True))
+    assert rows[0].committed_len == 3 and mirrors.slots[0].committed_len == 7
+    with pytest.raises(ValueError, match="committed_len=6, runner has 7"):
+        mirrors.apply(step(3, [(0, 6, [-1], [], True)]))
+    with pytest.raises(ValueError, match="committed_len=9, runner has 7"):
+        mirrors.apply(step(3, [(0, 9, [-1, -1, -1, -1], [], True)], drafts=3, multistep=True))
+
+
 class FakeExecutor:
     """What RunnerCore calls: `run_step(rows, verify)` -> StepOut (the padded step's SampleOut, accepted)."""
 
@@ -88,9 +101,9 @@ class FakeExecutor:
         self.programs = type("P", (), {"pending": 0, "error": None})()
         self.calls: list[int] = []
 
-    def run_step(self, rows, verify=0):
+    def run_step(self, rows, verify=0, multistep=False):
         k1, padded = max(1, verify), 8
-        self.calls.append(verify)
+        self.calls.append(-verify if multistep else verify)
         toks = np.arange(padded * k1, dtype=np.int32) + 100
         out = SampleOut(toks, -toks.astype(np.float32), np.zeros((padded * k1, 0), np.int32),
                         np.zeros((padded * k1, 0), np.float32), np.zeros((padded * k1, 0), np.float32))  # fmt: skip
@@ -105,7 +118,9 @@ def test_runner_core_returns_the_real_rows_samples_row_after_row():
     res = core.result(core.dispatch(step(2, [(0, 2, [-1, 9, 9], [], True), (1, 1, [-2, 3, 4], [], True)], drafts=2)))
     assert m.as_i32(res.tokens).tolist() == list(range(100, 106))  # 2 rounds x 3 samples
     assert m.as_i32(res.accepted).tolist() == [7, 7]
-    assert core.ex.calls == [0, 3]  # type: ignore[attr-defined]
+    res = core.result(core.dispatch(step(3, [(0, 5, [-1, -1, -1], [], True)], drafts=2, multistep=True)))
+    assert m.as_i32(res.tokens).tolist() == [100, 101, 102] and m.as_i32(res.accepted).tolist() == [7]
+    assert core.ex.calls == [0, 3, -3]  # type: ignore[attr-defined]
 
 
 def test_grammar_masks_reach_only_their_rows():

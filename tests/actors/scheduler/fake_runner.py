@@ -84,7 +84,8 @@ class FakeRunner:
     """Plays every row as the device does (model/step.py), one path: FUTURE(slot) inputs read
     the slot's last sample, a row samples its last 1 + drafts positions, a verify round starts
     at the slot's FutureMap position (its committed_len is the scheduler's bound) and accepts its
-    leading drafts equal to their targets; the FutureMap moves past what was accepted."""
+    leading drafts equal to their targets; the FutureMap moves past what was accepted. A
+    multi-step batch's rows run 1 + drafts decode steps from their exact lengths."""
 
     def __init__(self, page_size: int, vocab: int = 1000, model=None):
         self.page = page_size
@@ -116,6 +117,17 @@ class FakeRunner:
                 self.slots[row.slot] = SlotMirror(list(row.prefix_pages), row.committed_len)
             m = self.slots[row.slot]
             m.pages += [int(p) for p in row.new_pages]
+            if batch.multistep:  # k1 decode steps from the exact length, each sample the next input
+                assert m.committed == row.committed_len, (row.slot, m.committed, row.committed_len)
+                t = self.future[row.slot]
+                for j in range(k1):
+                    self.kv[self.loc(m, row.committed_len + j)] = t
+                    t = toks[i, j] = self.model([self.kv[self.loc(m, p)] for p in range(row.committed_len + j + 1)],
+                                                self.vocab)  # fmt: skip
+                m.committed = row.committed_len + k1
+                accepted[i] = k1 - 1
+                self.future[row.slot], self.future_pos[row.slot] = t, m.committed
+                continue
             if row.drafts:  # a bound: the device starts where the FutureMap says
                 base, m.committed = self.future_pos[row.slot], -1
             else:
