@@ -5,6 +5,7 @@ it serves, and the command that starts it as a server on 127.0.0.1.
     ringserve       ringserve  the HF-format directory, f32            this repository
     ringserve-bf16  ringserve  the same, --dtype bfloat16              this repository
     ringserve-int8  ringserve  the same, --quantization int8 (bf16)    this repository
+    <ringserve>-ds4 ringserve  any of those three, --decode-steps 4    this repository
     vllm            vllm       the same directory, --dtype float32     tools/install_peers.sh vllm
     vllm-bf16       vllm       the same, --dtype bfloat16              tools/install_peers.sh vllm
     llamacpp        llamacpp   a GGUF of the same weights, F32         tools/install_peers.sh llamacpp
@@ -49,6 +50,7 @@ class System:
     kind: str  # one of KINDS
     precision: str  # one of PRECISIONS; q4_1 = as shipped; q8_0 for ringserve: int8 weights, bf16 compute
     tree: str = ""  # ringserve: another checkout to run (`name@tag`, bench.peers --tree tag=DIR); "": this one
+    decode_steps: int = 1  # ringserve: --decode-steps (multi-step decode for few requests)
 
     @property
     def dtype(self) -> str:
@@ -60,6 +62,9 @@ SYSTEMS = {s.name: s for s in (
     System("ringserve", "ringserve", "f32"),
     System("ringserve-bf16", "ringserve", "bf16"),
     System("ringserve-int8", "ringserve", "q8_0"),
+    System("ringserve-ds4", "ringserve", "f32", decode_steps=4),
+    System("ringserve-bf16-ds4", "ringserve", "bf16", decode_steps=4),
+    System("ringserve-int8-ds4", "ringserve", "q8_0", decode_steps=4),
     System("vllm", "vllm", "f32"),
     System("vllm-bf16", "vllm", "bf16"),
     System("llamacpp", "llamacpp", "f32"),
@@ -150,6 +155,8 @@ def launch(
                 "--max-running-requests", str(lim.parallel), "--log-level", "warning"]  # fmt: skip
         if s.precision == "q8_0":
             argv += ["--quantization", "int8"]
+        if s.decode_steps > 1:
+            argv += ["--decode-steps", str(s.decode_steps)]
         return Launch([*argv, *extra], {})
     if s.kind == "vllm":
         argv = [str(layout.vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", str(served), *host,

@@ -90,13 +90,13 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
     engine serves).
 
     Programs of one family (decode, extend, verify, multi-step decode: `steps` > 1, up to
-    `steps_rows` rows) are ordered by size (tokens, then context);
-    the largest of a family serves any step of it (padded), so each family's largest leads.
-    With `small_leads` (CPU, where padding costs what real rows and tokens do) the smallest
-    decode program (at the longest context) and extend program (at the shortest) lead instead
-    of the largest, and the largest of each (decode, then extend) are the first to compile
-    after them: a request's first step is a prefill, and a short prompt padded to the largest
-    program is seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s; the largest
+    `steps_rows` rows) are ordered by size (tokens, then context); the largest of a family
+    serves any step of it (padded), so each family's largest leads. With `small_leads` (CPU,
+    where padding costs what real rows and tokens do) the smallest decode program (at the
+    longest context), extend program (at the shortest) and multi-step program (one request's)
+    lead instead of the largest, and the largest of each are the first to compile after them:
+    a request's first step is a prefill, and a short prompt padded to the largest program is
+    seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s; the largest
     one's load is a third of a warm start, its compile the most of a cold one); one request's
     decode steps padded to the largest batch are 64-row steps (SmolLM2 f32, 2 cores: ~240 ms a
     token against 23; a 32-token request took 8.3 s after a cold start's ready, 1.6 s now). A
@@ -116,8 +116,8 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
         # at the shortest (a short prompt's prefill)
         smallest.append(keys[len(contexts) - 1] if not smallest else keys[0])
     lead, first = [o[0] for o in orders], []
-    if small_leads:  # families: decode, extend, verify
-        for f in range(min(2, len(orders))):
+    if small_leads:  # families: decode, extend, (verify), (multi-step decode: its smallest, one stream's)
+        for f in [f for f in range(len(orders)) if f < 2 or orders[f][0][0].multistep]:
             if smallest[f] != lead[f]:
                 first.append(lead[f])  # the family's largest: first after the leads
                 lead[f] = smallest[f]

@@ -95,6 +95,8 @@ def test_commands_bind_localhost_with_the_same_limits():
                           "--max-running-requests", "64", "--log-level", "warning", "--page-size", "32"]  # fmt: skip
     q = ps.launch(ps.system("ringserve-int8"), d, 4000, lim, layout)
     assert q.argv[q.argv.index("--dtype"):][:2] == ["--dtype", "bfloat16"] and q.argv[-2:] == ["--quantization", "int8"]
+    m = ps.launch(ps.system("ringserve-int8-ds4"), d, 4000, lim, layout)
+    assert m.argv[len(q.argv):] == ["--decode-steps", "4"] and m.argv[: len(q.argv)] == q.argv
     v = ps.launch(ps.system("vllm"), d, 4001, lim, layout)
     assert v.argv == ["/p/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/smollm2", "--host", "127.0.0.1", "--port", "4001", "--dtype",
                       "float32", "--max-model-len", "768", "--max-num-seqs", "64", "--seed", "0"]  # fmt: skip

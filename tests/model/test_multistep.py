@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from model.executor import ExecutorConfig, ModelExecutor
+from model.programs import compile_order
 from model.step_inputs import Buckets, DeviceRow, DeviceSampling
 
 PAGE, K = 16, 4
@@ -91,3 +92,8 @@ def test_multistep_programs_compiled_at_start_up_up_to_their_rows():
     assert [(s.rows, s.tokens, s.verify, s.multistep) for s in multi] == [(2, 2 * K, K, True), (4, 4 * K, K, True)]
     assert b.fits(True, 3, 3 * K, K, multistep=True)[0] == multi[1]
     assert len(b.families(0, 1, 4)) == 2  # decode_steps 1: none
+    order, lead = compile_order(b, [0], 0, 5, small_leads=True, steps=K, steps_rows=4)
+    assert (multi[0], 5) in order[:lead] and (multi[1], 5) not in order[:lead]  # CPU: one stream's leads
+    assert (multi[1], 5) in order[lead : lead + 3]  # the largest of each family right after
+    order, lead = compile_order(b, [0], 0, 5, steps=K, steps_rows=4)
+    assert (multi[1], 5) in order[:lead]
