@@ -76,9 +76,14 @@ def http_sender(http: Any, model: str) -> Send:
     """`http`: an `httpx.AsyncClient` whose base_url is the server's."""
 
     async def send(req: Request, rec: RequestRecord) -> None:
+        # continuous_usage_stats (vLLM's, ringserve's): every chunk says the tokens so far, so a
+        # chunk of several tokens (multi-step decode) counts them all; a server that sends usage
+        # only at the end has its chunks counted one token each
         body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
         rec.sent = time.perf_counter()
+        seen = 0
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
@@ -91,12 +96,14 @@ def http_sender(http: Any, model: str) -> Send:
                 if data == "[DONE]":
                     break
                 obj = json.loads(data)
-                if obj.get("usage"):
-                    rec.output_len = int(obj["usage"]["completion_tokens"])
+                usage = obj.get("usage")
+                if usage:
+                    rec.output_len = int(usage["completion_tokens"])
                 for c in obj.get("choices", ()):
                     if c.get("text"):
                         rec.chunk_times.append(now)
-                        rec.chunk_tokens.append(1)
+                        rec.chunk_tokens.append(max(1, rec.output_len - seen) if usage else 1)
+                        seen += rec.chunk_tokens[-1]
                     if c.get("finish_reason") == "abort":
                         rec.error = "aborted"
                 rec.done = now

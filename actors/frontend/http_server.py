@@ -318,9 +318,11 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         echo = None if chat else oai.echo_texts(r, tm.tok.decode)
         if r.stream:
             states = await tm.submit_all(specs)
-            usage = r.stream_options is not None and r.stream_options.include_usage
+            so = r.stream_options
+            usage = so is not None and so.include_usage
             return _sse(oai.stream_chunks(tm.stream_states(states, True), chat=chat, model=model_name, n=n,
-                                          include_usage=usage, echo=echo))  # fmt: skip
+                                          include_usage=usage, echo=echo,
+                                          continuous_usage=usage and so is not None and so.continuous_usage_stats))  # fmt: skip
         results = await tm.generate(specs, True)
         if chat:
             return _json(oai.chat_response(results, n, model_name))

@@ -298,23 +298,34 @@ def chat_response(results: list[dict[str, Any]], n: int, model: str) -> dict[str
 
 
 async def stream_chunks(chunks: AsyncIterator[dict[str, Any]], *, chat: bool, model: str, n: int,
-                        include_usage: bool, echo: list[str] | None = None) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+                        include_usage: bool, echo: list[str] | None = None,
+                        continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
     """OpenAI chunk objects from the frontend's cumulative chunks (each with "index"); `echo`
-    (completions): each choice's first chunk starts with its prompt's text and logprobs."""
+    (completions): each choice's first chunk starts with its prompt's text and logprobs;
+    `continuous_usage` (vLLM's stream_options.continuous_usage_stats, with include_usage): every
+    chunk carries the usage so far, so a client knows how many tokens each chunk holds (several
+    where the server streams them so: multi-step decode, stream_interval)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    prompts: dict[int, int] = {}  # choice -> its prompt's tokens
     finals: dict[int, dict[str, Any]] = {}
     cid = None
 
     def wrap(choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if continuous_usage:
+            prompt = sum(v for j, v in prompts.items() if j % n == 0)  # (n choices share a prompt)
+            completion = sum(sent_tokens.values())
+            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return out
 
     async for c in chunks:
         i = c.get("index", 0)
         meta = c["meta_info"]
         cid = cid or meta["id"]
+        prompts[i] = meta["prompt_tokens"]
         if chat and i not in sent_text:
             yield wrap({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None, "matched_stop": None})  # fmt: skip

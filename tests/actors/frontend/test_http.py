@@ -176,6 +176,25 @@ def test_openai_sdk_chat_completions(engine, servers):
     assert len(r.choices) == 2
 
 
+def test_openai_continuous_usage_stats_count_every_chunks_tokens(engine, servers):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, so a
+    client can tell how many tokens a chunk holds; without it only the last chunk has usage."""
+    body = {"model": engine.served_model_name, "prompt": "a b c", "max_tokens": 9, "temperature": 0, "stream": True,
+            "ignore_eos": True, "n": 2, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", servers.url + "/v1/completions", json=body) as r:
+        chunks = sse(r)
+    usages = [c["usage"] for c in chunks]
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 18 and len({u["prompt_tokens"] for u in usages}) == 1
+    texts = [c for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert len(texts) >= 2 and done[0] >= 1  # (the count includes the chunk it rides on)
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", servers.url + "/v1/completions", json=body) as r:
+        chunks = sse(r)
+    assert [c.get("usage") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
 def test_openai_errors_are_openai_shaped(servers):
     import openai
 
