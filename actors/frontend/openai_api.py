@@ -314,7 +314,7 @@ async def stream_chunks(chunks: AsyncIterator[dict[str, Any]], *, chat: bool, mo
     cid = None
 
     def wrap(choice: dict[str, Any]) -> dict[str, Any]:
-        out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        out: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if continuous_usage:
             prompt = sum(v for j, v in prompts.items() if j % n == 0)  # (n choices share a prompt)
             completion = sum(sent_tokens.values())
