@@ -222,8 +222,8 @@ class Buckets:
 
     def shapes(self, verify: int = 0, steps: int = 0, steps_rows: int = 0) -> list[StepShape]:
         """Every program shape (once); with `verify` (k + 1 > 0) also the verify programs, up
-        to max_rows rounds; with `steps` (> 1) the multi-step decode programs of up to
-        `steps_rows` rows (at least the smallest decode batch)."""
+        to max_rows rounds; with `steps` (> 1) the multi-step decode programs that hold up to
+        `steps_rows` rows."""
         return list(dict.fromkeys(s for family in self.families(verify, steps, steps_rows) for s in family))
 
     def families(self, verify: int = 0, steps: int = 0, steps_rows: int = 0) -> list[list[StepShape]]:
@@ -239,9 +239,9 @@ class Buckets:
                 if t >= self.max_rows * verify:
                     break
         multi = []
-        if steps > 1:
-            rows = max(steps_rows, self.decode_batches[0])
-            multi = [self.multistep_shape(nb, steps) for nb in self.decode_batches if nb <= rows]
+        if steps > 1:  # the decode batches up to the first that holds steps_rows rows
+            last = next((nb for nb in self.decode_batches if nb >= steps_rows), self.decode_batches[-1])
+            multi = [self.multistep_shape(nb, steps) for nb in self.decode_batches if nb <= last]
         return [f for f in (dec, ext, ver, multi) if f]
 
     @staticmethod
