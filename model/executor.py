@@ -176,6 +176,9 @@ class ModelExecutor:
             deterministic=cfg.deterministic,
         )  # fmt: skip
         self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
+        if cfg.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, cfg.decode_steps)):
+            raise ValueError(f"decode_steps={cfg.decode_steps}: multi-step decode runs its steps' attention without a "
+                             f"host plan, which the {self.backend} backend needs (cpu_kernel has none)")  # fmt: skip
         self.dot = resolve_dot(cfg, self.platform)
         self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform, self.dot)
         self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
@@ -236,9 +239,6 @@ class ModelExecutor:
                 load_kernels(cfg)  # (before a program is read back)
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
-        if cfg.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(self.buckets.decode_batches[0], cfg.decode_steps)):
-            raise ValueError(f"decode_steps={cfg.decode_steps}: multi-step decode runs its steps' attention without a "
-                             f"host plan, which the {self.backend} backend needs (cpu_kernel has none)")  # fmt: skip
         order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu,
                                     cfg.decode_steps, cfg.decode_steps_rows)  # fmt: skip
         self.programs = ProgramSet(self._compile, order, lead, contexts)
