@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.actors.scheduler.fake_runner import reference
-from tests.actors.scheduler.test_scheduler import VOCAB, drive, make, req
+from tests.actors.scheduler.test_scheduler import VOCAB, assert_exact_under_retraction, drive, make, req
 
 K = 4
 
@@ -38,12 +38,7 @@ def test_outputs_equal_one_step_decoding_and_the_books_close(overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_kv_pressure_retracts_and_stays_exact(overlap):
     core, runner, _ = multi(num_pages=28, page=2, max_running=4)
-    rng = np.random.default_rng(4)
-    prompts = {f"r{i}": rng.integers(10, 900, int(rng.integers(3, 9))).tolist() for i in range(4)}
-    for rid, p in prompts.items():
-        core.add_request(req(rid, p, 24))
-    assert drive(core, runner, overlap=overlap) == {rid: reference(p, 24, VOCAB) for rid, p in prompts.items()}
-    assert core.stats.num_retracted > 0, "the pool was meant to force a retract"
+    assert_exact_under_retraction(core, runner, 4, 24, seed=4, overlap=overlap)
     assert any(rows and all(n == K for _, n in rows) for rows in runner.log)
     core.check_idle()
 

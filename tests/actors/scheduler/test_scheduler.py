@@ -187,16 +187,23 @@ def test_mixed_chunk_batches_decode_with_a_prefill_chunk():
     assert out["b"] == reference(list(range(50, 60)), 2, VOCAB)
 
 
+def assert_exact_under_retraction(core: SchedulerCore, runner: FakeRunner, n: int, max_new: int, seed: int,
+                                  overlap: bool) -> None:  # fmt: skip
+    """`n` random prompts of 3-8 tokens, `max_new` tokens each, through a pool meant to retract:
+    every output the reference's, and a retraction happened."""
+    rng = np.random.default_rng(seed)
+    prompts = {f"r{i}": rng.integers(10, 900, int(rng.integers(3, 9))).tolist() for i in range(n)}
+    for rid, p in prompts.items():
+        core.add_request(req(rid, p, max_new))
+    out = drive(core, runner, overlap=overlap)
+    assert core.stats.num_retracted > 0, "the pool was meant to force a retract"
+    assert out == {rid: reference(p, max_new, VOCAB) for rid, p in prompts.items()}
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_retract_under_a_tiny_pool_keeps_outputs_exact(overlap):
     core, runner, books = make(num_pages=40, page=2, max_running=8)
-    rng = np.random.default_rng(0)
-    prompts = {f"r{i}": rng.integers(10, 900, int(rng.integers(3, 9))).tolist() for i in range(6)}
-    for rid, p in prompts.items():
-        core.add_request(req(rid, p, 12))
-    out = drive(core, runner, overlap=overlap)
-    assert core.stats.num_retracted > 0, "the pool was meant to force a retract"
-    assert out == {rid: reference(p, 12, VOCAB) for rid, p in prompts.items()}
+    assert_exact_under_retraction(core, runner, 6, 12, seed=0, overlap=overlap)
     core.check_idle()
     assert books.available_tokens() == 39 * 2
 
