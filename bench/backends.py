@@ -102,7 +102,8 @@ def http_sender(http: Any, model: str) -> Send:
                 for c in obj.get("choices", ()):
                     if c.get("text"):
                         rec.chunk_times.append(now)
-                        rec.chunk_tokens.append(max(1, rec.output_len - seen) if usage else 1)
+                        # (0: text held back from an earlier chunk's tokens: no ITL sample)
+                        rec.chunk_tokens.append(max(0, rec.output_len - seen) if usage else 1)
                         seen += rec.chunk_tokens[-1]
                     if c.get("finish_reason") == "abort":
                         rec.error = "aborted"

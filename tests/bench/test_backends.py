@@ -44,6 +44,8 @@ def test_chunks_of_several_tokens_count_them_from_continuous_usage():
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert rec.chunk_tokens == [1, 4, 3] and rec.output_len == 8
     assert len(rec.itls()) == 7  # per token: the second chunk's gap spread over its 4 tokens
+    rec, _ = record([chunk("a", 1), chunk("b", 2), chunk("c", 2), chunk("d", 3), final])  # "c": held-back text
+    assert rec.chunk_tokens == [1, 1, 0, 1] and len(rec.itls()) == 2
 
 
 def test_a_server_with_usage_only_at_the_end_counts_a_token_a_chunk():
