@@ -261,19 +261,14 @@ class Buckets:
     def fits(self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0,
              multistep: bool = False) -> list[StepShape]:  # fmt: skip
         """The shapes holding the step, smallest first; ValueError past the largest."""
-        if multistep:
-            fits = [self.multistep_shape(nb, verify) for nb in self.decode_batches if nb >= n_rows]
-            if not fits:
-                raise ValueError(f"multi-step decode of {n_rows} rows exceeds the largest bucket {self.decode_batches[-1]}")
-            return fits
-        if verify:
+        if verify and not multistep:
             return [s._replace(verify=verify) for s in self._extend_fits(n_rows, n_tokens)]
-        if not is_decode:
+        if not is_decode and not multistep:
             return self._extend_fits(n_rows, n_tokens)
-        fits = [StepShape(1, nb, nb) for nb in self.decode_batches if nb >= n_rows]
-        if not fits:
+        batches = [nb for nb in self.decode_batches if nb >= n_rows]
+        if not batches:
             raise ValueError(f"decode batch of {n_rows} requests exceeds the largest bucket {self.decode_batches[-1]}")
-        return fits
+        return [self.multistep_shape(nb, verify) if multistep else StepShape(1, nb, nb) for nb in batches]
 
     def pick(
         self, is_decode: bool, n_rows: int, n_tokens: int, verify: int = 0, ok: Callable[[StepShape], bool] | None = None
