@@ -358,11 +358,18 @@ class _RingBase:
                 timeout -= (clock() - now) / 1e9
                 if timeout <= 0:
                     return False
-        try:
-            sem.acquire(timeout)
-            return True
-        except posix_ipc.BusyError:
-            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                sem.acquire(timeout)
+                return True
+            except posix_ipc.BusyError:
+                return False
+            except posix_ipc.SignalError:  # EINTR: the handler has run; wait out the rest (PEP 475)
+                if deadline is not None:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        return False
 
     # ---- lifetime ------------------------------------------------------------------------
     def mark_closed(self) -> None:

@@ -208,6 +208,25 @@ def test_recv_timeout_poll_and_wrapped_payloads():
             assert ring.recv(0) == msg
 
 
+def test_a_signal_during_a_wait_neither_kills_nor_shortens_it():
+    """A signal handled while recv sleeps in the kernel (EINTR) resumes the wait for the time
+    left (PEP 475), so an actor that gets one keeps serving (it used to die of SignalError)."""
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: seen.append(time.monotonic()))
+    main = threading.get_ident()
+    try:
+        with Ring.create("eintr", 1024, spin_us=0) as ring:
+            threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+            t0 = time.monotonic()
+            assert ring.recv(0.5) is None
+            assert len(seen) == 1 and time.monotonic() - t0 >= 0.45
+            threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+            threading.Timer(0.3, ring.send, (b"after",)).start()
+            assert ring.recv(None) == b"after" and len(seen) == 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
 def test_an_idle_reader_sleeps_instead_of_spinning():
     with Ring.create("idle", 1024, spin_us=200) as ring:
         t0, c0 = time.monotonic(), time.process_time()
