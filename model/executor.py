@@ -1,7 +1,10 @@
 """`ModelExecutor`: the facade the runner calls. It owns the model's state (the Decoder module's
-`nnx.Param`s, model/params.py, each on its `tp` sharding), the KV cache (its attention backend's
-arrays) and the FutureMap on device, and the compiled step programs (model/programs.py) of the
-traced step (model/step.py), which take the state as their first argument.
+`nnx.Param`s, model/params.py, each on its `tp` sharding, and on CPU the custom calls' packed
+copies of it, model/weight_memory.py), the KV cache and the FutureMap on device
+(model/kv_pool.py), and the compiled step programs (model/programs.py) of the traced step
+(model/step.py), which take the state as their first argument, the step's inputs
+(model/step_inputs.py) and the ones kept on device for steps that need none of their own
+(model/step_constants.py).
 
     ex = ModelExecutor(path, ExecutorConfig(...))     load, place, compile (progress bar)
     out, rows, accepted = ex.run(device_rows)         one step (model/step_inputs.py DeviceRows)
@@ -14,18 +17,16 @@ Nothing recompiles while serving: `run` only calls programs compiled at start-up
 background, `background_compile`: until they all are, a step runs padded in the smallest
 compiled program that holds it, or waits for one; tiny model, 2 CPU cores: serving 13 s after
 start instead of ~50 s). `trace_count` counts traces (a program read back from the program cache,
-model/program_cache.py, counts as the trace it replaces) and tests pin it. The KV cache and the FutureMap are donated
-to every step and replaced by its outputs, so their update is in place.
+model/program_cache.py, counts as the trace it replaces) and tests pin it. The KV cache and the
+FutureMap are donated to every step and replaced by its outputs, so their update is in place.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -37,24 +38,25 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvmem.allocator import cdiv
+from model import weight_memory
 from model.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
 from model.checkpoints.weights import load_checkpoint, release_pages
 from model.compute_paths import custom_calls, load_kernels, prebuild_kernels, resolve_dot, resolve_layer_loop
-from model.kernels import cpu_memory
+from model.kv_pool import KVPool
 from model.layers import INVARIANT_ROWS
 from model.llama import CausalLM
 from model.lora import LoraBatch, LoraPool
-from model.mesh import make_mesh, place_host_array, replicated
-from model.params import QUANT_MODES, build_host_state, build_lazy_state, checked_layout, huge_pages
+from model.mesh import make_mesh, replicated
+from model.params import QUANT_MODES, build_host_state, build_lazy_state, checked_layout
 from model.program_cache import ProgramCache, usable
 from model.programs import Key, ProgramSet, compile_order, step_avals
 from model.sampler import PositionLogprobs, SampleOut
 from model.step import make_logits, make_step
+from model.step_constants import StepConstants
 from model.step_inputs import (
     Buckets,
     DeviceRow,
     HostBatch,
-    LogprobBatch,
     NoProgramYet,
     StepShape,
     build_batch,
@@ -63,9 +65,6 @@ from model.step_inputs import (
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Seconds a new KV pool waits, once the server serves, for its first step before its pages are
-# brought in anyway (new_kv)
-FIRST_STEP_WAIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,36 +117,6 @@ class StepOut(NamedTuple):
     num_positions: int
 
 
-def _huge_pages(host: Any, after: Callable[[], bool | None]) -> None:
-    """model/params.py `huge_pages` on a thread of its own, once `after()` is true (None: give
-    up), beside the steps already running on these weights (it moves no value). It waits for
-    every program to be loaded and for the KV pool's pages to be in: started beside the lead
-    programs' loading, it made a warm start's executor ~1.7 s slower (SmolLM2 f32: 1.6-2.2 ->
-    3.5-4.0 s; the collapse took 1.4-2.3 s there against 0.14 s alone), and started as the
-    executor serves, the server's first answer ~0.6 s later (launch to the first answered
-    request, 5 starts each, alternating: medians 3.32 -> 3.96 s)."""
-    import time
-
-    while not (ready := after()):
-        if ready is None:
-            return
-        time.sleep(0.25)
-    t0 = time.perf_counter()
-    moved = huge_pages(host)
-    log.debug("weights on huge pages: %.0f MB in %.2f s", moved / 1e6, time.perf_counter() - t0)
-
-
-def _release_packed(owner: list[tuple[int | None, int | None] | None]) -> None:
-    """Release the weights registered under owner[0] (oneDNN's packed copies, the kernel's
-    packed pairs), once."""
-    if owner[0] is not None:
-        from model.kernels import cpu_matmul, onednn
-
-        onednn.release_weights(owner[0][0])
-        cpu_matmul.release_weights(owner[0][1])
-        owner[0] = None
-
-
 class ModelExecutor:
     def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
         if cfg.dtype not in DTYPES:
@@ -186,18 +155,18 @@ class ModelExecutor:
                               lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization,
                               rope_table_positions=cfg.max_pages * cfg.page_size if self.platform == "cpu" else None)  # fmt: skip
         self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block, cfg.decode_bucket_step)
+        self.constants = StepConstants(replicated(self.mesh), self.mask_words, cfg.token_ids_logprob_num, self.buckets)
         self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
         checked_layout(mc, tensors)  # a missing or misshapen tensor is refused before anything runs
         # what every compiled program takes first (the Decoder's state, model/params.py; updates
         # must match it) and the KV cache's arrays: the programs compile against these
         self.params_avals = self.model.state_avals(self.mesh)
-        self._reserve_pairs(self.params_avals)
+        if self.platform == "cpu" and self.mesh.size == 1 and self.dot.startswith("kernel"):
+            weight_memory.reserve_pairs(self.params_avals)
         self.kv_avals = self._kv_avals()
-        self._kv_generation = 0  # new_kv / drop_kv count up: a pool's page-populating thread stops
-        self._populating: cpu_memory.Populating | None = None  # the KV pool's page-populating thread
-        self._pool_first_out: jax.Array | None = None  # the KV pool's first step's tokens (new_kv)
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
+        self.kv_pool = KVPool(self.kv_avals, self._serving)
         self._settled = threading.Event()  # set once no more programs will compile (all, or failed)
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
         # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
@@ -247,8 +216,8 @@ class ModelExecutor:
             self.params = building.result()
             if not self._fits(self.params):
                 raise RuntimeError("the built state does not match its avals (model/llama.py: state_avals)")
-            self._packed = [self._register_packed(self.params)]  # oneDNN's packed copies' owner (swap_params)
-            weakref.finalize(self, _release_packed, self._packed)
+            self._packed = [weight_memory.register(self.params, self.dot)]  # the packed copies' owner
+            weakref.finalize(self, weight_memory.release, self._packed)
             zeroing.result()
             self._serving.set()
 
@@ -277,24 +246,11 @@ class ModelExecutor:
                 ex = me()
                 if ex is None:
                     return None
-                populating = ex._populating
-                return ex._settled.is_set() and (populating is None or not populating.is_alive())
+                return ex._settled.is_set() and ex.kv_pool.settled()
 
-            threading.Thread(target=_huge_pages, args=(host, after), name="ringserve-huge-pages", daemon=True).start()
+            threading.Thread(target=weight_memory.huge_pages_when, args=(host, after), name="ringserve-huge-pages",
+                             daemon=True).start()  # fmt: skip
         return params
-
-    def _reserve_pairs(self, avals: Any) -> None:
-        """The memory of the kernel's packed pairs of these weights, faulted in on a thread
-        while the programs load, before `_register_packed` packs into it (model/kernels/
-        cpu_matmul.py `reserve`): packed into fresh pages, SmolLM2 bf16's first step after a
-        warm start took 0.2-0.9 s on this project's VM (perf: 92% of it the kernel clearing
-        pages), and a served start's first answer came 0.35-0.76 s after its /v1/models did,
-        0.09-0.19 s after a reserve (6 starts each). At start only: a weight update packs after the old
-        copies are freed, and a reserve beside them would hold both."""
-        if self.platform == "cpu" and self.mesh.size == 1 and self.dot.startswith("kernel"):
-            from model.kernels import cpu_matmul
-
-            cpu_matmul.reserve(jax.tree_util.tree_leaves(avals))
 
     def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
         """A new state beside the served one (same structure, avals and shardings)."""
@@ -309,24 +265,11 @@ class ModelExecutor:
 
     def swap_params(self, params: Any, tensors: dict[str, np.ndarray]) -> None:
         old, self.params, self.host_tensors = self.params, params, tensors
-        _release_packed(self._packed)  # before the old buffers are freed (their addresses get reused)
+        weight_memory.release(self._packed)  # before the old buffers are freed (their addresses get reused)
         if old is not None:
             for leaf in jax.tree_util.tree_leaves(old):
                 leaf.delete()
-        self._packed[0] = self._register_packed(params)
-
-    def _register_packed(self, params: Any) -> tuple[int | None, int | None] | None:
-        """Register the weights with the custom calls that read packed copies of them: oneDNN's (its
-        blocked layout, model/kernels/onednn_matmul.cc) and ringserve's kernel (bf16 weights in
-        pairs along K, model/kernels/pairs.h); the tokens to release them by, or None where no
-        step multiplies through either."""
-        if params is None or not self.dot.startswith(("onednn", "kernel")):
-            return None
-        from model.kernels import cpu_matmul, onednn
-
-        leaves = jax.tree_util.tree_leaves(params)
-        ours = cpu_matmul.register_weights(leaves) if self.dot.startswith("kernel") else None
-        return onednn.register_weights(leaves) if "onednn" in self.dot else None, ours
+        self._packed[0] = weight_memory.register(params, self.dot)
 
     def discard_params(self, params: Any) -> None:
         """Free a state built by `build_params` that will not be served (an update refused)."""
@@ -339,66 +282,36 @@ class ModelExecutor:
 
     # ---- device memory --------------------------------------------------------------------------
     def new_kv(self) -> None:
-        """A zeroed KV cache (the backend's arrays) and FutureMap (token, position per slot + sink).
-        On CPU the cache's pages come on first write, brought in by a thread once the server
-        serves (model/kernels/cpu_memory.py: XLA's zeros first-touched SmolLM2 f32's 2.1 GiB
-        before the first request, 6.7 s of a 13 s warm start on this project's VM)."""
-        kv, future = self.kv_avals
-        self.kv: Any = tuple(cpu_memory.zeros(a) for a in kv)
-        self.future: Any = tuple(place_host_array(np.zeros(f.shape, f.dtype), f.sharding) for f in future)
-        generation = self._kv_generation = self._kv_generation + 1
-        self._pool_first_out = None
-        me = weakref.ref(self)  # the thread must not keep an executor (and its pool) that failed to start
+        """A zeroed KV cache and FutureMap (model/kv_pool.py)."""
+        self.kv_pool.new()
 
-        def stop() -> bool:
-            ex = me()
-            return ex is None or ex._kv_generation != generation
+    def drop_kv(self) -> None:
+        """Free the KV cache and FutureMap on the device."""
+        self.kv_pool.drop()
 
-        serving_since: float | None = None  # when `after` first saw the server serving
+    @property
+    def kv(self) -> Any:
+        return self.kv_pool.kv
 
-        def after() -> bool | None:
-            """Once the server serves and the pool's first step is done, or it served
-            FIRST_STEP_WAIT_S with none; None once the pool is gone."""
-            nonlocal serving_since
-            ex = me()
-            if ex is None or stop():
-                return None
-            if not ex._serving.is_set():
-                return False
-            if ex._pool_first_out is not None:
-                try:
-                    ex._pool_first_out.block_until_ready()
-                except Exception:  # noqa: BLE001 -- a failed (or freed) step: the pages come all the same
-                    log.debug("the KV pool's first step did not finish; bringing its pages in", exc_info=True)
-                return True
-            now = time.monotonic()
-            serving_since = now if serving_since is None else serving_since
-            return now - serving_since >= FIRST_STEP_WAIT_S
+    @kv.setter
+    def kv(self, kv: Any) -> None:
+        self.kv_pool.kv = kv
 
-        # once the server serves: beside the lead programs' tracing it was ready ~1.5 s later.
-        # Beside the background compile it slows the loads (their executables' mappings wait for
-        # its faults on the process's mmap lock: SmolLM2's first background program 5.6 s instead
-        # of 0.14), but a step compiles its own program at once (`prepare`); after every program
-        # (tried) it ran beside the first steps once all were compiled (`ringserve generate`'s
-        # tiny-model throughput 4.1-4.3k tok/s against 6.8-7.2k). After the pool's first step:
-        # beside it, that step (usually the server's first request) took 0.13-0.79 s instead of
-        # 0.10-0.12 (SmolLM2 bf16, a 2-token prompt right after a warm start).
-        self._populating = cpu_memory.populate(self.kv, stop=stop, after=after)
+    @property
+    def future(self) -> Any:
+        return self.kv_pool.future
+
+    @future.setter
+    def future(self, future: Any) -> None:
+        self.kv_pool.future = future
 
     def _kv_avals(self) -> Any:
-        """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): `kv_avals`,
-        what the programs compile against and `new_kv` makes."""
+        """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): what the
+        programs compile against and the pool makes."""
         kv = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, s))
                    for a, s in zip(self.attn.kv_avals(), self.attn.kv_specs(self.cfg.tp_size), strict=True))  # fmt: skip
         future = jax.ShapeDtypeStruct((self.max_slots + 1,), np.int32, sharding=replicated(self.mesh))
         return kv, (future, future)
-
-    def drop_kv(self) -> None:
-        """Free the KV cache and FutureMap on the device."""
-        self._kv_generation += 1  # a thread still bringing its pages in stops
-        for leaf in jax.tree_util.tree_leaves((self.kv, self.future)):
-            leaf.delete()
-        self.kv, self.future = None, None
 
     # ---- programs -----------------------------------------------------------------------------
     def _program_args(self, shape: StepShape) -> tuple[Any, ...]:
@@ -536,52 +449,9 @@ class ModelExecutor:
         elif hb.lora_slot is not None and hb.lora_slot.any():
             raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
         self.kv, self.future, out, accepted, prompt = prog(self.params, self.kv, self.future, hb.forward,
-                                                           self._with_mask(hb), self._with_logprob(hb), lora)  # fmt: skip
-        if self._pool_first_out is None:  # (new_kv: the pool's pages come in after it)
-            self._pool_first_out = out.tokens
+                                                           self.constants.sampling(hb), self.constants.logprob(hb), lora)  # fmt: skip
+        self.kv_pool.stepped(out.tokens)  # (its first step lets the pool's pages in)
         return out, accepted, prompt
-
-    @functools.cached_property
-    def _all_allowed(self) -> dict[int, jax.Array]:
-        """Samples per step -> an all-ones grammar mask on device."""
-        return {}
-
-    def _with_mask(self, hb: HostBatch) -> Any:
-        """The step's sampling inputs with a grammar mask: the rows' (model/step_inputs.py), or
-        when no row is constrained an all-ones one kept on device (never sent again)."""
-        smp, n = hb.sampling, hb.shape.rows * max(1, hb.shape.verify)
-        if smp.mask is not None:
-            if smp.mask.shape != (n, self.mask_words):
-                raise ValueError(f"grammar masks of shape {smp.mask.shape}, expected {(n, self.mask_words)}")
-            return smp
-        ones = self._all_allowed.get(n)
-        if ones is None:
-            ones = self._all_allowed[n] = place_host_array(np.full((n, self.mask_words), -1, np.int32),
-                                                           replicated(self.mesh))  # fmt: skip
-        return smp._replace(mask=ones)
-
-    @functools.cached_property
-    def _zeros(self) -> dict[tuple[int, ...], jax.Array]:
-        """Shape -> int32 zeros on device (the logprob inputs of steps that want none)."""
-        return {}
-
-    def _zeros_of(self, *shape: int) -> jax.Array:
-        z = self._zeros.get(shape)
-        if z is None:
-            z = self._zeros[shape] = place_host_array(np.zeros(shape, np.int32), replicated(self.mesh))
-        return z
-
-    def _with_logprob(self, hb: HostBatch) -> LogprobBatch:
-        """The step's logprob inputs (model/step_inputs.py LogprobBatch): the rows', or where no
-        row wants token_ids_logprob or prompt positions, zeros kept on device (never sent again),
-        so a step without them moves nothing more to the device."""
-        lb, r, p = hb.logprob, hb.shape.rows, self.buckets.positions(hb.shape)
-        if lb.ids is None:
-            lb = lb._replace(ids=self._zeros_of(r, self.cfg.token_ids_logprob_num))
-        if p and lb.index is None:
-            z = self._zeros_of(p)
-            lb = lb._replace(index=z, target=z, row=z, count=self._zeros_of())
-        return lb
 
     def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
         """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).

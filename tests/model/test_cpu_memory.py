@@ -158,12 +158,12 @@ def test_the_pool_pages_come_after_its_first_step(tiny_dir, monkeypatch):
     """The KV pool's pages are brought in once the pool's first step is done (beside it, that
     step, usually the server's first request, shared the cores with the pass), not as the
     executor starts serving."""
-    import model.executor as executor
+    import model.kv_pool as kv_pool
     from model.step_inputs import DeviceRow
 
-    monkeypatch.setattr(executor, "FIRST_STEP_WAIT_S", 60.0)  # (a slow machine: no idle start here)
+    monkeypatch.setattr(kv_pool, "FIRST_STEP_WAIT_S", 60.0)  # (a slow machine: no idle start here)
     ex = _served_executor(tiny_dir)
-    t = ex._populating
+    t = ex.kv_pool.populating
     assert t is not None
     time.sleep(0.3)
     assert t.began is None  # serving, no step yet
@@ -176,11 +176,11 @@ def test_the_pool_pages_come_after_its_first_step(tiny_dir, monkeypatch):
 
 def test_an_idle_pool_pages_come_anyway(tiny_dir, monkeypatch):
     """No step within FIRST_STEP_WAIT_S of serving: the pages are brought in all the same."""
-    import model.executor as executor
+    import model.kv_pool as kv_pool
 
-    monkeypatch.setattr(executor, "FIRST_STEP_WAIT_S", 0.2)
+    monkeypatch.setattr(kv_pool, "FIRST_STEP_WAIT_S", 0.2)
     ex = _served_executor(tiny_dir)
-    t = ex._populating
+    t = ex.kv_pool.populating
     assert t is not None
     t.join(30)
     assert not t.is_alive() and t.began is not None

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from model.executor import _huge_pages
 from model.params import _scratch, huge_pages
+from model.weight_memory import huge_pages_when
 
 
 def test_a_large_scratch_array_is_page_aligned_and_placed_without_a_copy():
@@ -89,7 +89,7 @@ def test_the_executors_thread_waits_and_leaves_an_executor_that_is_gone():
     stack = _scratch((2, 1024, 1024), np.float32)
     stack[...] = 1
     answers = iter([False, False, None])  # not serving yet, twice; then the executor is gone
-    t = threading.Thread(target=_huge_pages, args=({"w": stack}, lambda: next(answers)))
+    t = threading.Thread(target=huge_pages_when, args=({"w": stack}, lambda: next(answers)))
     t.start()
     t.join(5)
     assert not t.is_alive() and next(answers, "asked once more") == "asked once more"
@@ -102,7 +102,7 @@ def test_the_executors_thread_moves_the_weights_once_it_may():
     stack = _scratch((2, 1024, 1024), np.float32)  # 8 MiB: 4 huge pages
     stack[...] = 3
     answers = iter([False, True])
-    t = threading.Thread(target=_huge_pages, args=({"w": stack}, lambda: next(answers)))
+    t = threading.Thread(target=huge_pages_when, args=({"w": stack}, lambda: next(answers)))
     t.start()
     t.join(10)
     assert not t.is_alive() and _huge_kb(stack.ctypes.data) == 4 * 2048
