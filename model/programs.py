@@ -93,10 +93,8 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
     `steps_rows` rows) are ordered by size (tokens, then context); the largest of a family
     serves any step of it (padded), so each family's largest leads. With `small_leads` (CPU,
     where padding costs what real rows and tokens do) the smallest decode program (at the
-    longest context) and extend program (at the shortest) lead instead of the largest, and the
-    multi-step programs (one request's first), then the largest of the others, are the first
-    to compile after them (leading, SmolLM2 bf16's one-stream multi-step program added ~0.8 s
-    to a warm start's ready; a multi-step batch before it is in loads it at once, as below):
+    longest context), extend program (at the shortest) and multi-step program (one request's)
+    lead instead of the largest, and the largest of each are the first to compile after them:
     a request's first step is a prefill, and a short prompt padded to the largest program is
     seconds (SmolLM2, a 2-token prompt in the 3072-token program: 3.9 s; the largest
     one's load is a third of a warm start, its compile the most of a cold one); one request's
@@ -118,13 +116,11 @@ def compile_order(buckets: Buckets, contexts: Sequence[int], verify: int, top_n:
         # at the shortest (a short prompt's prefill)
         smallest.append(keys[len(contexts) - 1] if not smallest else keys[0])
     lead, first = [o[0] for o in orders], []
-    if small_leads:  # families: decode, extend, (verify), (multi-step decode)
-        for f in range(2):
+    if small_leads:  # families: decode, extend, (verify), (multi-step decode: its smallest, one stream's)
+        for f in [f for f in range(len(orders)) if f < 2 or orders[f][0][0].multistep]:
             if smallest[f] != lead[f]:
                 first.append(lead[f])  # the family's largest: first after the leads
                 lead[f] = smallest[f]
-        if orders[-1][0][0].multistep:  # one stream's, then the largest: first of all after the leads
-            first[:0] = [smallest[-1], lead.pop()]
     lead = list(dict.fromkeys(lead))
     rest = [o[i] for i in range(1, max(map(len, orders))) for o in orders if i < len(o)]
     return list(dict.fromkeys(lead + first + rest)), len(lead)

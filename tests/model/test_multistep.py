@@ -83,24 +83,6 @@ def test_multistep_rounds_equal_plain_decoding(ex, rows):
     assert np.asarray(so.out.tokens)[:rows].tolist() == [w[n] for w in want]
 
 
-def test_a_round_before_its_program_is_in_loads_it_and_equals_plain_decoding(ex, tiny_dir):
-    """On CPU the multi-step programs compile first after the leads, not as leads (a warm start
-    serves sooner); a round that comes before its program is in has it compiled at once."""
-    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=16,
-                         extend_block=16, decode_steps=K, decode_steps_rows=4, attention_backend="cpu_kernel",
-                         background_compile=True)  # fmt: skip
-    bg = ModelExecutor(tiny_dir("llama"), cfg)
-    assert not any(k[0].multistep for k in bg.programs.order[: bg.programs.lead])
-    assert bg.programs.order[bg.programs.lead][0].multistep
-    prompt, pages, sp = np.arange(3, 12, dtype=np.int32), np.arange(1, 16, dtype=np.int32), DeviceSampling()
-    want, _ = plain(ex, [prompt], [0], [pages], [sp], 1 + K)
-    got, _ = plain(bg, [prompt], [0], [pages], [sp], 1)
-    out, _, _ = bg.run_host_batch(bg.prepare([DeviceRow(np.array([-1] * K, np.int32), len(prompt), pages, sp,
-                                                        future_slot=0)], K, multistep=True))  # fmt: skip
-    assert got[0] + np.asarray(out.tokens)[:K].tolist() == want[0]
-    assert bg.wait_compiled(120)
-
-
 def test_multistep_needs_a_backend_without_host_plans(tiny_dir):
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64,
                          extend_block=16, precompile=False, decode_steps=K, attention_backend="native")  # fmt: skip
@@ -117,8 +99,8 @@ def test_multistep_programs_compiled_at_start_up_up_to_their_rows():
     assert [s.rows for s in b.families(0, K, 3)[-1]] == [2, 4]  # 3 rows run in the 4-row program
     assert [s.rows for s in b.families(0, K, 1)[-1]] == [2]
     order, lead = compile_order(b, [0], 0, 5, small_leads=True, steps=K, steps_rows=4)
-    assert lead == 2 and order[lead : lead + 2] == [(multi[0], 5), (multi[1], 5)]  # CPU: first after the leads
-    assert sorted(order) == sorted(compile_order(b, [0], 0, 5, steps=K, steps_rows=4)[0])
+    assert (multi[0], 5) in order[:lead] and (multi[1], 5) not in order[:lead]  # CPU: one stream's leads
+    assert (multi[1], 5) in order[lead : lead + 3]  # the largest of each family right after
     order, lead = compile_order(b, [0], 0, 5, steps=K, steps_rows=4)
     assert (multi[1], 5) in order[:lead]
 
