@@ -45,10 +45,12 @@ class _Common(msgspec.Struct, **_S):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
-    # not implemented: accepted only at their defaults
+    # not implemented: accepted only at their defaults (the last two are vLLM's and SGLang's extras)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     # SGLang's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -104,6 +106,8 @@ def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
     checks = {
         "presence_penalty": (r.presence_penalty, 0.0),
         "frequency_penalty": (r.frequency_penalty, 0.0),
+        "repetition_penalty": (r.repetition_penalty, 1.0),
+        "min_tokens": (r.min_tokens, 0),
         "logit_bias": (r.logit_bias, None),
         **extra,
     }

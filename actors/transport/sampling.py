@@ -34,6 +34,10 @@ DEFAULT_MAX_NEW_TOKENS = 128
 ALIASES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
 MAX_STOP_STRINGS = 16
 MAX_N = 64
+# SGLang's sampling parameters ringserve does not implement, at the values that change nothing:
+# accepted there (RL frameworks send them on every request: verl's rollout sends
+# repetition_penalty=1.0), refused at any other value with a ValueError naming the field
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -74,11 +78,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                         f"sampling_params: both {alias!r} and {name!r} given with different values"
                     )
                 d[name] = d.pop(alias)
+        for name, neutral in NEUTRAL.items():
+            if name in d:
+                check_neutral(name, d.pop(name), neutral, "sampling_params: ")
         names = set(cls.__struct_fields__)
         unknown = sorted(str(k) for k in set(d) - names)
         if unknown:
             raise ValueError(
-                f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES))}"
+                f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES) | set(NEUTRAL))}"
             )
         if d.get("max_new_tokens") is None:  # the default is capped to fit; an explicit value must fit
             d.pop("max_new_tokens", None)
@@ -171,6 +178,17 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
         assert self.sampling_seed is not None, "the frontend sets every request's seed"
         return DeviceSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed, logprobs,
                               top_logprobs)  # fmt: skip
+
+
+def check_neutral(name: str, value: Any, neutral: float, where: str = "") -> None:
+    """A parameter ringserve does not implement: None or its neutral value passes, anything
+    else is a ValueError naming it (`where`: the prefix that says where it came from)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where}{name}: expected a number, got {type(value).__name__}")
+    if value != neutral:
+        raise ValueError(f"{where}{name}={value!r} is not supported by ringserve (leave it at {neutral!r})")
 
 
 def _plain(v: Any) -> Any:

@@ -70,6 +70,10 @@ def test_find_stop_across_boundaries():
         ({"stop": [""]}, "must be non-empty strings"),
         ({"stop_token_ids": [5, 99999]}, "stop_token_ids [99999] outside the vocabulary [0, 2048)"),
         ({"frequency_penaltyy": 1}, "unknown parameter(s) ['frequency_penaltyy']"),
+        ({"frequency_penalty": 0.3}, "frequency_penalty=0.3 is not supported by ringserve (leave it at 0.0)"),
+        ({"repetition_penalty": 1.05}, "repetition_penalty=1.05 is not supported by ringserve (leave it at 1.0)"),
+        ({"min_new_tokens": 1}, "min_new_tokens=1 is not supported by ringserve (leave it at 0)"),
+        ({"presence_penalty": "0"}, "presence_penalty: expected a number, got str"),
         ({"max_tokens": 5, "max_new_tokens": 6}, "both 'max_tokens' and 'max_new_tokens'"),
         ({"max_new_tokens": 2000}, "max_new_tokens=2000 exceeds the limit 1000"),
     ],
@@ -78,6 +82,12 @@ def test_bad_sampling_params_name_field_and_limit(params, message):
     with pytest.raises(ValueError) as e:
         SamplingParams.from_dict(params, vocab_size=2048, max_new_tokens_limit=1000)
     assert message in str(e.value)
+
+
+def test_penalties_at_their_neutral_values_change_nothing():
+    neutral = {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0, "min_new_tokens": 0}
+    assert SamplingParams.from_dict({"max_new_tokens": 3, **neutral}) == SamplingParams.from_dict({"max_new_tokens": 3})
+    assert SamplingParams.from_dict({"repetition_penalty": None}) == SamplingParams.from_dict({})
 
 
 def test_aliases_and_normalisation():
