@@ -80,7 +80,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                 d[name] = d.pop(alias)
         for name, neutral in NEUTRAL.items():
             if name in d:
-                check_neutral(name, d.pop(name), neutral, "sampling_params: ")
+                _check_neutral(name, d.pop(name), neutral, "sampling_params: ")
         names = set(cls.__struct_fields__)
         unknown = sorted(str(k) for k in set(d) - names)
         if unknown:
@@ -180,7 +180,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                               top_logprobs)  # fmt: skip
 
 
-def check_neutral(name: str, value: Any, neutral: float, where: str = "") -> None:
+def _check_neutral(name: str, value: Any, neutral: float, where: str = "") -> None:
     """A parameter ringserve does not implement: None or its neutral value passes, anything
     else is a ValueError naming it (`where`: the prefix that says where it came from)."""
     if value is None:
