@@ -218,10 +218,10 @@ def test_a_signal_during_a_wait_neither_kills_nor_shortens_it():
         with Ring.create("eintr", 1024, spin_us=0) as ring:
             threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1)).start()
             t0 = time.monotonic()
-            assert ring.recv(0.5) is None
-            assert len(seen) == 1 and time.monotonic() - t0 >= 0.45
+            assert ring.recv(1.0) is None  # (margins wide enough for a loaded machine's timers)
+            assert len(seen) == 1 and time.monotonic() - t0 >= 0.95
             threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1)).start()
-            threading.Timer(0.3, ring.send, (b"after",)).start()
+            threading.Timer(0.6, ring.send, (b"after",)).start()
             assert ring.recv(None) == b"after" and len(seen) == 2
     finally:
         signal.signal(signal.SIGUSR1, old)
