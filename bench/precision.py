@@ -171,7 +171,7 @@ def ringserve_outputs(
         pages = np.arange(1, 1 + cdiv(len(p), PAGE), dtype=np.int32)
         out, _ = ex.logits([DeviceRow(np.asarray(p, np.int32), 0, pages)])
         logits.append(out[0])
-    ex.new_kv()
+    ex.kv_pool.new()
     greedy = generate(ex, prompts, n_new, DeviceSampling(temperature=0.0), eos_ids=set())
     return Outputs(np.stack(logits).astype(np.float32), greedy)
 

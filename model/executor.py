@@ -10,7 +10,7 @@ copies of it, model/weight_memory.py), the KV cache and the FutureMap on device
     out, rows, accepted = ex.run(device_rows)         one step (model/step_inputs.py DeviceRows)
     so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
     ex.build_params / swap_params / drop_params       weights while serving (model/weight_sync.py)
-    ex.new_kv / drop_kv                               device memory (release / resume)
+    ex.kv_pool.new / drop                             device memory (release / resume)
     ex.lora                                           the LoRA adapter pool (model/lora.py), or None
 
 Nothing recompiles while serving: `run` only calls programs compiled at start-up (or in the
@@ -169,13 +169,13 @@ class ModelExecutor:
         self.kv_pool = KVPool(self.kv_avals, self._serving)
         self._settled = threading.Event()  # set once no more programs will compile (all, or failed)
         # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
-        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (new_kv) run on a thread while the
+        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (kv_pool.new) run on a thread while the
         # lead programs are traced, lowered and loaded here, which need only the avals above.
         # One after the other: the host copy and the checkpoint's pages are gone before the
         # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
         building = pool.submit(self._build, tensors)
-        zeroing = pool.submit(self.new_kv)
+        zeroing = pool.submit(self.kv_pool.new)
         pool.shutdown(wait=False)  # its thread ends with the tasks
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
@@ -280,31 +280,7 @@ class ModelExecutor:
         """Free the weights on the device; the host copy stays."""
         self.swap_params(None, self.host_tensors)
 
-    # ---- device memory --------------------------------------------------------------------------
-    def new_kv(self) -> None:
-        """A zeroed KV cache and FutureMap (model/kv_pool.py)."""
-        self.kv_pool.new()
-
-    def drop_kv(self) -> None:
-        """Free the KV cache and FutureMap on the device."""
-        self.kv_pool.drop()
-
-    @property
-    def kv(self) -> Any:
-        return self.kv_pool.kv
-
-    @kv.setter
-    def kv(self, kv: Any) -> None:
-        self.kv_pool.kv = kv
-
-    @property
-    def future(self) -> Any:
-        return self.kv_pool.future
-
-    @future.setter
-    def future(self, future: Any) -> None:
-        self.kv_pool.future = future
-
+    # ---- device memory (the KV cache and FutureMap live in self.kv_pool, model/kv_pool.py) ------
     def _kv_avals(self) -> Any:
         """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): what the
         programs compile against and the pool makes."""
@@ -448,7 +424,8 @@ class ModelExecutor:
             lora = LoraBatch(hb.lora_slot, self.lora.weights)
         elif hb.lora_slot is not None and hb.lora_slot.any():
             raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
-        self.kv, self.future, out, accepted, prompt = prog(self.params, self.kv, self.future, hb.forward,
+        kvp = self.kv_pool
+        kvp.kv, kvp.future, out, accepted, prompt = prog(self.params, kvp.kv, kvp.future, hb.forward,
                                                            self.constants.sampling(hb), self.constants.logprob(hb), lora)  # fmt: skip
         self.kv_pool.stepped(out.tokens)  # (its first step lets the pool's pages in)
         return out, accepted, prompt
@@ -459,7 +436,8 @@ class ModelExecutor:
         A diagnostic path for parity tests and tools: jitted on demand, never used while
         serving, and not counted in `trace_count`."""
         hb = self.prepare(rows)
-        self.kv, logits = self._logits_fn(self.params, self.kv, jax.device_put(hb.forward, replicated(self.mesh)))
+        kvp = self.kv_pool
+        kvp.kv, logits = self._logits_fn(self.params, kvp.kv, jax.device_put(hb.forward, replicated(self.mesh)))
         return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
 
 

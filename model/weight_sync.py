@@ -231,7 +231,7 @@ class WeightSync:
         # device memory, e.g. GPU autotuning) may still be running.
         self.ex.wait_compiled()
         if "kv_cache" in tags:
-            self.ex.drop_kv()
+            self.ex.kv_pool.drop()
         if "weights" in tags:
             self.ex.drop_params()
             if self.ex.lora is not None:  # adapters follow the weights (their host copies stay)
@@ -246,13 +246,13 @@ class WeightSync:
                 self.ex.swap_params(self.ex.build_params(self.ex.host_tensors), self.ex.host_tensors)
             if "weights" in tags and self.ex.lora is not None:
                 self.ex.lora.resume()
-            if "kv_cache" in tags and self.ex.kv is None:
-                self.ex.new_kv()
+            if "kv_cache" in tags and self.ex.kv_pool.kv is None:
+                self.ex.kv_pool.new()
         except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
             err = e
         if not self.agree(err is None):
-            if "kv_cache" in tags and self.ex.kv is not None:
-                self.ex.drop_kv()
+            if "kv_cache" in tags and self.ex.kv_pool.kv is not None:
+                self.ex.kv_pool.drop()
             if "weights" in tags and self.ex.params is not None:
                 self.ex.drop_params()
             raise WeightError(f"resume refused: {err or 'it failed on another host (its log says why)'}")

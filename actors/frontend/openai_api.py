@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from actors.frontend.inputs import GenerateArgs
+from actors.transport.sampling import refuse_unless_default
 
 _S = {"forbid_unknown_fields": True, "omit_defaults": True}
 
@@ -113,8 +114,8 @@ def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
     }
     checks["return_hidden_states"] = (r.return_hidden_states, False)
     for name, (value, default) in checks.items():
-        if value != default and not (name == "logit_bias" and value == {}):
-            raise ValueError(f"{name}={value!r} is not supported by ringserve (leave it at {default!r})")
+        if not (name == "logit_bias" and value == {}):
+            refuse_unless_default(name, value, default)
 
 
 def _sampling(r: _Common, max_new_tokens: int | None) -> dict[str, Any]:

@@ -187,8 +187,13 @@ def _check_neutral(name: str, value: Any, neutral: float, where: str = "") -> No
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{where}{name}: expected a number, got {type(value).__name__}")
-    if value != neutral:
-        raise ValueError(f"{where}{name}={value!r} is not supported by ringserve (leave it at {neutral!r})")
+    refuse_unless_default(name, value, neutral, where)
+
+
+def refuse_unless_default(name: str, value: Any, default: Any, where: str = "") -> None:
+    """An option ringserve does not implement: a ValueError naming it unless it is at `default`."""
+    if value != default:
+        raise ValueError(f"{where}{name}={value!r} is not supported by ringserve (leave it at {default!r})")
 
 
 def _plain(v: Any) -> Any:

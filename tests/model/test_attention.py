@@ -243,7 +243,7 @@ import numpy as np
 from tests.model.test_attention import executor, run_scenario
 ex = executor(sys.argv[1], "pallas", tp_size=2)
 np.savez(sys.argv[2], *run_scenario(ex))
-print(json.dumps({"kv": repr(tuple(ex.kv[0].sharding.spec))}))
+print(json.dumps({"kv": repr(tuple(ex.kv_pool.kv[0].sharding.spec))}))
 """
 
 

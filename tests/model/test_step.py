@@ -160,7 +160,7 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
     pages = np.arange(1, 9, dtype=np.int32)
 
     def generate(prompt=prompt) -> tuple[list[int], list[StepShape]]:
-        ex.new_kv()
+        ex.kv_pool.new()
         rows = [DeviceRow(prompt, 0, pages, future_slot=0)]
         shapes, toks = [ex.prepare(rows).shape], []
         out, idx, _ = ex.run(rows)
@@ -196,7 +196,7 @@ def test_no_program_copies_the_kv_cache(tiny_dir):
 
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=1024, max_batch=8, max_extend_tokens=64, extend_block=16)
     ex = ModelExecutor(tiny_dir("llama"), cfg)
-    kv_shape = "f32[{}]".format(",".join(map(str, ex.kv[0].shape)))  # the stacked K cache
+    kv_shape = "f32[{}]".format(",".join(map(str, ex.kv_pool.kv[0].shape)))  # the stacked K cache
     for key, prog in ex.programs.compiled.items():
         copies = [ln for ln in prog.as_text().splitlines() if re.search(re.escape(kv_shape) + r"\{[^}]*\} copy\(", ln)]
         assert not copies, (key, copies[:2])
@@ -233,7 +233,7 @@ cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch
 ex = ModelExecutor(path, cfg)
 prompts = prompts_with_shared_prefix(32, [3, 20, 50])
 shards = {repr(tuple(l.sharding.spec)) for l in __import__("jax").tree_util.tree_leaves(ex.params)}
-print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 16), "specs": sorted(shards), "kv": repr(tuple(ex.kv[0].sharding.spec))}))
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 16), "specs": sorted(shards), "kv": repr(tuple(ex.kv_pool.kv[0].sharding.spec))}))
 """
 
 
