@@ -153,7 +153,7 @@ def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
     fast = ModelExecutor(tiny_dir("llama"), cfg)
     dot = "onednn" if cpu_matmul == "onednn" else "kernel" if kernel.packs_pairs() else "kernel+onednn"
-    assert fast.dot == dot and fast.kv[0].dtype == jnp.uint16
+    assert fast.dot == dot and fast.kv_pool.kv[0].dtype == jnp.uint16
     ref = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**{**_fields(cfg), "cpu_matmul": "xla"}))
     assert ref.dot == "xla"
     a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)

@@ -83,7 +83,7 @@ def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monk
     assert (again._on_disk.hits, again._on_disk.misses) == (n, 0)
     assert calls == []  # nothing traced: every program read back
     assert again.trace_count == n  # counted as the traces they replace (serving still never traces)
-    kv = jax.tree.leaves((again.kv, again.future))
+    kv = jax.tree.leaves((again.kv_pool.kv, again.kv_pool.future))
     assert _decode(again) == want
     assert all(x.is_deleted() for x in kv)  # donated to the programs read back, as to traced ones
 
