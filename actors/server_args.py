@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from kvmem import cdiv
+from ringserve.kvmem import cdiv
 
 # A prefill step's own cost in prefill tokens, where measured: on CPU a step is ~40 ms plus
 # ~1.6 ms a token (SmolLM2 f32, 2 cores, bench.step_floor extend:1x16..1x512). Elsewhere 0 (never
@@ -314,7 +314,7 @@ class ServerArgs:
         need(1 <= self.max_lora_rank <= 1024, f"max_lora_rank={self.max_lora_rank}: must be in [1, 1024]")
         need(1 <= self.max_loras_per_batch <= 256,
              f"max_loras_per_batch={self.max_loras_per_batch}: must be in [1, 256]")  # fmt: skip
-        from model.checkpoints.peft import parse_target_modules
+        from ringserve.model.checkpoints.peft import parse_target_modules
 
         parse_target_modules(self.lora_target_modules)
         names = list(self.lora_adapters)

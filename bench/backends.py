@@ -20,8 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from bench.metrics import RequestRecord
-from bench.workload import Request
+from ringserve.bench.metrics import RequestRecord
+from ringserve.bench.workload import Request
 
 Send = Callable[[Request, RequestRecord], Awaitable[None]]
 BACKENDS = ("engine", "client", "http")

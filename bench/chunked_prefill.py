@@ -1,6 +1,6 @@
 """Chunked prefill vs decode stalls: a 4,096-token prompt arrives while 32 requests decode.
 
-    python -m bench.chunked_prefill [--model tiny] [--configs off 512 512-mixed 128-mixed 32-mixed]
+    python -m ringserve.bench.chunked_prefill [--model tiny] [--configs off 512 512-mixed 128-mixed 32-mixed]
 
 Per configuration one engine: `off` = chunked_prefill_size -1 (the long prompt is one prefill
 step), `512` = chunks of 512 (SGLang's scheduling: the chunks run back to back, decoding waits),
@@ -30,10 +30,9 @@ import time
 from typing import Any
 
 import numpy as np
-
-from bench.backends import engine_sender
-from bench.metrics import RequestRecord
-from bench.workload import random_requests
+from ringserve.bench.backends import engine_sender
+from ringserve.bench.metrics import RequestRecord
+from ringserve.bench.workload import random_requests
 
 CONFIGS = {"off": (-1, False), "512": (512, False), "512-mixed": (512, True), "256-mixed": (256, True),
            "128-mixed": (128, True), "64-mixed": (64, True), "32-mixed": (32, True)}
@@ -95,7 +94,7 @@ def analyse(recs: list[RequestRecord], long_rec: RequestRecord) -> dict[str, flo
 
 
 def run_config(model_dir: str, name: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    from actors import Engine
+    from ringserve import Engine
 
     chunk, mixed = CONFIGS[name]
     decoders = random_requests(a.num_decode, vocab, 1, (64, 64), (a.decode_len, a.decode_len))
@@ -121,7 +120,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(prog="python -m bench.chunked_prefill", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.chunked_prefill", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--configs", nargs="+", default=["off", "512", "512-mixed", "128-mixed", "32-mixed"], choices=list(CONFIGS))
     ap.add_argument("--num-decode", type=int, default=32)
@@ -130,8 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--long-len", type=int, default=4096)
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
-    from model.checkpoints.config import ModelConfig
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.resolve import resolve_model
+    from ringserve.model.config import ModelConfig
 
     path, _ = resolve_model(a.model)
     vocab = ModelConfig.from_dir(path).vocab_size

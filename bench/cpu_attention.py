@@ -1,10 +1,10 @@
 """One layer's paged attention on CPU through the cpu_attention custom call, from memory.
 
-    python -m bench.cpu_attention
-    python -m bench.cpu_attention --cases decode:64x256,extend:1x512 --dtype bf16 --repeats 50
-    python -m bench.cpu_attention --dtype bf16 --layout pairs      # the pair layouts (AVX512-BF16, AMX)
+    python -m ringserve.bench.cpu_attention
+    python -m ringserve.bench.cpu_attention --cases decode:64x256,extend:1x512 --dtype bf16 --repeats 50
+    python -m ringserve.bench.cpu_attention --dtype bf16 --layout pairs      # the pair layouts (AVX512-BF16, AMX)
 
-Each case is one call of model/kernels/cpu_attention.cc with SmolLM2-135M's heads (9 query
+Each case is one call of model/compute/kernels/cpu_attention.cc with SmolLM2-135M's heads (9 query
 heads, 3 KV heads, head dim 64, pages of 16 keys) over a pool of `--layers` layers (default 30,
 so a layer's pages are not all in the caches, as in a step), the rows' pages scattered over it:
 
@@ -30,8 +30,7 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
              heads=(9, 3), d=64, s=16, layout: str = "plain"):  # fmt: skip
     import jax
     import jax.numpy as jnp
-
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
 
     why = cpu_attention.reason()
     if why is not None:
@@ -54,7 +53,7 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
     else:
         positions = np.tile(np.arange(n, dtype=np.int32), b)
     q = jnp.asarray(rng.standard_normal((t, h, d), np.float32))
-    if dtype == "bf16":  # a bf16 model's queries (model/attention/cpu_kernel.py passes them as they are)
+    if dtype == "bf16":  # a bf16 model's queries (model/compute/attention/cpu_kernel.py passes them as they are)
         q = q.astype(jnp.bfloat16)
 
     def cache(shape):
@@ -65,7 +64,7 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
 
     k = cache((hkv, layers * pages, d, s))
     v = cache((hkv, layers * pages, s, d))
-    if layout == "pairs":  # model/attention/cpu_kernel.py's pair layouts (bf16 caches, AVX512-BF16)
+    if layout == "pairs":  # model/compute/attention/cpu_kernel.py's pair layouts (bf16 caches, AVX512-BF16)
         k = k.reshape(hkv, layers * pages, d // 2, 2, s).transpose(0, 1, 2, 4, 3)
         v = v.reshape(hkv, layers * pages, s // 2, 2, d).transpose(0, 1, 2, 4, 3)
     fb = [jnp.asarray(x) for x in (table, row_start, kv_len, positions)]
@@ -98,7 +97,7 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_attention", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.cpu_attention", description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="decode:1x256,decode:64x256,decode:64x512,extend:1x512")
     ap.add_argument("--dtype", nargs="+", default=["bf16", "f32"], choices=["bf16", "f32"])
     ap.add_argument("--layers", type=int, default=30)
@@ -106,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--pages", default="random", choices=["random", "sequential"],
                     help="the rows' page tables: pages scattered over the pool, or each row's consecutive")
     ap.add_argument("--layout", default="plain", choices=["plain", "pairs"],
-                    help="bf16 caches: the native layout, or the pair layouts (model/attention/cpu_kernel.py)")
+                    help="bf16 caches: the native layout, or the pair layouts (model/compute/attention/cpu_kernel.py)")
     a = ap.parse_args(argv)
     rows = []
     print(f"{'case':>16s} {'dtype':>5s} {'call ms':>8s} {'step ms':>8s} {'KV MB':>7s} {'GB/s':>6s}")

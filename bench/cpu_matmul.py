@@ -1,25 +1,25 @@
 """A decode step's matmuls on CPU: XLA's dot, the cpu_matmul kernel and oneDNN, from memory.
 
-    python -m bench.cpu_matmul
-    python -m bench.cpu_matmul --dtypes bf16 --m 1 --repeats 11
+    python -m ringserve.bench.cpu_matmul
+    python -m ringserve.bench.cpu_matmul --dtypes bf16 --m 1 --repeats 11
 
 Builds SmolLM2-135M's projections as distinct arrays, 30 layers of q 576x576, k 576x192,
 v 576x192, o 576x576, gate 576x1536, up 576x1536, down 1536x576 ([K, N]) and the LM head
 49152x576 ([N, K], a tied embedding), 134.5 M weights in all (538 MB f32), far more than the
 caches hold, and times one jitted function that runs M rows of x through all of them once, for
 each weight dtype (f32: x f32; bf16: x bf16; int8 + per-column f32 scale: x f32, each int8
-weight stored [N, K] as the model stores it, model/layers.py `Linear`; bf16nk: bf16 weights
+weight stored [N, K] as the model stores it, model/compute/dots.py `Linear`; bf16nk: bf16 weights
 stored [N, K] too, the layout question for bf16's decode) and method:
 
     xla      jnp.matmul (int8: w.astype(x) * scale, then the dot)
-    kernel   model/kernels/cpu_matmul.py
+    kernel   model/compute/kernels/cpu_matmul.py
     grouped  the same, q/k/v and gate/up each as one call (`cpu_matmul.matmuls`, as the model runs it)
-    onednn   model/kernels/onednn.py (where `onednn.reason()` is None)
+    onednn   model/compute/kernels/onednn.py (where `onednn.reason()` is None)
 
 It prints the median ms per full pass over `--repeats` and the effective bandwidth (weight
 bytes / time), against a plain read of 1 GiB by 2 threads (numpy, the GIL released), measured
 before and after (the host's bandwidth drifts). Run it once more with
-RINGSERVE_POOL_SPIN_US=300 for the kernel with its own spinning helper (model/kernels/pool.h).
+RINGSERVE_POOL_SPIN_US=300 for the kernel with its own spinning helper (model/compute/kernels/pool.h).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def make_weights(dtype: str, layers: int, seed: int = 0):
     rng = np.random.default_rng(seed)
 
     def one(k: int, n: int):
-        if dtype == "int8":  # [N, K], as model/layers.py's Linear stores int8
+        if dtype == "int8":  # [N, K], as model/compute/dots.py's Linear stores int8
             q = rng.integers(-127, 128, (n, k), dtype=np.int8)
             return jnp.asarray(q), jnp.asarray((rng.random(n) * 1e-3).astype(np.float32))
         w = (rng.standard_normal((k, n), dtype=np.float32) * 0.02).astype(np.float32)
@@ -100,10 +100,10 @@ def dot_fn(method: str):
 
         return mm
     if method in ("kernel", "grouped"):
-        from model.kernels import cpu_matmul
+        from ringserve.model.compute.kernels import cpu_matmul
 
         return lambda x, w, s, t: cpu_matmul.matmul(x, w, transpose_w=t, scale=None if _nk(s) else s)
-    from model.kernels import onednn
+    from ringserve.model.compute.kernels import onednn
 
     return lambda x, w, s, t: onednn.matmul(x, w, transpose_w=t, scale=None if _nk(s) else s)
 
@@ -112,8 +112,7 @@ def forward(mm, grouped: bool = False):
     """One pass of x through every layer's projections (every output used) and the head;
     `grouped`: the projections that share x as one kernel call each (q/k/v, gate/up)."""
     import jax
-
-    from model.kernels import cpu_matmul
+    from ringserve.model.compute.kernels import cpu_matmul
 
     def group(x, pairs):
         t = pairs[0][1] is not None  # int8 weights are [N, K] (and bf16nk's)
@@ -146,7 +145,7 @@ def time_pass(fn, x, stack, head, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_matmul", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.cpu_matmul", description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="f32,bf16,int8")
     ap.add_argument("--m", default="1,4,16", help="rows of x")
     ap.add_argument("--methods", default="xla,kernel,onednn")
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import jax.numpy as jnp
-
-    from model.kernels import cpu_matmul, onednn
+    from ringserve.model.compute.kernels import cpu_matmul, onednn
 
     methods = []
     for m in args.methods.split(","):

@@ -1,7 +1,7 @@
 """Data-parallel groups on one host: throughput of dp 2 against dp 1, and the prefix-cache hit
 rate of `cache_aware` against `round_robin` on a shared-prefix workload, in one run.
 
-    JAX_NUM_CPU_DEVICES=2 python -m bench.dp [--model tiny] [--requests 128] [--new 64]
+    JAX_NUM_CPU_DEVICES=2 python -m ringserve.bench.dp [--model tiny] [--requests 128] [--new 64]
 
 Throughput: `--requests` random prompts (32-160 tokens), greedy, `--new` tokens each (ignore
 EOS), all submitted at once, against an engine with dp_size 1 and one with dp_size 2
@@ -66,7 +66,7 @@ def families(seed: int = 0, n: int = 8, size: int = 16) -> list[list[list[int]]]
 
 
 def hit_rate(engine: Any, method: str) -> float:
-    from actors.frontend.dispatch import Dispatcher
+    from ringserve.actors.frontend.dispatch import Dispatcher
 
     fe = engine.frontend
     old = fe.dispatcher
@@ -86,13 +86,13 @@ def hit_rate(engine: Any, method: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m bench.dp", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.dp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")
-    from actors import Engine
+    from ringserve import Engine
 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.randrange(32, 161))] for _ in range(args.requests)]

@@ -1,7 +1,7 @@
 """What each front door costs per request: the in-process Engine, the IPC socket Client and
 HTTP (SGLang's /generate), at fixed concurrency, on one engine.
 
-    python -m bench.frontends [--model tiny] [--requests 256] [--concurrency 1 64] [--max-new-tokens 1]
+    python -m ringserve.bench.frontends [--model tiny] [--requests 256] [--concurrency 1 64] [--max-new-tokens 1]
 
 Each request generates `max_new_tokens` (default 1: the engine's work is one short prefill, so
 the figure is dominated by the path itself). Latency is measured by the caller, from the call to
@@ -43,7 +43,7 @@ async def _drive(call, prompts: list[list[int]], concurrency: int) -> tuple[list
 def measure(engine, servers, prompts: list[list[int]], concurrency: int, max_new: int) -> dict[str, tuple[list[float], float]]:
     import httpx
 
-    from actors import AsyncClient
+    from ringserve import AsyncClient
 
     sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
 
@@ -75,7 +75,7 @@ def measure(engine, servers, prompts: list[list[int]], concurrency: int, max_new
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m bench.frontends", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.frontends", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=32)
     args = ap.parse_args(argv)
 
-    from actors import Engine, Servers
+    from ringserve import Engine, Servers
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 2000, args.prompt_len).tolist() for _ in range(args.requests)]

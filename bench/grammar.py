@@ -2,7 +2,7 @@
 JSON schema against the same workload unconstrained, and the host's mask time per step against
 the step time, in one run.
 
-    python -m bench.grammar [--model tiny] [--num-prompts 64] [--max-new 128] [--overlap both]
+    python -m ringserve.bench.grammar [--model tiny] [--num-prompts 64] [--max-new 128] [--overlap both]
 
 The same prompts and output lengths in both runs: every request decodes exactly `--max-new`
 greedy tokens (ignore_eos), and the schema (a long array of small objects: keys, bounded
@@ -76,7 +76,7 @@ def run(engine: Any, ids: list[list[int]], sps: list[dict]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m bench.grammar", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.grammar", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or a model directory")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=128)
@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeat", type=int, default=1, help="alternate the two workloads this many times per engine")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
-    from actors import Engine
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.resolve import resolve_model
+
+    from ringserve import Engine
 
     path, _ = resolve_model(a.model)
     n = a.num_prompts

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.metrics import RequestRecord
-from bench.workload import Request
+from ringserve.bench.metrics import RequestRecord
+from ringserve.bench.workload import Request
 
 
 def load_model(model_dir: str) -> Any:

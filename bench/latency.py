@@ -19,10 +19,9 @@ import asyncio
 from typing import Any
 
 import numpy as np
-
-from bench.backends import drive, engine_sender
-from bench.metrics import RequestRecord
-from bench.workload import Request
+from ringserve.bench.backends import drive, engine_sender
+from ringserve.bench.metrics import RequestRecord
+from ringserve.bench.workload import Request
 
 
 class VirtualClock:

@@ -1,7 +1,7 @@
 """What LoRA adapters cost a step: a batch mixing several adapters (and rows with none) against
 the same batch on an executor that serves no adapters, on the model runtime (no processes).
 
-    python -m bench.lora [--model tiny|smollm2] [--rank 16] [--adapters 4] [--repeat 20] [--gather]
+    python -m ringserve.bench.lora [--model tiny|smollm2] [--rank 16] [--adapters 4] [--repeat 20] [--gather]
 
 Three executors' worth of cases over the same rows (random ids, greedy):
 
@@ -49,10 +49,10 @@ PAGE, CTX = 16, 128
 
 def _model(name: str) -> Path:
     if name == "tiny":
-        from model.checkpoints.tiny import tiny_model_path
+        from ringserve.model.checkpoints.tiny import tiny_model_path
 
         return tiny_model_path("llama")
-    from model.checkpoints.random_shapes import random_model
+    from ringserve.model.checkpoints.random_shapes import random_model
 
     return random_model("smollm2-135m")
 
@@ -60,11 +60,11 @@ def _model(name: str) -> Path:
 def run(model: str, rank: int, adapters: int, repeat: int, gather: bool = False) -> list[dict[str, Any]]:
     import os
 
-    from model.checkpoints.config import ModelConfig
-    from model.checkpoints.peft import TARGET_MODULES, read_adapter
-    from model.checkpoints.tiny_lora import make_tiny_lora
-    from model.executor import ExecutorConfig, ModelExecutor
-    from model.step_inputs import DeviceRow
+    from ringserve.model.checkpoints.peft import TARGET_MODULES, read_adapter
+    from ringserve.model.checkpoints.tiny_lora import make_tiny_lora
+    from ringserve.model.compute.step_inputs import DeviceRow
+    from ringserve.model.config import ModelConfig
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
     base = _model(model)
     mc = ModelConfig.from_dir(base)
@@ -124,12 +124,12 @@ def run(model: str, rank: int, adapters: int, repeat: int, gather: bool = False)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.lora", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--gather", action="store_true", help="the product's gather form (model/lora.py)")
+    ap.add_argument("--gather", action="store_true", help="the product's gather form (model/weights/lora.py)")
     a = ap.parse_args(argv)
     rows = run(a.model, a.rank, a.adapters, a.repeat, a.gather)
     print(f"\nLoRA vs no adapters ({a.model}, rank {a.rank}, {a.adapters} adapters on all 7 projections), tokens/s:")

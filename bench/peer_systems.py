@@ -150,7 +150,7 @@ def launch(
     `extra` appended to its flags."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if s.kind == "ringserve":
-        argv = [sys.executable, "-m", "actors.cli.main", "serve", "--model", str(served), *host, "--no-socket",
+        argv = [sys.executable, "-m", "ringserve.actors.cli.main", "serve", "--model", str(served), *host, "--no-socket",
                 "--dtype", s.dtype, "--context-length", str(lim.max_len),
                 "--max-running-requests", str(lim.parallel), "--log-level", "warning"]  # fmt: skip
         if s.precision == "q8_0":
@@ -242,7 +242,7 @@ def shipped_gguf(model_dir: Path, layout: Layout, log=print) -> Path | None:
     source = model_dir / "ringserve_source.json"
     if not source.is_file():
         return None
-    from model.checkpoints import fetch
+    from ringserve.model.checkpoints import fetch
 
     package = json.loads(source.read_text()).get("package", "")
     spec = next((m for m in fetch.MODELS.values() if f"{m.package}=={m.version}" == package), None)

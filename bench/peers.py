@@ -2,9 +2,9 @@
 started alone as an HTTP server on 127.0.0.1, driven by one client with one workload, stopped;
 the systems alternate over the rounds, every run is printed, then the ratios to ringserve.
 
-    python -m bench.peers [--model smollm2] [--systems ringserve vllm vllm-bf16 llamacpp llamacpp-q4_1]
+    python -m ringserve.bench.peers [--model smollm2] [--systems ringserve vllm vllm-bf16 llamacpp llamacpp-q4_1]
                           [--rounds 2] [--output-json PATH]
-    python -m bench.peers --tree before=../before --systems ringserve-bf16@before ringserve-bf16 vllm-bf16
+    python -m ringserve.bench.peers --tree before=../before --systems ringserve-bf16@before ringserve-bf16 vllm-bf16
 
 Peers come from tools/install_peers.sh (vLLM for CPU; llama.cpp's own llama-server), which puts
 them into $RINGSERVE_CACHE/peers/; one that is absent, or whose model file cannot be made, is
@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import peer_systems as ps
-from bench.metrics import RequestRecord, compute_metrics
-from bench.proc_tree import TreeSampler, tree_usage
-from bench.workload import FIRST_ID, Request, random_requests
+from ringserve.bench import peer_systems as ps
+from ringserve.bench.metrics import RequestRecord, compute_metrics
+from ringserve.bench.proc_tree import TreeSampler, tree_usage
+from ringserve.bench.workload import FIRST_ID, Request, random_requests
 
 # the headline figures of a run: (key, label, higher is better (None: no ratio), format)
 HEADLINE = (
@@ -214,8 +214,7 @@ def wait_compiled(url: str, timeout: float) -> None:
 async def send_all(url: str, model: str, reqs: list[Request], concurrency: int | None, desc: str,
                    progress: bool) -> list[RequestRecord]:  # fmt: skip
     import httpx
-
-    from bench.backends import drive, http_sender
+    from ringserve.bench.backends import drive, http_sender
 
     n = concurrency or len(reqs)
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
@@ -323,7 +322,7 @@ def machine() -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.peers", description=__doc__.split("\n")[0])
     a = ap.add_argument
     a("--model", default="smollm2", help="'smollm2', 'tiny' or an HF-format directory")
     a("--systems", nargs="+", default=list(ps.DEFAULT_SYSTEMS),
@@ -365,8 +364,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parser().parse_args(argv)
-    from model.checkpoints.config import ModelConfig
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.resolve import resolve_model
+    from ringserve.model.config import ModelConfig
 
     a.extra = {k: getattr(a, f"{k}_args").split() for k in ps.KINDS}
     a.trees = dict(t.split("=", 1) for t in a.tree)
@@ -374,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ps.system(name, a.trees)  # ValueError naming an unknown system or tag
     if a.max_len is None:
         a.max_len = 256 * math.ceil((a.input_len[1] + a.output_len[1]) / 256)
-    from model.checkpoints.paths import cache_dir
+    from ringserve.model.paths import cache_dir
 
     layout = ps.Layout(Path(a.peers_dir) if a.peers_dir else cache_dir("peers"))
     out = (

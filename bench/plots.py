@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from bench.metrics import RequestRecord
+from ringserve.bench.metrics import RequestRecord
 
 
 def _plt() -> Any:
@@ -79,7 +78,7 @@ def latency_cdfs(records: dict[str, list[RequestRecord]], path: str | Path) -> P
 
 def step_timeline(cols: dict[str, list], path: str | Path, max_steps: int = 60) -> Path:
     """The `max_steps` steps in the middle of the trace (steady state), phases as bars."""
-    from bench.profile import records
+    from ringserve.bench.profile import records
 
     plt = _plt()
     r = records(cols)

@@ -1,14 +1,14 @@
 """Accuracy at low precision (issue 29): ringserve and HF transformers at bf16 (or f16), both
 measured against HF transformers at float32, the truth.
 
-    python -m bench.precision --model tiny --dtype bfloat16
-    python -m bench.precision --model smollm2 --dtype bfloat16 --cpu-matmul xla --prompts 64 --new-tokens 32
-    python -m bench.precision --model smollm2 --quantization int8     # int8 weights, bf16 compute
+    python -m ringserve.bench.precision --model tiny --dtype bfloat16
+    python -m ringserve.bench.precision --model smollm2 --dtype bfloat16 --cpu-matmul xla --prompts 64 --new-tokens 32
+    python -m ringserve.bench.precision --model smollm2 --quantization int8     # int8 weights, bf16 compute
 
 Prompts: `--prompts` seeded random token ids (`3 <= id < vocab`, as bench/workload.py draws
 them), lengths uniform in [16, 128]; nothing is downloaded (smollm2 must already be fetched).
 Every system runs the same prompts, one at a time for HF (no padding), all together for
-ringserve (model/generate.py: one prefill step per prompt, then batched decode), greedy, EOS
+ringserve (model/runtime/generate.py: one prefill step per prompt, then batched decode), greedy, EOS
 ignored, exactly `--new-tokens` tokens.
 
 Measures, per system and precision, against HF float32:
@@ -20,7 +20,7 @@ Measures, per system and precision, against HF float32:
     prefix     mean length of the continuation's prefix that equals the truth's
 
 HF's logits at low precision are its bf16 `lm_head` output; ringserve's are f32 at every
-precision (its LM head accumulates and returns f32, model/llama.py `logits`). The bar: ringserve
+precision (its LM head accumulates and returns f32, model/layers/decoder.py `logits`). The bar: ringserve
 f32 equals HF f32's greedy tokens; ringserve at low precision is within what HF gets at the same
 precision. `--cpu-matmul` applies to ringserve's low-precision run (its f32 run uses "auto",
 which is XLA's dot). Prints a table and one JSON line.
@@ -62,9 +62,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from bench.workload import FIRST_ID
-from kvmem.allocator import cdiv
+from ringserve.bench.workload import FIRST_ID
+from ringserve.kvmem.allocator import cdiv
 
 LOW_DTYPES = ("bfloat16", "float16")
 PAGE = 16
@@ -117,11 +116,10 @@ def compare(system: str, dtype: str, got: Outputs, truth: Outputs, seconds: floa
 
 def int8_weights(m) -> None:
     """HF model `m`'s projections, LM head and embedding replaced in place by their int8 images
-    (model/params.py quantize_int8, one scale per output row of HF's [out, in]): HF at the
+    (model/weights/state.py quantize_int8, one scale per output row of HF's [out, in]): HF at the
     precision ringserve's `quantization="int8"` serves."""
     import torch
-
-    from model.params import QUANTIZED, quantize_int8
+    from ringserve.model.weights.state import QUANTIZED, quantize_int8
 
     with torch.no_grad():
         for name, p in m.named_parameters():  # a tied head shares the embedding's tensor: done once
@@ -155,10 +153,10 @@ def ringserve_outputs(
     path: Path, prompts: list[list[int]], n_new: int, dtype: str, cpu_matmul: str = "auto", quantization: str | None = None
 ) -> Outputs:
     """ModelExecutor's diagnostic logits path (one prompt at a time, pages reused), then
-    model/generate.py's greedy generation of all prompts on a fresh cache."""
-    from model.executor import ExecutorConfig, ModelExecutor
-    from model.generate import generate
-    from model.step_inputs import DeviceRow, DeviceSampling
+    model/runtime/generate.py's greedy generation of all prompts on a fresh cache."""
+    from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+    from ringserve.model.runtime.generate import generate
 
     longest = max(map(len, prompts)) + n_new
     cfg = ExecutorConfig(page_size=PAGE, num_pages=1 + sum(cdiv(len(p) + n_new, PAGE) for p in prompts),
@@ -214,7 +212,7 @@ def format_rows(rows: list[Accuracy]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.precision", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--model", default="tiny", help="'tiny', 'smollm2' (already fetched) or a model directory"
     )
@@ -227,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.model == "smollm2":
-        from model.checkpoints.fetch import model_dir
+        from ringserve.model.checkpoints.fetch import model_dir
 
         path = model_dir("smollm2")
         if not (path / "config.json").is_file():
             raise SystemExit(f"{path}: not fetched; run `ringserve fetch-model smollm2` first")
     else:
-        from model.checkpoints.resolve import resolve_model
+        from ringserve.model.checkpoints.resolve import resolve_model
 
         path, _ = resolve_model(a.model)
     rows = measure(path, a.dtype, a.prompts, a.new_tokens, a.cpu_matmul, a.seed,

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from actors.transport.trace import FIELDS
+from ringserve.actors.transport.trace import FIELDS
 
 
 def records(cols: dict[str, list]) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
 """What prompt logprobs cost: a scoring request (`logprob_start_len=0`) against the same request
 without them, through the engine, and the step programs' share of it.
 
-    python -m bench.prompt_logprobs [--model tiny] [--lens 256 1024] [--batch 8] [--repeat 5]
+    python -m ringserve.bench.prompt_logprobs [--model tiny] [--lens 256 1024] [--batch 8] [--repeat 5]
 
 Engine part, per prompt length L (random ids, unchunked, the prefix cache flushed before every
 request so each computes its whole prompt; greedy, one output token, as an RL scorer asks):
@@ -54,7 +54,7 @@ SP = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
 
 
 def engine_part(model: str, lens: list[int], batch: int, repeat: int, vocab: int) -> list[dict[str, Any]]:
-    from actors import Engine
+    from ringserve import Engine
 
     top = max(lens)
     shapes = dict(context_length=-(-(top + 64) // 256) * 256, max_prefill_tokens=top * batch, chunked_prefill_size=-1,
@@ -83,8 +83,8 @@ def engine_part(model: str, lens: list[int], batch: int, repeat: int, vocab: int
 
 
 def step_part(model_dir: str, lens: list[int], repeat: int) -> list[dict[str, Any]]:
-    from model.executor import ExecutorConfig, ModelExecutor
-    from model.step_inputs import DeviceRow
+    from ringserve.model.compute.step_inputs import DeviceRow
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
     page, ctx = 16, 128
     top = max(lens)
@@ -143,7 +143,7 @@ def format_rows(engine_rows: list[dict[str, Any]], step_rows: list[dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m bench.prompt_logprobs", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.prompt_logprobs", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--lens", nargs="+", type=int, default=[256, 1024])
     ap.add_argument("--batch", type=int, default=8)
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip-steps", action="store_true", help="the engine part only")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
-    from model.checkpoints.config import ModelConfig
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.resolve import resolve_model
+    from ringserve.model.config import ModelConfig
 
     path, _ = resolve_model(a.model)
     vocab = ModelConfig.from_dir(path).vocab_size

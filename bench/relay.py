@@ -1,7 +1,7 @@
 """What serving on two hosts costs, host 0 -> host K over loopback: the step relay
 (actors/relay/) per step, and serving throughput of two hosts against one, in one run.
 
-    .venv/bin/python -m bench.relay [--iters 2000] [--requests 16] [--new 64] [--no-serving]
+    .venv/bin/python -m ringserve.bench.relay [--iters 2000] [--requests 16] [--new 64] [--no-serving]
 
 Relay: one line per batch size: the bytes of a decode step's message, and the time one message
 takes through the relay's framing and a TCP hop (half a round trip: host 0 sends, the other end
@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from actors.relay.core import RelayListener, connect, recv_frame, send_frame
-from actors.transport import messages as m
+from ringserve.actors.relay.core import RelayListener, connect, recv_frame, send_frame
+from ringserve.actors.transport import messages as m
 
 
 def decode_step(rows: int, seed: int = 0) -> bytes:
@@ -127,7 +126,7 @@ def _timed(engine: Any, prompts: list[list[int]], new: int) -> tuple[float, list
 
 def serving(model: Path, requests: int, new: int) -> dict[str, Any]:
     """Wall seconds and outputs of the workload at tp=1 on one host, then at tp=2 on two."""
-    from actors import Engine
+    from ringserve import Engine
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(32, 97))] for _ in range(requests)]
@@ -144,7 +143,7 @@ def serving(model: Path, requests: int, new: int) -> dict[str, Any]:
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))  # fmt: skip
     with tempfile.TemporaryDirectory() as cwd, open(Path(cwd) / "host1.log", "w+") as log:
         health = _ports()
-        host1 = subprocess.Popen([sys.executable, "-m", "actors.cli.main", "serve", "--model", str(model),
+        host1 = subprocess.Popen([sys.executable, "-m", "ringserve.actors.cli.main", "serve", "--model", str(model),
                                   "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
                                   f"127.0.0.1:{port}", "--port", str(health), "--no-socket", *flags],
                                  cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
@@ -168,7 +167,7 @@ def serving(model: Path, requests: int, new: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench.relay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="ringserve.bench.relay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{rows:>5} {len(msg):>7} {statistics.median(us):>8.1f} {us[int(len(us) * 0.99)]:>8.1f}")
     if args.no_serving:
         return 0
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
         r = serving(make_tiny_model(Path(d) / "tiny", "llama", seed=0), args.requests, args.new)

@@ -1,6 +1,6 @@
 """Restarts of `ringserve serve` under load, measured (issue 28's "must show"; not run in CI).
 
-    python -m bench.restart [--model DIR] [--requests 64] [--max-new 48] [--output restart.json]
+    python -m ringserve.bench.restart [--model DIR] [--requests 64] [--max-new 48] [--output restart.json]
 
 1. `ringserve serve` (deterministic mode) on a tiny model; every request's uninterrupted output
    first (greedy and seeded, half each).
@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from bench.soak import SHAPES, prompts, sampling
+from ringserve.bench.soak import SHAPES, prompts, sampling
 
 ACTORS = ("scheduler", "runner", "detokenizer")
 LOGS = Path(tempfile.mkdtemp(prefix="ringserve-restart-logs-"))  # each server's output, kept
@@ -50,7 +49,7 @@ class Server:
         self.sock, self.port = str(workdir / "engine.sock"), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         shapes = [x for k, v in SHAPES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-        cmd = [sys.executable, "-m", "actors.cli.main", "serve", "--model", model, "--socket", self.sock,
+        cmd = [sys.executable, "-m", "ringserve.actors.cli.main", "serve", "--model", model, "--socket", self.sock,
                "--port", str(self.port), "--enable-deterministic-inference", *shapes, *flags]  # fmt: skip
         self.log = open(LOGS / f"serve-{time.time_ns()}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -126,7 +125,7 @@ class Streams:
 
     @staticmethod
     def _ipc(server: Server, p: list[int], sp: dict):
-        from actors import Client
+        from ringserve import Client
 
         with Client(server.sock) as c:
             yield from c.generate(input_ids=p, sampling_params=sp, stream=True)
@@ -198,7 +197,7 @@ def crash_loop(model: str, workdir: Path, reqs: list[tuple[list[int], dict]]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.restart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a model directory (default: a tiny random Llama)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=48)
@@ -208,13 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ringserve-restart-") as d:
         work = Path(d)
         if a.model is None:
-            from model.checkpoints.tiny import make_tiny_model
+            from ringserve.model.checkpoints.tiny import make_tiny_model
 
             a.model = str(make_tiny_model(work / "tiny", "llama", seed=0))
         ps = prompts(a.requests, seed=28)
         reqs = [(p, sampling("greedy" if i % 2 == 0 else "seeded", i, a.max_new)) for i, p in enumerate(ps)]
         server = Server(a.model, work, "--max-restarts", "10")  # (six kills within a minute)
-        from actors import Client
+        from ringserve import Client
 
         with Client(server.sock) as c:
             want = [o["output_ids"] for o in c.generate(input_ids=[p for p, _ in reqs], sampling_params=[sp for _, sp in reqs])]

@@ -2,7 +2,7 @@
 processes: registration, /generate and /v1/chat/completions through it equal direct calls,
 its load poll of /get_load, and a killed server taken out while the other keeps answering.
 
-    python -m bench.router [--router-python PATH] [--requests 64] [--policy cache_aware]
+    python -m ringserve.bench.router [--router-python PATH] [--requests 64] [--policy cache_aware]
 
 The router is the one tools/install_peers.sh installs into $RINGSERVE_CACHE/peers/router
 (sglang-router 0.3.2); `--router-python` points at another interpreter that has it.
@@ -181,7 +181,7 @@ def load_poll(counter: PollCounter, router_url: str, log_path: Path, polls: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.router", description=__doc__.split("\n\n")[0])
     ap.add_argument("--router-python", default=default_router_python())
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--policy", default="cache_aware")

@@ -1,10 +1,10 @@
 """The serving harness (SGLang's bench_serving and bench_offline_throughput, for ringserve):
-`ringserve bench` and `python -m bench.serving` take the same flags.
+`ringserve bench` and `python -m ringserve.bench.serving` take the same flags.
 
-    python -m bench.serving --model tiny --num-prompts 64 --backend engine hf      # ours vs transformers
-    python -m bench.serving --model tiny --request-rate 2 4 8 --max-concurrency 32 --plot
-    python -m bench.serving --dataset shared-prefix --profile --output-json out/run.json
-    python -m bench.serving --backend http --url http://127.0.0.1:30000           # a running server
+    python -m ringserve.bench.serving --model tiny --num-prompts 64 --backend engine hf      # ours vs transformers
+    python -m ringserve.bench.serving --model tiny --request-rate 2 4 8 --max-concurrency 32 --plot
+    python -m ringserve.bench.serving --dataset shared-prefix --profile --output-json out/run.json
+    python -m ringserve.bench.serving --backend http --url http://127.0.0.1:30000           # a running server
 
 It starts an Engine (every ServerArgs flag applies; `--overlap both` starts two), sends the
 workload (bench/workload.py) through each backend (bench/backends.py: engine, client = IPC
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import profile as prof
-from bench.metrics import RequestRecord, compute_metrics, format_table
-from bench.workload import (
+from ringserve.bench import profile as prof
+from ringserve.bench.metrics import RequestRecord, compute_metrics, format_table
+from ringserve.bench.workload import (
     DATASETS,
     Request,
     arrival_times,
@@ -50,8 +50,8 @@ RINGSERVE = ("engine", "client", "http")
 SKIP_ARGS = ("model_path", "step_trace", "jax_profile_dir", "disable_overlap_schedule", "seed")
 
 
-def parser(prog: str = "python -m bench.serving") -> argparse.ArgumentParser:
-    from actors.server_args import ServerArgs
+def parser(prog: str = "python -m ringserve.bench.serving") -> argparse.ArgumentParser:
+    from ringserve.actors.server_args import ServerArgs
 
     ap = argparse.ArgumentParser(prog=prog, description="ringserve serving benchmark (throughput and latency)")
     a = ap.add_argument
@@ -114,7 +114,7 @@ class Target:
         if self.engine is not None:
             return getattr(self.engine, verb)()
         if self.socket is not None:
-            from actors import Client
+            from ringserve import Client
 
             with Client(self.socket) as c:
                 return getattr(c, verb)()
@@ -133,12 +133,12 @@ class Target:
 
 async def _send_all(t: Target, backend: str, reqs: list[Request], arrivals: list[float], conc: int | None,
                     progress: bool, desc: str) -> list[RequestRecord]:  # fmt: skip
-    from bench import backends as b
+    from ringserve.bench import backends as b
 
     if backend == "engine":
         return await b.drive(b.engine_sender(t.engine), reqs, arrivals, conc, progress, desc)
     if backend == "client":
-        from actors import AsyncClient
+        from ringserve import AsyncClient
 
         assert t.socket is not None
         async with AsyncClient(t.socket) as c:
@@ -172,7 +172,7 @@ def run_ringserve(t: Target, backend: str, reqs: list[Request], rate: float, a: 
         prof.write_chrome_trace(trace, path)
         m.update(prefill_tokens_computed=s["prefill_tokens_computed"], profile=s, trace_file=str(path))
         if a.plot:
-            from bench.plots import step_timeline
+            from ringserve.bench.plots import step_timeline
 
             m["timeline_png"] = str(step_timeline(trace, outdir / f"{stem}.{label}.timeline.png"))
     if m.get("prefill_tokens_computed") is not None and unique:
@@ -182,7 +182,7 @@ def run_ringserve(t: Target, backend: str, reqs: list[Request], rate: float, a: 
 
 def run_transformers(model_dir: str, reqs: list[Request], rates: list[float], a: argparse.Namespace
                      ) -> list[tuple[dict, list[RequestRecord], list[list[int]]]]:  # fmt: skip
-    from bench.hf_backend import load_model, run_hf
+    from ringserve.bench.hf_backend import load_model, run_hf
 
     model = load_model(model_dir)
     out = []
@@ -213,12 +213,12 @@ def ratio_table(ours: list[dict], peers: list[dict], title: str, peer_name: str)
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.serving") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ringserve.bench.serving") -> int:
     runs = bench(argv, prog)
     return 0 if all(r.get("failed", 0) == 0 for r in runs) else 1
 
 
-def bench(argv: list[str] | None = None, prog: str = "python -m bench.serving") -> list[dict]:
+def bench(argv: list[str] | None = None, prog: str = "python -m ringserve.bench.serving") -> list[dict]:
     """Run the benchmark `argv` describes (for each --model); print its tables; every run's metrics."""
     a = parser(prog).parse_args(argv)
     runs: list[dict] = []
@@ -236,9 +236,9 @@ def bench(argv: list[str] | None = None, prog: str = "python -m bench.serving") 
 
 
 def _bench_model(a: argparse.Namespace) -> list[dict]:
-    from actors.server_args import ServerArgs
-    from model.checkpoints.config import ModelConfig
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.model.checkpoints.resolve import resolve_model
+    from ringserve.model.config import ModelConfig
 
     external = a.url is not None or a.socket is not None
     if "hf" in a.backend and not (set(a.backend) & set(RINGSERVE)):
@@ -302,7 +302,7 @@ def _bench_model(a: argparse.Namespace) -> list[dict]:
         if r.get("profile"):
             print(f"\n{r['label']}: " + prof.format_summary(r["profile"]) + f"\n  trace: {r['trace_file']}")
     if a.plot:
-        from bench.plots import latency_cdfs, throughput_vs_rate
+        from ringserve.bench.plots import latency_cdfs, throughput_vs_rate
 
         print(f"\nplots: {throughput_vs_rate(runs, outdir / f'{stem}.throughput.png')}, "
               f"{latency_cdfs(recs, outdir / f'{stem}.cdf.png')}")  # fmt: skip
@@ -321,7 +321,7 @@ def _start(a: argparse.Namespace, model_dir: Any, server: dict, overlap: bool | 
 
             t.model_name = httpx.get(f"{a.url}/v1/models", timeout=30).json()["data"][0]["id"]
         return t, None
-    from actors import Engine, Servers
+    from ringserve import Engine, Servers
 
     extra = {"step_trace": a.profile_steps} if a.profile else {}
     if a.jax_profile:

@@ -1,7 +1,7 @@
 """Multi-turn latency: a streaming session (each turn extends the KV its previous turn kept)
 against resending the whole conversation each turn, with the prefix cache on and off.
 
-    python -m bench.sessions [--model tiny] [--conversations 8] [--turns 6] [--turn-tokens 64] [--max-new 32]
+    python -m ringserve.bench.sessions [--model tiny] [--conversations 8] [--turns 6] [--turn-tokens 64] [--max-new 32]
 
 Every conversation appends `turn-tokens` new tokens per turn and generates `max-new` tokens
 (greedy); conversations run concurrently. Reported per mode: the median latency of a turn (call
@@ -41,7 +41,7 @@ async def _conversation(engine, turns: list[list[int]], max_new: int, session: b
 
 
 def run_mode(model: str, convs: list[list[list[int]]], max_new: int, session: bool, radix: bool, **shapes) -> dict[str, Any]:
-    from actors import Engine
+    from ringserve import Engine
 
     with Engine(model, disable_radix_cache=not radix, **shapes) as engine:
         engine.wait_compiled()
@@ -61,7 +61,7 @@ def run_mode(model: str, convs: list[list[list[int]]], max_new: int, session: bo
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m bench.sessions", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.sessions", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)

@@ -3,7 +3,7 @@ pauses, flushes, weight updates and periodic SIGKILLs of a random actor; after e
 outputs so far are checked exact, the KV books intact, and memory and file descriptors sampled.
 Not run in CI (issue 28).
 
-    python -m bench.soak [--minutes 30] [--kill-every 40] [--workers 12] [--output soak.json]
+    python -m ringserve.bench.soak [--minutes 30] [--kill-every 40] [--workers 12] [--output soak.json]
 
 The engine runs in this process (the frontend, with its IPC socket and HTTP) and is driven over
 all three surfaces at once: in-process Engine calls, the IPC Client and HTTP /generate, each a
@@ -73,9 +73,10 @@ def proc_stats(pid: int) -> dict[str, int]:
 
 class Soak:
     def __init__(self, a: argparse.Namespace, workdir: Path):
-        from actors import Engine, Servers
-        from model.checkpoints.tiny import make_tiny_model
-        from model.checkpoints.weights import load_checkpoint
+        from ringserve.model.checkpoints.load import load_checkpoint
+        from ringserve.model.checkpoints.tiny import make_tiny_model
+
+        from ringserve import Engine, Servers
 
         self.a, self.rng = a, random.Random(a.seed)
         self.dirs = {s: str(make_tiny_model(workdir / s, "llama", seed=k)) for k, s in enumerate("ABC")}
@@ -124,7 +125,7 @@ class Soak:
 
     # ---- traffic ----------------------------------------------------------------------------
     def worker(self, w: int) -> None:
-        from actors import Client
+        from ringserve import Client
 
         rng = random.Random(self.a.seed * 1000 + w)
         client = Client(self.socket)
@@ -421,7 +422,7 @@ def _stats(xs: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--kill-every", type=float, default=40.0, help="seconds between SIGKILLs (jittered +-25%%)")
     ap.add_argument("--workers", type=int, default=12, help="concurrent callers (each one request at a time)")

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram drafts) on a repetitive workload: accept length and speedup of
 speculation on against off, on the same engine shapes and the same prompts.
 
-    python -m bench.spec [--model smollm2] [--num-prompts 16] [--max-new 128] [--draft-tokens 4]
+    python -m ringserve.bench.spec [--model smollm2] [--num-prompts 16] [--max-new 128] [--draft-tokens 4]
 
 The prompts copy from their own context, as code editing and quoting do: a generated Python
 function followed by "the same function with `x` renamed to `value`", and a paragraph followed by
@@ -48,7 +48,7 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def run_mode(model: str, texts: list[str], max_new: int, spec: dict, shapes: dict) -> dict[str, Any]:
-    from actors import Engine
+    from ringserve import Engine
 
     sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
     with Engine(model, **shapes, **spec) as engine:
@@ -78,14 +78,14 @@ def run_mode(model: str, texts: list[str], max_new: int, spec: dict, shapes: dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m bench.spec", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.spec", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="'tiny', 'smollm2' or a model directory")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     a = ap.parse_args(argv)
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.resolve import resolve_model
 
     path, _ = resolve_model(a.model)
     texts = prompts(a.num_prompts)

@@ -1,8 +1,8 @@
 """One step, measured against its floor and against HF transformers, per shape.
 
-    python -m bench.step_floor --model smollm2-135m
-    python -m bench.step_floor --model llama-3.2-1b --dtype bfloat16 --cases decode:1x512,decode:128x512
-    python -m bench.step_floor --model tiny --startup
+    python -m ringserve.bench.step_floor --model smollm2-135m
+    python -m ringserve.bench.step_floor --model llama-3.2-1b --dtype bfloat16 --cases decode:1x512,decode:128x512
+    python -m ringserve.bench.step_floor --model tiny --startup
 
 For a random checkpoint of a named shape (model/checkpoints/random_shapes.py, made in place,
 no hub) and each case it prints, in one run:
@@ -44,10 +44,10 @@ def parse_cases(text: str) -> list[tuple[str, int, int]]:
 
 def model_dir(name: str):
     if name == "tiny":
-        from model.checkpoints.tiny import tiny_model_path
+        from ringserve.model.checkpoints.tiny import tiny_model_path
 
         return tiny_model_path("llama")
-    from model.checkpoints.random_shapes import random_model
+    from ringserve.model.checkpoints.random_shapes import random_model
 
     return random_model(name)
 
@@ -65,7 +65,7 @@ def timed(fn, repeat: int) -> float:
 
 def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cpu_matmul: str = "auto",
              quantization: str | None = None):  # fmt: skip
-    from model.executor import ExecutorConfig, ModelExecutor
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
     page = 16
     max_batch = max(b for _, b, _ in cases)
@@ -79,7 +79,7 @@ def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cp
 
 
 def ringserve_step(ex, kind: str, b: int, n: int, repeat: int) -> float:
-    from model.step_inputs import DeviceRow
+    from ringserve.model.compute.step_inputs import DeviceRow
 
     page = ex.cfg.page_size
     rng = np.random.default_rng(0)
@@ -132,10 +132,10 @@ def hf_step(model, kind: str, b: int, n: int, repeat: int) -> float:
 def startup(path, dtype: str) -> dict:
     """Seconds to build an executor with the engine's default shapes, nothing cached: until it
     serves (the covering programs compiled: `serve_while_compiling`) and until every program is."""
-    from actors.runner.core import executor_config
-    from actors.server_args import ServerArgs
-    from actors.transport.memory import resolve_memory
-    from model.executor import ModelExecutor
+    from ringserve.actors.runner.core import executor_config
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.transport.memory import resolve_memory
+    from ringserve.model.runtime.executor import ModelExecutor
 
     args, _ = resolve_memory(ServerArgs(model_path=str(path), dtype=dtype), path)  # type: ignore[arg-type]
     t = time.perf_counter()
@@ -146,7 +146,7 @@ def startup(path, dtype: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.step_floor", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.step_floor", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m, llama-3.2-1b or tiny")
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

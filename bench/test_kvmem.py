@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import KVCache, PageAllocator, RadixCache
+from ringserve.kvmem import KVCache, PageAllocator, RadixCache
 
 PAGE = 16
 

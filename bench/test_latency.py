@@ -17,9 +17,8 @@ Workload: prompts of 128 random tokens, 64 output tokens (EOS ignored); c1: 8 re
 from __future__ import annotations
 
 import pytest
-
-from bench.latency import VirtualClock, closed_loop, record_samples, samples
-from bench.workload import random_requests
+from ringserve.bench.latency import VirtualClock, closed_loop, record_samples, samples
+from ringserve.bench.workload import random_requests
 
 CLOCK = VirtualClock()
 METRICS = ["ttft", "tpot", "itl", "e2e"]
@@ -35,14 +34,15 @@ def full_run(config) -> bool:
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{m}-{o}" for m, o in CONFIGS])
 def engine(request):
-    from actors import Engine
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.resolve import resolve_model
+
+    from ringserve import Engine
 
     model, overlap = request.param
     if not full_run(request.config) and (model, overlap) != ("tiny", "overlap"):
         pytest.skip("smoke run (--benchmark-disable): tiny model, overlap on only")
     if model == "smollm2":
-        from model.checkpoints.fetch import RegistryUnreachable
+        from ringserve.model.checkpoints.fetch import RegistryUnreachable
 
         try:
             path, _ = resolve_model(model)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
 CONTEXT = 128
 PAGE = 16
@@ -25,10 +24,10 @@ def _models():
 @pytest.fixture(scope="module", params=_models())
 def model_dir(request, tmp_path_factory):
     if request.param == "tiny":
-        from model.checkpoints.tiny import make_tiny_model
+        from ringserve.model.checkpoints.tiny import make_tiny_model
 
         return request.param, make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-    from model.checkpoints.fetch import RegistryUnreachable, fetch_model
+    from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
     try:
         return request.param, fetch_model("smollm2")

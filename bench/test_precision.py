@@ -8,8 +8,7 @@ import json
 
 import numpy as np
 import pytest
-
-from bench.precision import compare, hf_outputs, make_prompts, ringserve_outputs
+from ringserve.bench.precision import compare, hf_outputs, make_prompts, ringserve_outputs
 
 N_PROMPTS, N_NEW = 8, 8
 pytestmark = pytest.mark.slow  # ~140 s on 2 cores: three HF runs, five ringserve runs
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow  # ~140 s on 2 cores: three HF runs, five ringserv
 
 @pytest.fixture(scope="module")
 def case():
-    from model.checkpoints.tiny import tiny_model_path
+    from ringserve.model.checkpoints.tiny import tiny_model_path
 
     path = tiny_model_path("llama")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -41,7 +40,7 @@ def test_float32_greedy_equals_hf(case):
 
 @pytest.mark.parametrize("cpu_matmul", ["xla", "onednn"])
 def test_bfloat16_logit_error_within_hf_bfloat16(case, hf_bf16, cpu_matmul):
-    from model.kernels import onednn
+    from ringserve.model.compute.kernels import onednn
 
     if cpu_matmul == "onednn" and (why := onednn.supports("bfloat16", "bfloat16")) is not None:
         pytest.skip(f"oneDNN custom call unavailable: {why}")

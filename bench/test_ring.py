@@ -18,9 +18,8 @@ import time
 
 import numpy as np
 import pytest
-
-from actors.transport import messages as m
-from actors.transport.ring import Ring
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.ring import Ring
 
 TRANSPORTS = ["ring-spin", "ring-sleep", "pipe", "queue", "zmq"]
 CPUS = sorted(os.sched_getaffinity(0))

@@ -1,5 +1,5 @@
 """Sampling one step's tokens for 32 rows over SmolLM2's vocabulary (49,152), ringserve's
-on-device sampler (model/sampler.py) vs what transformers' generate does on the same logits
+on-device sampler (model/runtime/sampler.py) vs what transformers' generate does on the same logits
 (logits processors TemperatureLogitsWarper / TopKLogitsWarper / TopPLogitsWarper, softmax,
 torch.multinomial), in the same run:
 
@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model.sampler import sample
-from model.step_inputs import SamplingBatch
+from ringserve.model.compute.step_inputs import SamplingBatch
+from ringserve.model.runtime.sampler import sample
 
 ROWS, VOCAB = 32, 49152
 CASES = {  # name: (logit scale, temperature, top_k, top_p)

@@ -6,7 +6,7 @@ Both sides get the same requests (bench/workload.py, EOS ignored) all at once: r
 the Engine, streamed (bench/backends.py), transformers in static batches of 16 (bench/hf_backend.py).
 Only generation is timed (engine start-up and HF model load excluded). With --benchmark-disable
 (the default test run) it is a smoke test on 8 short requests whose greedy tokens must equal
-transformers'. The full harness is `python -m bench.serving` (README: Benchmarks).
+transformers'. The full harness is `python -m ringserve.bench.serving` (README: Benchmarks).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import asyncio
 import math
 
 import pytest
-
-from bench.backends import drive, engine_sender
-from bench.hf_backend import load_model, run_hf
-from bench.workload import random_requests
+from ringserve.bench.backends import drive, engine_sender
+from ringserve.bench.hf_backend import load_model, run_hf
+from ringserve.bench.workload import random_requests
 
 OUTS: dict[str, list[list[int]]] = {}
 FULL = dict(max_running_requests=64, context_length=512, max_total_tokens=64 * 512, max_prefill_tokens=1024)
@@ -27,7 +26,7 @@ SMALL = dict(max_running_requests=16, context_length=256, max_prefill_tokens=256
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama"))
 
@@ -42,7 +41,7 @@ def workload(request):
 def test_offline_throughput_tiny(benchmark, record, tiny_path, workload, side):
     arrivals = [0.0] * len(workload)
     if side == "ringserve":
-        from actors import Engine
+        from ringserve import Engine
 
         server = FULL if len(workload) > 8 else SMALL
         with Engine(tiny_path, **server) as engine:

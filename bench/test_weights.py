@@ -1,11 +1,11 @@
 """bench.weights on the tiny model: every timed call succeeds and nothing recompiles (the
-figures themselves come from `python -m bench.weights --model smollm2`)."""
+figures themselves come from `python -m ringserve.bench.weights --model smollm2`)."""
 
 from __future__ import annotations
 
 
 def test_weight_sync_harness_runs_on_the_tiny_model(capsys):
-    from bench.weights import main
+    from ringserve.bench.weights import main
 
     # the test suite's small shapes: its compiled programs are in the XLA cache already
     out = main(["--model", "tiny", "--repeat", "1", "--context-length", "256", "--max-prefill-tokens", "256",

@@ -3,7 +3,7 @@
 process (a trainer on this host: `Client.update_weights_from_tensor` through shared memory) and
 over HTTP (safetensors blobs, as from another host), and a release / resume of device memory.
 
-    python -m bench.weights --model smollm2 [--repeat 1] [--bucket-mb 64]
+    python -m ringserve.bench.weights --model smollm2 [--repeat 1] [--bucket-mb 64]
 
 The engine is paused with retract around each update, as an RL framework does; the numbers are
 the wall time of the call as the caller sees it (the runner loads, checks and swaps; nothing
@@ -38,8 +38,8 @@ _PUSHER = """
 import json, sys, time
 import httpx
 from safetensors.numpy import load_file
-from actors import Client
-from actors.frontend.weight_buckets import safetensors_stream
+from ringserve import Client
+from ringserve.actors.frontend.weight_buckets import safetensors_stream
 
 socket_path, url, checkpoint, bucket = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tensors = load_file(checkpoint)  # in memory before the clock starts, as a trainer's
@@ -83,7 +83,7 @@ class Pusher:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(prog="python -m bench.weights", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.weights", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--context-length", type=int, default=1024)
@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     bucket = args.bucket_mb << 20
 
-    from actors import Engine, Servers
-    from model.checkpoints.weights import load_checkpoint
+    from ringserve.model.checkpoints.load import load_checkpoint
+
+    from ringserve import Engine, Servers
 
     with Engine(args.model, context_length=args.context_length, max_total_tokens=args.max_total_tokens,
                 max_running_requests=16, max_prefill_tokens=args.max_prefill_tokens) as engine, \

@@ -12,13 +12,13 @@ sessions.py   SessionSlots: a streaming session keeps its trimmed slot between t
 Imports point down this list; there is no cycle.
 """
 
-from kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
-from kvmem.cache import KVCache
-from kvmem.integrity import IntegrityError, check_integrity
-from kvmem.radix import InsertResult, MatchResult, RadixCache, TreeNode, common_prefix_len
-from kvmem.req_kv import ReqKV
-from kvmem.sessions import KeptSlot, SessionSlots
-from kvmem.slots import SlotPool
+from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
+from ringserve.kvmem.cache import KVCache
+from ringserve.kvmem.integrity import IntegrityError, check_integrity
+from ringserve.kvmem.radix import InsertResult, MatchResult, RadixCache, TreeNode, common_prefix_len
+from ringserve.kvmem.req_kv import ReqKV
+from ringserve.kvmem.sessions import KeptSlot, SessionSlots
+from ringserve.kvmem.slots import SlotPool
 
 __all__ = [
     "IntegrityError",

@@ -29,12 +29,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-
-from kvmem.allocator import KVUsageError, PageAllocator, cdiv
-from kvmem.integrity import check_integrity
-from kvmem.radix import InsertResult, RadixCache, TreeNode
-from kvmem.req_kv import ReqKV
-from kvmem.slots import SlotPool
+from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv
+from ringserve.kvmem.integrity import check_integrity
+from ringserve.kvmem.radix import InsertResult, RadixCache, TreeNode
+from ringserve.kvmem.req_kv import ReqKV
+from ringserve.kvmem.slots import SlotPool
 
 _EMPTY = np.zeros(0, np.int32)
 

@@ -16,11 +16,10 @@ from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
-
-from kvmem.allocator import FREE, HELD, SINK, STATE_NAMES, TREE, PageAllocator, cdiv
-from kvmem.radix import RadixCache, TreeNode
-from kvmem.req_kv import ReqKV
-from kvmem.slots import SlotPool
+from ringserve.kvmem.allocator import FREE, HELD, SINK, STATE_NAMES, TREE, PageAllocator, cdiv
+from ringserve.kvmem.radix import RadixCache, TreeNode
+from ringserve.kvmem.req_kv import ReqKV
+from ringserve.kvmem.slots import SlotPool
 
 
 class IntegrityError(AssertionError):

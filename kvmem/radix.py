@@ -25,8 +25,7 @@ import itertools
 from collections.abc import Iterator
 
 import numpy as np
-
-from kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
+from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
 
 _EMPTY = np.zeros(0, np.int32)
 _ids = itertools.count()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvmem.radix import TreeNode
+from ringserve.kvmem.radix import TreeNode
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -23,10 +23,9 @@ import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
-
-from kvmem.cache import KVCache
-from kvmem.radix import TreeNode, common_prefix_len
-from kvmem.req_kv import ReqKV
+from ringserve.kvmem.cache import KVCache
+from ringserve.kvmem.radix import TreeNode, common_prefix_len
+from ringserve.kvmem.req_kv import ReqKV
 
 
 @dataclasses.dataclass(slots=True)

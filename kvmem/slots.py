@@ -21,8 +21,7 @@ never replaced or reordered, because the runner mirrors page tables incrementall
 from __future__ import annotations
 
 import numpy as np
-
-from kvmem.allocator import KVUsageError, PageAllocator, cdiv
+from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv
 
 
 class SlotPool:

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(family) -> path of a tiny random checkpoint of that family (seed 0)."""
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     made: dict[str, object] = {}
 
@@ -37,7 +37,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def xla_cache(tmp_path_factory):
     """One persistent XLA cache for the run: engines and executors with equal shapes compile once."""
-    from model.programs import enable_compilation_cache
+    from ringserve.model.runtime.programs import enable_compilation_cache
 
     return enable_compilation_cache(
         os.environ.get("RINGSERVE_TEST_XLA_CACHE") or tmp_path_factory.mktemp("xla")
@@ -49,8 +49,9 @@ def shared_engine(tmp_path_factory):
     """One tiny-model engine (page 16, small shapes) for the API, seed-000 and front-door tests;
     a test that changes its weights or state restores them (the `engine` fixtures check). Its JSON
     outputs are compact: the random model would otherwise fill them with whitespace."""
-    from actors import Engine
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
+
+    from ringserve import Engine
     from tests.engine.conftest import SMALL
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-shared"), "llama", seed=0)

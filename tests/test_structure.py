@@ -16,7 +16,7 @@ def _modules() -> dict[str, Path]:
     mods = {}
     for pkg in PACKAGES:
         for f in (ROOT / pkg).rglob("*.py"):
-            parts = f.relative_to(ROOT).with_suffix("").parts
+            parts = ("ringserve", *f.relative_to(ROOT).with_suffix("").parts)
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             mods[name] = f
     return mods
@@ -96,10 +96,10 @@ def test_dependencies_point_one_way():
     """kvmem and model never import actors; kvmem imports no JAX (it is NumPy only)."""
     graph = import_graph()
     for mod, deps in graph.items():
-        if mod.startswith(("kvmem", "model")):
-            assert not [d for d in deps if d.startswith("actors")], mod
-        if mod.startswith("kvmem"):
-            assert not [d for d in deps if d.startswith("model")], mod
+        if mod.startswith(("ringserve.kvmem", "ringserve.model")):
+            assert not [d for d in deps if d.startswith("ringserve.actors")], mod
+        if mod.startswith("ringserve.kvmem"):
+            assert not [d for d in deps if d.startswith("ringserve.model")], mod
     for f in (ROOT / "kvmem").rglob("*.py"):
         tree = ast.parse(f.read_text())
         for node in ast.walk(tree):
@@ -132,7 +132,7 @@ JAX_NAMES = ("jax", "jaxlib", "flax")
 def _room(mod: str) -> str | None:
     """The process folder of an actors module ("scheduler" for actors.scheduler.core), or None."""
     parts = mod.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "actors" and parts[1] in PROCESS_FOLDERS else None
+    return parts[2] if len(parts) > 2 and parts[:2] == ["ringserve", "actors"] and parts[2] in PROCESS_FOLDERS else None
 
 
 def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -141,7 +141,7 @@ def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     bad = []
     for mod, deps in graph.items():
         mine = _room(mod)
-        below = mod.startswith(("actors.transport", "actors.server_args"))
+        below = mod.startswith(("ringserve.actors.transport", "ringserve.actors.server_args"))
         for d in deps:
             theirs = _room(d)
             if theirs is not None and (below or (mine is not None and theirs != mine)):
@@ -158,10 +158,10 @@ def test_process_folders_never_import_one_another():
 
 
 def test_the_room_check_finds_a_crossing():
-    graph = {"actors.scheduler.req": {"actors.detokenizer.core", "kvmem"}, "actors.transport.messages": {"actors.frontend.x"},
-             "actors.cli.main": {"actors.frontend.engine"}, "actors.runner.core": {"actors.runner.slot_mirrors"}}  # fmt: skip
-    assert room_violations(graph) == [("actors.scheduler.req", "actors.detokenizer.core"),
-                                      ("actors.transport.messages", "actors.frontend.x")]  # fmt: skip
+    graph = {"ringserve.actors.scheduler.req": {"ringserve.actors.detokenizer.core", "kvmem"}, "ringserve.actors.transport.messages": {"ringserve.actors.frontend.x"},
+             "ringserve.actors.cli.main": {"ringserve.actors.frontend.engine"}, "ringserve.actors.runner.core": {"ringserve.actors.runner.slot_mirrors"}}  # fmt: skip
+    assert room_violations(graph) == [("ringserve.actors.scheduler.req", "ringserve.actors.detokenizer.core"),
+                                      ("ringserve.actors.transport.messages", "ringserve.actors.frontend.x")]  # fmt: skip
 
 
 def _jax_imports(path: Path) -> list[str]:
@@ -182,7 +182,7 @@ def test_scheduler_frontend_and_transport_never_import_jax():
     for room in ("scheduler", "frontend", "transport", "detokenizer", "relay"):
         for f in sorted((ROOT / "actors" / room).rglob("*.py")):
             assert _jax_imports(f) == [], f
-            mods.append(".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+            mods.append(".".join(("ringserve", *f.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"))
     code = ("import importlib, sys\n"
             f"for m in {mods!r}: importlib.import_module(m)\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {JAX_NAMES!r}))")  # fmt: skip
@@ -206,7 +206,7 @@ def test_only_the_cli_reaches_up_into_bench():
             continue
         for node in ast.walk(ast.parse(f.read_text(), str(f))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if any(n.split(".")[0] == "bench" for n in names):
+            if any(n.split(".")[:2] == ["ringserve", "bench"] for n in names):
                 up.add(str(rel))
     assert up == {"actors/cli/bench.py"}
 
@@ -263,8 +263,8 @@ def test_every_path_the_architecture_document_names_exists():
 
 
 def test_the_path_check_finds_a_missing_file():
-    text = "see actors/runner_state.py and runner/core.py (model/step.py)."
-    assert named_paths(text) >= {"actors/runner_state.py", "runner/core.py", "model/step.py"}
+    text = "see actors/runner_state.py and runner/core.py (model/runtime/step.py)."
+    assert named_paths(text) >= {"actors/runner_state.py", "runner/core.py", "model/runtime/step.py"}
     assert missing(named_paths(text)) == ["actors/runner_state.py"]
 
 

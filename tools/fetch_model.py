@@ -3,7 +3,7 @@
 
 import sys
 
-from model.checkpoints.fetch import main
+from ringserve.model.checkpoints.fetch import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -55,10 +55,10 @@ run() {
   nvidia-smi -L
   PYTHONPATH=/tmp/site python3 -c "import jax, flax, transformers, torch; print(jax.__version__, flax.__version__, transformers.__version__, torch.__version__, jax.devices())"
   local smol=/tmp/smol rnd
-  rnd=$(PYTHONPATH=.:/tmp/site python3 -c "from model.checkpoints.random_shapes import random_model; print(random_model('smollm2-135m'))") || exit 4
+  rnd=$(PYTHONPATH=.:/tmp/site python3 -c "from ringserve.model.checkpoints.random_shapes import random_model; print(random_model('smollm2-135m'))") || exit 4
   mkdir -p $smol && cp .gpu/tok/* $smol/ && ln -sf "$rnd/model.safetensors" $smol/model.safetensors
-  local before=$root/.gpu/before sf="python3 -m bench.step_floor --model smollm2-135m --dtype bfloat16"
-  local serve="python3 -m bench.serving --model $smol --dtype bfloat16 --num-prompts 64 --context-length 1024 --disable-tqdm"
+  local before=$root/.gpu/before sf="python3 -m ringserve.bench.step_floor --model smollm2-135m --dtype bfloat16"
+  local serve="python3 -m ringserve.bench.serving --model $smol --dtype bfloat16 --num-prompts 64 --context-length 1024 --disable-tqdm"
   echo "before: $(cat "$before/COMMIT")"
   stage sf_after 120 "$root" $sf
   stage sf_before 190 "$before" $sf --no-hf

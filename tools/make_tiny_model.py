@@ -3,7 +3,7 @@
 
 import sys
 
-from model.checkpoints.tiny import main
+from ringserve.model.checkpoints.tiny import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

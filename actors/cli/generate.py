@@ -55,7 +55,7 @@ def chat_prompts(tok, texts: list[str], no_chat: bool) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from actors.server_args import ServerArgs
+    from ringserve.actors.server_args import ServerArgs
 
     ap = _parser("ringserve generate", "generate text through the engine (every actor)")
     ServerArgs.add_cli_args(ap, skip=("model_path",))
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     _check(args)
     server = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__}
 
-    from actors.frontend.engine import Engine
+    from ringserve.actors.frontend.engine import Engine
 
     t0 = time.perf_counter()
     with Engine(args.model, **server) as engine:
@@ -111,11 +111,11 @@ def main_static(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     _check(args)
 
-    from model.checkpoints.resolve import resolve_model
-    from model.checkpoints.tokenizer import load_tokenizer
-    from model.executor import ExecutorConfig, ModelExecutor
-    from model.generate import generate
-    from model.step_inputs import DeviceSampling
+    from ringserve.model.checkpoints.resolve import resolve_model
+    from ringserve.model.checkpoints.tokenizer import load_tokenizer
+    from ringserve.model.compute.step_inputs import DeviceSampling
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+    from ringserve.model.runtime.generate import generate
 
     path, tok_dir = resolve_model(args.model)
     t0 = time.perf_counter()

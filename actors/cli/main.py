@@ -11,53 +11,53 @@ import sys
 
 
 def _make_tiny_model(argv: list[str]) -> int:
-    from model.checkpoints.tiny import main
+    from ringserve.model.checkpoints.tiny import main
 
     return main(argv)
 
 
 def _fetch_model(argv: list[str]) -> int:
-    from model.checkpoints.fetch import main
+    from ringserve.model.checkpoints.fetch import main
 
     return main(argv)
 
 
 def _cleanup(argv: list[str]) -> int:
-    from actors.transport.launcher import cleanup_main
+    from ringserve.actors.transport.launcher import cleanup_main
 
     return cleanup_main(argv)
 
 
 def _owned_process() -> None:
     """This process is ringserve's alone (serve, generate): it need not import torch."""
-    from actors.transport.actor import without_torch
+    from ringserve.actors.transport.actor import without_torch
 
     without_torch()
 
 
 def _generate(argv: list[str]) -> int:
     _owned_process()
-    from actors.cli.generate import main
+    from ringserve.actors.cli.generate import main
 
     return main(argv)
 
 
 def _generate_static(argv: list[str]) -> int:
     _owned_process()
-    from actors.cli.generate import main_static
+    from ringserve.actors.cli.generate import main_static
 
     return main_static(argv)
 
 
 def _serve(argv: list[str]) -> int:
     _owned_process()
-    from actors.cli.serve import main
+    from ringserve.actors.cli.serve import main
 
     return main(argv)
 
 
 def _bench(argv: list[str]) -> int:
-    from actors.cli.bench import main
+    from ringserve.actors.cli.bench import main
 
     return main(argv)
 

@@ -16,11 +16,11 @@ from typing import Any
 
 
 def serve_node(server_args: dict[str, Any], stop: threading.Event) -> int:
-    from actors.server_args import ServerArgs
-    from actors.transport import messages as m
-    from actors.transport.launcher import start_node
-    from actors.transport.memory import resolve_memory
-    from model.checkpoints.resolve import resolve_model
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.transport import messages as m
+    from ringserve.actors.transport.launcher import start_node
+    from ringserve.actors.transport.memory import resolve_memory
+    from ringserve.model.checkpoints.resolve import resolve_model
 
     args = ServerArgs.from_kwargs(**server_args)
     model_dir, tok_dir = resolve_model(args.model_path)

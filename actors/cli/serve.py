@@ -21,7 +21,7 @@ import time
 
 
 def parser() -> argparse.ArgumentParser:
-    from actors.server_args import ServerArgs
+    from ringserve.actors.server_args import ServerArgs
 
     ap = argparse.ArgumentParser(prog="ringserve serve", description="serve a model over the IPC socket and HTTP")
     ap.add_argument("--model", "--model-path", dest="model_path", default=None,
@@ -35,13 +35,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _import_servers() -> None:
+    import ringserve.actors.frontend.server  # noqa: F401
     import uvicorn  # noqa: F401
-
-    import actors.frontend.server  # noqa: F401
 
 
 def main(argv: list[str]) -> int:
-    from actors.server_args import ServerArgs
+    from ringserve.actors.server_args import ServerArgs
 
     args = parser().parse_args(argv)
     server_args = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__}
@@ -53,14 +52,14 @@ def main(argv: list[str]) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     if server_args.get("node_rank", 0) > 0:  # another host of a multi-host engine: a runner only
-        from actors.cli.node import serve_node
+        from ringserve.actors.cli.node import serve_node
 
         try:
             return serve_node(server_args, stop)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-    from actors.frontend.engine import Engine
+    from ringserve.actors.frontend.engine import Engine
 
     t0 = time.perf_counter()
     # the HTTP stack (fastapi, uvicorn: ~0.6 s of imports) loads while the engine starts
@@ -69,7 +68,7 @@ def main(argv: list[str]) -> int:
     print("ringserve serve: loading the model and compiling its step programs ...", file=sys.stderr, flush=True)
     engine = Engine(**server_args)
     importing.join()
-    from actors.frontend.server import Servers
+    from ringserve.actors.frontend.server import Servers
 
     servers = None
     died = False

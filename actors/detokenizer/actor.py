@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from actors.detokenizer.core import DetokenizerCore
-from actors.transport import messages as m
+from ringserve.actors.detokenizer.core import DetokenizerCore
+from ringserve.actors.transport import messages as m
 
 log = logging.getLogger("ringserve.detokenizer")
 
@@ -31,8 +31,8 @@ def serve(core: DetokenizerCore, inbox, outbox, stopping) -> None:
 
 def run(ctx) -> None:
     """Actor entry point: rings `inbox` (from the scheduler) and `outbox` (to the frontend)."""
-    from actors.transport.ring import Ring
-    from model.checkpoints.tokenizer import load_decoder
+    from ringserve.actors.transport.ring import Ring
+    from ringserve.model.checkpoints.tokenizer import load_decoder
 
     cfg = m.actor_config.decode(ctx.config)
     tok = load_decoder(cfg.tokenizer_dir)  # `tokenizers` alone once cached (model/checkpoints/tokenizer.py)

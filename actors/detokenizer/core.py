@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from actors.detokenizer.incremental import Decodes, IncrementalDecoder
-from actors.transport import messages as m
+from ringserve.actors.detokenizer.incremental import Decodes, IncrementalDecoder
+from ringserve.actors.transport import messages as m
 
 
 @dataclasses.dataclass(slots=True)

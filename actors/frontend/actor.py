@@ -36,18 +36,18 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar
 
-from actors.frontend.bridge import LoopThread
-from actors.frontend.core import FrontendCore, ReqState, generate_req
-from actors.frontend.dispatch import Dispatcher
-from actors.frontend.errors import EngineDead
-from actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
-from actors.frontend.limits import bytes_per_token
-from actors.frontend.lora import LoraAPI
-from actors.frontend.weights import WeightsAPI
-from actors.server_args import ServerArgs
-from actors.transport import messages as m
-from actors.transport.launcher import EngineLinks
-from actors.transport.ring import RingClosed
+from ringserve.actors.frontend.bridge import LoopThread
+from ringserve.actors.frontend.core import FrontendCore, ReqState, generate_req
+from ringserve.actors.frontend.dispatch import Dispatcher
+from ringserve.actors.frontend.errors import EngineDead
+from ringserve.actors.frontend.inputs import GenerateArgs, Limits, RequestSpec, normalize_generate
+from ringserve.actors.frontend.limits import bytes_per_token
+from ringserve.actors.frontend.lora import LoraAPI
+from ringserve.actors.frontend.weights import WeightsAPI
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.launcher import EngineLinks
+from ringserve.actors.transport.ring import RingClosed
 
 log = logging.getLogger("ringserve.frontend")
 

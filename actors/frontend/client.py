@@ -1,6 +1,6 @@
 """Python clients of `ringserve serve`'s IPC socket, with the Engine's verbs and signatures.
 
-    from actors import Client
+    from ringserve import Client
     with Client("/run/user/1000/ringserve-abc/engine.sock") as c:
         out = c.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
         for chunk in c.generate(["a", "b"], stream=True): print(chunk["index"], chunk["text"])
@@ -26,11 +26,17 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
-from actors.frontend import protocol as p
-from actors.frontend.bridge import LoopThread, iterate_in_thread
-from actors.frontend.errors import EngineDead
-from actors.frontend.inputs import GenerateArgs
-from actors.frontend.weight_buckets import BUCKET_BYTES, Segment, buckets, check_bucket_bytes, write_next
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.bridge import LoopThread, iterate_in_thread
+from ringserve.actors.frontend.errors import EngineDead
+from ringserve.actors.frontend.inputs import GenerateArgs
+from ringserve.actors.frontend.weight_buckets import (
+    BUCKET_BYTES,
+    Segment,
+    buckets,
+    check_bucket_bytes,
+    write_next,
+)
 
 CLIENT_MAX_FRAME = 1 << 30  # replies can be large (a batch with top logprobs)
 CLOSE_TIMEOUT_S = 5.0  # a sync client's close waits this long for its connection to close

@@ -31,11 +31,11 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from actors.frontend.errors import EngineDead
-from actors.frontend.inputs import RequestSpec
-from actors.frontend.metrics import FrontendMetrics
-from actors.frontend.sessions import Sessions
-from actors.transport import messages as m
+from ringserve.actors.frontend.errors import EngineDead
+from ringserve.actors.frontend.inputs import RequestSpec
+from ringserve.actors.frontend.metrics import FrontendMetrics
+from ringserve.actors.frontend.sessions import Sessions
+from ringserve.actors.transport import messages as m
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 
-from actors.transport.loads import GroupLoad
+from ringserve.actors.transport.loads import GroupLoad
 
 METHODS = ("round_robin", "total_requests", "total_tokens", "cache_aware")
 

@@ -27,14 +27,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.frontend.actor import TokenizerManager
-from actors.frontend.bridge import iterate_across, iterate_in_thread
-from actors.frontend.inputs import GenerateArgs
-from actors.frontend.journal import Journal
-from actors.frontend.supervisor import RestartPolicy, Supervisor
-from actors.server_args import ServerArgs
-from actors.transport import messages as m
-from model.checkpoints.tokenizer import FastTokenizer
+from ringserve.actors.frontend.actor import TokenizerManager
+from ringserve.actors.frontend.bridge import iterate_across, iterate_in_thread
+from ringserve.actors.frontend.inputs import GenerateArgs
+from ringserve.actors.frontend.journal import Journal
+from ringserve.actors.frontend.supervisor import RestartPolicy, Supervisor
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import messages as m
+from ringserve.model.checkpoints.tokenizer import FastTokenizer
 
 log = logging.getLogger("ringserve.engine")
 
@@ -43,12 +43,12 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from actors.transport.devices import group_envs
-        from actors.transport.launcher import start_engine
-        from actors.transport.memory import resolve_memory
-        from model.checkpoints.config import ModelConfig
-        from model.checkpoints.resolve import resolve_model
-        from model.checkpoints.tokenizer import load_encoder
+        from ringserve.actors.transport.devices import group_envs
+        from ringserve.actors.transport.launcher import start_engine
+        from ringserve.actors.transport.memory import resolve_memory
+        from ringserve.model.checkpoints.resolve import resolve_model
+        from ringserve.model.checkpoints.tokenizer import load_encoder
+        from ringserve.model.config import ModelConfig
 
         self._closed = False
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
@@ -104,7 +104,7 @@ class Engine:
     def runner_info(self) -> dict[str, Any]:
         """The serving runner's ready info (devices, compiled programs, KV pool): the newest
         group's, after a restart."""
-        from actors.transport.launcher import actor_name
+        from ringserve.actors.transport.launcher import actor_name
 
         return json.loads(self.supervisor.ready.get(actor_name("runner", 0, self.args.dp_size)) or b"{}")
 

@@ -23,11 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-
-from actors.frontend.limits import check_depth
-from actors.frontend.sessions import Plan, Sessions
-from actors.transport.sampling import SamplingParams
-from kvmem.allocator import cdiv
+from ringserve.actors.frontend.limits import check_depth
+from ringserve.actors.frontend.sessions import Plan, Sessions
+from ringserve.actors.transport.sampling import SamplingParams
+from ringserve.kvmem.allocator import cdiv
 
 
 class GenerateArgs(msgspec.Struct, omit_defaults=True):

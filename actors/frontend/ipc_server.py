@@ -34,13 +34,12 @@ import tempfile
 from typing import Any
 
 import msgspec
-
-from actors.frontend import protocol as p
-from actors.frontend.actor import TokenizerManager
-from actors.frontend.errors import EngineDead
-from actors.frontend.limits import too_deep
-from actors.frontend.verbs import Verb, call_verb
-from actors.frontend.weight_buckets import MAX_SLOTS
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.actor import TokenizerManager
+from ringserve.actors.frontend.errors import EngineDead
+from ringserve.actors.frontend.limits import too_deep
+from ringserve.actors.frontend.verbs import Verb, call_verb
+from ringserve.actors.frontend.weight_buckets import MAX_SLOTS
 
 log = logging.getLogger("ringserve.ipc")
 

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from actors.transport import messages as m
-from model.weight_segments import read_segments
+from ringserve.actors.transport import messages as m
+from ringserve.model.weights.segments import read_segments
 
 log = logging.getLogger("ringserve.supervisor")
 

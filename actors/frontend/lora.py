@@ -19,8 +19,8 @@ import json
 import os
 from typing import Any, Protocol
 
-from actors.server_args import ServerArgs
-from actors.transport import messages as m
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import messages as m
 
 
 class Frontend(Protocol):

@@ -24,9 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-
-from actors.frontend.inputs import GenerateArgs
-from actors.transport.sampling import refuse_unless_default
+from ringserve.actors.frontend.inputs import GenerateArgs
+from ringserve.actors.transport.sampling import refuse_unless_default
 
 _S = {"forbid_unknown_fields": True, "omit_defaults": True}
 

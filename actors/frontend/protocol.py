@@ -43,8 +43,7 @@ import struct
 from typing import Any
 
 import msgspec
-
-from actors.frontend.inputs import GenerateArgs
+from ringserve.actors.frontend.inputs import GenerateArgs
 
 _S = {"omit_defaults": True, "gc": False}
 HEADER = struct.Struct("<I")

@@ -21,10 +21,10 @@ import logging
 import time
 from typing import Any
 
-from actors.frontend.engine import Engine
-from actors.frontend.http_server import build_app
-from actors.frontend.ipc_server import IPCServer
-from actors.frontend.verbs import HTTP_VERBS, verb_table
+from ringserve.actors.frontend.engine import Engine
+from ringserve.actors.frontend.http_server import build_app
+from ringserve.actors.frontend.ipc_server import IPCServer
+from ringserve.actors.frontend.verbs import HTTP_VERBS, verb_table
 
 log = logging.getLogger("ringserve.server")
 

@@ -61,10 +61,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from actors.frontend.errors import EngineDead
-from actors.frontend.journal import Journal
-from actors.transport import messages as m
-from actors.transport.launcher import ActorFailed, ActorGroup, EngineLinks, OnFailure, describe_exit
+from ringserve.actors.frontend.errors import EngineDead
+from ringserve.actors.frontend.journal import Journal
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.launcher import ActorFailed, ActorGroup, EngineLinks, OnFailure, describe_exit
 
 log = logging.getLogger("ringserve.supervisor")
 

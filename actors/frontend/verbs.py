@@ -12,8 +12,8 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from actors.frontend.actor import TokenizerManager
-from actors.frontend.limits import check_depth
+from ringserve.actors.frontend.actor import TokenizerManager
+from ringserve.actors.frontend.limits import check_depth
 
 Verb = Callable[..., Awaitable[Any]]
 

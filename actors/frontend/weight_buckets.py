@@ -35,9 +35,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-
-from actors.frontend.protocol import TensorPiece
-from kvmem.allocator import cdiv
+from ringserve.actors.frontend.protocol import TensorPiece
+from ringserve.kvmem.allocator import cdiv
 
 ALIGN = 64  # bytes; a piece's offset in a segment
 BUCKET_BYTES = 512 << 20  # verl's default bucket

@@ -29,15 +29,15 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
-from actors.frontend import protocol as p
-from actors.frontend.weight_buckets import (
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.weight_buckets import (
     MAX_HEADER_BYTES,
     MAX_SLOTS,
     Segment,
     check_pieces,
     parse_blob_header,
 )
-from actors.transport import messages as m
+from ringserve.actors.transport import messages as m
 
 Control = Callable[[m.UpdateWeightsReq], Coroutine[Any, Any, dict[str, Any]]]
 MAX_TIMEOUT_S = 3600.0

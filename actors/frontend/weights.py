@@ -24,10 +24,10 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from actors.frontend import protocol as p
-from actors.frontend.weight_buckets import BUCKET_BYTES, buckets, check_bucket_bytes, write_next
-from actors.frontend.weight_push import BodyReader, Push, check_push_args, serve_body, serve_client
-from actors.transport import messages as m
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.weight_buckets import BUCKET_BYTES, buckets, check_bucket_bytes, write_next
+from ringserve.actors.frontend.weight_push import BodyReader, Push, check_push_args, serve_body, serve_client
+from ringserve.actors.transport import messages as m
 
 MEMORY_TAGS = ("kv_cache", "weights")
 

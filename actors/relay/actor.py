@@ -11,10 +11,18 @@ from __future__ import annotations
 import json
 import selectors
 
-from actors.relay.blobs import Received, send_blobs
-from actors.relay.core import BYE, RelayError, RelayListener, connect, recv_frame, relay_token, send_frame
-from actors.transport import messages as m
-from actors.transport.ring import BroadcastRing
+from ringserve.actors.relay.blobs import Received, send_blobs
+from ringserve.actors.relay.core import (
+    BYE,
+    RelayError,
+    RelayListener,
+    connect,
+    recv_frame,
+    relay_token,
+    send_frame,
+)
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.ring import BroadcastRing
 
 
 def run_out(ctx) -> None:

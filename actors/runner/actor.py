@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import time
 
-from actors.runner.core import Pending, RunnerCore, executor_config, ready_info
-from actors.transport import messages as m
-from model.executor import ModelExecutor
-from model.programs import enable_compilation_cache
+from ringserve.actors.runner.core import Pending, RunnerCore, executor_config, ready_info
+from ringserve.actors.transport import messages as m
+from ringserve.model.runtime.executor import ModelExecutor
+from ringserve.model.runtime.programs import enable_compilation_cache
 
 
 def serve(core: RunnerCore, inbox, outbox, stopping, send_results: bool = True) -> None:
@@ -56,9 +56,8 @@ def run(ctx) -> None:
     """Actor entry point: rings `inbox` (broadcast reader 0) and `outbox` (results)."""
     import threading
 
+    from ringserve.actors.transport.ring import BroadcastRing, Ring
     from tqdm import tqdm
-
-    from actors.transport.ring import BroadcastRing, Ring
 
     # tqdm's default lock is a multiprocessing semaphore, which an actor's os._exit at the end
     # would leave registered with the resource tracker ("leaked semaphore" at shutdown).
@@ -66,7 +65,7 @@ def run(ctx) -> None:
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
     if args.multihost:  # before anything touches a device (else the cluster silently does not form)
-        from model.distributed import init_cluster
+        from ringserve.model.runtime.distributed import init_cluster
 
         init_cluster(args.dist_addr, args.nnodes, args.node_rank, timeout_s=args.dist_timeout,
                      heartbeat_s=args.dist_heartbeat_s, local_devices=args.tp_size // args.nnodes)  # fmt: skip
@@ -89,7 +88,7 @@ def run(ctx) -> None:
     inbox = BroadcastRing.attach(ctx.rings["inbox"], reader=reader, spin_us=args.spin_us)
     outbox = Ring.attach(ctx.rings["outbox"], spin_us=args.spin_us) if "outbox" in ctx.rings else None
     if args.multihost:  # host 0 is ready once every host's runner is (each compiled every program)
-        from model.distributed import barrier
+        from ringserve.model.runtime.distributed import barrier
 
         barrier("ringserve-runners-ready", args.dist_timeout + 3600)  # + compiling everything
     ctx.ready(json.dumps(ready_info(ex, load_s)).encode())

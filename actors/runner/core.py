@@ -1,11 +1,11 @@
 """The runner's logic without its loop: the step messages applied to the slot mirrors, run on the
-executor (model/executor.py), and the results and control replies built (actors/runner/actor.py
+executor (model/runtime/executor.py), and the results and control replies built (actors/runner/actor.py
 owns the ring loop).
 
 One runner per host; it drives its host's devices through the `tp` mesh, which on many hosts
 spans every host's (one jax.distributed program: every runner applies the same messages in the
 same order, and a control verb that can fail commits only if every runner's succeeded,
-model/distributed.py `all_ok`).
+model/runtime/distributed.py `all_ok`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import json
 import time
 
 import numpy as np
-
-from actors.runner.slot_mirrors import SlotMirrors
-from actors.transport import messages as m
-from actors.transport.trace import RunnerStamps
-from model.checkpoints.peft import parse_target_modules, read_adapter
-from model.distributed import all_ok
-from model.executor import ExecutorConfig, ModelExecutor, StepOut
-from model.weight_sync import WeightSync
+from ringserve.actors.runner.slot_mirrors import SlotMirrors
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.trace import RunnerStamps
+from ringserve.model.checkpoints.peft import parse_target_modules, read_adapter
+from ringserve.model.runtime.distributed import all_ok
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor, StepOut
+from ringserve.model.weights.sync import WeightSync
 
 
 def executor_config(args) -> ExecutorConfig:
@@ -48,7 +47,7 @@ def executor_config(args) -> ExecutorConfig:
         token_ids_logprob_num=args.max_token_ids_logprob,
         attention_backend=args.attention_backend,
         precompile=args.precompile,
-        program_cache=True,  # CPU, one device: model/program_cache.py
+        program_cache=True,  # CPU, one device: model/runtime/program_cache.py
         background_compile=args.background_compile,
         verify_tokens=verify,
         decode_steps=args.decode_steps,

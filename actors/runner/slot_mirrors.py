@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from actors.transport.messages import StepMsg, as_i32, as_u8
-from model.step_inputs import DeviceRow, DeviceSampling
+from ringserve.actors.transport.messages import StepMsg, as_i32, as_u8
+from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
 
 UNKNOWN = -1  # committed_len after a verify round: the device's FutureMap holds it
 

@@ -27,18 +27,18 @@ import logging
 import time
 from collections.abc import Callable
 
-from actors.scheduler.batch import ScheduledBatch, StepResult
-from actors.scheduler.core import ReqOutput, SchedulerCore
-from actors.scheduler.grammar import Grammars
-from actors.scheduler.logprobs import PromptLogprobs
-from actors.scheduler.output import step_msg, token_out
-from actors.scheduler.report import group_load, load, server_info
-from actors.scheduler.req import Req
-from actors.server_args import ServerArgs
-from actors.transport import messages as m
-from actors.transport.loads import LoadBoard
-from actors.transport.trace import StepTrace
-from kvmem import KVCache
+from ringserve.actors.scheduler.batch import ScheduledBatch, StepResult
+from ringserve.actors.scheduler.core import ReqOutput, SchedulerCore
+from ringserve.actors.scheduler.grammar import Grammars
+from ringserve.actors.scheduler.logprobs import PromptLogprobs
+from ringserve.actors.scheduler.output import step_msg, token_out
+from ringserve.actors.scheduler.report import group_load, load, server_info
+from ringserve.actors.scheduler.req import Req
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.loads import LoadBoard
+from ringserve.actors.transport.trace import StepTrace
+from ringserve.kvmem import KVCache
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -338,11 +338,11 @@ class SchedulerActor:
 
 def run(ctx) -> None:
     """Actor entry point (actors/transport/actor.py): rings `inbox`, `to_runner`, `from_runner`, `to_detok`."""
-    from actors.transport.ring import BroadcastRing, Ring
+    from ringserve.actors.transport.ring import BroadcastRing, Ring
 
     cfg = m.actor_config.decode(ctx.config)
     args = cfg.args
-    from model.checkpoints.tokenizer import Decoder, load_decoder
+    from ringserve.model.checkpoints.tokenizer import Decoder, load_decoder
 
     tok = load_decoder(cfg.tokenizer_dir)  # decoding only: `tokenizers` alone once cached
     own_eos = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]

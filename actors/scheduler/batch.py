@@ -26,8 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from actors.scheduler.req import Req
+from ringserve.actors.scheduler.req import Req
 
 _NO_PAGES = np.zeros(0, np.int32)
 

@@ -42,20 +42,19 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
-from actors.scheduler.batch import Row, ScheduledBatch, StepResult
-from actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
-from actors.scheduler.grammar import Grammars
-from actors.scheduler.lora import LoraTable, cache_key
-from actors.scheduler.policy import InBatchPrefix, order_waiting
-from actors.scheduler.prefill import AddResult, BucketFit, PrefillAdder
-from actors.scheduler.req import FinishReason, Req, ReqStatus
-from actors.scheduler.spec import NO_DRAFT, SpecState
-from actors.scheduler.stats import SchedulerStats
-from actors.server_args import ServerArgs
-from actors.transport.messages import StartWeights
-from kvmem import KVCache, ReqKV, SessionSlots
-from model.step_inputs import Buckets
+from ringserve.actors.scheduler.batch import Row, ScheduledBatch, StepResult
+from ringserve.actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
+from ringserve.actors.scheduler.grammar import Grammars
+from ringserve.actors.scheduler.lora import LoraTable, cache_key
+from ringserve.actors.scheduler.policy import InBatchPrefix, order_waiting
+from ringserve.actors.scheduler.prefill import AddResult, BucketFit, PrefillAdder
+from ringserve.actors.scheduler.req import FinishReason, Req, ReqStatus
+from ringserve.actors.scheduler.spec import NO_DRAFT, SpecState
+from ringserve.actors.scheduler.stats import SchedulerStats
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport.messages import StartWeights
+from ringserve.kvmem import KVCache, ReqKV, SessionSlots
+from ringserve.model.compute.step_inputs import Buckets
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")

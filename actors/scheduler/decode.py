@@ -12,9 +12,8 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
-
-from actors.scheduler.req import Req
-from kvmem import KVCache
+from ringserve.actors.scheduler.req import Req
+from ringserve.kvmem import KVCache
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's decode reservation (as SGLang)
 

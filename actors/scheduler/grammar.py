@@ -41,8 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-
-from kvmem.allocator import cdiv
+from ringserve.kvmem.allocator import cdiv
 
 Key = tuple[str, str]  # (kind, text): SamplingParams.constraint
 CACHE_SIZE = 512  # compiled grammars kept (least recently used first out)
@@ -136,8 +135,7 @@ class Grammars:
 
     def _compile(self, key: Key) -> Any:
         import llguidance as llg
-
-        from actors.transport.constraint import grammar
+        from ringserve.actors.transport.constraint import grammar
 
         m = llg.LLMatcher(self.tokenizer.result(), grammar(*key, self.json_options), log_level=0)
         if m.is_error():

@@ -10,7 +10,7 @@ hidden state predicts token p + 1, so the positions to compute are
     reported:   (None, t2) (lp t3) ... (lp t7)   p7 predicts the first output (its logprob is
                                                  the output's, from the sampler)
 
-They are computed in the extend steps that run anyway (model/step_inputs.py): each extend row
+They are computed in the extend steps that run anyway (model/compute/step_inputs.py): each extend row
 carries the part of [start, origin_len - 1) it covers (`span`), chunked or not. A cached prefix
 has no hidden states, so the choice here is to bypass the cache for the positions still
 wanted: `cap` bounds what the prefix cache may grant (the first position not yet recorded), and

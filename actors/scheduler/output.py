@@ -19,11 +19,10 @@ rows (mixed batches), which is the order the runner returns tokens in.
 from __future__ import annotations
 
 import numpy as np
-
-from actors.scheduler.batch import Row, ScheduledBatch
-from actors.scheduler.core import ReqOutput
-from actors.scheduler.req import Req
-from actors.transport.messages import (
+from ringserve.actors.scheduler.batch import Row, ScheduledBatch
+from ringserve.actors.scheduler.core import ReqOutput
+from ringserve.actors.scheduler.req import Req
+from ringserve.actors.transport.messages import (
     MoreLogprobs,
     PromptPositions,
     SlotStart,
@@ -33,7 +32,7 @@ from actors.transport.messages import (
     i32,
     u8,
 )
-from model.step_inputs import DeviceSampling
+from ringserve.model.compute.step_inputs import DeviceSampling
 
 
 def _device_sampling(req: Req) -> DeviceSampling:

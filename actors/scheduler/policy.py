@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from actors.scheduler.req import Req
+from ringserve.actors.scheduler.req import Req
 
 LPM_FALLBACK_QUEUE = 128
 SHARED_PREFIX_TOKENS = 32  # a prefix at least this long, shared in-batch, defers the followers

@@ -10,7 +10,7 @@ Budgets of one prefill batch (as in SGLang's PrefillAdder, seed 003):
 A request whose remaining extend exceeds rem_chunk is cut to a (page-aligned) chunk and becomes
 THE chunked request; nothing else is added after it. It resumes first in the next batch.
 
-A step runs in the smallest extend program holding its tokens (powers of two, model/step_inputs.py
+A step runs in the smallest extend program holding its tokens (powers of two, model/compute/step_inputs.py
 `Buckets`), so a step of 300 tokens computes 512. Where a step's own cost is small beside a
 token's (CPU: `ServerArgs.prefill_step_cost`), `BucketFit` cuts such a step at the bucket below
 (256) and leaves the rest to the next step, where it runs in a small program or beside the next
@@ -24,10 +24,10 @@ import bisect
 import enum
 from collections.abc import Sequence
 
-from actors.scheduler.batch import Row
-from actors.scheduler.decode import decode_reserve
-from actors.scheduler.req import Req
-from kvmem import KVCache, cdiv
+from ringserve.actors.scheduler.batch import Row
+from ringserve.actors.scheduler.decode import decode_reserve
+from ringserve.actors.scheduler.req import Req
+from ringserve.kvmem import KVCache, cdiv
 
 
 class BucketFit:

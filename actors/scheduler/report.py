@@ -4,8 +4,8 @@ names where SGLang has them): `server_info` (the scheduler's part of get_server_
 
 from __future__ import annotations
 
-from actors.scheduler.core import SchedulerCore
-from actors.transport.loads import GroupLoad
+from ringserve.actors.scheduler.core import SchedulerCore
+from ringserve.actors.transport.loads import GroupLoad
 
 
 def server_info(core: SchedulerCore) -> dict:

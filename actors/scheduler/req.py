@@ -23,14 +23,13 @@ import enum
 from collections.abc import Callable
 
 import numpy as np
-
-from actors.scheduler.grammar import ReqGrammar
-from actors.scheduler.logprobs import PromptLogprobs
-from actors.scheduler.lora import LoadedLora
-from actors.scheduler.spec import SpecState
-from actors.transport.messages import Resume
-from actors.transport.sampling import SamplingParams, find_stop
-from kvmem import ReqKV
+from ringserve.actors.scheduler.grammar import ReqGrammar
+from ringserve.actors.scheduler.logprobs import PromptLogprobs
+from ringserve.actors.scheduler.lora import LoadedLora
+from ringserve.actors.scheduler.spec import SpecState
+from ringserve.actors.transport.messages import Resume
+from ringserve.actors.transport.sampling import SamplingParams, find_stop
+from ringserve.kvmem import ReqKV
 
 
 class ReqStatus(enum.IntEnum):

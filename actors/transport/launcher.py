@@ -36,13 +36,22 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from actors.transport.actor import ActorSpec, Failed, LogLine, Ready, Stop, actor_main, decode_control, encode
-from actors.transport.devices import group_envs
-from actors.transport.loads import LoadBoard
-from actors.transport.ring import BroadcastRing, Ring, _RingBase
+from ringserve.actors.transport.actor import (
+    ActorSpec,
+    Failed,
+    LogLine,
+    Ready,
+    Stop,
+    actor_main,
+    decode_control,
+    encode,
+)
+from ringserve.actors.transport.devices import group_envs
+from ringserve.actors.transport.loads import LoadBoard
+from ringserve.actors.transport.ring import BroadcastRing, Ring, _RingBase
 
 if TYPE_CHECKING:
-    from actors.server_args import ServerArgs
+    from ringserve.actors.server_args import ServerArgs
 
 __all__ = ["ActorFailed", "ActorGroup", "EngineLinks", "cleanup_main", "describe_exit", "start_engine", "start_node"]
 
@@ -457,14 +466,14 @@ def start_engine(args: ServerArgs, configs: list[bytes], on_failure: OnFailure,
             assert links.loads is not None
             sched_rings = {"inbox": sched_in.name, "to_runner": runner_in.name, "from_runner": runner_out.name,
                            "to_detok": detok_in.name, "loads": links.loads.name}  # fmt: skip
-            group.spawn(actor_name("scheduler", r, dp), "actors.scheduler.actor:run", configs[r], sched_rings)
+            group.spawn(actor_name("scheduler", r, dp), "ringserve.actors.scheduler.actor:run", configs[r], sched_rings)
             for k in range(local):  # runner k reads the broadcast ring as reader k; only runner 0 sends
-                group.spawn(actor_name("runner", r, dp) if k == 0 else f"runner{k}", "actors.runner.actor:run",
+                group.spawn(actor_name("runner", r, dp) if k == 0 else f"runner{k}", "ringserve.actors.runner.actor:run",
                             _on_node(configs[r], k), {"inbox": runner_in.name, "outbox": runner_out.name},
                             env=envs[r])  # fmt: skip
             if relay:  # reader `local`: every message down one TCP stream per other host
-                group.spawn("relay", "actors.relay.actor:run_out", configs[r], {"inbox": runner_in.name})
-            group.spawn(actor_name("detokenizer", r, dp), "actors.detokenizer.actor:run", configs[r],
+                group.spawn("relay", "ringserve.actors.relay.actor:run_out", configs[r], {"inbox": runner_in.name})
+            group.spawn(actor_name("detokenizer", r, dp), "ringserve.actors.detokenizer.actor:run", configs[r],
                         {"inbox": detok_in.name, "outbox": front_in.name})  # fmt: skip
             links.to_scheduler.append(sched_in)
             links.from_detok.append(front_in)
@@ -483,8 +492,8 @@ def start_node(args: ServerArgs, config: bytes, on_failure: OnFailure) -> ActorG
     group = ActorGroup(on_failure=on_failure, log_level=getattr(logging, args.log_level.upper()))
     try:
         ring = group.broadcast_ring("runner", 1, args.ring_bytes, spin_us=args.spin_us)
-        group.spawn("relay", "actors.relay.actor:run_in", config, {"outbox": ring.name})
-        group.spawn("runner", "actors.runner.actor:run", config, {"inbox": ring.name})
+        group.spawn("relay", "ringserve.actors.relay.actor:run_in", config, {"outbox": ring.name})
+        group.spawn("runner", "ringserve.actors.runner.actor:run", config, {"inbox": ring.name})
     except BaseException:
         group.shutdown()
         raise
@@ -497,7 +506,7 @@ def _on_node(config: bytes, rank: int) -> bytes:
         return config
     import dataclasses
 
-    from actors.transport import messages as m
+    from ringserve.actors.transport import messages as m
 
     cfg = m.actor_config.decode(config)
     cfg.args = dataclasses.replace(cfg.args, node_rank=rank)

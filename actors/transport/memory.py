@@ -1,6 +1,6 @@
 """How many tokens the KV pool holds: decided once, where the frontend resolves its ServerArgs,
 before any actor starts, and handed down as a concrete `max_total_tokens` so the scheduler's books
-(kvmem) and the runner's KV arrays (model/executor.py) agree, and a restart reuses it.
+(kvmem) and the runner's KV arrays (model/runtime/executor.py) agree, and a restart reuses it.
 
     need    = (max_running_requests x cdiv(context_length, page_size) + 1 sink page) x page_size
               every running request at full context at once: more is never used
@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from actors.server_args import ServerArgs
-from actors.transport.devices import device_memory_bytes, platform
-from kvmem import cdiv
-from model.checkpoints.footprint import Footprint, read_footprint
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport.devices import device_memory_bytes, platform
+from ringserve.kvmem import cdiv
+from ringserve.model.checkpoints.footprint import Footprint, read_footprint
 
 log = logging.getLogger("ringserve.memory")
 

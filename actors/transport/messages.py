@@ -21,10 +21,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
-from actors.server_args import ServerArgs
-from actors.transport.sampling import SamplingParams
-from model.step_inputs import DeviceSampling
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport.sampling import SamplingParams
+from ringserve.model.compute.step_inputs import DeviceSampling
 
 _S = {"array_like": True, "omit_defaults": True, "gc": False}
 

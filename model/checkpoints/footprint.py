@@ -10,7 +10,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from model.checkpoints.config import ModelConfig
+from ringserve.model.config import ModelConfig
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # ServerArgs.dtype: weights and KV are held in it
 
@@ -38,11 +38,11 @@ def read_footprint(path: str | Path) -> Footprint:
     ValueError naming the file when its config or headers cannot be read."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from model.checkpoints.gguf import read_gguf_footprint
+        from ringserve.model.checkpoints.gguf import read_gguf_footprint
 
         layers, kv_heads, head_dim, params = read_gguf_footprint(path)
         return Footprint(layers, kv_heads, head_dim, params)
-    from model.checkpoints.weights import safetensors_header
+    from ringserve.model.checkpoints.load import safetensors_header
 
     mc = ModelConfig.from_dir(path)
     params = sum(math.prod(t["shape"]) for f in sorted(path.glob("*.safetensors")) for t in safetensors_header(f)[0].values())

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from model.checkpoints.config import ModelConfig, RopeConfig
-from model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
+from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
+from ringserve.model.config import ModelConfig, RopeConfig
 
 SUPPORTED = (
     "F32",
@@ -244,7 +243,7 @@ def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, p
     divisors fix `factor` (their max); the cutoffs depend on original_max_position_embeddings,
     low_freq_factor and high_freq_factor, taken from the values every Llama 3.x release uses
     (1, 4 and a power of two), and accepted only if they reproduce every frequency."""
-    from model.layers import rope_inv_freq
+    from ringserve.model.compute.dots import rope_inv_freq
 
     base = rope_inv_freq(RopeConfig(theta=theta), head_dim)
     if divisors.shape != base.shape:
@@ -328,7 +327,7 @@ def gguf_tokenizer_dir(path: str | Path) -> Path:
     import shutil
     import tempfile
 
-    from model.checkpoints.paths import cache_dir
+    from ringserve.model.paths import cache_dir
 
     tok_json, tok_cfg = build_tokenizer(read_gguf_vocab(path), str(path))
     cfg_text = json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n"

@@ -8,7 +8,7 @@ optionally `use_rslora`) and `adapter_model.safetensors`, whose tensors are name
 
 A target module's output becomes `W x + scale * B (A x)`, scale = lora_alpha / r (rsLoRA:
 lora_alpha / sqrt(r)). `read_adapter` returns every targeted module's A and B for every layer,
-padded with zeros to the server's `max_lora_rank` and laid out for the pool (model/lora.py):
+padded with zeros to the server's `max_lora_rank` and laid out for the pool (model/weights/lora.py):
 
     a[module]  [L, max_rank, in]    rows r.. are zero
     b[module]  [L, max_rank, out]   B transposed; rows r.. are zero
@@ -30,9 +30,8 @@ import re
 from pathlib import Path
 
 import numpy as np
-
-from model.checkpoints.config import ModelConfig
-from model.checkpoints.weights import read_safetensors
+from ringserve.model.checkpoints.load import read_safetensors
+from ringserve.model.config import ModelConfig
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")

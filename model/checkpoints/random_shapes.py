@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from model.checkpoints.paths import atomic_dir, cache_dir
+from ringserve.model.paths import atomic_dir, cache_dir
 
 # config.json fields of the real checkpoints (HF hub configs), minus tokens and tokenizers.
 SHAPES: dict[str, dict] = {

@@ -26,8 +26,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from model.checkpoints.paths import atomic_dir, cache_dir
+from ringserve.model.paths import atomic_dir, cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -73,7 +72,7 @@ def train_tokenizer(vocab_size: int):
 
 
 def _hf_config(family: str, dims: dict, seed: int) -> dict:
-    from model.checkpoints.tokenizer import quiet_transformers
+    from ringserve.model.checkpoints.tokenizer import quiet_transformers
 
     quiet_transformers()
     import transformers

@@ -17,10 +17,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from model.checkpoints.config import ModelConfig
-from model.checkpoints.paths import atomic_dir
-from model.checkpoints.peft import ATTENTION_MODULES, TARGET_MODULES, module_dims
+from ringserve.model.checkpoints.peft import ATTENTION_MODULES, TARGET_MODULES, module_dims
+from ringserve.model.config import ModelConfig
+from ringserve.model.paths import atomic_dir
 
 
 def make_tiny_lora(out_dir: str | Path, base_dir: str | Path, rank: int = 8, seed: int = 0,

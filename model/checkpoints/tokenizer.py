@@ -261,7 +261,7 @@ def _spec_path(path: Path) -> Path | None:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from model.checkpoints.paths import cache_dir
+    from ringserve.model.paths import cache_dir
 
     h = hashlib.sha256()
     try:
@@ -304,7 +304,7 @@ def _load(path: str | Path, encoder: bool) -> Any:
     # transformers' tokenizer and keeps its spec, the others wait for it and load the spec
     # (SmolLM2: 3.9 CPU-s each for transformers', 0.15 from the spec, on the cores the runner is
     # building its kernels and compiling on)
-    from model.checkpoints.paths import one_maker
+    from ringserve.model.paths import one_maker
 
     with contextlib.ExitStack() as held:
         try:

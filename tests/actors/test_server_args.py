@@ -7,8 +7,7 @@ import dataclasses
 import re
 
 import pytest
-
-from actors.server_args import ServerArgs
+from ringserve.actors.server_args import ServerArgs
 
 
 def parse(argv: list[str]) -> ServerArgs:

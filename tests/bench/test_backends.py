@@ -8,10 +8,9 @@ import asyncio
 import json
 
 import httpx
-
-from bench.backends import http_sender
-from bench.metrics import RequestRecord
-from bench.workload import Request
+from ringserve.bench.backends import http_sender
+from ringserve.bench.metrics import RequestRecord
+from ringserve.bench.workload import Request
 
 
 def record(chunks: list[dict]) -> tuple[RequestRecord, dict]:

@@ -1,11 +1,11 @@
-"""The serving harness end to end (`python -m bench.serving`): a small workload through the
+"""The serving harness end to end (`python -m ringserve.bench.serving`): a small workload through the
 engine and the IPC client, both overlap settings, with the profiler and the JSON report."""
 
 from __future__ import annotations
 
 import json
 
-from bench.serving import bench
+from ringserve.bench.serving import bench
 
 SMALL = [
     "--num-prompts", "6", "--input-len", "8", "40", "--output-len", "4", "12", "--warmup", "1",

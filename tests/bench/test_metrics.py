@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from bench.metrics import RequestRecord, compute_metrics, format_table, summarize
+from ringserve.bench.metrics import RequestRecord, compute_metrics, format_table, summarize
 
 
 def records() -> list[RequestRecord]:
@@ -72,7 +71,7 @@ def test_table_lists_every_run_and_headline_metric():
 def test_chunked_prefill_window_against_steady_median():
     """bench/chunked_prefill.analyse: decoder ITLs that overlap the long prompt's prefill window
     (sent 1.0, first token 1.5) are the window; the ratios divide by the median outside it."""
-    from bench.chunked_prefill import analyse
+    from ringserve.bench.chunked_prefill import analyse
 
     # a decoder streaming a token every 0.1 s, except one 0.4 s stall inside the window
     times = [0.1 * i for i in range(1, 11)] + [1.4, 1.5, 1.6, 1.7, 1.8]

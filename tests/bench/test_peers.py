@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from bench import peer_systems as ps
-from bench import peers
-from bench.proc_tree import TreeSampler, tree_pids, tree_usage
+from ringserve.bench import peer_systems as ps
+from ringserve.bench import peers
+from ringserve.bench.proc_tree import TreeSampler, tree_pids, tree_usage
 
 
 def test_workload_is_seeded_within_ranges_and_single_differs_from_burst():
@@ -90,7 +89,7 @@ def test_commands_bind_localhost_with_the_same_limits():
     lim = ps.Limits(max_len=768, parallel=64, threads=2)
     d = Path("/m/smollm2")
     r = ps.launch(ps.system("ringserve-bf16"), d, 4000, lim, layout, ("--page-size", "32"))
-    assert r.argv[1:] == ["-m", "actors.cli.main", "serve", "--model", "/m/smollm2", "--host", "127.0.0.1", "--port",
+    assert r.argv[1:] == ["-m", "ringserve.actors.cli.main", "serve", "--model", "/m/smollm2", "--host", "127.0.0.1", "--port",
                           "4000", "--no-socket", "--dtype", "bfloat16", "--context-length", "768",
                           "--max-running-requests", "64", "--log-level", "warning", "--page-size", "32"]  # fmt: skip
     q = ps.launch(ps.system("ringserve-int8"), d, 4000, lim, layout)

@@ -7,9 +7,8 @@ import json
 import time
 
 import pytest
-
-from actors.transport.trace import FIELDS, RUNNER_FIELDS, StepTrace
-from bench.profile import chrome_trace, format_summary, merge, summarize, write_chrome_trace
+from ringserve.actors.transport.trace import FIELDS, RUNNER_FIELDS, StepTrace
+from ringserve.bench.profile import chrome_trace, format_summary, merge, summarize, write_chrome_trace
 
 # three steps, times in seconds, as one scheduler thread and one runner thread would stamp them.
 # device: step 1 [4, 14]; step 2 [14, 20] (dispatched at 12, while step 1 ran); step 3 [24, 30]
@@ -124,7 +123,7 @@ SMALL = dict(max_running_requests=16, context_length=256, max_prefill_tokens=256
 
 
 def test_engine_step_trace_is_ordered_and_loads_in_perfetto(tiny_dir, tmp_path):
-    from actors import Engine
+    from ringserve import Engine
 
     prompts = [[5 + i] * (20 + i) for i in range(4)]
     with Engine(str(tiny_dir("llama")), step_trace=1000, **SMALL) as engine:

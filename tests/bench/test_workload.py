@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 import pytest
-
-from bench.workload import (
+from ringserve.bench.workload import (
     arrival_times,
     random_requests,
     shared_prefix_requests,

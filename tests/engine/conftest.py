@@ -23,7 +23,7 @@ def assert_no_leak(engine) -> dict:
 
 @contextlib.contextmanager
 def engine_ctx(model_path, **kw):
-    from actors.frontend.engine import Engine
+    from ringserve.actors.frontend.engine import Engine
 
     engine = Engine(str(model_path), **{**SMALL, **kw})
     try:

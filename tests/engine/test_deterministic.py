@@ -31,7 +31,7 @@ def run(engine, prompts, sp) -> list[tuple[list[int], list[float]]]:
 def det_engines(tiny_llama):
     """Two deterministic engines that batch and chunk differently: overlap on, chunks of 48;
     overlap off, chunks of 96."""
-    from actors import Engine
+    from ringserve import Engine
 
     a = Engine(str(tiny_llama), page_size=16, **DET)
     b = Engine(

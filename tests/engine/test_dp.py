@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
+from ringserve.actors.frontend.dispatch import Dispatcher
 
-from actors.frontend.dispatch import Dispatcher
 from tests.engine.conftest import SMALL
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def no_leak_in_any_group(engine) -> None:
 
 @pytest.fixture(scope="module")
 def dp2(tiny_dir):
-    from actors import Engine
+    from ringserve import Engine
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAX_NUM_CPU_DEVICES", "2")
@@ -154,7 +154,7 @@ def test_a_weight_update_is_all_or_nothing_across_groups(engine, tiny_dir):
 @pytest.fixture(scope="module")
 def servers(dp2):
     """HTTP over the dp=2 engine (stopping it refuses new requests: only at the module's end)."""
-    from actors import Servers
+    from ringserve import Servers
 
     s = Servers(dp2, ipc=False, port=0).start()
     yield s
@@ -202,7 +202,7 @@ def test_get_load_over_http_has_one_entry_per_rank(engine, servers):
 
 
 def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
-    from actors import Engine
+    from ringserve import Engine
 
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "2")
     with pytest.raises(ValueError, match=r"dp_size=3 x tp_size=1 needs 3 cpu devices; this host offers 2"):
@@ -212,9 +212,8 @@ def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
 
 def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_path):
     import numpy as np
-
-    from model.checkpoints.tiny import make_tiny_model
-    from model.checkpoints.weights import load_checkpoint
+    from ringserve.model.checkpoints.load import load_checkpoint
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     use(engine, "round_robin")
     prompt, sp = [3, 14, 15, 92, 65], {**GREEDY, "max_new_tokens": 8}
@@ -258,7 +257,7 @@ def test_a_crash_in_one_group_restarts_every_group_and_loses_no_request(engine, 
 
 def test_a_pause_update_flush_continue_cycle_serves_the_new_weights_in_both_groups(engine, shared_engine, tiny_dir,
                                                                                     tmp_path):  # fmt: skip
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     use(engine, "cache_aware")
     new = str(make_tiny_model(tmp_path / "s2", "llama", seed=2))

@@ -147,7 +147,7 @@ def test_abort_while_decoding_with_a_batch_in_flight(engine):
 @pytest.fixture(scope="module")
 def chunky(tiny_llama):
     """Prefill in chunks of 16 tokens, at most 2 running requests."""
-    from actors import Engine
+    from ringserve import Engine
 
     e = Engine(str(tiny_llama), page_size=16, **{**SMALL, "chunked_prefill_size": 16, "max_running_requests": 2})
     yield e

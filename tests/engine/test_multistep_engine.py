@@ -18,8 +18,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def multi_engine(tiny_llama):
-    from actors import Engine
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
+
+    from ringserve import Engine
     from tests.engine.conftest import SMALL
 
     if (why := cpu_attention.reason()) is not None:

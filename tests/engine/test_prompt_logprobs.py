@@ -25,7 +25,7 @@ IDS = [0, 7, 100]
 def chunked16(tiny_dir):
     """The shared engine's checkpoint and shapes (the compiled programs are the cache's), prompts
     chunked at 16 tokens, overlap off."""
-    from actors import Engine
+    from ringserve import Engine
 
     e = Engine(str(tiny_dir("llama")), page_size=16, chunked_prefill_size=16, disable_overlap_schedule=True, **SMALL)
     yield e

@@ -27,7 +27,7 @@ def outputs(engine) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("rl")
     return [make_tiny_model(root / f"s{seed}", "llama", seed=seed) for seed in range(4)]
@@ -36,7 +36,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh(checkpoints):
     """Outputs of a fresh Engine on each checkpoint (the references)."""
-    from actors import Engine
+    from ringserve import Engine
 
     refs = {}
     for ck in checkpoints:
@@ -47,7 +47,7 @@ def fresh(checkpoints):
 
 @pytest.fixture(scope="module")
 def rl_engine(checkpoints):
-    from actors import Engine
+    from ringserve import Engine
 
     e = Engine(str(checkpoints[0]), page_size=16, **SMALL)
     yield e
@@ -89,7 +89,7 @@ def test_rl_loop_with_weights_from_disk(engine, checkpoints, fresh):
 
 
 def _tensors(ck) -> dict[str, np.ndarray]:
-    from model.checkpoints.weights import load_checkpoint
+    from ringserve.model.checkpoints.load import load_checkpoint
 
     return {k: np.array(v) for k, v in load_checkpoint(ck)[1].items()}
 
@@ -110,7 +110,7 @@ def test_rl_loop_with_weights_from_tensors_subsets_and_chunks(engine, checkpoint
     d = tmp_path / "mixed"
     shutil.copytree(checkpoints[3], d)
     save_file(mixed, str(d / "model.safetensors"))
-    from actors import Engine
+    from ringserve import Engine
 
     with Engine(str(d), page_size=16, precompile=False, **SMALL) as e:
         want = outputs(e)
@@ -123,9 +123,8 @@ def test_rl_loop_with_weights_from_tensors_subsets_and_chunks(engine, checkpoint
 
 
 def test_refusals_leave_the_old_weights_serving(engine, checkpoints, tmp_path):
+    from ringserve.model.checkpoints.tiny import make_tiny_model
     from safetensors.numpy import save_file
-
-    from model.checkpoints.tiny import make_tiny_model
 
     before = outputs(engine)
     version = engine.get_server_info()["weight_version"]
@@ -186,7 +185,7 @@ def test_release_and_resume_memory(engine):
 def test_the_same_verbs_over_http_and_the_client(engine, checkpoints):
     import httpx
 
-    from actors import Client, Servers
+    from ringserve import Client, Servers
 
     with Servers(engine, port=0) as s:
         assert engine.pause_generation("retract")["success"]

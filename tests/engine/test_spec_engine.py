@@ -30,7 +30,7 @@ def mixed_prompts(n: int, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama):
     """Speculation on, overlap on, a KV pool small enough that 64 requests retract."""
-    from actors import Engine
+    from ringserve import Engine
 
     e = Engine(str(tiny_llama), page_size=16, **{**SMALL, "max_total_tokens": 16 * 24}, **SPEC)
     yield e

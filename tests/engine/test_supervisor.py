@@ -35,7 +35,7 @@ def sampling(i: int) -> dict:
 def served(tiny_llama):
     """A deterministic engine (a seeded draw depends on its seed and position only) that restarts
     without limit, with its IPC socket and HTTP."""
-    from actors import Engine, Servers
+    from ringserve import Engine, Servers
 
     engine = Engine(str(tiny_llama), page_size=16, enable_deterministic_inference=True, max_restarts=100, **SMALL)
     servers = Servers(engine, port=0).start()
@@ -77,7 +77,7 @@ class Streams:
                 self.final[i] = c
 
     def _ipc(self, path: str, lo: int, hi: int) -> None:
-        from actors import Client
+        from ringserve import Client
 
         try:
             with Client(path) as c:
@@ -166,8 +166,8 @@ def test_each_actor_killed_in_turn_during_64_streams_over_ipc_and_http(served):
 
 
 def test_pause_session_and_pushed_weights_come_back_after_a_restart(served, tiny_dir, tmp_path):
-    from model.checkpoints.tiny import make_tiny_model
-    from model.checkpoints.weights import load_checkpoint
+    from ringserve.model.checkpoints.load import load_checkpoint
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     engine, _ = served
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}
@@ -206,7 +206,7 @@ def test_pause_session_and_pushed_weights_come_back_after_a_restart(served, tiny
 
 @pytest.mark.slow
 def test_a_crash_loop_ends_in_engine_dead_for_all_and_leaves_nothing(tiny_llama):
-    from actors import Client, Engine, EngineDead, Servers
+    from ringserve import Client, Engine, EngineDead, Servers
 
     engine = Engine(str(tiny_llama), page_size=16, max_restarts=4, restart_window_s=600, precompile=False, **SMALL)
     servers = Servers(engine, port=0, http=False).start()

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import KVUsageError, PageAllocator, token_locations
-from kvmem.allocator import FREE, HELD, SINK, TREE
+from ringserve.kvmem import KVUsageError, PageAllocator, token_locations
+from ringserve.kvmem.allocator import FREE, HELD, SINK, TREE
 
 
 def test_pages_come_out_in_order_and_never_page_0():

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import KVCache, KVUsageError
+from ringserve.kvmem import KVCache, KVUsageError
 
 
 def ids(n, start=100):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import IntegrityError, KVCache
+from ringserve.kvmem import IntegrityError, KVCache
 
 
 def healthy():

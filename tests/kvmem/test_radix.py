@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import KVUsageError, PageAllocator, RadixCache
-from kvmem.allocator import FREE, HELD, TREE
+from ringserve.kvmem import KVUsageError, PageAllocator, RadixCache
+from ringserve.kvmem.allocator import FREE, HELD, TREE
 
 
 def ids(*xs):

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import KVCache, SessionSlots
-from kvmem.allocator import FREE, HELD
+from ringserve.kvmem import KVCache, SessionSlots
+from ringserve.kvmem.allocator import FREE, HELD
 
 K = 3  # drafts per round: a round commits 1..K+1 tokens
 F = 10  # finished_len

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvmem import KVUsageError, PageAllocator, SlotPool
-from kvmem.allocator import HELD, TREE
+from ringserve.kvmem import KVUsageError, PageAllocator, SlotPool
+from ringserve.kvmem.allocator import HELD, TREE
 
 
 def pool(num_pages=33, page=4, slots=3, width=64):

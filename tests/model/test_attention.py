@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
-from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_greedy, hf_logits
 from tests.model import test_hf_parity as parity
 
@@ -108,7 +108,7 @@ def test_native_matches_hf(tiny_dir, native):
 @pytest.mark.parametrize("backend", ["cpu_kernel", "bucketed", "pallas", "pallas_gpu"])
 def test_mixed_step_matches_native(tiny_dir, native, backend):
     if backend == "cpu_kernel":
-        from model.kernels import cpu_attention
+        from ringserve.model.compute.kernels import cpu_attention
 
         if (why := cpu_attention.reason()) is not None:
             pytest.skip(f"the C++ attention kernel: {why}")
@@ -123,8 +123,7 @@ def _kernel_case(d: int, bits: bool, seed: int = 0, heads: tuple[int, int] = (6,
     or as bf16 with `q_bf16`). Returns (out, reference)."""
     import jax
     import jax.numpy as jnp
-
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
 
     if (why := cpu_attention.reason()) is not None:
         pytest.skip(f"the C++ attention kernel: {why}")
@@ -209,7 +208,7 @@ def test_cpu_kernel_matches_native_with_a_window_and_in_bf16(tiny_dir, arch, dty
     same tolerance), and a bf16 cache stored as bits (the same greedy tokens, logits within bf16's
     rounding of the scale): Qwen3's head dim 48 in the native layout, Llama's 32 in the pair
     layouts where the kernel reads them (the backend writes K and V there)."""
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
 
     if (why := cpu_attention.reason()) is not None:
         pytest.skip(f"the C++ attention kernel: {why}")
@@ -260,8 +259,8 @@ def test_pallas_interpret_tp2_matches_native(tiny_dir, native, tmp_path):
 
 
 def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
-    from model.attention import resolve_backend
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.attention import resolve_backend
+    from ringserve.model.compute.kernels import cpu_attention
 
     monkeypatch.setattr(cpu_attention, "reason", lambda: None)
     assert resolve_backend("auto", "cpu") == "cpu_kernel"
@@ -281,7 +280,7 @@ def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
 
 def _to_pairs(k, v):
     """Native-layout caches k [Hkv, P, D, 16], v [Hkv, P, 16, D] in the pair layouts
-    (model/attention/cpu_kernel.py): k [Hkv, P, D/2, 16, 2], v [Hkv, P, 8, D, 2]."""
+    (model/compute/attention/cpu_kernel.py): k [Hkv, P, D/2, 16, 2], v [Hkv, P, 8, D, 2]."""
     hkv, p, d, s = k.shape
     return (k.reshape(hkv, p, d // 2, 2, s).transpose(0, 1, 2, 4, 3),
             v.reshape(hkv, p, s // 2, 2, d).transpose(0, 1, 2, 4, 3))  # fmt: skip
@@ -295,8 +294,7 @@ def _pairs_case(d, heads=(6, 2), window=0, kv_len=(37, 40, 32, 0), new=(1, 21, 1
     run it in a fresh process with these variables (RINGSERVE_AMX=0: without the tiles)."""
     import jax
     import jax.numpy as jnp
-
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
 
     if not cpu_attention.reads_pairs():
         pytest.skip("the kernel reads the pair layouts where the CPU has AVX512-BF16")
@@ -368,7 +366,7 @@ def _pairs_in_process(args, num_pages, window, scale, env):
 
 
 def _amx() -> bool:
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
 
     return cpu_attention.uses_amx()
 

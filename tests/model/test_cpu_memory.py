@@ -1,4 +1,4 @@
-"""The KV pool's zeros on CPU (model/kernels/cpu_memory.py): zeros whatever the memory held
+"""The KV pool's zeros on CPU (model/compute/kernels/cpu_memory.py): zeros whatever the memory held
 before, pages left to their first write, donated in place, sharded per device, and populated
 in the background without changing what the pages hold."""
 
@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from model.kernels import cpu_memory
+from ringserve.model.compute.kernels import cpu_memory
 
 pytestmark = pytest.mark.skipif(cpu_memory.reason() is not None, reason=f"no custom call: {cpu_memory.reason()}")
 
@@ -104,7 +103,7 @@ def test_an_executor_that_fails_to_start_is_not_kept_by_its_populating_thread(ti
     import gc
     import weakref
 
-    from model.executor import ExecutorConfig, ModelExecutor
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
     made = []
     monkeypatch.setattr(ModelExecutor, "_fits", lambda self, params: made.append(weakref.ref(self)) or False)
@@ -147,7 +146,7 @@ def test_populate_waits_for_its_gate_and_gives_up_when_told():
 
 
 def _served_executor(tiny_dir):
-    from model.executor import ExecutorConfig, ModelExecutor
+    from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
     cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=64, max_batch=2, max_extend_tokens=16,
                          extend_block=16)  # fmt: skip
@@ -158,8 +157,8 @@ def test_the_pool_pages_come_after_its_first_step(tiny_dir, monkeypatch):
     """The KV pool's pages are brought in once the pool's first step is done (beside it, that
     step, usually the server's first request, shared the cores with the pass), not as the
     executor starts serving."""
-    import model.kv_pool as kv_pool
-    from model.step_inputs import DeviceRow
+    import ringserve.model.runtime.kv_pool as kv_pool
+    from ringserve.model.compute.step_inputs import DeviceRow
 
     monkeypatch.setattr(kv_pool, "FIRST_STEP_WAIT_S", 60.0)  # (a slow machine: no idle start here)
     ex = _served_executor(tiny_dir)
@@ -176,7 +175,7 @@ def test_the_pool_pages_come_after_its_first_step(tiny_dir, monkeypatch):
 
 def test_an_idle_pool_pages_come_anyway(tiny_dir, monkeypatch):
     """No step within FIRST_STEP_WAIT_S of serving: the pages are brought in all the same."""
-    import model.kv_pool as kv_pool
+    import ringserve.model.runtime.kv_pool as kv_pool
 
     monkeypatch.setattr(kv_pool, "FIRST_STEP_WAIT_S", 0.2)
     ex = _served_executor(tiny_dir)

@@ -1,5 +1,5 @@
-"""bf16 RMSNorm and the residual add before it as a custom call (model/kernels/cpu_norm.py)
-against model/layers.py's XLA expressions, and the decoder layer taking it under the CPU
+"""bf16 RMSNorm and the residual add before it as a custom call (model/compute/kernels/cpu_norm.py)
+against model/compute/dots.py's XLA expressions, and the decoder layer taking it under the CPU
 custom-call dots. Skips with the reason where it does not build."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model.kernels import cpu_norm
-from model.layers import RMSNorm, rms_norm
+from ringserve.model.compute.dots import RMSNorm, rms_norm
+from ringserve.model.compute.kernels import cpu_norm
 
 pytestmark = pytest.mark.skipif(cpu_norm.reason() is not None, reason=f"cpu_norm: {cpu_norm.reason()}")
 

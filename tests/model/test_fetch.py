@@ -7,9 +7,8 @@ import subprocess
 import zipfile
 
 import pytest
-
-from model.checkpoints import fetch
-from model.checkpoints.fetch import RegistryUnreachable, fetch_model, main
+from ringserve.model.checkpoints import fetch
+from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model, main
 
 
 @pytest.fixture

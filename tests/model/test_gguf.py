@@ -11,18 +11,18 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
-from model.checkpoints.config import ModelConfig
-from model.checkpoints.gguf import (
+from ringserve.model.checkpoints.gguf import (
     gguf_tokenizer_dir,
     load_gguf_tokenizer,
     permute_rope_rows,
     read_gguf_weights,
     unpermute_rope_rows,
 )
-from model.checkpoints.weights import load_checkpoint
-from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.config import ModelConfig
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+
 from tests.model.bpe_ref import TEXTS, RefBPE
 
 CFG = ExecutorConfig(
@@ -171,7 +171,7 @@ def test_tiny_gguf_gives_the_same_config_and_logits_as_the_directory(tiny_dir, t
 def test_a_ggufs_footprint_is_its_directorys(tiny_dir, tmp_path, family):
     """What the KV pool is sized from (model/checkpoints/footprint.py), read from metadata and
     tensor shapes only: the same as the directory's (llama: rope_freqs is no weight)."""
-    from model.checkpoints.footprint import read_footprint
+    from ringserve.model.checkpoints.footprint import read_footprint
 
     src = tiny_dir(family)
     fp = read_footprint(write_gguf(src, tmp_path / f"{family}.gguf"))

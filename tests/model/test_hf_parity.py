@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
-from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_greedy, hf_logits, hf_logprobs
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -73,7 +73,7 @@ def test_cpu_scans_its_layers_where_the_custom_calls_read_the_stack():
     """auto: accelerators scan; CPU scans with ringserve's kernel or oneDNN's custom call (each
     reads a layer's weights in place from the stack), and runs unrolled where XLA's dot alone
     (or the deterministic mode's) would copy a slice every step."""
-    from model.compute_paths import resolve_layer_loop
+    from ringserve.model.compute.plan import resolve_layer_loop
 
     assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu", "xla") == "scan"
     for dot in ("kernel", "kernel+onednn", "onednn"):

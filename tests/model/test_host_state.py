@@ -1,4 +1,4 @@
-"""The state's large host arrays (model/params.py `_scratch`): on pages of their own, so that on
+"""The state's large host arrays (model/weights/state.py `_scratch`): on pages of their own, so that on
 CPU `jax.device_put` keeps them as the device buffers instead of copying them, and moved onto
 transparent huge pages once written (`huge_pages`)."""
 
@@ -10,9 +10,8 @@ import threading
 import jax
 import numpy as np
 import pytest
-
-from model.params import _scratch, huge_pages
-from model.weight_memory import huge_pages_when
+from ringserve.model.weights.memory import huge_pages_when
+from ringserve.model.weights.state import _scratch, huge_pages
 
 
 def test_a_large_scratch_array_is_page_aligned_and_placed_without_a_copy():

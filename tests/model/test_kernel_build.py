@@ -1,4 +1,4 @@
-"""model/kernels/build.py: a loader's work runs once per process, however many threads ask (the
+"""model/compute/kernels/build.py: a loader's work runs once per process, however many threads ask (the
 executor's `prebuild` starts it on a thread, its first use then waits for that)."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import threading
 import time
 
 import pytest
-
-from model.kernels import build
+from ringserve.model.compute.kernels import build
 
 
 def test_a_loader_works_once_and_a_caller_meanwhile_waits_for_its_answer():
@@ -38,7 +37,7 @@ def test_a_loader_works_once_and_a_caller_meanwhile_waits_for_its_answer():
 
 def test_prebuild_starts_only_loaders_with_nothing_built(tmp_path, monkeypatch):
     """A warm start (every library built) starts no thread: each loads where first used."""
-    from model.kernels import cpu_memory
+    from ringserve.model.compute.kernels import cpu_memory
 
     if (why := cpu_memory.reason()) is not None:
         pytest.skip(f"cpu_memory is not built here: {why}")
@@ -55,18 +54,18 @@ def test_prebuild_starts_only_loaders_with_nothing_built(tmp_path, monkeypatch):
                          [("float32", None, "float32"), ("bfloat16", None, "bfloat16"), ("float32", "int8", "int8")])  # fmt: skip
 def test_a_configuration_builds_the_matmul_library_of_its_weights_alone(monkeypatch, dtype, quantization, weights):
     """cpu_matmul is one library per weight dtype: a first start builds its configuration's
-    (int8 where it quantizes), not the others (model/compute_paths.py `prebuild_kernels`)."""
+    (int8 where it quantizes), not the others (model/compute/plan.py `prebuild_kernels`)."""
     from types import SimpleNamespace
 
-    from model import compute_paths
-    from model.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm
+    from ringserve.model.compute import plan as compute_paths
+    from ringserve.model.compute.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm
 
     asked: list = []
     monkeypatch.setattr(build, "prebuild", lambda *reasons: asked.extend(reasons))
     cfg = SimpleNamespace(cpu_matmul="auto", deterministic=False, tp_size=1, dtype=dtype, quantization=quantization,
                           attention_backend="auto")  # fmt: skip
     compute_paths.prebuild_kernels(cfg)
-    norm = [cpu_norm.reason] if dtype == "bfloat16" else []  # bf16 norms (model/layers.py RMSNorm)
+    norm = [cpu_norm.reason] if dtype == "bfloat16" else []  # bf16 norms (model/compute/dots.py RMSNorm)
     assert asked == [cpu_memory.reason, *norm, cpu_attention.reason, cpu_matmul.loader_of(weights)]
     assert len({cpu_matmul.loader_of(w) for w in cpu_matmul.WEIGHTS}) == 3
 
@@ -107,8 +106,7 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from model.kernels import cpu_attention, cpu_matmul
+    from ringserve.model.compute.kernels import cpu_attention, cpu_matmul
 
     if cpu_matmul.reason() is not None or cpu_attention.reason() is not None:
         pytest.skip(f"kernels not built: {cpu_matmul.reason() or cpu_attention.reason()}")
@@ -140,7 +138,7 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
 
 def test_builders_of_one_library_build_it_once(tmp_path, monkeypatch):
     """Processes (or threads) that start together and find a kernel unbuilt: one runs the
-    compiler, the others wait for it and load its library (model/checkpoints/paths.py
+    compiler, the others wait for it and load its library (model/paths.py
     `one_maker`), instead of each compiling on the same cores."""
     if build.compiler() is None:
         pytest.skip("no C++ compiler (g++, or $CXX)")

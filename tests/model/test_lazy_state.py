@@ -1,4 +1,4 @@
-"""Many hosts read only their own shards (model/params.py build_lazy_state): its tree has
+"""Many hosts read only their own shards (model/weights/state.py build_lazy_state): its tree has
 build_host_state's structure, shapes and dtypes; any slice of a leaf equals that slice of the
 built array; and a shard reads only the rows of its HF tensor that it needs."""
 
@@ -8,9 +8,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-
-from model.checkpoints.weights import load_checkpoint
-from model.params import build_host_state, build_lazy_state
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.weights.state import build_host_state, build_lazy_state
 
 
 class Recorder(np.ndarray):

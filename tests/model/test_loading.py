@@ -8,10 +8,10 @@ import shutil
 
 import numpy as np
 import pytest
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.config import ModelConfig
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
-from model.checkpoints.config import ModelConfig
-from model.checkpoints.weights import load_checkpoint
-from model.executor import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
@@ -186,9 +186,9 @@ def test_malformed_safetensors_header(tiny_dir, tmp_path):
 _TOKENIZE = """
 import json, sys
 if sys.argv[1] == "hide":
-    from actors.transport.actor import without_torch
+    from ringserve.actors.transport.actor import without_torch
     without_torch()
-from model.checkpoints.tokenizer import load_tokenizer
+from ringserve.model.checkpoints.tokenizer import load_tokenizer
 out = {}
 for d in sys.argv[2:]:
     t = load_tokenizer(d)
@@ -226,9 +226,8 @@ def _rss_file_kb() -> int:
 def test_release_pages_drops_checkpoint_pages_and_keeps_values(tmp_path):
     """After the served state is built the executor releases the checkpoint's mapped pages: RSS
     falls by the file's size and the tensors read back unchanged (from the page cache)."""
+    from ringserve.model.checkpoints.load import read_safetensors, release_pages
     from safetensors.numpy import save_file
-
-    from model.checkpoints.weights import read_safetensors, release_pages
 
     rng = np.random.default_rng(0)
     want = {f"w{i}": rng.standard_normal((1024, 2048), np.float32) for i in range(8)}  # 64 MiB

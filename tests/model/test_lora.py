@@ -9,14 +9,14 @@ import json
 
 import numpy as np
 import pytest
+from ringserve.kvmem.allocator import cdiv
+from ringserve.model.checkpoints.peft import TARGET_MODULES, read_adapter
+from ringserve.model.checkpoints.tiny_lora import make_tiny_lora
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.config import ModelConfig
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.weights.lora import lora_delta
 
-from kvmem.allocator import cdiv
-from model.checkpoints.config import ModelConfig
-from model.checkpoints.peft import TARGET_MODULES, read_adapter
-from model.checkpoints.tiny_lora import make_tiny_lora
-from model.executor import ExecutorConfig, ModelExecutor
-from model.lora import lora_delta
-from model.step_inputs import DeviceRow
 from tests.hf_ref import hf_lora_greedy
 
 PAGE = 16
@@ -173,7 +173,7 @@ def test_reader_refusals(base, tmp_path):
     with pytest.raises(ValueError, match="target module 'lm_head' is unknown"):
         read_adapter(bad, cfg, 8, TARGET_MODULES)
     other = tmp_path / "other-base"
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     make_tiny_model(other, "llama", seed=0, hidden_size=128, intermediate_size=320, num_attention_heads=4,
                     num_key_value_heads=2)  # fmt: skip

@@ -1,5 +1,5 @@
 """The Decoder's nnx modules against the HF map: every Param is placed by exactly one HF tensor
-(model/params.py: hf_layout) in both layer layouts, and carries the `tp` sharding model/mesh.py
+(model/weights/state.py: hf_layout) in both layer layouts, and carries the `tp` sharding model/compute/mesh.py
 states. (Loading and running them: test_hf_parity, test_step's TP test; weight updates:
 tests/engine/test_rl_loop.py.)"""
 
@@ -10,12 +10,11 @@ import json
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
-
-from model.attention.base import AttnGeometry, NoAttention
-from model.checkpoints.config import ModelConfig
-from model.checkpoints.tiny import FAMILIES
-from model.llama import CausalLM
-from model.params import hf_layout
+from ringserve.model.checkpoints.tiny import FAMILIES
+from ringserve.model.compute.attention.base import AttnGeometry, NoAttention
+from ringserve.model.config import ModelConfig
+from ringserve.model.layers.decoder import CausalLM
+from ringserve.model.weights.state import hf_layout
 
 
 def model(cfg: ModelConfig, tp: int, layer_loop: str) -> CausalLM:
@@ -82,8 +81,7 @@ def test_silu_rounds_once_as_torch_does_in_bf16():
     rounds after each of its ops, and differs from torch on some inputs)."""
     import jax.numpy as jnp
     import torch
-
-    from model.layers import silu
+    from ringserve.model.compute.dots import silu
 
     x = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32) * 6
     xb = jnp.asarray(x, jnp.bfloat16)

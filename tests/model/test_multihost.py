@@ -1,4 +1,4 @@
-"""Two processes, one jax.distributed program (model/distributed.py): the tiny model at tp=2 over
+"""Two processes, one jax.distributed program (model/runtime/distributed.py): the tiny model at tp=2 over
 one CPU device per process gives the greedy tokens of one process at tp=1, with every weight
 placed shard by shard (no process holds another's shards on device), and `all_ok` is an AND
 over the processes."""
@@ -14,11 +14,11 @@ import sys
 SCRIPT = r"""
 import json, sys
 rank, n, port, path, tp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-from model.distributed import all_ok, barrier, init_cluster
+from ringserve.model.runtime.distributed import all_ok, barrier, init_cluster
 if n > 1:
     init_cluster(("127.0.0.1", port), n, rank, timeout_s=120, heartbeat_s=10, local_devices=1)
 import jax
-from model.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,
                      precompile=False)

@@ -1,4 +1,4 @@
-"""Multi-step decode on the device (model/step.py `multi_step`): rows laid out as verify rounds of
+"""Multi-step decode on the device (model/runtime/step.py `multi_step`): rows laid out as verify rounds of
 NO_DRAFT places, k decode steps run one after another in one program, each step's sample the
 next one's input. Every token, its logprob and the FutureMap afterwards must equal k plain
 decode steps', greedy and seeded, with padding rows in the program."""
@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model.executor import ExecutorConfig, ModelExecutor
-from model.programs import compile_order
-from model.step_inputs import Buckets, DeviceRow, DeviceSampling
+from ringserve.model.compute.step_inputs import Buckets, DeviceRow, DeviceSampling
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.runtime.programs import compile_order
 
 PAGE, K = 16, 4
 
 
 def needs_the_kernel() -> None:
-    from model.kernels import cpu_attention
+    from ringserve.model.compute.kernels import cpu_attention
 
     if (why := cpu_attention.reason()) is not None:
         pytest.skip(f"the C++ attention kernel: {why}")

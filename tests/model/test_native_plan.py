@@ -11,10 +11,9 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model.attention.base import AttnGeometry, StepShape
-from model.attention.native import NativeAttention
-from model.attention.tiles import cdiv, num_tiles
+from ringserve.model.compute.attention.base import AttnGeometry, StepShape
+from ringserve.model.compute.attention.native import NativeAttention
+from ringserve.model.compute.attention.tiles import cdiv, num_tiles
 
 PAGE, CHUNK, BLOCK = 16, 64, 16
 

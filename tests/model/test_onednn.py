@@ -1,5 +1,5 @@
-"""oneDNN's matmul custom call (model/kernels/onednn.py) and how the executor picks the dot
-(model/compute_paths.py resolve_dot). The kernel's tests run where `ringserve[onednn]` is installed
+"""oneDNN's matmul custom call (model/compute/kernels/onednn.py) and how the executor picks the dot
+(model/compute/plan.py resolve_dot). The kernel's tests run where `ringserve[onednn]` is installed
 (the test extra installs it) and skip with the reason elsewhere; the choice is tested everywhere."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model.compute_paths import resolve_dot
-from model.executor import ExecutorConfig, ModelExecutor
-from model.kernels import onednn
+from ringserve.model.compute.kernels import onednn
+from ringserve.model.compute.plan import resolve_dot
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
 needs_onednn = pytest.mark.skipif(onednn.reason() is not None, reason=f"oneDNN custom call: {onednn.reason()}")
 
@@ -24,7 +23,7 @@ def needs(x_dtype: str, w_dtype: str):
 
 
 def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
-    from model.kernels import cpu_matmul
+    from ringserve.model.compute.kernels import cpu_matmul
 
     monkeypatch.setattr(onednn, "supports", lambda x, w: None)
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": None)
@@ -75,7 +74,7 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     ],
 )
 def test_asking_for_a_dot_that_cannot_run_names_why(monkeypatch, cfg, platform, message):
-    from model.kernels import cpu_matmul
+    from ringserve.model.compute.kernels import cpu_matmul
 
     monkeypatch.setattr(onednn, "supports", lambda x, w: "no C++ compiler")
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": "no C++ compiler")
@@ -145,7 +144,8 @@ def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla
     ringserve's small-row kernel, every step's where it reads packed pairs), against the same
     model on XLA's dot: the cache is stored as uint16 (no whole-cache conversions on CPU) and
     greedy continuations agree (the LM head's f32 logits may break a near-tie differently)."""
-    from model.kernels import cpu_matmul as kernel
+    from ringserve.model.compute.kernels import cpu_matmul as kernel
+
     from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
     cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
@@ -266,10 +266,10 @@ def test_the_executor_packs_its_weights_and_repacks_after_a_swap(tiny_dir):
 @pytest.mark.parametrize("dtype, beside", [("bfloat16", 4), ("int8", 16)])
 def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside, monkeypatch):
     """With oneDNN reading packed weights from 8 rows up, the small-row kernel keeps only the
-    rows it is faster for (model/layers.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more;
+    rows it is faster for (model/compute/dots.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more;
     bf16 weights read from packed pairs take the kernel at every size, beside oneDNN or not."""
-    from model.kernels import cpu_matmul
-    from model.layers import PAIR_ROWS, few_rows, kernel_rows
+    from ringserve.model.compute.dots import PAIR_ROWS, few_rows, kernel_rows
+    from ringserve.model.compute.kernels import cpu_matmul
 
     monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": True)
     assert kernel_rows(dtype) == kernel_rows(dtype, True) == PAIR_ROWS  # bf16 rows

@@ -1,4 +1,4 @@
-"""Step programs read back from disk (model/program_cache.py): the same samples and logprobs as
+"""Step programs read back from disk (model/runtime/program_cache.py): the same samples and logprobs as
 traced ones, no trace on a hit, keys that move with what shapes a trace, private files, and
 anything unreadable taken as a miss."""
 
@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model import program_cache
-from model.executor import ExecutorConfig, ModelExecutor
-from model.program_cache import ProgramCache
-from model.step_inputs import DeviceRow, DeviceSampling
+from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
+from ringserve.model.runtime import program_cache
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.runtime.program_cache import ProgramCache
 
 CFG = dict(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=64, top_logprobs_num=2,
            token_ids_logprob_num=2)  # fmt: skip
@@ -75,7 +74,7 @@ def test_programs_read_back_compute_what_traced_ones_do(tiny_dir, tmp_path, monk
     assert _decode(first) == want
     del first
 
-    import model.executor as mx
+    import ringserve.model.runtime.executor as mx
 
     counting, calls = counting_traces(mx.make_step)
     monkeypatch.setattr(mx, "make_step", counting)
@@ -95,7 +94,7 @@ def test_a_step_loads_its_own_program_from_disk_rather_than_run_padded(tiny_dir,
     tests/model/test_step.py: compiled there where it is not on disk)."""
     import threading
 
-    from model.step_inputs import StepShape
+    from ringserve.model.compute.step_inputs import StepShape
 
     monkeypatch.setattr(program_cache, "directory", lambda: tmp_path / "programs")
     cfg = dict(CFG, top_logprobs_num=0, token_ids_logprob_num=0, program_cache=True, background_compile=True)
@@ -161,7 +160,7 @@ def test_the_source_digest_moves_with_the_model_and_kvmem_sources(tmp_path):
     (tmp_path / "actors").mkdir()
     (tmp_path / "actors" / "other.py").write_text("w = 4\n")
     assert program_cache.tree_digest(tmp_path) == d
-    for f in ("model/kernels/k.cc", "kvmem/pool.py", "model/step.py"):
+    for f in ("model/compute/kernels/k.cc", "kvmem/pool.py", "model/runtime/step.py"):
         before = (tmp_path / f).read_text()
         (tmp_path / f).write_text(before + "// changed\n")
         assert program_cache.tree_digest(tmp_path) != d, f
@@ -225,7 +224,7 @@ _FRESH_START = """
 import json, sys
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
-import model.executor as mx
+import ringserve.model.runtime.executor as mx
 from tests.model.test_program_cache import counting_traces
 mx.make_step, traced = counting_traces(mx.make_step)
 cfg = json.loads(sys.argv[3])
@@ -242,7 +241,7 @@ def test_a_fresh_bf16_process_reads_back_every_program(tiny_dir, tmp_path):
     import subprocess
     import sys
 
-    from model.kernels import cpu_matmul, cpu_norm
+    from ringserve.model.compute.kernels import cpu_matmul, cpu_norm
 
     if cpu_norm.reason() is not None or cpu_matmul.reason("bfloat16") is not None:
         pytest.skip(f"no bf16 kernels here: {cpu_norm.reason() or cpu_matmul.reason('bfloat16')}")

@@ -1,4 +1,4 @@
-"""Weight-only int8 (`quantization="int8"`, model/params.py): the quantizer's error bound, the
+"""Weight-only int8 (`quantization="int8"`, model/weights/state.py): the quantizer's error bound, the
 state's layout (int8 weight + f32 scale per output column, per token row for the embedding)
 in both layer layouts and lazily on many hosts, and the served model: its greedy tokens equal
 those of the same model whose float weights are the dequantized int8 ones, at load and after a
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.weights.state import QUANTIZED, build_host_state, build_lazy_state, quantize_int8
 
-from model.checkpoints.weights import load_checkpoint
-from model.executor import ExecutorConfig, ModelExecutor
-from model.params import QUANTIZED, build_host_state, build_lazy_state, quantize_int8
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
 CFG = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
@@ -138,7 +138,7 @@ def test_an_unknown_quantization_is_refused_by_name(tiny_dir):
 def test_int8_through_onednn_agrees_with_xla(tiny_dir):
     """bf16 activations times int8 weights inside oneDNN (tied LM head: the [V, H] embedding with
     its per-row scales) against XLA's dequantizing dot: greedy continuations agree."""
-    from model.kernels import onednn
+    from ringserve.model.compute.kernels import onednn
 
     if (why := onednn.supports("bfloat16", "int8")) is not None:
         pytest.skip(f"oneDNN custom call: {why}")
@@ -155,8 +155,8 @@ def test_int8_through_onednn_agrees_with_xla(tiny_dir):
 @pytest.mark.parametrize("quantization, prompts", [(None, [9]), (None, [5, 30]), ("int8", [5, 30, 9, 17])])
 def test_decode_through_the_small_row_kernel_keeps_xla_tokens(tiny_dir, quantization, prompts):
     """f32 decode steps of 1-2 rows, and int8 ones of up to 16, through ringserve's kernel
-    (model/kernels/cpu_matmul.py): the greedy tokens of XLA's dot on the same weights."""
-    from model.kernels import cpu_matmul
+    (model/compute/kernels/cpu_matmul.py): the greedy tokens of XLA's dot on the same weights."""
+    from ringserve.model.compute.kernels import cpu_matmul
 
     if (why := cpu_matmul.reason(quantization or "float32")) is not None:
         pytest.skip(f"cpu_matmul kernel: {why}")
@@ -170,7 +170,7 @@ def test_decode_through_the_small_row_kernel_keeps_xla_tokens(tiny_dir, quantiza
 
 TP_INT8 = r"""
 import json, sys
-from model.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 path, tp, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128, tp_size=tp,

@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model.checkpoints.config import RopeConfig
-from model.layers import ROPE_TABLE_MAX, rope_inv_freq, rope_tables
+from ringserve.model.compute.dots import ROPE_TABLE_MAX, rope_inv_freq, rope_tables
+from ringserve.model.config import RopeConfig
 
 ROPES = [RopeConfig(theta=100000.0), RopeConfig(rope_type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0,
                                                 high_freq_factor=4.0, original_max_position_embeddings=8192)]  # fmt: skip

@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import model.sampler
-from model.executor import ExecutorConfig, ModelExecutor
-from model.sampler import gumbel_noise, keep_mask, sample
-from model.step_inputs import DeviceRow, DeviceSampling, SamplingBatch
+import ringserve.model.runtime.sampler as sampler_mod
+from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling, SamplingBatch
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.runtime.sampler import gumbel_noise, keep_mask, sample
 
 
 def sb(temperature, top_k=-1, top_p=1.0, min_p=0.0, seed=0, position=0) -> SamplingBatch:
@@ -127,7 +126,7 @@ def reference_mask(probs: np.ndarray, top_k: int, top_p: float, min_p: float) ->
 
 @pytest.mark.parametrize("candidates", [256, 1], ids=["top-k-candidates", "bisection"])
 def test_keep_mask_equals_the_sorting_definition(candidates, monkeypatch):
-    monkeypatch.setattr(model.sampler, "CANDIDATES", candidates)
+    monkeypatch.setattr(sampler_mod, "CANDIDATES", candidates)
     rng = np.random.default_rng(11)
     v, n = 700, 48
     # coarse logits: many exactly tied probabilities; wide and flat rows: prefixes past 256
@@ -206,10 +205,10 @@ def test_rows_without_filters_do_not_force_the_bisection_path():
     k = jnp.asarray([5000, 5000, 5000, 1000])
     top_p = jnp.asarray([0.9, 2.0, 2.0, 2.0])  # keep_mask's encoding: > 1 = off
     min_p = jnp.asarray([0.0, 0.0, 0.05, 0.0])
-    c, tau, resolved, _, _ = model.sampler._from_candidates(probs, k, top_p, min_p)
+    c, tau, resolved, _, _ = sampler_mod._from_candidates(probs, k, top_p, min_p)
     assert np.asarray(resolved).tolist() == [True, True, True, False]
     assert int(c[1]) == 5000 and float(tau[1]) == float(probs[1].min())
-    assert int(c[0]) <= model.sampler.CANDIDATES
+    assert int(c[0]) <= sampler_mod.CANDIDATES
     mask = np.asarray(keep_mask(logits, sb([1.0] * 4, top_k=[-1, -1, -1, 1000], top_p=[0.9, 1, 1, 1], min_p=[0, 0, 0.05, 0])))
     assert mask[1].all() and mask[3].sum() == 1000 and mask[2].sum() == int((probs[2] >= 0.05 * probs[2].max()).sum())
 
@@ -217,7 +216,7 @@ def test_rows_without_filters_do_not_force_the_bisection_path():
 def test_noise_is_finite_so_a_near_certain_token_always_wins():
     # the hash's extremes map strictly inside (0, 1): a uniform of exactly 1 (a 24-bit mapping
     # rounds 0xFFFFFF + 0.5 up to 2^24) is a Gumbel of +inf that wins whatever its token's mass
-    u = np.asarray(model.sampler._uniform(jnp.asarray([0, 0xFFFFFFFF], jnp.uint32)))
+    u = np.asarray(sampler_mod._uniform(jnp.asarray([0, 0xFFFFFFFF], jnp.uint32)))
     assert 0 < u[0] and u[1] < 1
     v = 49152
     logits = np.zeros((64, v), np.float32)
@@ -249,7 +248,7 @@ def test_logprobs_no_sample_reads_are_zeros_and_the_rest_unchanged(temperature):
             np.testing.assert_array_equal(out[i], full[i] if top else np.zeros_like(full[i]))
     # the host sets the flags from the rows: any row that reads them (token_ids_logprob reads
     # the log-sum-exp too)
-    from model.step_inputs import Buckets, build_batch
+    from ringserve.model.compute.step_inputs import Buckets, build_batch
 
     buckets = Buckets.make(max_batch=4, max_extend_tokens=64, extend_block=16)
 
@@ -279,4 +278,4 @@ def test_first_max_is_the_lowest_index_of_the_max(v):
     x[7, :] = -np.inf
     x[7, v // 2] = 0.0
     want = [int(np.flatnonzero(r == r.max())[0]) for r in x]
-    assert np.asarray(jax.jit(model.sampler._first_max)(jnp.asarray(x))).tolist() == want
+    assert np.asarray(jax.jit(sampler_mod._first_max)(jnp.asarray(x))).tolist() == want

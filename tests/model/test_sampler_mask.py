@@ -8,9 +8,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from model.sampler import allowed_only, sample, sample_rows
-from model.step_inputs import Buckets, DeviceRow, SamplingBatch, build_batch
+from ringserve.model.compute.step_inputs import Buckets, DeviceRow, SamplingBatch, build_batch
+from ringserve.model.runtime.sampler import allowed_only, sample, sample_rows
 
 V = 70  # not a multiple of 32: the last word is partly padding
 

@@ -10,9 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-
-from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow, NoProgramYet
+from ringserve.model.compute.step_inputs import DeviceRow, NoProgramYet
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
 PAGE = 16
 
@@ -53,7 +52,7 @@ def test_all_buckets_compiled_once_and_never_again(tiny_dir):
 
 
 def test_compile_order_covers_first_then_splits_the_widest_gap():
-    from model.programs import widest_gap_first as _widest_gap_first
+    from ringserve.model.runtime.programs import widest_gap_first as _widest_gap_first
 
     for n in range(1, 12):
         order = _widest_gap_first(n)
@@ -62,8 +61,8 @@ def test_compile_order_covers_first_then_splits_the_widest_gap():
 
 
 def test_the_smallest_programs_lead_where_padding_costs_as_real_rows():
-    from model.programs import compile_order
-    from model.step_inputs import Buckets, StepShape
+    from ringserve.model.compute.step_inputs import Buckets, StepShape
+    from ringserve.model.runtime.programs import compile_order
 
     b = Buckets.make(4, 64, 16)
     order, lead = compile_order(b, [0], 0, 5)  # an accelerator: the covering programs alone
@@ -75,7 +74,7 @@ def test_the_smallest_programs_lead_where_padding_costs_as_real_rows():
 
 
 def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
-    from model.step_inputs import Buckets, StepShape
+    from ringserve.model.compute.step_inputs import Buckets, StepShape
 
     for block in (16, 1):  # with block 1 the decode shape (1, 4, 4) is also an extend shape
         b = Buckets.make(4, 64, block)
@@ -95,7 +94,7 @@ def test_bucket_families_lead_with_their_largest_and_shapes_are_unique():
 def test_a_step_padded_by_ok_names_its_smallest_shape():
     """build_batch records the shape that would hold the step best beside the one `ok` let it
     run in (the executor then loads that program where it is on disk)."""
-    from model.step_inputs import Buckets, StepShape, build_batch
+    from ringserve.model.compute.step_inputs import Buckets, StepShape, build_batch
 
     b = Buckets.make(4, 64, 16)
     row = DeviceRow(np.arange(5, dtype=np.int32), 0, np.array([1], np.int32))
@@ -108,7 +107,7 @@ def test_a_step_padded_by_ok_names_its_smallest_shape():
 def test_decode_buckets_step_past_powers_of_two():
     """Decode batches: powers of two up to 2 x step, then every step (SGLang's CUDA graph sizes);
     a batch runs in the smallest that holds it."""
-    from model.step_inputs import Buckets, StepShape
+    from ringserve.model.compute.step_inputs import Buckets, StepShape
 
     assert Buckets.make(64, 1024, 16, 8).decode_batches == (2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert Buckets.make(64, 1024, 16, 0).decode_batches == (2, 4, 8, 16, 32, 64)
@@ -130,7 +129,7 @@ def test_serves_while_the_other_programs_compile(tiny_dir, backend):
     there, each traced once, and steps use the exact ones."""
     import threading
 
-    from model.step_inputs import StepShape
+    from ringserve.model.compute.step_inputs import StepShape
 
     gate = threading.Event()
 
@@ -224,8 +223,8 @@ def test_future_index_reads_previous_sample_on_device(tiny_dir):
 TP_SCRIPT = r"""
 import json, sys
 import numpy as np
-from model.step_inputs import DeviceRow
-from model.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 path, tp, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,
@@ -263,7 +262,7 @@ def test_a_program_compiled_between_the_failed_pick_and_the_wait_is_not_missed()
     landed returns at once with True (retry), and False only when no more will come."""
     import threading
 
-    from model.programs import ProgramSet
+    from ringserve.model.runtime.programs import ProgramSet
 
     gate = threading.Event()
 
@@ -288,7 +287,7 @@ def test_the_background_compile_runs_at_the_lowest_priority():
     on a thread the OS schedules only where the steps leave a core (Linux: niceness 19)."""
     import threading
 
-    from model.programs import BACKGROUND_NICE, ProgramSet
+    from ringserve.model.runtime.programs import BACKGROUND_NICE, ProgramSet
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

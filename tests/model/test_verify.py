@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model.executor import ExecutorConfig, ModelExecutor
-from model.step_inputs import DeviceRow, DeviceSampling
+from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
 PAGE, K = 16, 4
 
@@ -38,7 +37,7 @@ def plain(
 @pytest.mark.parametrize("backend", ["native", "cpu_kernel", "bucketed"])
 def test_verify_rounds_equal_plain_decoding(tiny_dir, backend):
     if backend == "cpu_kernel":
-        from model.kernels import cpu_attention
+        from ringserve.model.compute.kernels import cpu_attention
 
         if (why := cpu_attention.reason()) is not None:
             pytest.skip(f"the C++ attention kernel: {why}")

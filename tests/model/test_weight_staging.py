@@ -10,10 +10,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
-from actors.frontend.weight_buckets import Segment, buckets
-from actors.transport.messages import TensorRef
-from model.weight_sync import WeightError, WeightSync
+from ringserve.actors.frontend.weight_buckets import Segment, buckets
+from ringserve.actors.transport.messages import TensorRef
+from ringserve.model.weights.sync import WeightError, WeightSync
 
 
 class FakeExecutor:

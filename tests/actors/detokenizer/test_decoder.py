@@ -8,9 +8,8 @@ import shutil
 
 import numpy as np
 import pytest
-
-from actors.detokenizer.incremental import IncrementalDecoder
-from model.checkpoints.tokenizer import Decoder, decoder_spec, load_decoder, load_tokenizer
+from ringserve.actors.detokenizer.incremental import IncrementalDecoder
+from ringserve.model.checkpoints.tokenizer import Decoder, decoder_spec, load_decoder, load_tokenizer
 
 TEXT = "Héllo wörld — naïve café, 世界 🙂🚀 ok. Ünïcödé ∑∫ done <|im_start|>x<|im_end|>"
 
@@ -108,12 +107,12 @@ def test_a_cache_that_cannot_be_written_only_costs_speed(tiny_dir, tmp_path, mon
 
 def test_actors_starting_together_load_transformers_once(tiny_dir, cache, monkeypatch):
     """A first start's frontend, scheduler and detokenizer ask for the tokenizer at once: one
-    loads transformers' and keeps the spec, the others wait for it (model/checkpoints/paths.py
+    loads transformers' and keeps the spec, the others wait for it (model/paths.py
     `one_maker`) and decode from the spec, the same text."""
     import threading
     import time
 
-    from model.checkpoints import tokenizer as tokenizer_module
+    from ringserve.model.checkpoints import tokenizer as tokenizer_module
 
     d = tiny_dir("llama")
     real, calls = tokenizer_module.load_tokenizer, []

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from actors.detokenizer.incremental import IncrementalDecoder
-from actors.transport.sampling import SamplingParams, find_stop
+from ringserve.actors.detokenizer.incremental import IncrementalDecoder
+from ringserve.actors.transport.sampling import SamplingParams, find_stop
 
 TEXT = "Héllo wörld — naïve café, 世界 🙂🚀 ok. Ünïcödé ∑∫ done"
 
@@ -96,7 +95,7 @@ def test_aliases_and_normalisation():
 
 
 def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
-    from actors.detokenizer.core import DetokenizerCore
+    from ringserve.actors.detokenizer.core import DetokenizerCore
 
     text = "alpha beta STOP gamma"
     ids = tok.encode(text, add_special_tokens=False)
@@ -116,7 +115,7 @@ def test_detokenizer_holds_back_a_possible_stop_prefix_and_trims_it(tok):
 
 
 def test_detokenizer_without_stops_streams_everything(tok):
-    from actors.detokenizer.core import DetokenizerCore
+    from ringserve.actors.detokenizer.core import DetokenizerCore
 
     ids = tok.encode(TEXT, add_special_tokens=False)
     core = DetokenizerCore(tok)
@@ -131,8 +130,8 @@ def test_a_resumed_request_continues_the_text_exactly_at_every_cut(tok, stops, c
     """The engine restarted after `cut` ids reached the caller (with the text sent so far): a new
     detokenizer opened with them (Resume) goes on so that the caller's text is the uninterrupted
     one, never repeated, whatever the cut (inside a character, inside a held-back stop prefix)."""
-    from actors.detokenizer.core import DetokenizerCore
-    from actors.transport import messages as m
+    from ringserve.actors.detokenizer.core import DetokenizerCore
+    from ringserve.actors.transport import messages as m
 
     ids = tok.encode(TEXT, add_special_tokens=False)
     matched = next((s for s in stops if s in TEXT), None)

@@ -14,7 +14,7 @@ API_KEY = "test-key-0123456789"
 def served(shared_engine):
     """(engine, servers): the shared tiny engine, its socket in a private dir, HTTP on an
     ephemeral port."""
-    from actors import Servers
+    from ringserve import Servers
 
     servers = Servers(shared_engine, port=0).start()
     yield shared_engine, servers
@@ -24,7 +24,7 @@ def served(shared_engine):
 @pytest.fixture(scope="session")
 def served_with_key(served):
     """A second HTTP server with an API key, over the same engine."""
-    from actors import Servers
+    from ringserve import Servers
 
     engine, _ = served
     servers = Servers(engine, ipc=False, port=0, api_key=API_KEY).start()
@@ -47,7 +47,7 @@ def servers(served, engine):
 
 @pytest.fixture
 def client(servers):
-    from actors import Client
+    from ringserve import Client
 
     c = Client(servers.socket_path)
     yield c

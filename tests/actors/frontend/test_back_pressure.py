@@ -10,7 +10,7 @@ import socket
 import struct
 import time
 
-from actors.frontend import protocol as p
+from ringserve.actors.frontend import protocol as p
 
 MAX_CALLS = 1024  # actors/frontend/ipc_server.py MAX_CALLS_PER_CONNECTION
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -145,7 +145,7 @@ def test_a_stalled_http_stream_holds_one_snapshot_not_one_per_output(engine, ser
 
 
 def test_a_stalled_socket_stream_holds_one_snapshot_not_one_per_output(engine, servers):
-    from actors.frontend.inputs import GenerateArgs
+    from ringserve.actors.frontend.inputs import GenerateArgs
 
     rids = [f"stall-ipc-{i}" for i in range(4)]
     args = GenerateArgs(input_ids=[[5 + i, 6, 7] for i in range(4)], rid=rids, stream=True, **BIG)

@@ -10,9 +10,8 @@ import time
 import httpx
 import msgspec
 import pytest
-
-from actors.frontend import protocol as p
-from actors.frontend.inputs import GenerateArgs
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.inputs import GenerateArgs
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SP = {**GREEDY, "max_new_tokens": 20}

@@ -12,8 +12,7 @@ import time
 import httpx
 import msgspec
 import pytest
-
-from actors.frontend import protocol as p
+from ringserve.actors.frontend import protocol as p
 
 enc = msgspec.msgpack.encode
 GREEDY = {"temperature": 0, "ignore_eos": True}

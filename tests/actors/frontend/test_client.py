@@ -43,7 +43,7 @@ def test_generate_equals_the_engine_and_streaming_equals_non_streaming(engine, c
 
 
 def test_200_concurrent_streaming_clients_each_get_the_engine_greedy_output(engine, servers):
-    from actors import AsyncClient
+    from ringserve import AsyncClient
 
     prompts = random_prompts(200, seed=12, lo=2, hi=24)
     sp = {**GREEDY, "max_new_tokens": 6}
@@ -142,7 +142,7 @@ def test_leaving_a_stream_aborts_its_requests(engine, client):
 def test_a_client_process_killed_mid_stream_leaves_nothing_running(engine, servers):
     script = textwrap.dedent(f"""
         import sys
-        from actors import Client
+        from ringserve import Client
         c = Client({servers.socket_path!r})
         for i, chunk in enumerate(c.generate(input_ids=[[5, 6, 7], [9, 10]], stream=True,
                                              sampling_params={{"max_new_tokens": 220, "temperature": 0, "ignore_eos": True}})):

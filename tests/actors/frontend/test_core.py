@@ -7,12 +7,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
-from actors.frontend.core import FrontendCore, generate_req
-from actors.frontend.inputs import RequestSpec
-from actors.frontend.sessions import Sessions
-from actors.transport import messages as m
-from actors.transport.sampling import SamplingParams
+from ringserve.actors.frontend.core import FrontendCore, generate_req
+from ringserve.actors.frontend.inputs import RequestSpec
+from ringserve.actors.frontend.sessions import Sessions
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.sampling import SamplingParams
 
 
 class Tok:
@@ -123,8 +122,8 @@ def test_the_frontend_imports_no_jax(tiny_dir):
 
     mods = ["actors.frontend." + name for name in ("actor", "core", "engine", "client", "http_server", "ipc_server",
                                                    "server", "inputs", "protocol")]  # fmt: skip
-    mods += ["actors.transport.launcher", "model.checkpoints.config", "model.checkpoints.resolve",
-             "model.checkpoints.tokenizer"]  # fmt: skip
+    mods += ["ringserve.actors.transport.launcher", "ringserve.model.config", "ringserve.model.checkpoints.resolve",
+             "ringserve.model.checkpoints.tokenizer"]  # fmt: skip
     code = (f"import sys\nfor m in {mods!r}: __import__(m)\n"
             "from actors.server_args import ServerArgs\nfrom model.checkpoints.footprint import read_footprint\n"
             f"ServerArgs(model_path={str(tiny_dir())!r}, enable_lora=True)\nread_footprint({str(tiny_dir())!r})\n"
@@ -191,7 +190,7 @@ def test_a_stream_that_lags_costs_one_chunk_of_the_newest_state():
 
 
 def test_a_stream_begun_after_its_outputs_and_one_whose_engine_dies():
-    from actors.frontend.errors import EngineDead
+    from ringserve.actors.frontend.errors import EngineDead
 
     async def main() -> None:
         core, (st,) = _stream_core(1)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from actors.frontend.dispatch import Dispatcher, PrefixIndex
-from actors.transport.loads import GroupLoad
+from ringserve.actors.frontend.dispatch import Dispatcher, PrefixIndex
+from ringserve.actors.transport.loads import GroupLoad
 
 
 class Board:
@@ -161,7 +160,7 @@ def test_an_unknown_method_is_refused():
 
 
 def test_the_load_board_round_trips_each_row():
-    from actors.transport.loads import LoadBoard
+    from ringserve.actors.transport.loads import LoadBoard
 
     board = LoadBoard.create(2)
     try:
@@ -179,7 +178,7 @@ def test_the_load_board_round_trips_each_row():
 
 
 def test_each_group_gets_its_own_devices():
-    from actors.transport.devices import group_envs
+    from ringserve.actors.transport.devices import group_envs
 
     assert group_envs(1, 4, {}) == [{}]
     cpu = group_envs(2, 1, {"JAX_NUM_CPU_DEVICES": "2", "XLA_FLAGS": "--xla_foo=1"})

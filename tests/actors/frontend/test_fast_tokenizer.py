@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from model.checkpoints.tokenizer import FastTokenizer, load_encoder, load_tokenizer
+from ringserve.model.checkpoints.tokenizer import FastTokenizer, load_encoder, load_tokenizer
 
 TEXTS = ["Héllo wörld — naïve café, 世界 🙂🚀 ok.", "", " ", "  leading and trailing  ", "a\n\nb\tc\r\n",
          "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "x<|im_end|>y<|im_start|>", "1234567 89.5%"]  # fmt: skip

@@ -255,9 +255,8 @@ def test_generate_body_builds_the_generate_args():
     """/generate's body decodes into GenerateBody and yields the GenerateArgs every surface
     builds; input_ids win over text (as SGLang); fields served only at their default refuse."""
     import msgspec
-
-    from actors.frontend.http_server import GenerateBody
-    from actors.frontend.inputs import GenerateArgs
+    from ringserve.actors.frontend.http_server import GenerateBody
+    from ringserve.actors.frontend.inputs import GenerateArgs
 
     body = b'{"text": "a", "input_ids": [1, 2], "rid": "r", "stream": true, "logprob_start_len": -1}'
     args = msgspec.json.decode(body, type=GenerateBody).args()
@@ -297,8 +296,7 @@ def test_chat_roles_are_openais(engine, servers):
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
     import jinja2
-
-    from actors.frontend.openai_api import ChatMessage, ChatRequest, chat_args
+    from ringserve.actors.frontend.openai_api import ChatMessage, ChatRequest, chat_args
 
     def render(messages: list[dict]) -> list[int]:
         raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from actors.frontend.inputs import GenerateArgs, Limits, normalize_generate
+from ringserve.actors.frontend.inputs import GenerateArgs, Limits, normalize_generate
 
 
 def norm(prompt=None, **kw):
@@ -119,7 +118,7 @@ def session_norm(sessions, **kw):
 
 
 def test_a_session_turn_is_put_behind_its_earlier_turn():
-    from actors.frontend.sessions import Sessions
+    from ringserve.actors.frontend.sessions import Sessions
 
     sessions = Sessions()
     sid = sessions.open_session()
@@ -145,7 +144,7 @@ def test_a_session_turn_is_put_behind_its_earlier_turn():
     ],
 )
 def test_bad_session_turns_name_the_field(kw, message):
-    from actors.frontend.sessions import Sessions
+    from ringserve.actors.frontend.sessions import Sessions
 
     sessions = Sessions()
     sessions.open_session(session_id="S")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.frontend import protocol as p
-from actors.frontend.ipc_server import IPCServer
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.ipc_server import IPCServer
 
 
 def test_a_burst_of_a_thousand_connections_is_accepted(tmp_path):

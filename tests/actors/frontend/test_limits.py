@@ -10,12 +10,11 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ringserve.actors.frontend import protocol as p
+from ringserve.actors.frontend.inputs import GenerateArgs
+from ringserve.actors.frontend.limits import MAX_DEPTH, bytes_per_token, check_depth, json_too_deep
+from ringserve.kvmem.allocator import cdiv
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
-from actors.frontend import protocol as p
-from actors.frontend.inputs import GenerateArgs
-from actors.frontend.limits import MAX_DEPTH, bytes_per_token, check_depth, json_too_deep
-from kvmem.allocator import cdiv
 
 
 @pytest.mark.parametrize(("body", "error"), [
@@ -119,7 +118,7 @@ def test_bytes_per_token_is_a_bound_every_text_respects(kind):
 
 
 def test_bytes_per_token_of_the_tiny_model(tiny_dir):
-    from model.checkpoints.tokenizer import load_tokenizer
+    from ringserve.model.checkpoints.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_dir("llama"))
     spec = json.loads(tok.backend_tokenizer.to_str())

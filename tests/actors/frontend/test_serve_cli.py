@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_socket_and_shared_memory_are_private_and_http_is_local(engine, servers):
-    from actors.server_args import ServerArgs
+    from ringserve.actors.server_args import ServerArgs
 
     mode = os.stat(servers.socket_path).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
@@ -89,7 +89,7 @@ def test_sigterm_under_load_exits_within_10s_callers_get_abort_nothing_left(tiny
     """SIGTERM to the server's whole process group, as Ctrl-C in a terminal or a harness's killpg
     sends it: only the server acts on it (its actors have sessions of their own), so nothing is
     taken for a crash and restarted while it shuts down."""
-    from actors import Client
+    from ringserve import Client
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -98,7 +98,7 @@ def test_sigterm_under_load_exits_within_10s_callers_get_abort_nothing_left(tiny
     sock.parent.mkdir(mode=0o700)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli.main", "serve", "--model", str(tiny_dir("llama")), "--socket", str(sock),
+        [sys.executable, "-m", "ringserve.actors.cli.main", "serve", "--model", str(tiny_dir("llama")), "--socket", str(sock),
          "--port", "0", "--page-size", "16", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "RINGSERVE_CACHE": str(cache), "PYTHONPATH": str(ROOT)}, start_new_session=True,
@@ -168,7 +168,7 @@ def test_sigterm_under_load_exits_within_10s_callers_get_abort_nothing_left(tiny
 
 
 def test_a_second_server_on_a_live_socket_is_refused(engine, servers):
-    from actors import Servers
+    from ringserve import Servers
 
     with pytest.raises(ValueError, match="another server is listening"):
         Servers(engine, socket=servers.socket_path, http=False).start()

@@ -21,7 +21,7 @@ from tests.engine.conftest import SMALL
 
 @pytest.mark.parametrize("actor", ["scheduler", "runner", "detokenizer"])
 def test_a_killed_actor_leaves_no_socket_file_or_directory(tiny_dir, actor):
-    from actors import Engine, Servers
+    from ringserve import Engine, Servers
 
     engine = Engine(str(tiny_dir("llama")), page_size=16, supervise=False, **SMALL)
     try:
@@ -42,7 +42,7 @@ def test_a_killed_actor_leaves_no_socket_file_or_directory(tiny_dir, actor):
 
 
 def test_servers_that_fail_to_start_leave_no_socket(engine, servers, tmp_path, monkeypatch):
-    from actors import Servers
+    from ringserve import Servers
 
     taken = servers.port  # HTTP cannot bind a port that is in use
     sock = tmp_path / "d" / "s.sock"
@@ -57,7 +57,7 @@ def test_servers_that_fail_to_start_leave_no_socket(engine, servers, tmp_path, m
 
 
 def test_an_engine_shut_down_under_its_servers_takes_the_socket_with_it(tiny_dir):
-    from actors import Engine, Servers
+    from ringserve import Engine, Servers
 
     engine = Engine(str(tiny_dir("llama")), page_size=16, **SMALL)
     servers = Servers(engine, port=0, http=False).start()
@@ -78,7 +78,7 @@ def test_a_client_left_open_at_module_level_does_not_hang_the_exit(servers):
     t0 = time.monotonic()
     try:
         r = _run(f"""
-            from actors import Client
+            from ringserve import Client
             c = Client({servers.socket_path!r})
             print(c.generate(input_ids=[5, 6], sampling_params={{"max_new_tokens": 2, "temperature": 0}})["output_ids"])
         """, timeout=40)  # fmt: skip
@@ -92,7 +92,7 @@ def test_a_client_left_open_at_module_level_does_not_hang_the_exit(servers):
 def test_a_client_left_open_in_a_thread_and_an_async_client_do_not_hang_the_exit(servers):
     r = _run(f"""
         import asyncio, threading
-        from actors import AsyncClient, Client
+        from ringserve import AsyncClient, Client
         box = []
         t = threading.Thread(target=lambda: box.append(Client({servers.socket_path!r})))
         t.start(); t.join()
@@ -111,7 +111,7 @@ def test_a_client_left_open_in_a_thread_and_an_async_client_do_not_hang_the_exit
 
 
 def test_a_client_dropped_unclosed_warns_and_lets_go_of_its_connection(servers):
-    from actors import Client
+    from ringserve import Client
 
     before = servers.ipc.num_connections
     c = Client(servers.socket_path)
@@ -127,7 +127,7 @@ def test_a_client_dropped_unclosed_warns_and_lets_go_of_its_connection(servers):
 
 
 def test_closing_a_client_whose_loop_is_gone_returns_at_once(servers):
-    from actors import Client
+    from ringserve import Client
 
     c = Client(servers.socket_path)
     c._lt.loop.call_soon_threadsafe(c._lt.loop.stop)  # the loop thread ends under the client

@@ -16,11 +16,11 @@ import threading
 
 import numpy as np
 import pytest
+from ringserve.actors.frontend.core import FrontendCore
+from ringserve.actors.frontend.journal import Journal
+from ringserve.actors.frontend.supervisor import RestartPolicy
+from ringserve.actors.transport import messages as m
 
-from actors.frontend.core import FrontendCore
-from actors.frontend.journal import Journal
-from actors.frontend.supervisor import RestartPolicy
-from actors.transport import messages as m
 from tests.actors.frontend.test_core import Tok, out, spec
 
 
@@ -67,7 +67,7 @@ def _unlink(name: str) -> None:
 
 def read_back(refs: list[m.TensorRef]) -> dict[str, np.ndarray]:
     """What a restarted runner reads from the journal's segment."""
-    from actors.frontend.journal import _read_tensors
+    from ringserve.actors.frontend.journal import _read_tensors
 
     got: dict = {}
     _read_tensors(refs, got)
@@ -165,14 +165,14 @@ class FakeRing:
         self.closed = closed or threading.Event()
 
     def send(self, raw: bytes) -> None:
-        from actors.transport.ring import RingClosed
+        from ringserve.actors.transport.ring import RingClosed
 
         if self.closed.is_set():
             raise RingClosed("closed")
         self.sent.append(m.to_scheduler.decode(raw))
 
     def recv(self, timeout: float | None = None) -> None:
-        from actors.transport.ring import RingClosed
+        from ringserve.actors.transport.ring import RingClosed
 
         if self.closed.wait(timeout or 0):
             raise RingClosed("closed")
@@ -180,10 +180,10 @@ class FakeRing:
 
 @pytest.fixture
 def tm(tiny_dir):
-    from actors.frontend.actor import TokenizerManager
-    from actors.server_args import ServerArgs
-    from actors.transport.launcher import EngineLinks
-    from model.checkpoints.tokenizer import load_tokenizer
+    from ringserve.actors.frontend.actor import TokenizerManager
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.transport.launcher import EngineLinks
+    from ringserve.model.checkpoints.tokenizer import load_tokenizer
 
     t = TokenizerManager(load_tokenizer(tiny_dir("llama")), EngineLinks([FakeRing()], [FakeRing()]),
                          args=ServerArgs(max_total_tokens=65536), vocab_size=2048)  # fmt: skip
@@ -192,7 +192,7 @@ def tm(tiny_dir):
 
 
 def test_reattach_sends_the_state_then_every_request_then_the_calls_that_wait(tm):
-    from actors.transport.launcher import EngineLinks
+    from ringserve.actors.transport.launcher import EngineLinks
 
     async def scenario():
         a, b = (tm.core.add(spec(r, stream=True), now=0.0) for r in ("A", "B"))
@@ -269,10 +269,10 @@ class FakeGroup:
     reports a death (the group is torn down, its rings closed)."""
 
     def __init__(self, on_failure, fail_start: bool) -> None:
-        from actors.transport.launcher import ActorFailed
+        from ringserve.actors.transport.launcher import ActorFailed
 
         self.on_failure, self.failure, self.down = on_failure, None, threading.Event()
-        from actors.transport.launcher import EngineLinks
+        from ringserve.actors.transport.launcher import EngineLinks
 
         self.rings = EngineLinks([FakeRing(self.down)], [FakeRing(self.down)])
         self.start_error = ActorFailed("runner", 1, "Traceback: no device") if fail_start else None
@@ -295,7 +295,7 @@ class FakeGroup:
         self.released = True
 
     def die(self, name: str = "runner") -> None:
-        from actors.transport.launcher import ActorFailed
+        from ringserve.actors.transport.launcher import ActorFailed
 
         self.failure = ActorFailed(name, -9, "")
         self.down.set()
@@ -304,7 +304,7 @@ class FakeGroup:
 
 def supervised(tm, policy: RestartPolicy, journal: Journal, starts: list[bool] | None = None):
     """A Supervisor over fake groups (`starts`: whether each start after the first fails)."""
-    from actors.frontend.supervisor import Supervisor
+    from ringserve.actors.frontend.supervisor import Supervisor
 
     groups: list[FakeGroup] = []
     plan = iter(starts or [])
@@ -322,7 +322,7 @@ def supervised(tm, policy: RestartPolicy, journal: Journal, starts: list[bool] |
 def test_a_frontend_that_fails_while_the_actors_start_stops_them(bare_tm):
     """Engine makes its frontend (its tokenizer) while the actors start: if that raises, the
     group started is torn down and released, and the error is the caller's."""
-    from actors.frontend.supervisor import Supervisor
+    from ringserve.actors.frontend.supervisor import Supervisor
 
     groups: list[FakeGroup] = []
 
@@ -361,9 +361,9 @@ def live(tm, *rids: str) -> list:
 
 @pytest.fixture
 def bare_tm(tiny_dir):
-    from actors.frontend.actor import TokenizerManager
-    from actors.server_args import ServerArgs
-    from model.checkpoints.tokenizer import load_tokenizer
+    from ringserve.actors.frontend.actor import TokenizerManager
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.model.checkpoints.tokenizer import load_tokenizer
 
     t = TokenizerManager(load_tokenizer(tiny_dir("llama")), args=ServerArgs(max_total_tokens=65536), vocab_size=2048)
     yield t

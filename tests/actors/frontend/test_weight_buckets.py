@@ -12,9 +12,8 @@ import stat
 import ml_dtypes
 import numpy as np
 import pytest
-
-from actors.frontend.protocol import TensorPiece
-from actors.frontend.weight_buckets import (
+from ringserve.actors.frontend.protocol import TensorPiece
+from ringserve.actors.frontend.weight_buckets import (
     ALIGN,
     Segment,
     blob_parts,
@@ -205,7 +204,7 @@ def _session(script):
     """Run `script(push, sent)` on a loop with a Push whose control records every part."""
     import asyncio
 
-    from actors.frontend.weight_push import Push
+    from ringserve.actors.frontend.weight_push import Push
 
     sent: list = []
 

@@ -54,7 +54,7 @@ def tensors(ck) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from model.checkpoints.tiny import make_tiny_model
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("push")
     return {seed: make_tiny_model(root / f"s{seed}", "llama", seed=seed) for seed in (1, 2)}
@@ -63,7 +63,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh(checkpoints):
     """Greedy outputs of a fresh Engine on each checkpoint (the references)."""
-    from actors import Engine
+    from ringserve import Engine
 
     refs = {}
     for seed, ck in checkpoints.items():
@@ -90,7 +90,7 @@ def pusher(socket_path: str, ck, *, bucket_bytes: int, version: str, stop_after:
     script = textwrap.dedent(f"""
         import json, sys, time
         from safetensors.numpy import load_file
-        from actors import Client
+        from ringserve import Client
 
         named = list(load_file({str(ck / "model.safetensors")!r}).items())
 
@@ -114,7 +114,7 @@ def test_a_second_process_pushes_every_tensor_in_small_buckets(restored, servers
 
     import httpx
 
-    from actors import Client
+    from ringserve import Client
 
     engine = restored
     assert outputs(engine) != fresh[1]
@@ -143,7 +143,7 @@ def test_a_second_process_pushes_every_tensor_in_small_buckets(restored, servers
 
 
 def test_a_pusher_killed_half_way_leaves_the_old_weights_and_no_shared_memory(restored, servers, checkpoints):
-    from actors import Client
+    from ringserve import Client
 
     engine = restored
     before, version = outputs(engine), engine.get_server_info()["weight_version"]
@@ -180,7 +180,7 @@ def test_a_pusher_killed_half_way_leaves_the_old_weights_and_no_shared_memory(re
 
 
 def test_a_push_while_requests_run_is_refused_and_dropped(restored, servers, checkpoints):
-    from actors import Client
+    from ringserve import Client
 
     engine = restored
     before = outputs(engine)
@@ -194,7 +194,7 @@ def test_a_push_while_requests_run_is_refused_and_dropped(restored, servers, che
 
 
 def test_abort_all_requests_aborts_the_rollout_then_pushes(restored, servers, checkpoints, fresh):
-    from actors import Client
+    from ringserve import Client
 
     engine = restored
     t, box = in_background(engine, PROMPTS, 200)  # not paused: the flag makes it quiet
@@ -208,7 +208,7 @@ def test_abort_all_requests_aborts_the_rollout_then_pushes(restored, servers, ch
 
 
 def test_bad_tensors_from_a_client_are_refused_naming_them(restored, servers):
-    from actors import Client
+    from ringserve import Client
 
     engine = restored
     before = outputs(engine)
@@ -231,8 +231,9 @@ def test_bad_tensors_from_a_client_are_refused_naming_them(restored, servers):
 def test_a_stalled_pusher_times_out_and_a_cancelled_push_is_dropped(restored, servers):
     import threading
 
-    from actors import AsyncClient
-    from actors.frontend import protocol as p
+    from ringserve.actors.frontend import protocol as p
+
+    from ringserve import AsyncClient
 
     engine = restored
     own = list(tensors(engine.model_dir).items())
@@ -286,7 +287,7 @@ def _post(url: str, body, query: str = "", key: str | None = None, ctype: str = 
 
 
 def test_http_push_of_safetensors_blobs_equals_a_fresh_engine(restored, servers, checkpoints, fresh):
-    from actors.frontend.weight_buckets import safetensors_stream
+    from ringserve.actors.frontend.weight_buckets import safetensors_stream
 
     engine = restored
     assert engine.pause_generation("retract")["success"]
@@ -302,7 +303,7 @@ def test_http_push_refusals_name_the_tensor_and_field(restored, servers, served_
     import json
     import struct
 
-    from actors.frontend.weight_buckets import safetensors_stream
+    from ringserve.actors.frontend.weight_buckets import safetensors_stream
 
     engine = restored
     before = outputs(engine)
@@ -359,7 +360,7 @@ def read_response(s: socket.socket) -> str:
 def test_an_http_client_that_stalls_or_disconnects_half_way_leaves_the_old_weights(restored, servers, checkpoints):
     from urllib.parse import urlparse
 
-    from actors.frontend.weight_buckets import safetensors_stream
+    from ringserve.actors.frontend.weight_buckets import safetensors_stream
 
     engine = restored
     before = outputs(engine)

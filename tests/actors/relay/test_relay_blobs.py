@@ -14,11 +14,10 @@ import threading
 import numpy as np
 import posix_ipc
 import pytest
-
-from actors.relay.blobs import Received, send_blobs, tensor_refs
-from actors.relay.core import recv_frame, send_frame
-from actors.transport import messages as m
-from model.weight_segments import WeightError, read_segments
+from ringserve.actors.relay.blobs import Received, send_blobs, tensor_refs
+from ringserve.actors.relay.core import recv_frame, send_frame
+from ringserve.actors.transport import messages as m
+from ringserve.model.weights.segments import WeightError, read_segments
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ import socket
 import threading
 
 import pytest
-
-from actors.relay.core import (
+from ringserve.actors.relay.core import (
     BYE,
     MAGIC,
     U32,

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from actors.runner.core import RunnerCore
-from actors.runner.slot_mirrors import UNKNOWN, SlotMirrors
-from actors.transport import messages as m
-from model.executor import StepOut
-from model.sampler import SampleOut
-from model.step_inputs import DeviceSampling
+from ringserve.actors.runner.core import RunnerCore
+from ringserve.actors.runner.slot_mirrors import UNKNOWN, SlotMirrors
+from ringserve.actors.transport import messages as m
+from ringserve.model.compute.step_inputs import DeviceSampling
+from ringserve.model.runtime.executor import StepOut
+from ringserve.model.runtime.sampler import SampleOut
 
 SP = DeviceSampling(temperature=0.5, top_k=4, seed=9)
 

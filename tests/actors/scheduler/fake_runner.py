@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from actors.scheduler.batch import ScheduledBatch, StepResult
+from ringserve.actors.scheduler.batch import ScheduledBatch, StepResult
 
 
 def next_token(context: list[int], vocab: int) -> int:
@@ -81,7 +80,7 @@ class SlotMirror:
 
 
 class FakeRunner:
-    """Plays every row as the device does (model/step.py), one path: FUTURE(slot) inputs read
+    """Plays every row as the device does (model/runtime/step.py), one path: FUTURE(slot) inputs read
     the slot's last sample, a row samples its last 1 + drafts positions, a verify round starts
     at the slot's FutureMap position (its committed_len is the scheduler's bound) and accepts its
     leading drafts equal to their targets; the FutureMap moves past what was accepted. A

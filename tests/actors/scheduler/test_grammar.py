@@ -14,13 +14,13 @@ import threading
 import jsonschema
 import numpy as np
 import pytest
+from ringserve.actors.scheduler.core import SchedulerCore
+from ringserve.actors.scheduler.grammar import Grammars
+from ringserve.actors.scheduler.req import Req
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport.sampling import SamplingParams
+from ringserve.kvmem import KVCache
 
-from actors.scheduler.core import SchedulerCore
-from actors.scheduler.grammar import Grammars
-from actors.scheduler.req import Req
-from actors.server_args import ServerArgs
-from actors.transport.sampling import SamplingParams
-from kvmem import KVCache
 from tests.actors.scheduler.fake_runner import FakeRunner, copying
 
 VOCAB = 2048  # the tiny model's
@@ -38,7 +38,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def tok(tiny_dir):
-    from model.checkpoints.tokenizer import load_tokenizer
+    from ringserve.model.checkpoints.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_dir("llama"))
 
@@ -139,7 +139,7 @@ def test_json_outputs_validate_and_are_identical_across_overlap_speculation_and_
 def test_untrimmed_drafts_would_leave_the_grammar(lltok, monkeypatch):
     """The workload above proposes drafts the grammar refuses: without trimming, a verify round
     would carry them (the fake runner checks every draft against its position's mask)."""
-    from actors.scheduler.grammar import ReqGrammar
+    from ringserve.actors.scheduler.grammar import ReqGrammar
 
     monkeypatch.setattr(ReqGrammar, "valid_drafts", lambda self, drafts: len(drafts))
     with pytest.raises(AssertionError, match="outside the grammar"):

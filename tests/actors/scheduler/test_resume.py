@@ -11,11 +11,11 @@ import json
 
 import numpy as np
 import pytest
+from ringserve.actors.scheduler.actor import to_req
+from ringserve.actors.scheduler.output import token_out
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.sampling import SamplingParams
 
-from actors.scheduler.actor import to_req
-from actors.scheduler.output import token_out
-from actors.transport import messages as m
-from actors.transport.sampling import SamplingParams
 from tests.actors.scheduler import test_grammar as g
 from tests.actors.scheduler.fake_runner import reference
 from tests.actors.scheduler.test_scheduler import VOCAB, drive, letters, make
@@ -92,7 +92,7 @@ def test_a_resumed_constrained_request_replays_its_output_into_its_matcher(g_llt
 
 @pytest.fixture(scope="module")
 def g_tok(tiny_dir):
-    from model.checkpoints.tokenizer import load_tokenizer
+    from ringserve.model.checkpoints.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_dir("llama"))
 

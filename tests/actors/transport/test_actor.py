@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from actors.transport.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
-from actors.transport.ring import Ring, RingClosed
+from ringserve.actors.transport.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
+from ringserve.actors.transport.ring import Ring, RingClosed
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = "tests.actors.transport.test_actor"
@@ -179,7 +178,7 @@ def test_bad_targets_and_names_are_refused():
 _ORPHAN_PARENT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from actors.transport.launcher import ActorGroup
+from ringserve.actors.transport.launcher import ActorGroup
 g = ActorGroup()
 ring = g.ring("orphan", 1024)
 known = g.broadcast_ring("known", 2, 1024)

@@ -9,9 +9,8 @@ import json
 import llguidance as llg
 import msgspec
 import pytest
-
-from actors.transport.constraint import grammar
-from actors.transport.sampling import SamplingParams
+from ringserve.actors.transport.constraint import grammar
+from ringserve.actors.transport.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TAG = {"structures": [{"begin": "<function=f>", "schema": SCHEMA, "end": "</function>"}], "triggers": ["<function="]}

@@ -5,11 +5,10 @@ weights; an explicit max_total_tokens wins; nothing that fits is a ValueError na
 from __future__ import annotations
 
 import pytest
-
-from actors.server_args import ServerArgs
-from actors.transport import memory
-from actors.transport.memory import need_tokens, resolve_memory, size_pool
-from model.checkpoints.footprint import Footprint, read_footprint
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import memory
+from ringserve.actors.transport.memory import need_tokens, resolve_memory, size_pool
+from ringserve.model.checkpoints.footprint import Footprint, read_footprint
 
 TINY = Footprint(num_layers=4, num_kv_heads=4, head_dim=32, num_params=3_279_104)  # the tiny Llama
 SMOLLM2 = Footprint(num_layers=30, num_kv_heads=3, head_dim=64, num_params=134_515_008)  # SmolLM2-135M
@@ -99,7 +98,7 @@ def test_an_unknown_memory_sizes_by_need(tiny_dir, monkeypatch):
 
 
 def test_the_host_memory_probe_reads_meminfo():
-    from actors.transport.devices import device_memory_bytes
+    from ringserve.actors.transport.devices import device_memory_bytes
 
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024

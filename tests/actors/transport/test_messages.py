@@ -7,11 +7,10 @@ import pickle
 
 import msgspec
 import pytest
-
-from actors.server_args import ServerArgs
-from actors.transport import messages as m
-from actors.transport.sampling import SamplingParams
-from model.step_inputs import DeviceSampling
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.transport import messages as m
+from ringserve.actors.transport.sampling import SamplingParams
+from ringserve.model.compute.step_inputs import DeviceSampling
 
 _SAMPLING = SamplingParams(max_new_tokens=16, temperature=0.5, top_k=4, stop=("\n",), stop_token_ids=(2,), sampling_seed=7)
 _OUT = m.TokenOut(rid="r1", new_ids=m.i32([5, 6]), prompt_tokens=3, completion_tokens=2, logprobs=m.f32([-0.5, -1.0]),

@@ -14,8 +14,7 @@ import zlib
 import msgspec
 import numpy as np
 import pytest
-
-from actors.transport.ring import BroadcastRing, Ring, RingClosed, RingTimeout, shm_files
+from ringserve.actors.transport.ring import BroadcastRing, Ring, RingClosed, RingTimeout, shm_files
 
 N_FRAMES = 1_000_000
 
@@ -92,7 +91,7 @@ def slow_reader(ctx):
 
 # ---- tests ------------------------------------------------------------------------------
 def test_million_frames_keep_order_and_content_across_wraparound():
-    from actors.transport.launcher import ActorGroup
+    from ringserve.actors.transport.launcher import ActorGroup
 
     seed, max_size = 7, 300
     with ActorGroup() as group:
@@ -114,7 +113,7 @@ def test_million_frames_keep_order_and_content_across_wraparound():
 
 
 def test_broadcast_three_readers_one_slow_all_in_order_and_writer_held_back():
-    from actors.transport.launcher import ActorGroup
+    from ringserve.actors.transport.launcher import ActorGroup
 
     n, delay, cap = 300, 0.002, 1024
     with ActorGroup() as group:
@@ -139,7 +138,7 @@ def test_broadcast_three_readers_one_slow_all_in_order_and_writer_held_back():
 
 
 def test_split_messages_larger_than_the_ring_round_trip_cross_process():
-    from actors.transport.launcher import ActorGroup
+    from ringserve.actors.transport.launcher import ActorGroup
 
     rng = np.random.default_rng(3)
     with ActorGroup() as group:
@@ -293,7 +292,7 @@ def test_mark_closed_wakes_blocked_reader_and_writer():
 
 
 def test_reader_killed_mid_stream_is_detected_by_the_writer():
-    from actors.transport.launcher import ActorGroup
+    from ringserve.actors.transport.launcher import ActorGroup
 
     failures: list[tuple[str, int | None, float]] = []
     group = ActorGroup(on_failure=lambda name, code, tb: failures.append((name, code, time.monotonic())))
@@ -322,7 +321,7 @@ def test_unlink_name_removes_a_ring_known_only_by_name():
     """An actor whose parent (the creator) was killed removes its rings' names (actor.py)."""
     import os
 
-    from actors.transport.ring import BroadcastRing, shm_files, unlink_name
+    from ringserve.actors.transport.ring import BroadcastRing, shm_files, unlink_name
 
     ring = BroadcastRing.create("orphan", 3, 4096)
     try:
@@ -333,7 +332,7 @@ def test_unlink_name_removes_a_ring_known_only_by_name():
         unlink_name(ring.name)  # gone already: nothing to do
     finally:
         ring.close()
-    from actors.transport.loads import LoadBoard
+    from ringserve.actors.transport.loads import LoadBoard
 
     board = LoadBoard.create(2)  # not a ring: its one segment
     try:

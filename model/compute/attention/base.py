@@ -1,0 +1,171 @@
+"""The attention interface the model calls, and the paged KV layout most backends share.
+
+A backend owns four things, so that the model never knows which one runs:
+
+    kv_avals()/kv_specs(tp)   the KV cache's arrays (shapes, dtype) and their `tp` sharding
+    plan(fb, shape)           host side: extra per-step inputs (NumPy, static shapes per program)
+    write(kv, layer, k, v, fb)   in the graph: this step's new K/V into the cache (in place)
+    attend(q, kv, layer, fb)     in the graph: [T, Hq, D] outputs of the step's query tokens
+
+The forward runs the layers under one `lax.scan`, so `layer` is a traced scalar and the cache
+arrays hold every layer: a backend reads layer l's pages by offsetting page ids by
+`l * num_pages` (never by slicing a layer out, which would copy it).
+
+Paged layout (native, bucketed, pallas_gpu, none):
+
+    k, v : [Hkv, num_layers * num_pages, page_size, D]      (sharded over Hkv on a `tp` mesh)
+           page p of layer l is index l * num_pages + p; page 0 of every layer is the sink that
+           padding tokens write to and nothing reads.
+    token location (ForwardBatch.out_loc) = page * page_size + offset, within one layer.
+
+The native backend keeps V so and stores K key-major within a page, [Hkv, L * P, D, page_size]
+(same page ids and token locations): its CPU score product then reads a gathered chunk as is.
+
+Per-step inputs every backend sees (ForwardBatch, built in model/compute/step_inputs.py): the new
+tokens packed densely (row r owns flat tokens row_start[r]:row_start[r+1]), their positions and
+token locations, and per row its kv_len (= committed_len + extend_len: KV valid after this
+step's writes) and page table. Query i of row r sits at position `kv_len[r] - extend_len + i`
+and sees keys j <= its position (and j > position - sliding_window when the model has one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+from ringserve.model.compute.step_inputs import StepShape  # noqa: F401 -- re-exported: the backends' shape type
+
+NEG_INF = -1e30  # additive mask value (finite: a fully masked row gives 0, not NaN)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttnGeometry:
+    """Static facts of the model and the KV pool that every backend needs."""
+
+    num_layers: int
+    num_pages: int  # per layer, the sink page 0 included
+    page_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_pages: int  # page-table width (pages of the longest context)
+    dtype: Any  # KV dtype (the compute dtype)
+    sliding_window: int | None = None
+    deterministic: bool = False  # contractions as products and sums whose order no shape changes
+
+    @property
+    def scale(self) -> float:
+        return float(self.head_dim) ** -0.5
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def max_context(self) -> int:
+        return self.max_pages * self.page_size
+
+
+class AttentionBackend:
+    """Base class: the paged layout and its write; subclasses implement `attend` (and `plan`)."""
+
+    name: ClassVar[str] = ""
+    uses_context_buckets: ClassVar[bool] = False  # programs keyed by a static context length
+
+    def __init__(self, geo: AttnGeometry):
+        self.geo = geo
+
+    # ---- the cache ----------------------------------------------------------------------------
+    def kv_avals(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        g = self.geo
+        shape = (g.num_kv_heads, g.num_layers * g.num_pages, g.page_size, g.head_dim)
+        return jax.ShapeDtypeStruct(shape, g.dtype), jax.ShapeDtypeStruct(shape, g.dtype)
+
+    def kv_specs(self, tp: int) -> tuple[PartitionSpec, PartitionSpec]:
+        spec = PartitionSpec("tp", None, None, None) if self.geo.num_kv_heads % tp == 0 else PartitionSpec()
+        return spec, spec
+
+    # ---- per step ------------------------------------------------------------------------------
+    def context_buckets(self) -> tuple[int, ...]:
+        """The context lengths programs are compiled for; (0,) = one program serves any."""
+        return (0,)
+
+    def context_for(self, max_kv_len: int) -> int:
+        """The context bucket of a step whose longest row holds `max_kv_len` tokens."""
+        return 0
+
+    def plan(self, fb: Any, shape: StepShape) -> dict[str, np.ndarray]:
+        return {}
+
+    def plan_avals(self, shape: StepShape) -> dict[str, jax.ShapeDtypeStruct]:
+        return {}
+
+    def shift_plan(self, plan: dict, shift: jax.Array) -> dict:
+        """In the graph, before the layers: row r's positions are `shift[r]` lower than the host
+        planned with (a verify step: the host planned with a bound, the device knows the true
+        length). The keys the plan covers stay (a superset); what needs positions moves. The
+        tile-based plans (native, bucketed) carry query positions; the kernels read fb.kv_len."""
+        if "tile_pos" not in plan:
+            return plan
+        pos = plan["tile_pos"]
+        moved = jnp.where(pos >= 0, pos - shift[plan["tile_row"]][:, None], -1)
+        return plan | {"tile_pos": moved}
+
+    # ---- in the graph --------------------------------------------------------------------------
+    def write(self, kv, layer: jax.Array, k: jax.Array, v: jax.Array, fb) -> Any:
+        """Scatter the step's k, v [T, Hkv, D] into layer `layer` at fb.out_loc (in place under
+        donation: the scan carries the cache, so the update never copies it)."""
+        return self.write_paged(kv[0], k, layer, fb), self.write_paged(kv[1], v, layer, fb)
+
+    def write_paged(self, cache: jax.Array, new: jax.Array, layer: jax.Array, fb) -> jax.Array:
+        """new [T, Hkv, D] into a cache of the paged layout [Hkv, L*P, page, D]."""
+        g = self.geo
+        flat = (g.num_kv_heads, g.num_layers * g.num_pages * g.page_size, g.head_dim)
+        loc = fb.out_loc + layer * (g.num_pages * g.page_size)
+        upd = cache.reshape(flat).at[:, loc].set(to_kv(jnp.swapaxes(new, 0, 1), cache.dtype, g.dtype))
+        return upd.reshape(cache.shape)
+
+    def attend(self, q: jax.Array, kv, layer: jax.Array, fb) -> jax.Array:
+        raise NotImplementedError
+
+
+def kv_bits(dtype: Any) -> Any:
+    """The dtype a backend may store a `dtype` cache as: 16-bit floats as their bits (uint16).
+    XLA:CPU scatters and converts 16-bit floats through f32 over the whole operand (SmolLM2's
+    bf16 cache, 64 tokens into one layer: 528 ms a write, against 0.01 ms as uint16)."""
+    return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def to_kv(new: jax.Array, cache_dtype: Any, dtype: Any) -> jax.Array:
+    """New keys/values of compute dtype `dtype` as the cache stores them (`kv_bits`)."""
+    new = new.astype(dtype)
+    return new if cache_dtype == dtype else jax.lax.bitcast_convert_type(new, cache_dtype)
+
+
+def from_kv(x: jax.Array, dtype: Any) -> jax.Array:
+    """Gathered cache entries back in the compute dtype `dtype` (a no-op unless stored as bits)."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def layer_pages(pages: jax.Array, layer: jax.Array, num_pages: int) -> jax.Array:
+    """Page ids of layer `layer` in the stacked cache."""
+    return pages + layer * num_pages
+
+
+class NoAttention(AttentionBackend):
+    """The floor: writes K/V like every backend, but each query's output is itself (no keys
+    read). Only for benchmarks (bench/step_floor.py): the step time without attention."""
+
+    name = "none"
+
+    def kv_avals(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        k, v = super().kv_avals()  # stored as bits, like the native backend's (kv_bits)
+        return k.update(dtype=kv_bits(k.dtype)), v.update(dtype=kv_bits(v.dtype))
+
+    def attend(self, q, kv, layer, fb):
+        return q

@@ -1,0 +1,455 @@
+"""`ModelExecutor`: the facade the runner calls. It owns the model's state (the Decoder module's
+`nnx.Param`s, model/weights/state.py, each on its `tp` sharding, and on CPU the custom calls' packed
+copies of it, model/weights/memory.py), the KV cache and the FutureMap on device
+(model/runtime/kv_pool.py), and the compiled step programs (model/runtime/programs.py) of the traced step
+(model/runtime/step.py), which take the state as their first argument, the step's inputs
+(model/compute/step_inputs.py) and the ones kept on device for steps that need none of their own
+(model/runtime/step_constants.py).
+
+    ex = ModelExecutor(path, ExecutorConfig(...))     load, place, compile (progress bar)
+    out, rows, accepted = ex.run(device_rows)         one step (model/compute/step_inputs.py DeviceRows)
+    so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
+    ex.build_params / swap_params / drop_params       weights while serving (model/weights/sync.py)
+    ex.kv_pool.new / drop                             device memory (release / resume)
+    ex.lora                                           the LoRA adapter pool (model/weights/lora.py), or None
+
+Nothing recompiles while serving: `run` only calls programs compiled at start-up (or in the
+background, `background_compile`: until they all are, a step runs padded in the smallest
+compiled program that holds it, or waits for one; tiny model, 2 CPU cores: serving 13 s after
+start instead of ~50 s). `trace_count` counts traces (a program read back from the program cache,
+model/runtime/program_cache.py, counts as the trace it replaces) and tests pin it. The KV cache and the
+FutureMap are donated to every step and replaced by its outputs, so their update is in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from ringserve.kvmem.allocator import cdiv
+from ringserve.model.checkpoints.load import load_checkpoint, release_pages
+from ringserve.model.compute.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
+from ringserve.model.compute.dots import INVARIANT_ROWS
+from ringserve.model.compute.mesh import make_mesh, replicated
+from ringserve.model.compute.plan import (
+    custom_calls,
+    load_kernels,
+    prebuild_kernels,
+    resolve_dot,
+    resolve_layer_loop,
+)
+from ringserve.model.compute.step_inputs import (
+    Buckets,
+    DeviceRow,
+    HostBatch,
+    NoProgramYet,
+    StepShape,
+    build_batch,
+)
+from ringserve.model.layers.decoder import CausalLM
+from ringserve.model.runtime.kv_pool import KVPool
+from ringserve.model.runtime.program_cache import ProgramCache, usable
+from ringserve.model.runtime.programs import Key, ProgramSet, compile_order, step_avals
+from ringserve.model.runtime.sampler import PositionLogprobs, SampleOut
+from ringserve.model.runtime.step import make_logits, make_step
+from ringserve.model.runtime.step_constants import StepConstants
+from ringserve.model.weights import memory as weight_memory
+from ringserve.model.weights.lora import LoraBatch, LoraPool
+from ringserve.model.weights.state import QUANT_MODES, build_host_state, build_lazy_state, checked_layout
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    page_size: int = 16
+    num_pages: int = 2048  # including the sink page 0
+    max_context_len: int = 4096
+    max_batch: int = 64  # largest decode bucket (= max running requests)
+    max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
+    extend_block: int = 16  # query tile of extend steps
+    decode_bucket_step: int = 8  # decode batches: powers of two up to 2x this, then every this many
+    dtype: str = "float32"
+    tp_size: int = 1
+    top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
+    token_ids_logprob_num: int = 0  # K: token_ids_logprob a row may ask for (every step takes K per row)
+    attention_backend: str = "auto"
+    attention_interpret: bool = False  # run Pallas kernels in their interpreter (tests on CPU)
+    attn_chunk_tokens: int = 64  # native attention: keys per work item
+    context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
+    layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
+    layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
+    cpu_matmul: str = "auto"  # "xla" | "onednn" | "kernel" (model/compute/kernels/) | "auto": model/compute/plan.py resolve_dot
+    quantization: str | None = None  # "int8": weight-only int8 projections, LM head, embedding (model/weights/state.py)
+    precompile: bool = True  # compile every bucket at start-up
+    background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
+    verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
+    decode_steps: int = 1  # multi-step decode: decode steps a program runs one after another (1 = off)
+    decode_steps_rows: int = 4  # multi-step decode programs for decode batches of up to this many rows
+    deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
+    lora_slots: int = 0  # LoRA adapter pool slots incl. the empty slot 0 (max_loras_per_batch + 1); 0 = off
+    lora_rank: int = 0  # max_lora_rank: every slot's rank (adapters of lower rank are zero-padded)
+    lora_targets: tuple[str, ...] = ()  # the projections adapters may train (model/checkpoints/peft.py)
+    lora_gather: bool = False  # the adapters' product in its gather form, not the dense one (model/weights/lora.py)
+    program_cache: bool = False  # keep the traced programs on disk (model/runtime/program_cache.py; CPU, one device)
+
+    @property
+    def max_pages(self) -> int:
+        """Page-table width: pages of the longest context."""
+        return cdiv(self.max_context_len, self.page_size)
+
+
+class StepOut(NamedTuple):
+    """One step's device outputs (`ModelExecutor.run_step`); JAX dispatch is asynchronous, so
+    reading them waits for the step."""
+
+    out: SampleOut  # the samples: the first `num_samples`, row after row
+    accepted: jax.Array  # [R] int32 drafts each row accepted (0 for a plain row)
+    prompt: PositionLogprobs  # logprobs at the wanted prompt positions: the first `num_positions`
+    num_samples: int
+    num_positions: int
+
+
+class ModelExecutor:
+    def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
+        if cfg.quantization is not None and cfg.quantization not in QUANT_MODES:
+            raise ValueError(f"quantization={cfg.quantization!r}: choose None or one of {list(QUANT_MODES)}")
+        self.cfg = cfg
+        self.mesh = make_mesh(cfg.tp_size)
+        self.platform = jax.devices()[0].platform
+        if self.platform == "cpu":
+            prebuild_kernels(cfg)
+        self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret, cfg.tp_size)
+        if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
+            # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
+            log.warning("enable_deterministic_inference: attention backend %s -> bucketed", self.backend)
+            self.backend = "bucketed"
+        self.model_config, tensors = load_checkpoint(model_path)
+        mc = self.model_config
+        if cfg.max_context_len > mc.max_position_embeddings:
+            log.warning("max_context_len %d > model's max_position_embeddings %d",
+                        cfg.max_context_len, mc.max_position_embeddings)  # fmt: skip
+        geo = AttnGeometry(
+            num_layers=mc.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
+            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            max_pages=cfg.max_pages, dtype=DTYPES[cfg.dtype], sliding_window=mc.sliding_window,
+            deterministic=cfg.deterministic,
+        )  # fmt: skip
+        self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
+        if cfg.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, cfg.decode_steps)):
+            raise ValueError(f"decode_steps={cfg.decode_steps}: multi-step decode runs its steps' attention without a "
+                             f"host plan, which the {self.backend} backend needs (cpu_kernel has none)")  # fmt: skip
+        self.dot = resolve_dot(cfg, self.platform)
+        self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform, self.dot)
+        self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
+                              cfg.deterministic, logits_vocab_major=self.platform == "cpu",
+                              lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization,
+                              rope_table_positions=cfg.max_pages * cfg.page_size if self.platform == "cpu" else None)  # fmt: skip
+        self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block, cfg.decode_bucket_step)
+        self.constants = StepConstants(replicated(self.mesh), self.mask_words, cfg.token_ids_logprob_num, self.buckets)
+        self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
+        self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
+        checked_layout(mc, tensors)  # a missing or misshapen tensor is refused before anything runs
+        # what every compiled program takes first (the Decoder's state, model/weights/state.py; updates
+        # must match it) and the KV cache's arrays: the programs compile against these
+        self.params_avals = self.model.state_avals(self.mesh)
+        if self.platform == "cpu" and self.mesh.size == 1 and self.dot.startswith("kernel"):
+            weight_memory.reserve_pairs(self.params_avals)
+        self.kv_avals = self._kv_avals()
+        self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
+        self.kv_pool = KVPool(self.kv_avals, self._serving)
+        self._settled = threading.Event()  # set once no more programs will compile (all, or failed)
+        # Building the weights (host copies from the memory-mapped checkpoint, then the device's:
+        # SmolLM2 f32 0.5-2.5 s on CPU), then the KV pool (kv_pool.new) run on a thread while the
+        # lead programs are traced, lowered and loaded here, which need only the avals above.
+        # One after the other: the host copy and the checkpoint's pages are gone before the
+        # pool's pages come (at once, f32 peak RSS would be ~1 GB higher).
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-load")
+        building = pool.submit(self._build, tensors)
+        zeroing = pool.submit(self.kv_pool.new)
+        pool.shutdown(wait=False)  # its thread ends with the tasks
+        self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
+        if cfg.lora_slots:
+            self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
+                                 DTYPES[cfg.dtype], replicated(self.mesh))  # fmt: skip
+            self.lora_avals = _avals(self.lora.weights)
+        self.trace_count = 0
+        # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
+        # Prompt positions' logprobs (extend programs) likewise, in groups: 64 on CPU (SmolLM2,
+        # 255 positions: +0.23 s over a 0.74 s step; groups of 16: +0.37 s, of 256: +2.8 s), 128 on
+        # accelerators, where each iteration of a runtime-count loop costs a host round trip
+        # (not measured there yet).
+        cpu = self.platform == "cpu"
+        step = make_step(self.model, 16 if cpu else None, INVARIANT_ROWS if cfg.deterministic else None,
+                         64 if cpu else 128)  # fmt: skip
+
+        def traced(*args):
+            self.trace_count += 1  # Python side effect: runs once per trace, never per call
+            return step(*args)
+
+        self._traced = traced
+        self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8, 9))
+        self._on_disk: ProgramCache | None = None
+        self._not_on_disk: set[StepShape] = set()  # programs `_compile_best` found not kept
+        if cfg.program_cache and usable(self.platform, cfg.tp_size):
+            self._on_disk = ProgramCache({
+                "executor": dataclasses.asdict(cfg), "model": repr(mc), "attention": self.backend, "dot": self.dot,
+                "layer_loop": self.layer_loop})  # fmt: skip
+            if self.platform == "cpu":
+                load_kernels(cfg)  # (before a program is read back)
+        self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
+        contexts = self.attn.context_buckets()
+        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu,
+                                    cfg.decode_steps, cfg.decode_steps_rows)  # fmt: skip
+        self.programs = ProgramSet(self._compile, order, lead, contexts)
+
+        def loaded() -> None:  # the weights and the KV pool, before any other program compiles
+            self.params = building.result()
+            if not self._fits(self.params):
+                raise RuntimeError("the built state does not match its avals (model/layers/decoder.py: state_avals)")
+            self._packed = [weight_memory.register(self.params, self.dot)]  # the packed copies' owner
+            weakref.finalize(self, weight_memory.release, self._packed)
+            zeroing.result()
+            self._serving.set()
+
+        if cfg.precompile:
+            self.programs.compile_all(background=cfg.background_compile and jax.process_count() == 1, then=loaded,
+                                      done=self._settled.set)  # fmt: skip
+        else:
+            loaded()
+            self._settled.set()
+
+    # ---- weights ------------------------------------------------------------------------------
+    def _build(self, tensors: dict[str, np.ndarray]) -> Any:
+        """The Decoder's state from HF-named host arrays (model/weights/state.py; per-layer weights when
+        the layers run unrolled), each Param on its `tp` sharding. Raises ValueError naming a
+        missing or misshapen tensor. Many hosts: each reads only its own devices' shards of the
+        (memory-mapped) tensors (build_lazy_state), never the whole model into host memory."""
+        build = build_lazy_state if jax.process_count() > 1 else build_host_state
+        host = build(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan",
+                     self.cfg.quantization)  # fmt: skip
+        params = jax.block_until_ready(self.model.place(host, self.mesh))
+        release_pages(tensors)  # the checkpoint's pages, read once, leave this process's RSS
+        if self.platform == "cpu" and self.mesh.size == 1:  # the device buffers are these host arrays (no copy)
+            me = weakref.ref(self)  # an executor that failed to start is not kept waiting for
+
+            def after() -> bool | None:  # serving, the KV pool's pages in; None: the executor is gone
+                ex = me()
+                if ex is None:
+                    return None
+                return ex._settled.is_set() and ex.kv_pool.settled()
+
+            threading.Thread(target=weight_memory.huge_pages_when, args=(host, after), name="ringserve-huge-pages",
+                             daemon=True).start()  # fmt: skip
+        return params
+
+    def build_params(self, tensors: dict[str, np.ndarray]) -> Any:
+        """A new state beside the served one (same structure, avals and shardings)."""
+        params = self._build(tensors)
+        if not self._fits(params):
+            raise ValueError("the new weights do not fit the compiled programs (structure, shapes or shardings)")
+        return params
+
+    def _fits(self, params: Any) -> bool:
+        """Whether `params` has the structure, shapes, dtypes and shardings the programs take."""
+        return _avals(params) == self.params_avals
+
+    def swap_params(self, params: Any, tensors: dict[str, np.ndarray]) -> None:
+        old, self.params, self.host_tensors = self.params, params, tensors
+        weight_memory.release(self._packed)  # before the old buffers are freed (their addresses get reused)
+        if old is not None:
+            for leaf in jax.tree_util.tree_leaves(old):
+                leaf.delete()
+        self._packed[0] = weight_memory.register(params, self.dot)
+
+    def discard_params(self, params: Any) -> None:
+        """Free a state built by `build_params` that will not be served (an update refused)."""
+        for leaf in jax.tree_util.tree_leaves(params):
+            leaf.delete()
+
+    def drop_params(self) -> None:
+        """Free the weights on the device; the host copy stays."""
+        self.swap_params(None, self.host_tensors)
+
+    # ---- device memory (the KV cache and FutureMap live in self.kv_pool, model/runtime/kv_pool.py) ------
+    def _kv_avals(self) -> Any:
+        """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): what the
+        programs compile against and the pool makes."""
+        kv = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, s))
+                   for a, s in zip(self.attn.kv_avals(), self.attn.kv_specs(self.cfg.tp_size), strict=True))  # fmt: skip
+        future = jax.ShapeDtypeStruct((self.max_slots + 1,), np.int32, sharding=replicated(self.mesh))
+        return kv, (future, future)
+
+    # ---- programs -----------------------------------------------------------------------------
+    def _program_args(self, shape: StepShape) -> tuple[Any, ...]:
+        """The abstract arguments the program of `shape` compiles against."""
+        fwd, smp, lb, row_slot = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages,
+                                            replicated(self.mesh), self.mask_words, self.cfg.token_ids_logprob_num,
+                                            self.buckets.positions(shape))  # fmt: skip
+        kv, future = self.kv_avals
+        lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
+        return (self.params_avals, kv, future, fwd, smp, lb, lora)
+
+    def _compile_best(self, smallest: StepShape, need: int, loaded_only: bool) -> bool:
+        """Compile the program of `smallest` (the shape that best holds a waiting step, with the
+        shortest context bucket >= `need`) here and now, ahead of the background compile's order;
+        with `loaded_only`, only where it is kept on disk (a load, not a compile). True if it did."""
+        top_n = self.cfg.top_logprobs_num
+        ctx = self.programs.smallest_context(smallest, top_n, need, compiled=False)
+        if ctx is None:
+            return False
+        shape = smallest._replace(context=ctx)
+        if loaded_only:
+            if self._on_disk is None or shape in self._not_on_disk:
+                return False
+            if not self._on_disk.has(self._program_args(shape), _statics(shape, top_n)):
+                self._not_on_disk.add(shape)  # (asked again each padded step until compiled)
+                return False
+        return self.programs.compile_now((shape, top_n))
+
+    def _compile(self, key: Key) -> Any:
+        shape, top_n = key
+        args = self._program_args(shape)
+        if self._on_disk is not None:
+            hits = self._on_disk.hits
+            try:
+                prog = self._on_disk.compile(self._traced, args, _statics(shape, top_n), self._out_tree(),
+                                             donate_argnums=(1, 2), custom_calls=custom_calls())  # fmt: skip
+            except Exception as e:  # (a jax whose export differs): traced as ever
+                log.warning("program %s: not through the program cache (%s: %s)", key, type(e).__name__, e)
+            else:
+                self.trace_count += self._on_disk.hits - hits  # read back: counted as the trace it replaces
+                return prog
+        return self._jitted.lower(*args, *_statics(shape, top_n)).compile()
+
+    def _out_tree(self) -> Any:
+        """The structure every step program returns (model/runtime/step.py): kv, the FutureMap, the
+        samples, the accepted drafts, the prompt positions' logprobs."""
+        kv, future = self.kv_avals
+        return jax.tree.structure((kv, future, SampleOut(*range(5)), 0, PositionLogprobs(*range(4))))
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compile is over; True once every program is compiled."""
+        return self.programs.wait(timeout)
+
+    def compile_status(self) -> dict[str, Any]:
+        return self.programs.status()
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one grammar mask: ceil(V / 32) (model/runtime/sampler.py)."""
+        return cdiv(self.model_config.vocab_size, 32)
+
+    @property
+    def num_programs(self) -> int:
+        """Programs compiled so far."""
+        return len(self.programs.compiled)
+
+    @property
+    def num_programs_total(self) -> int:
+        """Programs there are to compile (num_programs reaches it once start-up compiling ends)."""
+        return len(self.programs.order)
+
+    # ---- serving ------------------------------------------------------------------------------
+    def prepare(self, rows: list[DeviceRow], verify: int = 0, multistep: bool = False) -> HostBatch:
+        """The host side of a step: padded inputs, the program's shape, the backend's plan
+        (`multistep`: `verify` decode steps in one program, model/runtime/step.py)."""
+        top_n, need = self.cfg.top_logprobs_num, 0
+        ok: Callable[[StepShape], bool] | None = None
+        if self.programs.pending:  # still compiling: the smallest compiled program that holds the step
+            try:
+                need = self.attn.context_for(max(r.committed_len + r.extend_len for r in rows))
+            except ValueError:  # empty, or too long: build_batch says which
+                pass
+            else:
+
+                def ok(s: StepShape) -> bool:
+                    return self.programs.smallest_context(s, top_n, need) is not None
+
+        while True:
+            seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
+            try:
+                hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
+                                 self.cfg.token_ids_logprob_num, multistep)  # fmt: skip
+            except NoProgramYet as e:  # (CPU: a prefill longer than the smallest program's) compiled here, now
+                if self._compile_best(e.smallest, need, loaded_only=False) or self.programs.wait_for_more(seen):
+                    continue
+                raise
+            # padded in a larger program while the smallest one is kept on disk: loaded here, now
+            # (SmolLM2 f32, a 30-token prompt in the 3072-token program: 3.9 s; loading its own 0.15)
+            if hb.smallest != hb.shape and self._compile_best(hb.smallest, need, loaded_only=True):
+                continue
+            break
+        ctx = self.attn.context_for(hb.max_kv_len) if ok is None else self.programs.smallest_context(hb.shape, top_n, need)
+        assert ctx is not None  # `ok` accepted this shape for that reason
+        hb.shape = hb.shape._replace(context=ctx)
+        hb.forward = hb.forward._replace(attn=self.attn.plan(hb.forward, hb.shape))
+        return hb
+
+    def run(self, rows: list[DeviceRow], verify: int = 0) -> tuple[SampleOut, list[int], jax.Array]:
+        """One step over `rows` (with `verify` = k + 1: verify rounds of that many tokens at the
+        scheduler's bounds). Returns the (device) sample output, where each row's samples sit
+        in it (row after row: k1 = max(1, verify) each) and the drafts each row accepted."""
+        so = self.run_step(rows, verify)
+        return so.out, list(range(so.num_samples)), so.accepted
+
+    def run_step(self, rows: list[DeviceRow], verify: int = 0, multistep: bool = False) -> StepOut:
+        """`run`, with the logprobs at the rows' wanted prompt positions (`StepOut`); with
+        `multistep`, `verify` decode steps in one program (each row yields that many tokens)."""
+        hb = self.prepare(rows, verify, multistep)
+        out, accepted, prompt = self.run_host_batch(hb)
+        return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions)
+
+    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs]:
+        key = (hb.shape, self.cfg.top_logprobs_num)
+        if key not in self.programs.compiled and self.cfg.precompile:
+            raise RuntimeError(f"program {key} was not compiled at start-up")
+        prog = self.programs.get(key)
+        # The host arrays go to the compiled program as they are: it moves them to its input
+        # shardings in one batched transfer (CPU, 17 arrays: 0.2 ms, against 1.5 ms for a
+        # jax.device_put of the same tree first).
+        lora = None
+        if self.lora is not None:
+            if self.lora.weights is None:
+                raise RuntimeError("the LoRA adapter pool is released (resume_memory_occupation first)")
+            lora = LoraBatch(hb.lora_slot, self.lora.weights)
+        elif hb.lora_slot is not None and hb.lora_slot.any():
+            raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
+        kvp = self.kv_pool
+        kvp.kv, kvp.future, out, accepted, prompt = prog(self.params, kvp.kv, kvp.future, hb.forward,
+                                                           self.constants.sampling(hb), self.constants.logprob(hb), lora)  # fmt: skip
+        self.kv_pool.stepped(out.tokens)  # (its first step lets the pool's pages in)
+        return out, accepted, prompt
+
+    def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
+        """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).
+
+        A diagnostic path for parity tests and tools: jitted on demand, never used while
+        serving, and not counted in `trace_count`."""
+        hb = self.prepare(rows)
+        kvp = self.kv_pool
+        kvp.kv, logits = self._logits_fn(self.params, kvp.kv, jax.device_put(hb.forward, replicated(self.mesh)))
+        return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
+
+
+def _statics(shape: StepShape, top_n: int) -> tuple[int, int, bool]:
+    """The step function's static arguments for a program of `shape` (model/runtime/step.py)."""
+    return top_n, shape.verify, shape.multistep
+
+
+def _avals(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)

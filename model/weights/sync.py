@@ -1,0 +1,259 @@
+"""Weights while serving (the RL loop): update, read back, release and resume device memory.
+
+The executor keeps the HF-named host tensors it serves (`ex.host_tensors`: memory-mapped for a
+safetensors checkpoint). An update builds a whole new state of the Decoder module beside the
+old one, with the start-up builder (`ex.build_params`: the same HF-name map, model/weights/state.py,
+and each Param's sharding), and swaps only once every tensor arrived and checked out; anything
+wrong leaves the old weights serving. The compiled step programs take the state as their first
+argument with the same structure, shapes, dtypes and shardings, so nothing recompiles.
+
+Checks, each an error naming the tensor: an unknown name, a missing one (full updates), a
+shape other than the model's, a dtype that is not floating point, and for a checkpoint on disk
+an architecture other than the served one (family and every dimension).
+
+An update from tensors arrives in parts (buckets) under one update id: each part's pieces (runs
+of rows along dim 0, actors/frontend/weight_buckets.py) are checked against the served model and
+copied out of their shared-memory segment into host arrays (`Staging`) as they arrive; nothing
+reaches the device until the last part, and then only if every tensor begun is complete. A part
+of another update than the one staged, an abandoned update, or any error drops what was staged.
+
+Many hosts (one runner each, model/runtime/distributed.py): an update (its last part) and a resume
+commit only if every runner's succeeded. Each runner builds, then `agree(ok)` gathers every
+runner's ok at that same point of the message stream; one failure anywhere and every runner
+keeps its old weights (what it built is freed) and says why: its own error, or "failed on
+another host". Every part of an update from tensors agrees too (each runner staged it, or every
+runner drops the update): so runner 0's reply to a part, which is all the pusher waits for
+before writing that segment again, comes only once every runner has copied the part out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.config import ModelConfig
+from ringserve.model.weights.segments import WeightError, read_segments
+
+if TYPE_CHECKING:
+    from ringserve.model.runtime.executor import ModelExecutor
+
+FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # fmt: skip
+ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "sliding_window")  # fmt: skip
+
+
+def check_same_architecture(serving: ModelConfig, new: ModelConfig, source: str) -> None:
+    diffs = [f"{f} {getattr(new, f)!r} != {getattr(serving, f)!r}" for f in ARCH_FIELDS
+             if getattr(new, f) != getattr(serving, f)]  # fmt: skip
+    if new.rope != serving.rope:
+        diffs.append(f"rope {new.rope} != {serving.rope}")
+    if diffs:
+        raise WeightError(f"{source}: another architecture than the served model ({'; '.join(diffs)})")
+
+
+def _as_rows(a: np.ndarray) -> np.ndarray:
+    """A view of `a` as [rows along dim 0, the rest] (a 0-d array is one row)."""
+    return a.reshape(a.shape[0] if a.ndim else 1, int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+class Staging:
+    """One update from tensors as its parts arrive. Each tensor's rows come in order: `rows[name]`
+    of `arrays[name]` are filled; the update may apply once every begun tensor is full."""
+
+    def __init__(self, update: str, served: dict[str, Any]):
+        self.update = update
+        self.served = served  # the served HF tensors (their shapes)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.rows: dict[str, int] = {}
+
+    def add(self, ref: Any, src: Any) -> None:
+        """Piece `ref` (a TensorRef) from the buffer `src` (its segment): checked, then copied."""
+        name, dt = ref.name, FLOAT_DTYPES.get(ref.dtype)
+        if name not in self.served:
+            raise WeightError(f"tensor {name!r} is not a weight of the served model")
+        want = tuple(np.shape(self.served[name]))
+        if tuple(ref.shape) != want:
+            raise WeightError(f"tensor {name!r} has shape {tuple(ref.shape)}, the served model's is {want}")
+        if dt is None:
+            raise WeightError(f"tensor {name!r} has dtype {ref.dtype}; weights must be float32, float16 or bfloat16")
+        a = self.arrays.get(name)
+        if a is None:
+            a = self.arrays[name] = np.empty(want, dt)
+            self.rows[name] = 0
+        elif self.rows[name] == len(_as_rows(a)):
+            raise WeightError(f"tensor {name!r} sent twice in one update")
+        elif a.dtype != dt:
+            raise WeightError(f"tensor {name!r}: a piece of dtype {ref.dtype} after pieces of {a.dtype.name}")
+        flat = _as_rows(a)
+        row = flat.shape[1] * dt.itemsize
+        have = self.rows[name]
+        n = ref.nbytes // row if row else len(flat) - have
+        if ref.start != have or (row and ref.nbytes % row) or have + n > len(flat):
+            raise WeightError(f"tensor {name!r}: a piece of rows [{ref.start}, {ref.start + n}) after {have} of "
+                              f"{len(flat)} rows (pieces come in order, whole rows)")  # fmt: skip
+        if ref.offset < 0 or ref.offset + ref.nbytes > len(src):
+            raise WeightError(f"tensor {name!r}: {ref.nbytes} bytes at {ref.offset} pass its segment of {len(src)}")
+        flat[have : have + n] = np.frombuffer(src, dt, n * flat.shape[1], ref.offset).reshape(n, -1)
+        self.rows[name] = have + n
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The staged tensors, each complete (WeightError naming the first that is not)."""
+        for name, a in self.arrays.items():
+            total = a.shape[0] if a.ndim else 1
+            if self.rows[name] != total:
+                raise WeightError(f"tensor {name!r} is incomplete: {self.rows[name]} of {total} rows arrived")
+        return self.arrays
+
+
+class WeightSync:
+    """`agree(ok) -> bool`: whether every host's runner got as far (model/runtime/distributed.py all_ok;
+    one host: `ok`); an update and a resume commit only if it says so, so every host serves the
+    same weights."""
+
+    def __init__(self, ex: ModelExecutor, agree: Callable[[bool], bool] = bool):
+        self.ex, self.agree = ex, agree
+        self.staging: Staging | None = None  # the update from tensors being received, not applied
+
+    # ---- updates -----------------------------------------------------------------------------
+    def load_disk(self, path: str) -> str:
+        """Replace every weight with the checkpoint at `path` (a directory or a .gguf)."""
+        from pathlib import Path
+
+        def read() -> dict[str, Any]:
+            p = Path(path)
+            if not p.exists():
+                raise WeightError(f"model_path={path!r}: no such directory or file")
+            try:
+                config, tensors = load_checkpoint(p)
+            except ValueError as e:
+                raise WeightError(str(e)) from None
+            check_same_architecture(self.ex.model_config, config, path)
+            return tensors
+
+        n = self._commit(read, full=True)
+        return f"loaded {n} tensors from {path}"
+
+    def stage(self, refs: list[Any], update: str, first: bool, last: bool) -> str:
+        """One part of update `update` from tensors in shared memory (the first forgets any
+        other update staged); the last applies every staged tensor, all or nothing. Any error
+        drops the whole update."""
+        if first:
+            self.staging = Staging(update, self.ex.host_tensors)
+
+        def read() -> dict[str, Any]:
+            if self.staging is None or self.staging.update != update:
+                raise WeightError(f"part {update!r} of an update that is not staged (abandoned, or its first part was refused)")
+            read_segments(refs, self.staging.add)
+            return self.staging.tensors() if last else {}
+
+        if not last:
+            err = None
+            try:
+                read()
+            except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
+                err = e
+            # Every part agrees (on one host: free): the reply to this part (runner 0's) then
+            # means every runner has read its segment, so the pusher may write it again, and on
+            # many hosts a relay may drop its copy (actors/relay/blobs.py).
+            if not self.agree(err is None):
+                self.staging = None
+                if isinstance(err, WeightError) or err is None:
+                    raise err or WeightError("refused: a part of the update failed on another host (its log says why)")
+                raise WeightError(f"{type(err).__name__}: {err}") from err
+            return f"staged {len(refs)} pieces"
+        try:
+            return f"updated {self._commit(read, full=False)} tensors"
+        finally:
+            self.staging = None
+
+    def abandon(self, update: str | None = None) -> None:
+        """Drop the staged update (`update`'s only, if given)."""
+        if self.staging is not None and update in (None, self.staging.update):
+            self.staging = None
+
+    def _commit(self, read: Callable[[], dict[str, Any]], full: bool) -> int:
+        """Read and check the new tensors and build the new state beside the served one; swap
+        only if `agree` says every host did so too (called exactly once, whatever failed: on many
+        hosts every runner agrees at this point of the message stream)."""
+        new, err = None, None
+        try:
+            tensors = read()
+            merged = self._check(tensors, full)
+            new = self.ex.build_params(merged)  # raises before anything changes
+        except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
+            err = e
+        if not self.agree(err is None):
+            if new is not None:
+                self.ex.discard_params(new)
+            if isinstance(err, WeightError) or err is None:
+                raise err or WeightError("refused: the update failed on another host (its log says why)")
+            raise WeightError(f"{type(err).__name__}: {err}") from err
+        self.ex.swap_params(new, merged)
+        return len(tensors)
+
+    def _check(self, tensors: dict[str, Any], full: bool) -> dict[str, Any]:
+        """The served tensors with `tensors` over them, once each checks out."""
+        current = self.ex.host_tensors
+        unknown = sorted(set(tensors) - set(current))
+        if unknown:
+            raise WeightError(f"tensor {unknown[0]!r} is not a weight of the served model ({len(unknown)} unknown)")
+        if full:
+            missing = sorted(set(current) - set(tensors))
+            if missing:
+                raise WeightError(f"the new weights miss tensor {missing[0]!r} ({len(missing)} missing)")
+        for name, a in tensors.items():
+            want = tuple(np.shape(current[name]))
+            if tuple(np.shape(a)) != want:
+                raise WeightError(f"tensor {name!r} has shape {tuple(np.shape(a))}, the served model's is {want}")
+            dt = np.dtype(a.dtype)
+            if dt.name not in FLOAT_DTYPES:
+                raise WeightError(f"tensor {name!r} has dtype {dt.name}; weights must be float32, float16 or bfloat16")
+        return {**current, **tensors}
+
+    # ---- reading back ------------------------------------------------------------------------
+    def get(self, name: str, truncate_size: int) -> np.ndarray:
+        """The first `truncate_size` rows of a weight as served (its HF layout, the serving
+        dtype's values, as float32)."""
+        t = self.ex.host_tensors.get(name)
+        if t is None:
+            raise WeightError(f"no weight named {name!r}")
+        serving = FLOAT_DTYPES[self.ex.cfg.dtype]
+        return np.asarray(t[:truncate_size]).astype(serving).astype(np.float32)
+
+    # ---- device memory -----------------------------------------------------------------------
+    def release(self, tags: list[str]) -> str:
+        # The memory is the caller's once this returns: no background compile (which may use
+        # device memory, e.g. GPU autotuning) may still be running.
+        self.ex.wait_compiled()
+        if "kv_cache" in tags:
+            self.ex.kv_pool.drop()
+        if "weights" in tags:
+            self.ex.drop_params()
+            if self.ex.lora is not None:  # adapters follow the weights (their host copies stay)
+                self.ex.lora.release()
+        return f"released {', '.join(tags)}"
+
+    def resume(self, tags: list[str]) -> str:
+        """Rebuild what `release` dropped; if it fails on any host, every host releases it again."""
+        err = None
+        try:
+            if "weights" in tags and self.ex.params is None:
+                self.ex.swap_params(self.ex.build_params(self.ex.host_tensors), self.ex.host_tensors)
+            if "weights" in tags and self.ex.lora is not None:
+                self.ex.lora.resume()
+            if "kv_cache" in tags and self.ex.kv_pool.kv is None:
+                self.ex.kv_pool.new()
+        except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
+            err = e
+        if not self.agree(err is None):
+            if "kv_cache" in tags and self.ex.kv_pool.kv is not None:
+                self.ex.kv_pool.drop()
+            if "weights" in tags and self.ex.params is not None:
+                self.ex.drop_params()
+            raise WeightError(f"resume refused: {err or 'it failed on another host (its log says why)'}")
+        return f"resumed {', '.join(tags)}"
+
