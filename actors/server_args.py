@@ -1,8 +1,25 @@
-"""Every engine option in one frozen dataclass; the CLI flags are generated from it.
+"""Every engine option: one frozen `ServerArgs` of sections, the CLI flags generated from them.
 
-Nothing mutates a ServerArgs after construction: derived values are properties, and a variant
-is made with `dataclasses.replace`. Validation happens once, in `__post_init__`, and names the
-field and the limit.
+    model        ModelOptions        what is served
+    compute      ComputeOptions      how the model computes (model/compute/options.py): the executor
+                                     takes this section as it is (model/runtime/executor.py)
+    memory       MemoryOptions       the KV pool, running requests, context length
+    scheduling   SchedulingOptions   prefill chunks and buckets, policies, overlap, multi-step decode
+    speculation  SpeculativeOptions  n-gram drafts
+    outputs      OutputOptions       logprobs, seeds, streaming, structured outputs
+    lora         LoraOptions         adapters
+    startup      StartupOptions      compiled programs and their caches
+    parallel     ParallelOptions     tp, dp, many hosts
+    serving      ServingOptions      HTTP, processes, supervision, tracing
+
+Options keep SGLang's flat names: they are the flags (`--page-size`), the keywords
+(`Engine(page_size=16)`, `ServerArgs(page_size=16)`), and a read-only view (`args.page_size` is
+`args.memory.page_size`), as SGLang's own ServerArgs is read by the frameworks that drive it. A
+name belongs to one section; a section travels whole where one part of the engine needs it.
+
+Nothing mutates a ServerArgs after construction: derived values are properties, and a variant is
+made with `dataclasses.replace` (flat names or whole sections). Validation happens once, in
+`__post_init__`, and names the field and the limit.
 """
 
 from __future__ import annotations
@@ -15,40 +32,35 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 from ringserve.kvmem import cdiv
-
-# A prefill step's own cost in prefill tokens, where measured: on CPU a step is ~40 ms plus
-# ~1.6 ms a token (SmolLM2 f32, 2 cores, bench.step_floor extend:1x16..1x512). Elsewhere 0 (never
-# cut): on an accelerator a small step costs what a decode step does, not measured here.
-PREFILL_STEP_COST = {"cpu": 32}
+from ringserve.model.compute.options import ComputeOptions, assemble, flat_fields
+from ringserve.model.compute.platform import prefill_step_cost
+from ringserve.model.compute.step_inputs import ProgramShapes
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+class _Section:
+    """A section of ServerArgs (a frozen dataclass of options; ServerArgs validates them)."""
+
+    __slots__ = ()
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class ServerArgs:
-    # model
+class ModelOptions(_Section):
+    """The model."""
+
     model_path: str | None = _opt(
         None, "'tiny' (generated), 'smollm2' (fetched), a model directory or a .gguf file; None = smollm2"
     )
     served_model_name: str | None = _opt(None, "the model's name in the OpenAI API (default: its directory name)")
-    dtype: Literal["float32", "bfloat16", "float16"] = _opt(
-        "float32", "compute and KV dtype (bf16 on TPU; f32 is faster on CPU)"
-    )
-    tp_size: int = _opt(1, "tensor-parallel devices (the `tp` mesh axis); with nnodes > 1, of every host together")
-    dp_size: int = _opt(
-        1, "data-parallel groups on this host: independent scheduler + runner + detokenizer each, on tp_size devices "
-        "of its own (dp_size * tp_size devices in all)"
-    )
-    load_balance_method: Literal["round_robin", "total_requests", "total_tokens", "cache_aware"] = _opt(
-        "cache_aware", "dp_size > 1: which group a request goes to (an explicit data_parallel_rank wins)"
-    )
-    attention_backend: Literal["auto", "native", "cpu_kernel", "bucketed", "pallas", "pallas_gpu", "none"] = _opt(
-        "auto", "attention: auto (CPU cpu_kernel where g++ builds it, else native; GPU bucketed; TPU pallas) or one "
-        "by name ('none': benchmarks only)"
-    )
-    # memory
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryOptions(_Section):
+    """Memory: KV pool, requests, context."""
+
     page_size: int = _opt(16, "tokens per KV page")
     max_total_tokens: int | None = _opt(
         None, "KV pool size in tokens (rounded down to pages; page 0 is reserved); None: sized at start-up to the "
@@ -62,7 +74,12 @@ class ServerArgs:
     )
     max_running_requests: int = _opt(64, "requests decoded together (largest decode bucket; slot pool rows)")
     context_length: int = _opt(4096, "longest prompt + output of one request")
-    # scheduling
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulingOptions(_Section):
+    """Scheduling."""
+
     chunked_prefill_size: int = _opt(
         2048, "max new tokens per prefill step, all its requests together (a longer prompt is cut into chunks, as "
         "SGLang's); -1 disables chunking"
@@ -79,11 +96,6 @@ class ServerArgs:
     )
     disable_radix_cache: bool = _opt(False, "cache no prefixes (RL rollouts often run this way)")
     disable_overlap_schedule: bool = _opt(False, "schedule batch N+1 only after batch N's tokens are back")
-    speculative_algorithm: Literal["none", "ngram"] = _opt(
-        "none", "speculative decoding: 'ngram' drafts from each request's own context (prompt lookup)"
-    )
-    speculative_num_draft_tokens: int = _opt(4, "draft tokens per verify round (ngram)")
-    speculative_ngram_max_match: int = _opt(4, "longest suffix n-gram looked up in the context (ngram)")
     decode_steps: int = _opt(
         1, "multi-step decode: when nothing waits and at most decode_steps_max_batch requests decode, one decode "
         "batch runs this many steps on the device (tokens stream this many at a time; a request that stops "
@@ -93,43 +105,23 @@ class ServerArgs:
     new_token_ratio_init: float = _opt(0.7, "initial share of max_new_tokens reserved per running request")
     new_token_ratio_min: float = _opt(0.1, "floor of that share")
     new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay from init to min")
-    # compiled shapes / attention
-    extend_block: int = _opt(16, "query tile of prefill steps (attention works on tiles of this many tokens)")
-    decode_bucket_step: int = _opt(
-        8, "decode batch sizes compiled: powers of two up to 2x this, then every this many up to "
-        "max_running_requests (SGLang's cuda graph sizes); 0: powers of two only (fewer programs, more padding)"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeOptions(_Section):
+    """Speculative decoding."""
+
+    speculative_algorithm: Literal["none", "ngram"] = _opt(
+        "none", "speculative decoding: 'ngram' drafts from each request's own context (prompt lookup)"
     )
-    attn_chunk_tokens: int = _opt(64, "keys per work item of the native (CPU) attention")
-    context_bucket_min: int = _opt(
-        512, "smallest context length compiled by static-loop attention (bucketed, pallas_gpu); then x2"
-    )
-    layer_loop: Literal["auto", "scan", "unrolled"] = _opt(
-        "auto", "decoder layers: one scan over stacked weights, or unrolled over per-layer weights (auto: unrolled on CPU)"
-    )
-    layer_unroll: int = _opt(1, "decoder layers per iteration of the layer scan")
-    cpu_matmul: Literal["auto", "xla", "onednn", "kernel"] = _opt(
-        "auto", "projections and LM head on CPU: XLA's dot, oneDNN's matmul (pip install 'ringserve[onednn]'; "
-        "bf16/f16 on AVX512-BF16/AMX), or kernel: ringserve's own for decode's few rows (g++, built on first use), "
-        "larger steps on oneDNN for bf16/int8 where installed, else XLA; auto: the best of these that runs here "
-        "(tp_size 1)"
-    )
-    quantization: Literal["int8"] | None = _opt(
-        None, "weight-only int8: projections, LM head and embedding held as int8 with a f32 scale per output "
-        "column (per token row for the embedding), quantized at load and at every weight update; compute stays "
-        "in dtype (a GGUF's Q8_0 blocks are requantized per column)"
-    )
-    attention_interpret: bool = _opt(False, "run Pallas attention kernels in their interpreter (CPU tests)")
-    precompile: bool = _opt(True, "compile every shape bucket at start-up")
-    serve_while_compiling: bool = _opt(
-        True,
-        "serve once the largest bucket of each kind is compiled and compile the rest in the background "
-        "(steps pad to the smallest compiled bucket meanwhile); off: serve after all are compiled",
-    )
-    xla_cache: bool = _opt(
-        True, "keep compiled step programs in $RINGSERVE_CACHE/xla, on CPU the traced ones in "
-        "$RINGSERVE_CACHE/programs (later start-ups take seconds)"
-    )
-    # sampling / outputs
+    speculative_num_draft_tokens: int = _opt(4, "draft tokens per verify round (ngram)")
+    speculative_ngram_max_match: int = _opt(4, "longest suffix n-gram looked up in the context (ngram)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputOptions(_Section):
+    """Sampling and outputs: logprobs, seeds, streaming, structured outputs."""
+
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")
     max_token_ids_logprob: int = _opt(
         16, "token ids a request's token_ids_logprob may name (their logprobs are read in every step)"
@@ -142,7 +134,12 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = _opt(
         False, "json_schema-constrained outputs are compact: no whitespace between tokens"
     )
-    # LoRA adapters (SGLang's flags)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraOptions(_Section):
+    """LoRA adapters (SGLang's flags)."""
+
     enable_lora: bool = _opt(False, "serve LoRA adapters: a per-request lora_path names one (compiled into every step)")
     max_lora_rank: int = _opt(16, "largest adapter rank served (every adapter is zero-padded to it)")
     max_loras_per_batch: int = _opt(
@@ -152,28 +149,36 @@ class ServerArgs:
         ("all",), "projections adapters may train: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all"
     )
     lora_paths: tuple[str, ...] = _opt((), "adapters loaded at start-up, NAME=PATH each (PEFT directories)")
-    # processes and I/O
-    host: str = _opt("127.0.0.1", "HTTP bind address (localhost by default)")
-    port: int = _opt(30000, "HTTP port (0: any free port)")
-    ring_bytes: int = _opt(1 << 22, "data bytes of each shared-memory ring (a power of two)")
-    spin_us: int = _opt(50, "microseconds a ring reader spins before sleeping")
-    log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "log level of every actor")
-    supervise: bool = _opt(
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartupOptions(_Section):
+    """Start-up: compiled programs and their caches."""
+
+    precompile: bool = _opt(True, "compile every shape bucket at start-up")
+    serve_while_compiling: bool = _opt(
         True,
-        "when the scheduler, runner or detokenizer dies, start them again and resubmit every request in flight "
-        "(its caller sees one stream); off: the engine ends and every caller gets EngineDead",
+        "serve once the largest bucket of each kind is compiled and compile the rest in the background "
+        "(steps pad to the smallest compiled bucket meanwhile); off: serve after all are compiled",
     )
-    max_restarts: int = _opt(3, "supervise: restarts allowed within restart_window_s; one more crash ends the engine")
-    restart_window_s: float = _opt(60.0, "supervise: the window (seconds) max_restarts counts crashes in")
-    step_trace: int = _opt(
-        0, "keep timings of the last N steps for get_server_info()['step_trace'] (0: off; `ringserve bench --profile`)"
+    xla_cache: bool = _opt(
+        True, "keep compiled step programs in $RINGSERVE_CACHE/xla, on CPU the traced ones in "
+        "$RINGSERVE_CACHE/programs (later start-ups take seconds)"
     )
-    enable_deterministic_inference: bool = _opt(
-        False,
-        "batch-invariant kernels: a request's greedy tokens and seeded samples (and logprobs) are bitwise the same "
-        "whatever its batch neighbours, bucket, chunking, overlap, retracts or cached prefix (costs speed)",
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelOptions(_Section):
+    """Parallelism: tensor, data, many hosts (SGLang's names; every host runs the same command but --node-rank)."""
+
+    tp_size: int = _opt(1, "tensor-parallel devices (the `tp` mesh axis); with nnodes > 1, of every host together")
+    dp_size: int = _opt(
+        1, "data-parallel groups on this host: independent scheduler + runner + detokenizer each, on tp_size devices "
+        "of its own (dp_size * tp_size devices in all)"
     )
-    # many hosts (SGLang's names): every host runs the same command but --node-rank
+    load_balance_method: Literal["round_robin", "total_requests", "total_tokens", "cache_aware"] = _opt(
+        "cache_aware", "dp_size > 1: which group a request goes to (an explicit data_parallel_rank wins)"
+    )
     nnodes: int = _opt(1, "hosts serving one model together (one runner each, one jax.distributed program)")
     node_rank: int = _opt(0, "this host's rank: 0 runs the frontend, scheduler and detokenizer; > 0 only a runner")
     dist_init_addr: str | None = _opt(
@@ -192,21 +197,86 @@ class ServerArgs:
         False, "nnodes > 1 on one machine, in one engine: every node's runner is spawned here and reads the step "
         "ring directly (tests; no relay)"
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServingOptions(_Section):
+    """Serving: HTTP, processes, supervision, tracing."""
+
+    host: str = _opt("127.0.0.1", "HTTP bind address (localhost by default)")
+    port: int = _opt(30000, "HTTP port (0: any free port)")
+    ring_bytes: int = _opt(1 << 22, "data bytes of each shared-memory ring (a power of two)")
+    spin_us: int = _opt(50, "microseconds a ring reader spins before sleeping")
+    log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "log level of every actor")
+    supervise: bool = _opt(
+        True,
+        "when the scheduler, runner or detokenizer dies, start them again and resubmit every request in flight "
+        "(its caller sees one stream); off: the engine ends and every caller gets EngineDead",
+    )
+    max_restarts: int = _opt(3, "supervise: restarts allowed within restart_window_s; one more crash ends the engine")
+    restart_window_s: float = _opt(60.0, "supervise: the window (seconds) max_restarts counts crashes in")
+    step_trace: int = _opt(
+        0, "keep timings of the last N steps for get_server_info()['step_trace'] (0: off; `ringserve bench --profile`)"
+    )
     jax_profile_dir: str | None = _opt(
         None, "write a jax.profiler trace of the runner (ready to shutdown) into this directory (Perfetto, TensorBoard)"
     )
+
+
+SECTIONS: dict[str, tuple[type, str]] = {  # attribute -> (type, the --help group's title)
+    "model": (ModelOptions, "model"),
+    "compute": (ComputeOptions, "model compute: dtype, quantization, attention, kernels, compiled shapes"),
+    "memory": (MemoryOptions, "memory: KV pool, running requests, context"),
+    "scheduling": (SchedulingOptions, "scheduling"),
+    "speculation": (SpeculativeOptions, "speculative decoding"),
+    "outputs": (OutputOptions, "sampling and outputs"),
+    "lora": (LoraOptions, "LoRA adapters"),
+    "startup": (StartupOptions, "start-up: compiled programs and their caches"),
+    "parallel": (ParallelOptions, "parallelism: tensor, data, many hosts"),
+    "serving": (ServingOptions, "serving: HTTP, processes, supervision, tracing"),
+}
+_OWNER = {f.name: s for s, (tp, _) in SECTIONS.items() for f in dataclasses.fields(tp)}  # flat name -> section
+OPTIONS = frozenset(_OWNER)  # every option's flat name (a flag, a keyword)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class ServerArgs:
+    model: ModelOptions
+    compute: ComputeOptions
+    memory: MemoryOptions
+    scheduling: SchedulingOptions
+    speculation: SpeculativeOptions
+    outputs: OutputOptions
+    lora: LoraOptions
+    startup: StartupOptions
+    parallel: ParallelOptions
+    serving: ServingOptions
+
+    def __init__(self, **options: Any) -> None:
+        """From flat option names (SGLang's) and/or whole sections; ValueError naming an unknown
+        option or a bad value."""
+        assemble(self, options, "server option")
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        """The flat, read-only view: `args.page_size` is `args.memory.page_size`."""
+        section = _OWNER.get(name)
+        if section is None:
+            raise AttributeError(f"ServerArgs has no option {name!r}")
+        return getattr(object.__getattribute__(self, section), name)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
 
-        hints = _hints()
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            choices = _literal_choices(hints[f.name])
-            if choices is not None:
-                need(v in choices, f"{f.name}={v!r}: choose one of {list(choices)}")
+        for section, (tp, _) in SECTIONS.items():
+            hints = _hints(tp)
+            for f in dataclasses.fields(tp):
+                v = getattr(getattr(self, section), f.name)
+                choices = f.metadata.get("choices") or _literal_choices(hints[f.name])
+                if choices is not None:
+                    need(v in choices, f"{f.name}={v!r}: choose one of {list(choices)}")
         need(self.tp_size >= 1, f"tp_size={self.tp_size}: must be >= 1")
         need(1 <= self.dp_size <= 64, f"dp_size={self.dp_size}: must be in [1, 64]")
         need(
@@ -233,7 +303,6 @@ class ServerArgs:
         )
         need(self.prefill_step_cost is None or self.prefill_step_cost >= 0,
              f"prefill_step_cost={self.prefill_step_cost}: must be >= 0 (0: never cut a prefill step at a bucket)")  # fmt: skip
-        need(self.decode_bucket_step >= 0, f"decode_bucket_step={self.decode_bucket_step}: must be >= 0 (0: powers of two)")
         need(
             self.max_prefill_tokens >= self.extend_block,
             f"max_prefill_tokens={self.max_prefill_tokens}: must be >= extend_block={self.extend_block}",
@@ -304,13 +373,17 @@ class ServerArgs:
         need(self.dist_heartbeat_s >= 1, f"dist_heartbeat_s={self.dist_heartbeat_s}: must be >= 1 second")
         self._check_lora(need)
 
+    def _set_lora(self, **kw: Any) -> None:
+        """Normalize a lora option once (lists and dicts given as keywords: held as tuples)."""
+        object.__setattr__(self, "lora", dataclasses.replace(self.lora, **kw))
+
     def _check_lora(self, need: Any) -> None:
         if isinstance(self.lora_paths, dict):  # {name: path}, as a keyword: the NAME=PATH strings
-            object.__setattr__(self, "lora_paths", tuple(f"{k}={v}" for k, v in self.lora_paths.items()))
+            self._set_lora(lora_paths=tuple(f"{k}={v}" for k, v in self.lora_paths.items()))
         for f in ("lora_paths", "lora_target_modules"):  # lists (CLI, keywords) held as tuples
             v = getattr(self, f)
             need(isinstance(v, list | tuple) and all(isinstance(x, str) for x in v), f"{f}={v!r}: a list of strings")
-            object.__setattr__(self, f, tuple(v))
+            self._set_lora(**{f: tuple(v)})
         need(1 <= self.max_lora_rank <= 1024, f"max_lora_rank={self.max_lora_rank}: must be in [1, 1024]")
         need(1 <= self.max_loras_per_batch <= 256,
              f"max_loras_per_batch={self.max_loras_per_batch}: must be in [1, 256]")  # fmt: skip
@@ -361,7 +434,19 @@ class ServerArgs:
         """These args with the platform's defaults filled in (the frontend, before any actor starts)."""
         if self.prefill_step_cost is not None:
             return self
-        return dataclasses.replace(self, prefill_step_cost=PREFILL_STEP_COST.get(plat, 0))
+        return dataclasses.replace(self, prefill_step_cost=prefill_step_cost(plat))
+
+    @property
+    def program_shapes(self) -> ProgramShapes:
+        """What the compiled step programs hold (the scheduler plans within them, the executor
+        compiles them): derived here, once."""
+        return ProgramShapes(
+            page_size=self.page_size, num_pages=self.num_pages, max_context_len=self.context_length,
+            max_batch=self.max_running_requests, max_extend_tokens=self.max_extend_tokens,
+            top_logprobs_num=self.max_top_logprobs_num, token_ids_logprob_num=self.max_token_ids_logprob,
+            verify_tokens=self.speculative_num_draft_tokens + 1 if self.speculative else 0,
+            decode_steps=self.decode_steps, decode_steps_rows=self.decode_steps_max_batch,
+        )  # fmt: skip
 
     @property
     def min_pages(self) -> int:
@@ -417,57 +502,54 @@ class ServerArgs:
         return {}
 
     def public(self) -> dict[str, Any]:
-        """Every option by name, secrets masked (what get_server_info shows)."""
-        return {f.name: "<secret>" if f.metadata.get("secret") and getattr(self, f.name) else getattr(self, f.name)
-                for f in dataclasses.fields(self)}  # fmt: skip
+        """Every option by its flat name, secrets masked (what get_server_info shows)."""
+        return {k: "<secret>" if _field(k).metadata.get("secret") and v else v for k, v in flat_fields(self).items()}
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        """One flag per field (but those in `skip`): --model-path, --page-size, ..."""
-        hints = _hints()
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            tp = hints[f.name]
-            helptext = f"{f.metadata.get('help', '')} (default: {f.default!r})"
-            if tp is bool:
-                parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
-                )
-                continue
-            choices = _literal_choices(tp)
-            if choices is not None:  # an optional Literal's None is its default, not a flag value
-                parser.add_argument(flag, choices=[c for c in choices if c is not None], default=f.default, help=helptext)
-                continue
-            if get_origin(tp) is tuple:  # a list of strings: --flag a b c
-                parser.add_argument(flag, nargs="*", type=str, default=f.default, help=helptext)
-                continue
-            base = next((a for a in get_args(tp) if a is not type(None)), tp) if _is_optional(tp) else tp
-            parser.add_argument(flag, type=base, default=f.default, help=helptext)
+        """One flag per option (but those in `skip`), in one --help group per section: --model-path,
+        --page-size, ..., each with its help text and default."""
+        for tp, title in SECTIONS.values():
+            group = parser.add_argument_group(title)
+            hints = _hints(tp)
+            for f in dataclasses.fields(tp):
+                if f.name not in skip:
+                    _add_flag(group, f, hints[f.name])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{k: getattr(args, k) for k in _OWNER if hasattr(args, k)})
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
         """Build from keyword options, naming any unknown one (with close matches)."""
-        import difflib
-
-        names = [f.name for f in dataclasses.fields(cls)]
-        for k in kwargs:
-            if k not in names:
-                close = difflib.get_close_matches(k, names, n=3)
-                raise ValueError(
-                    f"unknown server option {k!r}" + (f"; did you mean {close}?" if close else "")
-                )
         return cls(**kwargs)
 
 
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(SECTIONS[_OWNER[name]][0]) if f.name == name)
+
+
+def _add_flag(parser: Any, f: dataclasses.Field, tp: Any) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    helptext = f"{f.metadata.get('help', '')} (default: {f.default!r})"
+    if tp is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+        return
+    choices = f.metadata.get("choices") or _literal_choices(tp)
+    if choices is not None:  # an optional Literal's None is its default, not a flag value
+        parser.add_argument(flag, choices=[c for c in choices if c is not None], default=f.default, help=helptext)
+        return
+    if get_origin(tp) is tuple:  # a list of strings: --flag a b c
+        parser.add_argument(flag, nargs="*", type=str, default=f.default, help=helptext)
+        return
+    base = next((a for a in get_args(tp) if a is not type(None)), tp) if _is_optional(tp) else tp
+    parser.add_argument(flag, type=base, default=f.default, help=helptext)
+
+
 @functools.cache
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(ServerArgs)
+def _hints(tp: type) -> dict[str, Any]:
+    return typing.get_type_hints(tp)
 
 
 def _literal_choices(tp: Any) -> tuple | None:

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from ringserve.bench.backends import engine_sender
 from ringserve.bench.metrics import RequestRecord
 from ringserve.bench.workload import random_requests
@@ -130,10 +131,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     from ringserve.model.checkpoints.resolve import resolve_model
-    from ringserve.model.config import ModelConfig
+    from ringserve.model.families import read_config
 
     path, _ = resolve_model(a.model)
-    vocab = ModelConfig.from_dir(path).vocab_size
+    vocab = read_config(path).vocab_size
     rows = []
     for name in a.configs:
         rows.append(run_config(str(path), name, a, vocab))

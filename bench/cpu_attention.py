@@ -30,6 +30,7 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
              heads=(9, 3), d=64, s=16, layout: str = "plain"):  # fmt: skip
     import jax
     import jax.numpy as jnp
+
     from ringserve.model.compute.kernels import cpu_attention
 
     why = cpu_attention.reason()

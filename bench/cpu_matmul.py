@@ -112,6 +112,7 @@ def forward(mm, grouped: bool = False):
     """One pass of x through every layer's projections (every output used) and the head;
     `grouped`: the projections that share x as one kernel call each (q/k/v, gate/up)."""
     import jax
+
     from ringserve.model.compute.kernels import cpu_matmul
 
     def group(x, pairs):
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import jax.numpy as jnp
+
     from ringserve.model.compute.kernels import cpu_matmul, onednn
 
     methods = []

@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeat", type=int, default=1, help="alternate the two workloads this many times per engine")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
-    from ringserve.model.checkpoints.resolve import resolve_model
-
     from ringserve import Engine
+    from ringserve.model.checkpoints.resolve import resolve_model
 
     path, _ = resolve_model(a.model)
     n = a.num_prompts

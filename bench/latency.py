@@ -19,6 +19,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+
 from ringserve.bench.backends import drive, engine_sender
 from ringserve.bench.metrics import RequestRecord
 from ringserve.bench.workload import Request

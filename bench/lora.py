@@ -63,11 +63,11 @@ def run(model: str, rank: int, adapters: int, repeat: int, gather: bool = False)
     from ringserve.model.checkpoints.peft import TARGET_MODULES, read_adapter
     from ringserve.model.checkpoints.tiny_lora import make_tiny_lora
     from ringserve.model.compute.step_inputs import DeviceRow
-    from ringserve.model.config import ModelConfig
+    from ringserve.model.families import read_config
     from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
     base = _model(model)
-    mc = ModelConfig.from_dir(base)
+    mc = read_config(base)
     per = CTX // PAGE + 1
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64 * per + 1024 // PAGE + 16, max_context_len=1024, max_batch=64,
                          max_extend_tokens=1024, precompile=False)  # fmt: skip

@@ -214,6 +214,7 @@ def wait_compiled(url: str, timeout: float) -> None:
 async def send_all(url: str, model: str, reqs: list[Request], concurrency: int | None, desc: str,
                    progress: bool) -> list[RequestRecord]:  # fmt: skip
     import httpx
+
     from ringserve.bench.backends import drive, http_sender
 
     n = concurrency or len(reqs)
@@ -365,7 +366,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parser().parse_args(argv)
     from ringserve.model.checkpoints.resolve import resolve_model
-    from ringserve.model.config import ModelConfig
+    from ringserve.model.families import read_config
 
     a.extra = {k: getattr(a, f"{k}_args").split() for k in ps.KINDS}
     a.trees = dict(t.split("=", 1) for t in a.tree)
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(
             f"--model {a.model}: an HF-format directory is needed (vLLM serves it; llama.cpp gets a GGUF of it)"
         )
-    wl = make_workload(ModelConfig.from_dir(model_dir).vocab_size, a.seed, a.burst, a.single, tuple(a.input_len),
+    wl = make_workload(read_config(model_dir).vocab_size, a.seed, a.burst, a.single, tuple(a.input_len),
                        tuple(a.output_len))  # fmt: skip
 
     skipped: dict[str, str] = {}

@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from ringserve.bench.workload import FIRST_ID
 from ringserve.kvmem.allocator import cdiv
 
@@ -116,14 +117,18 @@ def compare(system: str, dtype: str, got: Outputs, truth: Outputs, seconds: floa
 
 def int8_weights(m) -> None:
     """HF model `m`'s projections, LM head and embedding replaced in place by their int8 images
-    (model/weights/state.py quantize_int8, one scale per output row of HF's [out, in]): HF at the
+    (model/weights/quant.py quantize_int8, one scale per output row of HF's [out, in]): HF at the
     precision ringserve's `quantization="int8"` serves."""
     import torch
-    from ringserve.model.weights.state import QUANTIZED, quantize_int8
+
+    from ringserve.model.families import family
+    from ringserve.model.weights.quant import quantize_int8
+
+    quantized = family("llama").quantized  # the Llama lineage's int8 modules (the benchmark's models)
 
     with torch.no_grad():
         for name, p in m.named_parameters():  # a tied head shares the embedding's tensor: done once
-            if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+            if name.endswith(".weight") and name.split(".")[-2] in quantized:
                 q, s = quantize_int8(p.detach().float().numpy(), -1)
                 p.copy_(torch.from_numpy(q.astype(np.float32) * s[:, None]).to(p.dtype))
 

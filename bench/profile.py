@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from ringserve.actors.transport.trace import FIELDS
 
 

@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     from ringserve.model.checkpoints.resolve import resolve_model
-    from ringserve.model.config import ModelConfig
+    from ringserve.model.families import read_config
 
     path, _ = resolve_model(a.model)
-    vocab = ModelConfig.from_dir(path).vocab_size
+    vocab = read_config(path).vocab_size
     engine_rows = engine_part(str(path), a.lens, a.batch, a.repeat, vocab)
     step_rows = [] if a.skip_steps else step_part(str(path), a.lens, a.repeat * 4)
     print(f"\nprompt logprobs vs plain ({a.model}), median of {a.repeat}; ms and ratio to plain:")

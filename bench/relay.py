@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from ringserve.actors.relay.core import RelayListener, connect, recv_frame, send_frame
 from ringserve.actors.transport import messages as m
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from ringserve.bench.soak import SHAPES, prompts, sampling
 
 ACTORS = ("scheduler", "runner", "detokenizer")

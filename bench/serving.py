@@ -236,20 +236,20 @@ def bench(argv: list[str] | None = None, prog: str = "python -m ringserve.bench.
 
 
 def _bench_model(a: argparse.Namespace) -> list[dict]:
-    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.server_args import OPTIONS
     from ringserve.model.checkpoints.resolve import resolve_model
-    from ringserve.model.config import ModelConfig
+    from ringserve.model.families import read_config
 
     external = a.url is not None or a.socket is not None
     if "hf" in a.backend and not (set(a.backend) & set(RINGSERVE)):
         a.backend = ["engine", *a.backend]  # the ratio needs ours, measured in the same run
     model_dir, _ = resolve_model(a.model)  # the workload needs its vocabulary, transformers its weights
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    vocab = read_config(model_dir).vocab_size
     reqs = make_requests(a, vocab)
     outdir = Path(a.output_json).parent if a.output_json else Path.cwd()
     outdir.mkdir(parents=True, exist_ok=True)
     stem = Path(a.output_json).stem if a.output_json else "ringserve-bench"
-    server = {k: v for k, v in vars(a).items() if k in ServerArgs.__dataclass_fields__}
+    server = {k: v for k, v in vars(a).items() if k in OPTIONS}
     runs: list[dict] = []
     recs: dict[str, list[RequestRecord]] = {}
     ours_ids: list[list[int]] | None = None

@@ -73,10 +73,9 @@ def proc_stats(pid: int) -> dict[str, int]:
 
 class Soak:
     def __init__(self, a: argparse.Namespace, workdir: Path):
+        from ringserve import Engine, Servers
         from ringserve.model.checkpoints.load import load_checkpoint
         from ringserve.model.checkpoints.tiny import make_tiny_model
-
-        from ringserve import Engine, Servers
 
         self.a, self.rng = a, random.Random(a.seed)
         self.dirs = {s: str(make_tiny_model(workdir / s, "llama", seed=k)) for k, s in enumerate("ABC")}

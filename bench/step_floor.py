@@ -81,7 +81,7 @@ def executor(path, backend: str, dtype: str, cases, precompile: bool = False, cp
 def ringserve_step(ex, kind: str, b: int, n: int, repeat: int) -> float:
     from ringserve.model.compute.step_inputs import DeviceRow
 
-    page = ex.cfg.page_size
+    page = ex.cfg.shapes.page_size
     rng = np.random.default_rng(0)
     per = -(-(n + 1) // page)
     rows = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.kvmem import KVCache, PageAllocator, RadixCache
 
 PAGE = 16

@@ -17,6 +17,7 @@ Workload: prompts of 128 random tokens, 64 output tokens (EOS ignored); c1: 8 re
 from __future__ import annotations
 
 import pytest
+
 from ringserve.bench.latency import VirtualClock, closed_loop, record_samples, samples
 from ringserve.bench.workload import random_requests
 
@@ -34,9 +35,8 @@ def full_run(config) -> bool:
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{m}-{o}" for m, o in CONFIGS])
 def engine(request):
-    from ringserve.model.checkpoints.resolve import resolve_model
-
     from ringserve import Engine
+    from ringserve.model.checkpoints.resolve import resolve_model
 
     model, overlap = request.param
     if not full_run(request.config) and (model, overlap) != ("tiny", "overlap"):

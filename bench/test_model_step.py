@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import DeviceRow
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+
 from ringserve.bench.precision import compare, hf_outputs, make_prompts, ringserve_outputs
 
 N_PROMPTS, N_NEW = 8, 8

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+
 from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.ring import Ring
 

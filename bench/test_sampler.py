@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import SamplingBatch
 from ringserve.model.runtime.sampler import sample
 

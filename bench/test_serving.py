@@ -15,6 +15,7 @@ import asyncio
 import math
 
 import pytest
+
 from ringserve.bench.backends import drive, engine_sender
 from ringserve.bench.hf_backend import load_model, run_hf
 from ringserve.bench.workload import random_requests

@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     bucket = args.bucket_mb << 20
 
-    from ringserve.model.checkpoints.load import load_checkpoint
-
     from ringserve import Engine, Servers
+    from ringserve.model.checkpoints.load import load_checkpoint
 
     with Engine(args.model, context_length=args.context_length, max_total_tokens=args.max_total_tokens,
                 max_running_requests=16, max_prefill_tokens=args.max_prefill_tokens) as engine, \

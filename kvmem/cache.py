@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+
 from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv
 from ringserve.kvmem.integrity import check_integrity
 from ringserve.kvmem.radix import InsertResult, RadixCache, TreeNode

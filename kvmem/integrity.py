@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
+
 from ringserve.kvmem.allocator import FREE, HELD, SINK, STATE_NAMES, TREE, PageAllocator, cdiv
 from ringserve.kvmem.radix import RadixCache, TreeNode
 from ringserve.kvmem.req_kv import ReqKV

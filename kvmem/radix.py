@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Iterator
 
 import numpy as np
+
 from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv, token_locations
 
 _EMPTY = np.zeros(0, np.int32)

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
+
 from ringserve.kvmem.cache import KVCache
 from ringserve.kvmem.radix import TreeNode, common_prefix_len
 from ringserve.kvmem.req_kv import ReqKV

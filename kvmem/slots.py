@@ -21,6 +21,7 @@ never replaced or reordered, because the runner mirrors page tables incrementall
 from __future__ import annotations
 
 import numpy as np
+
 from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv
 
 

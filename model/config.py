@@ -1,4 +1,6 @@
-"""Model configuration: one frozen dataclass read from an HF `config.json`.
+"""A model's configuration: one frozen dataclass of what every decoder family has, read from an
+HF `config.json` by its family (model/families/: `read_config`, `parse_config`), which adds what
+is its own. The helpers here read the shared fields.
 
 Accepts both the transformers 4 spelling (`rope_theta` + `rope_scaling`) and transformers 5's
 `rope_parameters`. Every error names the file and the field so a user can fix it.
@@ -7,18 +9,8 @@ Accepts both the transformers 4 spelling (`rope_theta` + `rope_scaling`) and tra
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
-# HF `architectures[0]` -> our family name. A family fixes which optional pieces exist.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -34,7 +26,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
-    family: str
+    family: str  # the family's name (model/families/): it builds the module tree
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,9 +38,8 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # qwen2 (and llama with attention_bias=True)
-    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # mistral; None = full attention
+    attention_bias: bool = False  # q/k/v biases (Qwen2 always; Llama where config.json asks)
+    sliding_window: int | None = None  # keys a query sees (Mistral); None = full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -61,76 +52,8 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        def need(key: str) -> Any:
-            if key not in d or d[key] is None:
-                raise ValueError(f"{source}: missing required field {key!r}")
-            return d[key]
 
-        archs = d.get("architectures") or []
-        family = None
-        for a in archs:
-            family = ARCHITECTURES.get(a)
-            if family:
-                break
-        if family is None:
-            family = MODEL_TYPES.get(str(d.get("model_type", "")))
-        if family is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
-                f"supported: {sorted(ARCHITECTURES)}"
-            )
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(d.get("num_key_value_heads") or heads)
-        head_dim = int(d.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
-            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        window = d.get("sliding_window") if family == "mistral" or d.get("use_sliding_window") else None
-        return cls(
-            family=family,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_dict(d, source),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=int(window) if window else None,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-        )
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if not path.exists():
-            raise ValueError(f"model directory {str(path)!r} does not exist")
-        if not path.is_dir():
-            raise ValueError(f"model path {str(path)!r} is not a directory (or a .gguf file)")
-        cfg = path / "config.json"
-        if not cfg.is_file():
-            raise ValueError(f"{cfg}: missing; a model directory needs config.json, *.safetensors and tokenizer files")
-        try:
-            d = json.loads(cfg.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cfg}: malformed JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{cfg}: expected a JSON object, got {type(d).__name__}")
-        return cls.from_dict(d, source=str(cfg))
-
-
-def _rope_from_dict(d: dict[str, Any], source: str) -> RopeConfig:
+def rope_from_dict(d: dict[str, Any], source: str) -> RopeConfig:
     """RoPE from transformers 5 `rope_parameters` or transformers 4 `rope_theta` + `rope_scaling`."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
@@ -148,3 +71,43 @@ def _rope_from_dict(d: dict[str, Any], source: str) -> RopeConfig:
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
+
+
+def shared_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields of ModelConfig every decoder family reads the same way (all but `family` and
+    each family's own), from a config.json dict; ValueError naming a missing or bad field."""
+
+    def need(key: str) -> Any:
+        if key not in d or d[key] is None:
+            raise ValueError(f"{source}: missing required field {key!r}")
+        return d[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    kv_heads = int(d.get("num_key_value_heads") or heads)
+    head_dim = int(d.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    return dict(
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=rope_from_dict(d, source),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+    )
+
+
+# What a weight update from another checkpoint may not change (model/weights/sync.py): the fields
+# that are not the architecture's.
+NOT_ARCHITECTURE = ("bos_token_id", "eos_token_ids", "dtype", "max_position_embeddings")

@@ -49,9 +49,8 @@ def shared_engine(tmp_path_factory):
     """One tiny-model engine (page 16, small shapes) for the API, seed-000 and front-door tests;
     a test that changes its weights or state restores them (the `engine` fixtures check). Its JSON
     outputs are compact: the random model would otherwise fill them with whitespace."""
-    from ringserve.model.checkpoints.tiny import make_tiny_model
-
     from ringserve import Engine
+    from ringserve.model.checkpoints.tiny import make_tiny_model
     from tests.engine.conftest import SMALL
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-shared"), "llama", seed=0)

@@ -55,13 +55,13 @@ def chat_prompts(tok, texts: list[str], no_chat: bool) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.server_args import OPTIONS, ServerArgs
 
     ap = _parser("ringserve generate", "generate text through the engine (every actor)")
     ServerArgs.add_cli_args(ap, skip=("model_path",))
     args = ap.parse_args(argv)
     _check(args)
-    server = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__}
+    server = {k: v for k, v in vars(args).items() if k in OPTIONS}
 
     from ringserve.actors.frontend.engine import Engine
 
@@ -119,7 +119,8 @@ def main_static(argv: list[str]) -> int:
 
     path, tok_dir = resolve_model(args.model)
     t0 = time.perf_counter()
-    ex = ModelExecutor(path, ExecutorConfig(dtype=args.dtype, tp_size=args.tp_size, max_batch=64, num_pages=4096, max_context_len=2048))
+    ex = ModelExecutor(path, ExecutorConfig(dtype=args.dtype, tp_size=args.tp_size, max_batch=64, num_pages=4096,
+                                               max_context_len=2048))
     tok = load_tokenizer(tok_dir)
     print(f"loaded {path} ({ex.model_config.family}, {ex.model_config.num_layers} layers) and compiled "
           f"{ex.num_programs} buckets in {time.perf_counter() - t0:.1f}s", file=sys.stderr)  # fmt: skip

@@ -35,15 +35,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _import_servers() -> None:
-    import ringserve.actors.frontend.server  # noqa: F401
     import uvicorn  # noqa: F401
+
+    import ringserve.actors.frontend.server  # noqa: F401
 
 
 def main(argv: list[str]) -> int:
-    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.server_args import OPTIONS
 
     args = parser().parse_args(argv)
-    server_args = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__}
+    server_args = {k: v for k, v in vars(args).items() if k in OPTIONS}
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

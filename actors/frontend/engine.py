@@ -48,7 +48,7 @@ class Engine:
         from ringserve.actors.transport.memory import resolve_memory
         from ringserve.model.checkpoints.resolve import resolve_model
         from ringserve.model.checkpoints.tokenizer import load_encoder
-        from ringserve.model.config import ModelConfig
+        from ringserve.model.families import read_config
 
         self._closed = False
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
@@ -63,7 +63,7 @@ class Engine:
         loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringserve-tokenizer")
         tokenizer = loading.submit(load_encoder, tok_dir)
         loading.shutdown(wait=False)
-        mc = ModelConfig.from_dir(self.model_dir) if self.model_dir.is_dir() else None
+        mc = read_config(self.model_dir) if self.model_dir.is_dir() else None
         eos = set(mc.eos_token_ids if mc else ())
         self.vocab_size = mc.vocab_size if mc else len(tokenizer.result())
         self.served_model_name = args.served_model_name or self.model_dir.name

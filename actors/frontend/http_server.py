@@ -37,13 +37,14 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
 from ringserve.actors.frontend import openai_api as oai
 from ringserve.actors.frontend.actor import TokenizerManager
 from ringserve.actors.frontend.errors import EngineDead
 from ringserve.actors.frontend.inputs import GenerateArgs
 from ringserve.actors.frontend.limits import json_too_deep, too_deep
 from ringserve.actors.frontend.verbs import Verb, call_verb
-from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("ringserve.http")
 

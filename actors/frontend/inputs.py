@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+
 from ringserve.actors.frontend.limits import check_depth
 from ringserve.actors.frontend.sessions import Plan, Sessions
 from ringserve.actors.transport.sampling import SamplingParams

@@ -34,6 +34,7 @@ import tempfile
 from typing import Any
 
 import msgspec
+
 from ringserve.actors.frontend import protocol as p
 from ringserve.actors.frontend.actor import TokenizerManager
 from ringserve.actors.frontend.errors import EngineDead

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from ringserve.actors.transport import messages as m
 from ringserve.model.weights.segments import read_segments
 

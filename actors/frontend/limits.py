@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from ringserve.kvmem.allocator import cdiv
 
 MAX_DEPTH = 64  # lists / objects nested in one request, at any front door

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+
 from ringserve.actors.frontend.inputs import GenerateArgs
 from ringserve.actors.transport.sampling import refuse_unless_default
 

@@ -43,6 +43,7 @@ import struct
 from typing import Any
 
 import msgspec
+
 from ringserve.actors.frontend.inputs import GenerateArgs
 
 _S = {"omit_defaults": True, "gc": False}

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
 from ringserve.actors.frontend.protocol import TensorPiece
 from ringserve.kvmem.allocator import cdiv
 

@@ -31,6 +31,7 @@ import socket
 from collections.abc import Callable
 
 import msgspec
+
 from ringserve.actors.relay.core import BLOBS, U32, RelayError, recv_exact
 from ringserve.actors.transport import messages as m
 

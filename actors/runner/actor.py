@@ -56,8 +56,9 @@ def run(ctx) -> None:
     """Actor entry point: rings `inbox` (broadcast reader 0) and `outbox` (results)."""
     import threading
 
-    from ringserve.actors.transport.ring import BroadcastRing, Ring
     from tqdm import tqdm
+
+    from ringserve.actors.transport.ring import BroadcastRing, Ring
 
     # tqdm's default lock is a multiprocessing semaphore, which an actor's os._exit at the end
     # would leave registered with the resource tracker ("leaked semaphore" at shutdown).
@@ -77,7 +78,7 @@ def run(ctx) -> None:
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
     load_s = time.perf_counter() - t0
     ctx.log.info("model loaded and %d of %d step programs compiled in %.1fs (attention: %s)",
-                 ex.num_programs, ex.num_programs_total, load_s, ex.backend)  # fmt: skip
+                 ex.num_programs, ex.num_programs_total, load_s, ex.plan.attention)  # fmt: skip
     runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
     if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded
         ctx.log.info("%s", runner.start_weights(cfg.weights))

@@ -14,6 +14,7 @@ import json
 import time
 
 import numpy as np
+
 from ringserve.actors.runner.slot_mirrors import SlotMirrors
 from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.trace import RunnerStamps
@@ -24,38 +25,19 @@ from ringserve.model.weights.sync import WeightSync
 
 
 def executor_config(args) -> ExecutorConfig:
-    """The executor's shapes from the server options (the scheduler plans within the same)."""
-    verify = args.speculative_num_draft_tokens + 1 if args.speculative else 0
+    """The executor's options: the server's compute section as it is, the program shapes the
+    scheduler plans within too (ServerArgs.program_shapes), and the runner's own."""
+    lora = args.lora
     return ExecutorConfig(
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_context_len=args.context_length,
-        max_batch=args.max_running_requests,
-        max_extend_tokens=args.max_extend_tokens,
-        extend_block=args.extend_block,
-        decode_bucket_step=args.decode_bucket_step,
-        attn_chunk_tokens=args.attn_chunk_tokens,
-        context_bucket_min=args.context_bucket_min,
-        layer_loop=args.layer_loop,
-        layer_unroll=args.layer_unroll,
-        cpu_matmul=args.cpu_matmul,
-        quantization=args.quantization,
-        attention_interpret=args.attention_interpret,
-        dtype=args.dtype,
+        compute=args.compute,
+        shapes=args.program_shapes,
         tp_size=args.tp_size,
-        top_logprobs_num=args.max_top_logprobs_num,
-        token_ids_logprob_num=args.max_token_ids_logprob,
-        attention_backend=args.attention_backend,
         precompile=args.precompile,
-        program_cache=True,  # CPU, one device: model/runtime/program_cache.py
         background_compile=args.background_compile,
-        verify_tokens=verify,
-        decode_steps=args.decode_steps,
-        decode_steps_rows=args.decode_steps_max_batch,
-        deterministic=args.enable_deterministic_inference,
-        lora_slots=args.max_loras_per_batch + 1 if args.enable_lora else 0,
-        lora_rank=args.max_lora_rank if args.enable_lora else 0,
-        lora_targets=parse_target_modules(args.lora_target_modules) if args.enable_lora else (),
+        lora_slots=lora.max_loras_per_batch + 1 if lora.enable_lora else 0,
+        lora_rank=lora.max_lora_rank if lora.enable_lora else 0,
+        lora_targets=parse_target_modules(lora.lora_target_modules) if lora.enable_lora else (),
+        program_cache=True,  # CPU, one device: model/runtime/program_cache.py
     )
 
 
@@ -70,14 +52,14 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
         "devices": [str(d) for d in devices],
         "family": mc.family,
         "num_layers": mc.num_layers,
-        "dtype": ex.cfg.dtype,
-        "attention_backend": ex.backend,
-        "matmul": ex.dot,
-        "quantization": ex.cfg.quantization,
+        "dtype": ex.plan.dtype,
+        "attention_backend": ex.plan.attention,
+        "matmul": ex.plan.dot.name,
+        "quantization": ex.plan.quant,
         "num_programs": ex.num_programs,
         "programs_total": ex.num_programs_total,
         "load_and_compile_s": round(load_s, 2),
-        "kv_pool_tokens": (ex.cfg.num_pages - 1) * ex.cfg.page_size,
+        "kv_pool_tokens": (ex.cfg.shapes.num_pages - 1) * ex.cfg.shapes.page_size,
         "jax_version": jax.__version__,
     }
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from ringserve.actors.transport.messages import StepMsg, as_i32, as_u8
 from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from ringserve.actors.scheduler.req import Req
 
 _NO_PAGES = np.zeros(0, np.int32)

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
 from ringserve.actors.scheduler.batch import Row, ScheduledBatch, StepResult
 from ringserve.actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
 from ringserve.actors.scheduler.grammar import Grammars

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
+
 from ringserve.actors.scheduler.req import Req
 from ringserve.kvmem import KVCache
 

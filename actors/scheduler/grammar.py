@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
 from ringserve.kvmem.allocator import cdiv
 
 Key = tuple[str, str]  # (kind, text): SamplingParams.constraint
@@ -135,6 +136,7 @@ class Grammars:
 
     def _compile(self, key: Key) -> Any:
         import llguidance as llg
+
         from ringserve.actors.transport.constraint import grammar
 
         m = llg.LLMatcher(self.tokenizer.result(), grammar(*key, self.json_options), log_level=0)

@@ -19,6 +19,7 @@ rows (mixed batches), which is the order the runner returns tokens in.
 from __future__ import annotations
 
 import numpy as np
+
 from ringserve.actors.scheduler.batch import Row, ScheduledBatch
 from ringserve.actors.scheduler.core import ReqOutput
 from ringserve.actors.scheduler.req import Req

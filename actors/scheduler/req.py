@@ -23,6 +23,7 @@ import enum
 from collections.abc import Callable
 
 import numpy as np
+
 from ringserve.actors.scheduler.grammar import ReqGrammar
 from ringserve.actors.scheduler.logprobs import PromptLogprobs
 from ringserve.actors.scheduler.lora import LoadedLora

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import msgspec
+
 from ringserve.actors.transport.ring import RingClosed, unlink_name
 
 __all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target", "without_torch"]

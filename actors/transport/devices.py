@@ -26,7 +26,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-__all__ = ["device_memory_bytes", "group_envs", "platform"]
+__all__ = ["default_fraction", "device_memory_bytes", "group_envs", "group_memory_bytes", "memory_name", "platform"]
 
 _CPU_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 TPU_PORT_BASE = 8476
@@ -126,3 +126,25 @@ def device_memory_bytes(plat: str, env: Mapping[str, str] | None = None) -> int 
         return None
     text = out.stdout.strip().splitlines()
     return int(text[-1]) or None if out.returncode == 0 and text and text[-1].isdigit() else None
+
+
+# mem_fraction_static's default: on CPU the "device" is the host's RAM, which also holds the OS,
+# the other processes, XLA's compile scratch and the runner's host copy of the checkpoint (a few
+# GiB, as vLLM for CPU's KV space); SGLang's accelerator defaults lie in 0.8-0.9 by GPU size
+DEFAULT_FRACTION = {"cpu": 0.2}
+ACCELERATOR_FRACTION = 0.85
+
+
+def default_fraction(plat: str) -> float:
+    return DEFAULT_FRACTION.get(plat, ACCELERATOR_FRACTION)
+
+
+def group_memory_bytes(plat: str, one: int, dp_size: int, tp_size: int) -> int:
+    """The memory one data-parallel group's weights and KV share, of `one` device's: on CPU the
+    groups share the host's RAM; on an accelerator a group has tp_size devices of its own."""
+    return one // dp_size if plat == "cpu" else one * tp_size
+
+
+def memory_name(plat: str) -> str:
+    """What a device's memory is called in messages."""
+    return "host RAM available" if plat == "cpu" else f"{plat} memory"

@@ -27,14 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from ringserve.actors.server_args import ServerArgs
-from ringserve.actors.transport.devices import device_memory_bytes, platform
+from ringserve.actors.transport.devices import (
+    default_fraction,
+    device_memory_bytes,
+    group_memory_bytes,
+    memory_name,
+    platform,
+)
 from ringserve.kvmem import cdiv
 from ringserve.model.checkpoints.footprint import Footprint, read_footprint
 
 log = logging.getLogger("ringserve.memory")
 
-DEFAULT_FRACTION = {"cpu": 0.2}  # every other platform: ACCELERATOR_FRACTION (CPU: a few GiB, as vLLM for CPU's KV space)
-ACCELERATOR_FRACTION = 0.85  # SGLang's defaults lie in 0.8-0.9 by GPU size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,7 +76,7 @@ def need_tokens(args: ServerArgs) -> int:
 def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: int | None) -> PoolSize:
     """The pool for `args` (pure: the memory is given). ValueError naming the fields and the
     numbers when not even one request of context_length plus a page fits."""
-    fraction = args.mem_fraction_static or DEFAULT_FRACTION.get(plat, ACCELERATOR_FRACTION)
+    fraction = args.mem_fraction_static or default_fraction(plat)
     kv_token, weights = fp.kv_bytes_per_token(args.dtype), fp.weight_bytes(args.dtype, args.quantization)
     need = need_tokens(args)
     budget = None
@@ -86,7 +90,7 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
         tokens, by = (need, "need") if need <= budget else (budget, "mem_fraction_static")
     least = args.min_pages * args.page_size
     where = (f"mem_fraction_static={fraction:g} x {group_memory_bytes:,} B of "
-             f"{'host RAM available' if plat == 'cpu' else f'{plat} memory'} - {weights:,} B of weights "
+             f"{memory_name(plat)} - {weights:,} B of weights "
              f"= {budget:,} tokens at {kv_token:,} B a token ({fp.num_layers} layers x {fp.num_kv_heads} KV heads x "
              f"head_dim {fp.head_dim} x K and V, {args.dtype})") if budget is not None else ""  # fmt: skip
     if by == "mem_fraction_static" and tokens < least:
@@ -103,9 +107,7 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
 def group_memory(args: ServerArgs, plat: str, env: Mapping[str, str] | None = None) -> int | None:
     """The memory one data-parallel group's weights and KV share (see the module's map)."""
     one = device_memory_bytes(plat, env)
-    if one is None:
-        return None
-    return one // args.dp_size if plat == "cpu" else one * args.tp_size
+    return None if one is None else group_memory_bytes(plat, one, args.dp_size, args.tp_size)
 
 
 def resolve_memory(args: ServerArgs, model_path: str | Path,

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.sampling import SamplingParams
 from ringserve.model.compute.step_inputs import DeviceSampling

@@ -24,6 +24,7 @@ import numbers
 from typing import Any
 
 import msgspec
+
 from ringserve.actors.transport.constraint import KINDS as CONSTRAINTS
 from ringserve.actors.transport.constraint import check as check_constraint
 from ringserve.model.compute.step_inputs import DeviceSampling

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from ringserve.model.config import ModelConfig
+from ringserve.model.families import read_config
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # ServerArgs.dtype: weights and KV are held in it
 
@@ -44,6 +44,6 @@ def read_footprint(path: str | Path) -> Footprint:
         return Footprint(layers, kv_heads, head_dim, params)
     from ringserve.model.checkpoints.load import safetensors_header
 
-    mc = ModelConfig.from_dir(path)
+    mc = read_config(path)
     params = sum(math.prod(t["shape"]) for f in sorted(path.glob("*.safetensors")) for t in safetensors_header(f)[0].values())
     return Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, params)

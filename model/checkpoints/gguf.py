@@ -1,11 +1,12 @@
-"""Llama-family GGUF files (llama.cpp's format) read into HF names, layouts, config and tokenizer.
+"""GGUF files (llama.cpp's format) of the families it writes (model/families/: `Family.gguf`),
+read into HF names, layouts, config and tokenizer.
 
 What a GGUF does differently from an HF checkpoint, and how it is undone here:
 - tensors are quantized per block (Q4_1, Q8_0, K-quants, ...): dequantized to float32 with the
   `gguf` package (NumPy only). Types outside `SUPPORTED` are refused, naming file and type;
 - GGUF dims are listed fastest-first (`t.shape` = [in, out]); HF `[out, in]` is the reverse;
-- for `general.architecture == "llama"`, llama.cpp's converter permutes the rows of q_proj and
-  k_proj so each head's rotary pairs are adjacent rows (2j, 2j+1) instead of HF's halves
+- for a family whose `gguf.permuted_qk` is set (Llama), llama.cpp's converter permutes the rows
+  of q_proj and k_proj so each head's rotary pairs are adjacent rows (2j, 2j+1) instead of HF's halves
   (j, j + d/2). Per head (q: n_head heads, k: n_head_kv heads), with rows viewed as [2, d/2]:
       GGUF rows = HF rows.reshape(2, d/2).T.flatten()  -> HF row h*d/2 + j is GGUF row 2j + h
   `unpermute_rope_rows` inverts it. qwen2/qwen3 files are not permuted (NeoX-style RoPE);
@@ -28,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
-from ringserve.model.config import ModelConfig, RopeConfig
+from ringserve.model.config import RopeConfig
+from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
+from ringserve.model.families.base import GGUF_TOP
 
 SUPPORTED = (
     "F32",
@@ -47,30 +51,6 @@ SUPPORTED = (
     "Q6_K",
 )
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_PERMUTED_QK = ("llama",)  # architectures whose q/k rows llama.cpp permutes
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -128,13 +108,22 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, np.nd
     return _weights(_open(Path(path)))
 
 
+def _family(meta: _Meta) -> tuple[str, Family]:
+    """llama.cpp's architecture name of the file and the family that serves it."""
+    arch = meta.get("general.architecture")
+    fam = gguf_family(str(arch))
+    if fam is None:
+        known = sorted(f.gguf.arch for f in FAMILIES.values() if f.gguf)
+        raise ValueError(f"{meta.path}: unsupported GGUF architecture {arch!r}; supported: {known}")
+    return str(arch), fam
+
+
 def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     import gguf
 
     reader, path = meta.reader, meta.path
-    arch = meta.get("general.architecture")
-    if arch not in _ARCH:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+    arch, fam = _family(meta)
+    assert fam.gguf is not None
     heads = int(meta.need(f"{arch}.attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
     hidden = int(meta.need(f"{arch}.embedding_length"))
@@ -158,12 +147,12 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         if t.name == _ROPE_FREQS:
             rope_freqs = a
             continue
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, fam.gguf.layer)
         if hf is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
-        if arch in _PERMUTED_QK and ".q_proj." in hf:
+        if fam.gguf.permuted_qk and ".q_proj." in hf:
             a = unpermute_rope_rows(a, heads)
-        elif arch in _PERMUTED_QK and ".k_proj." in hf:
+        elif fam.gguf.permuted_qk and ".k_proj." in hf:
             a = unpermute_rope_rows(a, kv_heads)
         tensors[hf] = a
     if "model.embed_tokens.weight" not in tensors:
@@ -178,7 +167,7 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         )
     )
     config: dict[str, Any] = {
-        "architectures": [_ARCH[arch]],
+        "architectures": [fam.architectures[0]],
         "model_type": arch,
         "vocab_size": int(
             meta.get(f"{arch}.vocab_size") or n_tokens or tensors["model.embed_tokens.weight"].shape[0]
@@ -200,18 +189,14 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos),
         "dtype": "float32",
     }
-    if arch == "qwen2":
-        config["use_sliding_window"] = False
-    return config, tensors
+    return config | fam.gguf.config, tensors
 
 
 def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int]:
     """(layers, KV heads, head_dim, weight elements) from a GGUF's metadata and tensor shapes,
     nothing dequantized (model/checkpoints/footprint.py)."""
     meta = _open(Path(path))
-    arch = meta.get("general.architecture")
-    if arch not in _ARCH:
-        raise ValueError(f"{meta.path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+    arch, _ = _family(meta)
     heads = int(meta.need(f"{arch}.attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
     head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta.need(f"{arch}.embedding_length")) // heads)
@@ -243,7 +228,7 @@ def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, p
     divisors fix `factor` (their max); the cutoffs depend on original_max_position_embeddings,
     low_freq_factor and high_freq_factor, taken from the values every Llama 3.x release uses
     (1, 4 and a power of two), and accepted only if they reproduce every frequency."""
-    from ringserve.model.compute.dots import rope_inv_freq
+    from ringserve.model.layers.rope import rope_inv_freq
 
     base = rope_inv_freq(RopeConfig(theta=theta), head_dim)
     if divisors.shape != base.shape:
@@ -264,13 +249,14 @@ def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, p
     )
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
+    """The HF name of a GGUF tensor (`layer_names`: the family's, after "blk.N.")."""
+    if name in GGUF_TOP:
+        return GGUF_TOP[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        if rest in layer_names:
+            return f"model.layers.{idx}.{layer_names[rest]}"
     return None
 
 
@@ -356,7 +342,7 @@ def gguf_to_hf_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
     from safetensors.numpy import save_file
 
     g = load_gguf(gguf_path)
-    ModelConfig.from_dict(g.config, source=str(gguf_path))  # fail here, not when serving
+    parse_config(g.config, source=str(gguf_path))  # fail here, not when serving
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(g.config, indent=2) + "\n")

@@ -147,8 +147,9 @@ def build_tokenizer(v: GGUFVocab, source: str) -> tuple[str, dict[str, Any]]:
 
 def hf_tokenizer(tokenizer_json: str, tokenizer_config: dict[str, Any]):
     """A transformers tokenizer built in memory (no files), as `AutoTokenizer` would load it."""
-    from ringserve.model.checkpoints.tokenizer import quiet_transformers
     from tokenizers import Tokenizer
+
+    from ringserve.model.checkpoints.tokenizer import quiet_transformers
 
     quiet_transformers()
     from transformers import PreTrainedTokenizerFast

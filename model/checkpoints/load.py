@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
 from ringserve.model.config import ModelConfig
+from ringserve.model.families import parse_config, read_config
 
 
 @functools.cache
@@ -84,12 +86,12 @@ def release_pages(tensors: dict[str, np.ndarray]) -> int:
 def load_checkpoint(model_path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and HF-named NumPy tensors from a model directory or a `.gguf` file."""
     path = Path(model_path)
-    if path.suffix == ".gguf":  # converted in memory on every load (see model/gguf.py)
+    if path.suffix == ".gguf":  # converted in memory on every load (model/checkpoints/gguf.py)
         from ringserve.model.checkpoints.gguf import read_gguf_weights
 
         config_dict, gguf_tensors = read_gguf_weights(path)
-        return ModelConfig.from_dict(config_dict, source=str(path)), gguf_tensors
-    config = ModelConfig.from_dir(path)
+        return parse_config(config_dict, source=str(path)), gguf_tensors
+    config = read_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weight files in the model directory")

@@ -30,19 +30,24 @@ import re
 from pathlib import Path
 
 import numpy as np
+
 from ringserve.model.checkpoints.load import read_safetensors
 from ringserve.model.config import ModelConfig
+from ringserve.model.families import family
 
+# every projection some family's adapters may train (a family names its own: Family.lora_modules)
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
 def module_dims(cfg: ModelConfig, module: str) -> tuple[int, int]:
-    """(in, out) features of a target module of the served model."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]  # fmt: skip
+    """(in, out) features of a target module of the served model (its family's layout)."""
+    return family(cfg.family).module_dims(cfg, module)[1:]
+
+
+def module_block(cfg: ModelConfig, module: str) -> str:
+    """The layer's submodule holding `module` ("self_attn", "mlp"), as PEFT's tensor names say."""
+    return family(cfg.family).module_dims(cfg, module)[0]
 
 
 def parse_target_modules(value: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -104,9 +109,10 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, targets: tup
         wanted = list(TARGET_MODULES) if wanted == "all-linear" else [wanted]
     if not isinstance(wanted, list) or not wanted:
         raise ValueError(f"{where}: target_modules={wanted!r} must name the modules the adapter trains")
+    served = family(cfg.family).lora_modules
     for mod in wanted:
-        if mod not in TARGET_MODULES:
-            raise ValueError(f"{where}: target module {mod!r} is unknown; LoRA serves {list(TARGET_MODULES)}")
+        if mod not in served:
+            raise ValueError(f"{where}: target module {mod!r} is unknown; LoRA serves {list(served)} of a {cfg.family} model")
         if mod not in targets:
             raise ValueError(f"{where}: target module {mod!r} is not among the server's lora_target_modules {list(targets)}")
     weights = p / "adapter_model.safetensors"
@@ -121,7 +127,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, targets: tup
         if m is None:
             raise ValueError(f"{where}: tensor {name!r} is not a LoRA A/B weight of a decoder layer's projection")
         layer, block, mod, ab = int(m[1]), m[2], m[3], m[4]
-        if mod not in TARGET_MODULES or (block == "self_attn") != (mod in ATTENTION_MODULES):
+        if mod not in served or module_block(cfg, mod) != block:
             raise ValueError(f"{where}: tensor {name!r}: {block}.{mod} is not a module LoRA serves")
         if mod not in wanted:
             raise ValueError(f"{where}: tensor {name!r}: module {mod!r} is not in its target_modules {wanted}")

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from ringserve.model.paths import atomic_dir, cache_dir
 
 # config.json fields of the real checkpoints (HF hub configs), minus tokens and tokenizers.

@@ -26,6 +26,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from ringserve.model.config import ModelConfig
+from ringserve.model.families import FAMILIES, Family
 from ringserve.model.paths import atomic_dir, cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -33,7 +36,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_DIMS = dict(
     vocab_size=2048,
     hidden_size=256,
@@ -71,51 +73,28 @@ def train_tokenizer(vocab_size: int):
     return tok
 
 
-def _hf_config(family: str, dims: dict, seed: int) -> dict:
+def _hf_config(fam: Family, dims: dict, seed: int) -> dict:
+    """config.json of the family's tiny checkpoint, written through transformers' config class (so
+    HF loads it): the shared dimensions, the family's own fields (model/families/: `Family.tiny`)."""
     from ringserve.model.checkpoints.tokenizer import quiet_transformers
 
     quiet_transformers()
     import transformers
 
-    cls = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-        "mistral": transformers.MistralConfig,
-    }[family]
-    extra: dict = dict(bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    if family == "llama":  # exercises llama3 RoPE scaling and tied embeddings
-        extra.update(
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 1024,
-            },
-        )
-    elif family == "qwen3":  # head_dim decoupled from hidden/heads, as in real Qwen3
-        extra.update(tie_word_embeddings=False, head_dim=48, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    elif family == "qwen2":
-        extra.update(tie_word_embeddings=False, use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    else:  # mistral: no sliding window here (v0.2+ style), so full attention
-        extra.update(tie_word_embeddings=False, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    cls = getattr(transformers, fam.tiny.config_class)
+    extra: dict = dict(bos_token_id=None, eos_token_id=2, pad_token_id=0) | fam.tiny.fields
     cfg = cls(**dims, rms_norm_eps=1e-5, **extra)
     d = cfg.to_dict()
-    d["architectures"] = [cls.__name__.replace("Config", "ForCausalLM")]
+    d["architectures"] = [fam.architectures[0]]
     d["dtype"] = "float32"
     d["ringserve_tiny_seed"] = seed
     return d
 
 
-def _weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+def _weights(fam: Family, cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Seeded weights for every tensor of the family's layout, drawn in its order (the module
+    docstring says why these scales)."""
     rng = np.random.default_rng(seed)
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // heads
-    family = cfg["model_type"]
 
     def lin(out_f: int, in_f: int, gain: float = 1.0) -> np.ndarray:
         return (gain * rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)).astype(np.float32)
@@ -123,29 +102,27 @@ def _weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    tied = bool(cfg.get("tie_word_embeddings"))
-    w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((v, h))).astype(np.float32)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(h)
-        w[p + "self_attn.q_proj.weight"] = lin(heads * hd, h)
-        w[p + "self_attn.k_proj.weight"] = lin(kv * hd, h)
-        w[p + "self_attn.v_proj.weight"] = lin(kv * hd, h)
-        w[p + "self_attn.o_proj.weight"] = lin(h, heads * hd, gain=3.0)
-        if family == "qwen2":
-            for n, size in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
-                w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
-        if family == "qwen3":
-            w[p + "self_attn.q_norm.weight"] = norm(hd)
-            w[p + "self_attn.k_norm.weight"] = norm(hd)
-        w[p + "post_attention_layernorm.weight"] = norm(h)
-        w[p + "mlp.gate_proj.weight"] = lin(inter, h)
-        w[p + "mlp.up_proj.weight"] = lin(inter, h)
-        w[p + "mlp.down_proj.weight"] = lin(h, inter, gain=3.0)
-    w["model.norm.weight"] = (norm(h) * (10.0 if tied else 1.0)).astype(np.float32)
-    if not tied:
-        w["lm_head.weight"] = rng.standard_normal((v, h)).astype(np.float32)
+    tied = cfg.tie_word_embeddings
+    w = {}
+    for name, place in fam.layout(cfg).items():
+        shape, module = place.hf_shape, place.path[-2]
+        if name == "model.embed_tokens.weight":
+            w[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name == "lm_head.weight":
+            w[name] = rng.standard_normal(shape).astype(np.float32)
+        elif name == "model.norm.weight":
+            w[name] = (norm(shape[0]) * (10.0 if tied else 1.0)).astype(np.float32)
+        elif place.path[-1] == "bias":
+            w[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif place.transpose:  # a projection; a residual branch's output 3x (the docstring)
+            w[name] = lin(*shape, gain=3.0 if module in RESIDUAL_OUT else 1.0)
+        else:  # a norm's weight
+            w[name] = norm(shape[0])
     return w
+
+
+# the projections that write a residual branch's output (their init 3x: the module docstring)
+RESIDUAL_OUT = ("o_proj", "down_proj")
 
 
 def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, **dims) -> Path:
@@ -154,16 +131,18 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, *
 
     if family not in FAMILIES:
         raise ValueError(f"--arch {family!r} is not supported; choose one of {list(FAMILIES)}")
+    fam = FAMILIES[family]
     out = Path(out_dir)
     merged = {**DEFAULT_DIMS, **dims}
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(_trained_tokenizer_json(merged["vocab_size"]))
     merged["vocab_size"] = tok.get_vocab_size()
-    cfg = _hf_config(family, merged, seed)
+    cfg = _hf_config(fam, merged, seed)
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        save_file(_weights(cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        weights = _weights(fam, fam.config(cfg), seed)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save(str(tmp / "tokenizer.json"))
         tok_cfg = {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -192,7 +171,7 @@ def tiny_model_path(family: str = "llama", seed: int = 0) -> Path:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="ringserve make-tiny-model", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir", help="directory to write (replaced if it exists)")
-    ap.add_argument("--arch", default="llama", choices=FAMILIES)
+    ap.add_argument("--arch", default="llama", choices=list(FAMILIES))
     ap.add_argument("--seed", type=int, default=0)
     for k, v in DEFAULT_DIMS.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)

@@ -17,8 +17,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-from ringserve.model.checkpoints.peft import ATTENTION_MODULES, TARGET_MODULES, module_dims
-from ringserve.model.config import ModelConfig
+
+from ringserve.model.checkpoints.peft import TARGET_MODULES, module_block, module_dims
+from ringserve.model.families import read_config
 from ringserve.model.paths import atomic_dir
 
 
@@ -29,7 +30,7 @@ def make_tiny_lora(out_dir: str | Path, base_dir: str | Path, rank: int = 8, see
     (atomically) and return it. `alpha` defaults to `rank` (scale 1)."""
     from safetensors.numpy import save_file
 
-    cfg = ModelConfig.from_dir(base_dir)
+    cfg = read_config(base_dir)
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
     for layer in range(cfg.num_layers):
@@ -37,7 +38,7 @@ def make_tiny_lora(out_dir: str | Path, base_dir: str | Path, rank: int = 8, see
             if mod not in target_modules:
                 continue
             n_in, n_out = module_dims(cfg, mod)
-            block = "self_attn" if mod in ATTENTION_MODULES else "mlp"
+            block = module_block(cfg, mod)
             base = f"base_model.model.model.layers.{layer}.{block}.{mod}"
             tensors[f"{base}.lora_A.weight"] = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
             tensors[f"{base}.lora_B.weight"] = (gain * rng.standard_normal((n_out, rank)) / np.sqrt(rank)).astype(np.float32)

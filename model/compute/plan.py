@@ -1,37 +1,196 @@
-"""How this platform computes a step: the projections' dot (`resolve_dot`: XLA's, ringserve's
-CPU kernel, oneDNN's custom call, or the deterministic mode's batch-invariant one), the decoder
-layers' loop (`resolve_layer_loop`: one scan over stacked weights, or unrolled), and the CPU
-custom calls a configuration may use (`prebuild_kernels` builds them side by side at start-up;
-`custom_calls` names their FFI targets for the program cache). `ModelExecutor`
-(model/runtime/executor.py) asks these once, at start-up."""
+"""How this platform computes a step, decided once: `ComputePlan.resolve` turns the compute
+options (model/compute/options.py) and the platform into every choice the model and the runtime
+make, and nothing else in the model compares a platform or a dot path (tests/test_structure.py
+counts them):
+
+    attention            the backend (model/compute/attention/: the registry, auto by platform,
+                         the deterministic mode's override)
+    dot                  how the projections and the LM head multiply, with its row thresholds
+                         (model/compute/dots.py: XLA's, ringserve's CPU kernel, oneDNN's, or the
+                         deterministic mode's batch-invariant one)
+    norm, block_norm     how RMSNorm computes (model/compute/norm.py): the blocks' residual norms
+                         through cpu_norm's kernel where bf16 runs on the kernel dots
+    layer_loop           one scan over stacked weights, or unrolled
+    kernels              the CPU custom calls its programs may call (built side by side at
+                         start-up, registered before a program is read back from disk)
+    the rest             logits' product order, RoPE tables, the sampler's and prompt logprobs'
+                         groups, the compile order's leads, host-aliased weights, the program cache
+
+`ModelExecutor` (model/runtime/executor.py) resolves one and hands it to the family's module
+tree (model/families/) and to the runtime.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any
 
-from ringserve.model.compute.dots import STACK_READING_DOTS
+from ringserve.model.compute.attention import DETERMINISTIC, REGISTRY
+from ringserve.model.compute.dots import INVARIANT_ROWS, Dot, kernel_rows
+from ringserve.model.compute.norm import Norm
+from ringserve.model.compute.options import ComputeOptions
+from ringserve.model.compute.platform import platform_of
 
 log = logging.getLogger(__name__)
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ComputePlan:
+    """Every compute choice of one executor (the module docstring). The defaults are XLA's plain
+    path in float32 with scanned layers: what a module tree is built with to read its shape."""
 
-class ExecutorConfig(Protocol):
-    """What these choices read of model/runtime/executor.py's ExecutorConfig (named here, not imported:
-    the executor imports this module)."""
+    options: ComputeOptions = ComputeOptions()
+    platform: str = "cpu"
+    tp: int = 1
+    attention: str = "native"
+    dot: Dot = Dot()
+    norm: Norm = Norm()  # every RMSNorm but the blocks' residual ones (final, q/k)
+    block_norm: Norm = Norm()  # a block's input and post-attention norms
+    layer_loop: str = "scan"
+    vocab_major_logits: bool = False  # logits as [V, H] x [H, S] (XLA:CPU's faster form for a few rows)
+    rope_table_positions: int | None = None  # RoPE's cos and sin gathered from host-made tables of this span
+    sample_group: int | None = None  # extend programs sample their rows this many at a time (None: all)
+    position_group: int = 128  # prompt positions' logprobs this many at a time
+    kernels: tuple[str, ...] = ()  # CPU custom calls the programs may call (model/compute/kernels/)
+    host_buffers: bool = False  # one CPU device: device buffers alias the host arrays (huge pages, packed copies)
+    lead_small_programs: bool = False  # serve first from the smallest programs (padding costs what rows do)
+
+    # ---- what the options fix -------------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        return self.options.dtype
 
     @property
-    def cpu_matmul(self) -> str: ...
+    def jnp_dtype(self) -> Any:
+        import jax.numpy as jnp
+
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[self.options.dtype]
+
     @property
-    def deterministic(self) -> bool: ...
+    def quant(self) -> str | None:
+        return self.options.quantization
+
     @property
-    def tp_size(self) -> int: ...
+    def deterministic(self) -> bool:
+        return self.options.deterministic
+
     @property
-    def dtype(self) -> str: ...
+    def layer_unroll(self) -> int:
+        return self.options.layer_unroll
+
     @property
-    def quantization(self) -> str | None: ...
+    def lora_gather(self) -> bool:
+        return self.options.lora_gather
+
     @property
-    def attention_backend(self) -> str: ...
+    def fixed_rows(self) -> int | None:
+        """The sampler's one tile shape in the deterministic mode (None: any)."""
+        return INVARIANT_ROWS if self.deterministic else None
+
+    @property
+    def cpu(self) -> bool:
+        return self.platform == "cpu"
+
+    @property
+    def packs_weights(self) -> bool:
+        """The kernel dots keep packed copies of the weights (reserved at start-up)."""
+        return self.host_buffers and self.dot.kernel
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """What `ringserve serve` prints and get_server_info reports."""
+        return {"platform": self.platform, "attention_backend": self.attention, "matmul": self.dot.name,
+                "layer_loop": self.layer_loop, "norm_kernel": self.block_norm.kernel, "kernels": list(self.kernels)}  # fmt: skip
+
+    # ---- resolution -------------------------------------------------------------------------
+    @classmethod
+    def resolve(cls, opts: ComputeOptions, platform: str, tp: int = 1, devices: int = 1,
+                rope_positions: int | None = None) -> ComputePlan:  # fmt: skip
+        """The plan for `opts` on `platform` (a JAX platform name) over `tp` devices of `devices`
+        in this process; `rope_positions`: the KV pages' whole span. Raises ValueError naming an
+        option this platform cannot honour."""
+        platform = platform_of(platform)
+        cpu = platform == "cpu"
+        if cpu:
+            prebuild_kernels(opts, tp)
+        attention = resolve_backend(opts.attention_backend, platform, opts.attention_interpret, tp)
+        if opts.deterministic and not REGISTRY[attention].deterministic:
+            # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
+            log.warning("enable_deterministic_inference: attention backend %s -> %s", attention, DETERMINISTIC)
+            attention = DETERMINISTIC
+        name = resolve_dot(opts, platform, tp)
+        x = opts.dtype
+        w = "int8" if opts.quantization else opts.dtype
+        dot = Dot(name, ((w, x, kernel_rows(w, "onednn" in name, x)),) if name.startswith("kernel") else ())
+        norm = Norm(invariant=opts.deterministic)
+        block_norm = dataclasses.replace(norm, kernel=norm_kernel(opts, tp, dot))
+        return cls(
+            options=opts, platform=platform, tp=tp, attention=attention, dot=dot, norm=norm, block_norm=block_norm,
+            layer_loop=resolve_layer_loop(opts.layer_loop, platform, name),
+            vocab_major_logits=cpu and name in ("xla", "kernel") and opts.quantization is None,
+            rope_table_positions=rope_positions if cpu else None,
+            sample_group=16 if cpu else None,
+            # prompt positions' logprobs in groups: 64 on CPU (SmolLM2, 255 positions: +0.23 s over
+            # a 0.74 s step; groups of 16: +0.37 s, of 256: +2.8 s), 128 on accelerators, where each
+            # iteration of a runtime-count loop costs a host round trip (not measured there yet)
+            position_group=64 if cpu else 128,
+            kernels=kernel_names(opts, tp) if cpu else (),
+            host_buffers=cpu and devices == 1,
+            lead_small_programs=cpu,
+        )  # fmt: skip
+
+    def make_backend(self, geo: Any, mesh: Any = None) -> Any:
+        """The attention backend object (model/compute/attention/base.py) for `geo` on `mesh`."""
+        return REGISTRY[self.attention].load().make(geo, self, mesh)
+
+    def load_kernels(self) -> None:
+        """Register now every CPU custom call this plan's programs may call. A program read back
+        from disk (model/runtime/program_cache.py) is not traced, and tracing is where a kernel is
+        otherwise first loaded: without this, a bf16 warm start could not read back its first
+        program (no handler yet for the norm's target, whose first use is in a trace) and
+        traced it again."""
+        for name in self.kernels:
+            _loader(name, self.options)()
+
+    def program_cache(self, devices: int) -> bool:
+        """Whether the traced programs are kept on disk (model/runtime/program_cache.py)."""
+        from ringserve.model.runtime.program_cache import usable
+
+        return usable(self.platform, devices)
+
+
+def resolve_backend(requested: str, platform: str, interpret: bool = False, tp: int = 1) -> str:
+    """The attention backend that runs: `requested`, or for "auto" the first registered one
+    whose `auto` names this platform and that can run here. Pallas kernels need their platform,
+    or `interpret` (Pallas's interpreter, for tests on CPU)."""
+    platform = platform_of(platform)
+    if requested != "auto" and requested not in REGISTRY:
+        raise ValueError(f"attention_backend={requested!r}: choose one of {['auto', *REGISTRY]}")
+    if requested == "auto":
+        for b in REGISTRY.values():
+            if platform in b.auto:
+                if (why := _why_not(b.name, platform, interpret, tp)) is None:
+                    return b.name
+                log.info("attention_backend=auto: not %s (%s)", b.name, why)
+        return "native"
+    if (why := _why_not(requested, platform, interpret, tp)) is not None:
+        raise ValueError(f"attention_backend={requested!r} {why}")
+    return requested
+
+
+def _why_not(name: str, platform: str, interpret: bool, tp: int) -> str | None:
+    b = REGISTRY[name]
+    if platform not in b.platforms and not (b.interpretable and interpret):
+        where = " or ".join(p.upper() for p in b.platforms)
+        if b.interpretable:
+            return f"needs a {where}; this platform is {platform!r} (attention_interpret=True runs the kernel in Pallas's interpreter)"
+        return f"runs on {where} only; this platform is {platform!r}"
+    if not b.sharded and tp != 1:
+        return f"needs tp_size=1 (got {tp}): the kernel is not sharded"
+    if b.kernel is not None and (why := _loader(b.kernel)()) is not None:
+        return f"is not available here: {why}"
+    return None
 
 
 def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
@@ -41,35 +200,32 @@ def resolve_layer_loop(layer_loop: str, platform: str, dot: str = "xla") -> str:
     dot pays for a scan's stacked weights: the dynamic slice of layer l's weights is a copy
     (XLA:CPU's dot reads whole buffers; SmolLM2-135M: 425 MB a step, 66 of 647 ms of a batch-64
     decode step), so with XLA's dot alone CPU runs unrolled. ringserve's kernel and oneDNN's
-    custom call read layer l's weights in place from the stack (model/compute/dots.py `matmul`), so
+    custom call read layer l's weights in place from the stack (model/compute/dots.py `Dot`), so
     with either CPU scans too: one layer body to compile instead of L (SmolLM2 on 2 Zen 3 cores:
     a program 2.5-3.4 s cold against ~6, 0.25-0.8 s from the cache against ~1-2; all 19 of a
     server's 56 s against 110), decode steps as fast (XLA's dots of larger steps, "kernel" only,
     multiply a slice of the stack: a 1024-token prefill ~5% slower)."""
     if layer_loop == "auto":
-        return "unrolled" if platform == "cpu" and dot not in STACK_READING_DOTS else "scan"
+        return "unrolled" if platform_of(platform) == "cpu" and not Dot(dot).reads_stack else "scan"
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop={layer_loop!r}: must be 'auto', 'scan' or 'unrolled'")
     return layer_loop
 
 
-CPU_MATMULS = ("auto", "xla", "onednn", "kernel")
-
-
-def matmul_weights(cfg: ExecutorConfig) -> str:
+def matmul_weights(opts: ComputeOptions) -> str:
     """The dtype of the weights the projections and the LM head multiply: int8 where the
     configuration quantizes, else its dtype (cpu_matmul builds one library per weight dtype)."""
-    return "int8" if cfg.quantization else cfg.dtype
+    return "int8" if opts.quantization else opts.dtype
 
 
-def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
-    """How the projections and the LM head multiply (model/compute/dots.py `matmul`):
+def resolve_dot(opts: ComputeOptions, platform: str, tp: int = 1) -> str:
+    """How the projections and the LM head multiply (model/compute/dots.py):
 
         invariant      the deterministic mode (its batch-invariant dot)
         kernel         CPU, f32/bf16: decode's few rows through ringserve's own kernel, which
-                       streams the weights on every core (model/compute/kernels/cpu_matmul.py: XLA:CPU's
-                       one-row dot runs on one core), larger steps on XLA's dot; bf16 where the
-                       kernel reads packed pairs (AVX512-BF16): every step
+                       streams the weights on every core (model/compute/kernels/cpu_matmul.py:
+                       XLA:CPU's one-row dot runs on one core), larger steps on XLA's dot; bf16
+                       where the kernel reads packed pairs (AVX512-BF16): every step
         kernel+onednn  the same, larger steps through oneDNN: bf16 and int8 weights, where XLA:CPU
                        has no fast dot (its bf16 dots: 45-140 GF/s on 2 Zen 4 cores, oneDNN 290-400)
         onednn         oneDNN for every step (asked for; or auto for f16, which the kernel lacks)
@@ -77,10 +233,9 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
 
     `cpu_matmul` asks for one ("auto": the best that runs here; "kernel" or "onednn": that one or
     a ValueError naming why it cannot run). The custom calls are not sharded: tp_size 1 only."""
-    want = cfg.cpu_matmul
-    if want not in CPU_MATMULS:
-        raise ValueError(f"cpu_matmul={want!r}: must be one of {list(CPU_MATMULS)}")
-    if cfg.deterministic:
+    platform = platform_of(platform)
+    want = opts.cpu_matmul
+    if opts.deterministic:
         if want in ("onednn", "kernel"):
             raise ValueError(f"cpu_matmul={want!r} with enable_deterministic_inference: the deterministic mode "
                              "keeps its batch-invariant dot (use cpu_matmul='auto' or 'xla')")  # fmt: skip
@@ -92,20 +247,20 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
     def why_not(name: str) -> str | None:
         if platform != "cpu":
             return f"it runs on CPU only; this platform is {platform!r}"
-        if cfg.tp_size != 1:
-            return f"it needs tp_size=1 (got {cfg.tp_size}): the custom call is not sharded"
-        if name == "kernel" and cfg.dtype not in ("float32", "bfloat16"):
-            return f"it computes in float32 or bfloat16, not {cfg.dtype}"
+        if tp != 1:
+            return f"it needs tp_size=1 (got {tp}): the custom call is not sharded"
+        if name == "kernel" and opts.dtype not in ("float32", "bfloat16"):
+            return f"it computes in float32 or bfloat16, not {opts.dtype}"
         if name == "kernel":
-            return cpu_matmul.reason(matmul_weights(cfg))
-        return onednn.supports(cfg.dtype, "int8" if cfg.quantization else cfg.dtype)
+            return cpu_matmul.reason(matmul_weights(opts))
+        return onednn.supports(opts.dtype, "int8" if opts.quantization else opts.dtype)
 
-    slow_on_xla = cfg.dtype in ("bfloat16", "float16") or cfg.quantization is not None
-    if cfg.dtype == "bfloat16" and platform == "cpu" and why_not("kernel") is None:
+    slow_on_xla = opts.dtype in ("bfloat16", "float16") or opts.quantization is not None
+    if opts.dtype == "bfloat16" and platform == "cpu" and why_not("kernel") is None:
         # the kernel reads bf16 weights (int8: of many rows) from packed pairs (AVX512-BF16) at
-        # every step size, faster than oneDNN's (model/compute/dots.py PAIR_ROWS): no oneDNN, and no
-        # second packed copy
-        slow_on_xla = not cpu_matmul.packs_pairs(matmul_weights(cfg))
+        # every step size, faster than oneDNN's (model/compute/dots.py PAIR_ROWS): no oneDNN,
+        # and no second packed copy
+        slow_on_xla = not cpu_matmul.packs_pairs(matmul_weights(opts))
     if want != "auto":
         if (why := why_not(want)) is not None:
             raise ValueError(f"cpu_matmul={want!r} is not available here: {why}")
@@ -124,36 +279,57 @@ def resolve_dot(cfg: ExecutorConfig, platform: str) -> str:
     return "xla"
 
 
-def kernel_loaders(cfg: ExecutorConfig) -> list[Callable[[], str | None]]:
-    """The `reason()` of each CPU custom call this configuration's programs may call
-    (model/compute/kernels/build.py `loader`: its first call builds and registers the kernel)."""
-    from ringserve.model.compute.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm
+def norm_kernel(opts: ComputeOptions, tp: int, dot: Dot) -> bool:
+    """cpu_norm's kernel for the blocks' residual norms: bf16 under the kernel dots, where it
+    builds (never in the deterministic mode, which keeps XLA's expression)."""
+    if not (dot.kernel and opts.dtype == "bfloat16" and tp == 1 and not opts.deterministic):
+        return False
+    from ringserve.model.compute.kernels import cpu_norm
 
-    wanted = [cpu_memory.reason]  # the KV pool's zeros
-    if cfg.tp_size == 1 and cfg.dtype == "bfloat16" and cfg.cpu_matmul in ("auto", "kernel") and not cfg.deterministic:
-        wanted.append(cpu_norm.reason)  # bf16 norms under the kernel dots (model/compute/dots.py RMSNorm)
-    if cfg.tp_size == 1 and cfg.attention_backend in ("auto", "cpu_kernel"):
-        wanted.append(cpu_attention.reason)
-    if cfg.tp_size == 1 and cfg.cpu_matmul in ("auto", "kernel") and (load := cpu_matmul.loader_of(matmul_weights(cfg))):
-        wanted.append(load)  # the library of this configuration's weight dtype alone
-    return wanted
+    return cpu_norm.reason() is None
 
 
-def prebuild_kernels(cfg: ExecutorConfig) -> None:
+def kernel_names(opts: ComputeOptions, tp: int) -> tuple[str, ...]:
+    """The CPU custom calls this configuration's programs may call (each built once per machine,
+    model/compute/kernels/build.py): the KV pool's zeros, bf16 norms under the kernel dots, the
+    attention backends' kernels it may pick, the matmul library of its weight dtype."""
+    if tp != 1:
+        return ("cpu_memory",)
+    kernel_dots = opts.cpu_matmul in ("auto", "kernel")
+    names = ["cpu_memory"]
+    if kernel_dots and opts.dtype == "bfloat16" and not opts.deterministic:
+        names.append("cpu_norm")
+    names += [b.kernel for b in REGISTRY.values()
+              if b.kernel and (opts.attention_backend == b.name or opts.attention_backend == "auto" and "cpu" in b.auto)]  # fmt: skip
+    if kernel_dots and _matmul_loader(opts) is not None:
+        names.append("cpu_matmul")
+    return tuple(names)
+
+
+def _matmul_loader(opts: ComputeOptions) -> Callable[[], str | None] | None:
+    from ringserve.model.compute.kernels import cpu_matmul
+
+    return cpu_matmul.loader_of(matmul_weights(opts))  # the library of this weight dtype alone (None: none)
+
+
+def _loader(name: str, opts: ComputeOptions = ComputeOptions()) -> Callable[[], str | None]:
+    """The `reason()` of kernel `name` (model/compute/kernels/build.py `loader`: its first call
+    builds and registers the kernel); cpu_matmul's is the library of `opts`' weight dtype."""
+    from ringserve.model.compute.kernels import cpu_attention, cpu_memory, cpu_norm
+
+    if name == "cpu_matmul":
+        load = _matmul_loader(opts)
+        assert load is not None, "kernel_names lists cpu_matmul only where its weight dtype has a library"
+        return load
+    return {"cpu_memory": cpu_memory.reason, "cpu_norm": cpu_norm.reason, "cpu_attention": cpu_attention.reason}[name]
+
+
+def prebuild_kernels(opts: ComputeOptions, tp: int = 1) -> None:
     """Start building, side by side, the CPU custom calls this configuration may use (each is
     built once per machine, model/compute/kernels/build.py); the first use of each waits for its own."""
     from ringserve.model.compute.kernels import build
 
-    build.prebuild(*kernel_loaders(cfg))
-
-
-def load_kernels(cfg: ExecutorConfig) -> None:
-    """Register now every CPU custom call this configuration's programs may call. A program read
-    back from disk (model/runtime/program_cache.py) is not traced, and tracing is where a kernel is
-    otherwise first loaded: without this, a bf16 warm start could not read back its first program
-    (no handler yet for the norm's target, whose first use is in a trace) and traced it again."""
-    for reason in kernel_loaders(cfg):
-        reason()
+    build.prebuild(*(_loader(n, opts) for n in kernel_names(opts, tp)))
 
 
 def custom_calls() -> tuple[str, ...]:
@@ -161,3 +337,6 @@ def custom_calls() -> tuple[str, ...]:
     from ringserve.model.compute.kernels import cpu_attention, cpu_matmul, cpu_norm, onednn
 
     return cpu_attention.TARGET, cpu_norm.TARGET, *cpu_matmul.TARGETS.values(), onednn.TARGET, onednn.TARGET_Q8
+
+
+__all__ = ["ComputePlan", "resolve_backend", "resolve_dot", "resolve_layer_loop"]

@@ -61,9 +61,33 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+
 from ringserve.kvmem.allocator import cdiv
 
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProgramShapes:
+    """What the compiled step programs hold, derived once from the server's options
+    (ServerArgs.program_shapes, actors/server_args.py): the scheduler plans within them and the
+    executor compiles them."""
+
+    page_size: int = 16
+    num_pages: int = 2048  # including the sink page 0
+    max_context_len: int = 4096
+    max_batch: int = 64  # largest decode bucket (= max running requests)
+    max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
+    top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
+    token_ids_logprob_num: int = 0  # K: token_ids_logprob a row may ask for (every step takes K per row)
+    verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
+    decode_steps: int = 1  # multi-step decode: decode steps a program runs one after another (1 = off)
+    decode_steps_rows: int = 4  # multi-step decode programs for decode batches of up to this many rows
+
+    @property
+    def max_pages(self) -> int:
+        """Page-table width: pages of the longest context."""
+        return cdiv(self.max_context_len, self.page_size)
 
 
 class StepShape(NamedTuple):

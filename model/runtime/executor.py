@@ -6,7 +6,8 @@ copies of it, model/weights/memory.py), the KV cache and the FutureMap on device
 (model/compute/step_inputs.py) and the ones kept on device for steps that need none of their own
 (model/runtime/step_constants.py).
 
-    ex = ModelExecutor(path, ExecutorConfig(...))     load, place, compile (progress bar)
+    ex = ModelExecutor(path, ExecutorConfig(...))     resolve the compute plan, load, place, compile
+    ex.plan, ex.family                                how it computes (model/compute/plan.py), what it serves
     out, rows, accepted = ex.run(device_rows)         one step (model/compute/step_inputs.py DeviceRows)
     so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
     ex.build_params / swap_params / drop_params       weights while serving (model/weights/sync.py)
@@ -33,82 +34,58 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.checkpoints.load import load_checkpoint, release_pages
-from ringserve.model.compute.attention import AttentionBackend, AttnGeometry, make_backend, resolve_backend
-from ringserve.model.compute.dots import INVARIANT_ROWS
+from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry
 from ringserve.model.compute.mesh import make_mesh, replicated
-from ringserve.model.compute.plan import (
-    custom_calls,
-    load_kernels,
-    prebuild_kernels,
-    resolve_dot,
-    resolve_layer_loop,
-)
+from ringserve.model.compute.options import ComputeOptions, assemble
+from ringserve.model.compute.plan import ComputePlan, custom_calls
 from ringserve.model.compute.step_inputs import (
     Buckets,
     DeviceRow,
     HostBatch,
     NoProgramYet,
+    ProgramShapes,
     StepShape,
     build_batch,
 )
+from ringserve.model.families import family
 from ringserve.model.layers.decoder import CausalLM
+from ringserve.model.layers.lora import LoraBatch
 from ringserve.model.runtime.kv_pool import KVPool
-from ringserve.model.runtime.program_cache import ProgramCache, usable
+from ringserve.model.runtime.program_cache import ProgramCache
 from ringserve.model.runtime.programs import Key, ProgramSet, compile_order, step_avals
 from ringserve.model.runtime.sampler import PositionLogprobs, SampleOut
 from ringserve.model.runtime.step import make_logits, make_step
 from ringserve.model.runtime.step_constants import StepConstants
 from ringserve.model.weights import memory as weight_memory
-from ringserve.model.weights.lora import LoraBatch, LoraPool
-from ringserve.model.weights.state import QUANT_MODES, build_host_state, build_lazy_state, checked_layout
+from ringserve.model.weights.lora import LoraPool
+from ringserve.model.weights.state import build_host_state, build_lazy_state, checked_layout
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class ExecutorConfig:
-    page_size: int = 16
-    num_pages: int = 2048  # including the sink page 0
-    max_context_len: int = 4096
-    max_batch: int = 64  # largest decode bucket (= max running requests)
-    max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
-    extend_block: int = 16  # query tile of extend steps
-    decode_bucket_step: int = 8  # decode batches: powers of two up to 2x this, then every this many
-    dtype: str = "float32"
+    """The executor's options, in sections that travel whole: how the model computes (the
+    server's compute section, unchanged), what the programs hold (derived once from the server's
+    options, ServerArgs.program_shapes), and the runner's own. Made from sections and/or flat
+    names (`ExecutorConfig(dtype="bfloat16", page_size=16)`: tests, tools)."""
+
+    compute: ComputeOptions = ComputeOptions()
+    shapes: ProgramShapes = ProgramShapes()
     tp_size: int = 1
-    top_logprobs_num: int = 0  # N of the top-N logprobs every step returns (0 = off)
-    token_ids_logprob_num: int = 0  # K: token_ids_logprob a row may ask for (every step takes K per row)
-    attention_backend: str = "auto"
-    attention_interpret: bool = False  # run Pallas kernels in their interpreter (tests on CPU)
-    attn_chunk_tokens: int = 64  # native attention: keys per work item
-    context_bucket_min: int = 512  # static-loop backends: smallest context compiled (then x2 up to max)
-    layer_loop: str = "auto"  # "scan": stacked weights, one lax.scan; "unrolled": per-layer weights (auto: CPU)
-    layer_unroll: int = 1  # decoder layers per scan iteration (layer_loop "scan")
-    cpu_matmul: str = "auto"  # "xla" | "onednn" | "kernel" (model/compute/kernels/) | "auto": model/compute/plan.py resolve_dot
-    quantization: str | None = None  # "int8": weight-only int8 projections, LM head, embedding (model/weights/state.py)
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
-    verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
-    decode_steps: int = 1  # multi-step decode: decode steps a program runs one after another (1 = off)
-    decode_steps_rows: int = 4  # multi-step decode programs for decode batches of up to this many rows
-    deterministic: bool = False  # batch-invariant kernels (enable_deterministic_inference)
     lora_slots: int = 0  # LoRA adapter pool slots incl. the empty slot 0 (max_loras_per_batch + 1); 0 = off
     lora_rank: int = 0  # max_lora_rank: every slot's rank (adapters of lower rank are zero-padded)
     lora_targets: tuple[str, ...] = ()  # the projections adapters may train (model/checkpoints/peft.py)
-    lora_gather: bool = False  # the adapters' product in its gather form, not the dense one (model/weights/lora.py)
     program_cache: bool = False  # keep the traced programs on disk (model/runtime/program_cache.py; CPU, one device)
 
-    @property
-    def max_pages(self) -> int:
-        """Page-table width: pages of the longest context."""
-        return cdiv(self.max_context_len, self.page_size)
+    def __init__(self, **options: Any) -> None:
+        assemble(self, options, "executor option")
 
 
 class StepOut(NamedTuple):
@@ -124,50 +101,41 @@ class StepOut(NamedTuple):
 
 class ModelExecutor:
     def __init__(self, model_path: str | Path, cfg: ExecutorConfig = ExecutorConfig()):
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
-        if cfg.quantization is not None and cfg.quantization not in QUANT_MODES:
-            raise ValueError(f"quantization={cfg.quantization!r}: choose None or one of {list(QUANT_MODES)}")
         self.cfg = cfg
+        shapes = cfg.shapes
         self.mesh = make_mesh(cfg.tp_size)
-        self.platform = jax.devices()[0].platform
-        if self.platform == "cpu":
-            prebuild_kernels(cfg)
-        self.backend = resolve_backend(cfg.attention_backend, self.platform, cfg.attention_interpret, cfg.tp_size)
-        if cfg.deterministic and self.backend in ("pallas", "pallas_gpu"):
-            # the kernels' tiling is theirs; the pure-JAX tiles sum in an order no shape changes
-            log.warning("enable_deterministic_inference: attention backend %s -> bucketed", self.backend)
-            self.backend = "bucketed"
+        # how this platform computes, decided once (model/compute/plan.py): on CPU its kernels start
+        # building side by side as it resolves, while the checkpoint below is memory-mapped
+        self.plan = ComputePlan.resolve(cfg.compute, jax.devices()[0].platform, cfg.tp_size, self.mesh.size,
+                                        rope_positions=shapes.max_pages * shapes.page_size)  # fmt: skip
+        plan = self.plan
         self.model_config, tensors = load_checkpoint(model_path)
         mc = self.model_config
-        if cfg.max_context_len > mc.max_position_embeddings:
+        self.family = family(mc.family)
+        if shapes.max_context_len > mc.max_position_embeddings:
             log.warning("max_context_len %d > model's max_position_embeddings %d",
-                        cfg.max_context_len, mc.max_position_embeddings)  # fmt: skip
+                        shapes.max_context_len, mc.max_position_embeddings)  # fmt: skip
         geo = AttnGeometry(
-            num_layers=mc.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
+            num_layers=mc.num_layers, num_pages=shapes.num_pages, page_size=shapes.page_size,
             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            max_pages=cfg.max_pages, dtype=DTYPES[cfg.dtype], sliding_window=mc.sliding_window,
-            deterministic=cfg.deterministic,
+            max_pages=shapes.max_pages, dtype=plan.jnp_dtype, sliding_window=mc.sliding_window,
+            deterministic=plan.deterministic,
         )  # fmt: skip
-        self.attn: AttentionBackend = make_backend(self.backend, geo, cfg, self.mesh)
-        if cfg.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, cfg.decode_steps)):
-            raise ValueError(f"decode_steps={cfg.decode_steps}: multi-step decode runs its steps' attention without a "
-                             f"host plan, which the {self.backend} backend needs (cpu_kernel has none)")  # fmt: skip
-        self.dot = resolve_dot(cfg, self.platform)
-        self.layer_loop = resolve_layer_loop(cfg.layer_loop, self.platform, self.dot)
-        self.model = CausalLM(mc, self.attn, DTYPES[cfg.dtype], cfg.tp_size, self.layer_loop, cfg.layer_unroll,
-                              cfg.deterministic, logits_vocab_major=self.platform == "cpu",
-                              lora_gather=cfg.lora_gather, dot=self.dot, quant=cfg.quantization,
-                              rope_table_positions=cfg.max_pages * cfg.page_size if self.platform == "cpu" else None)  # fmt: skip
-        self.buckets = Buckets.make(cfg.max_batch, cfg.max_extend_tokens, cfg.extend_block, cfg.decode_bucket_step)
-        self.constants = StepConstants(replicated(self.mesh), self.mask_words, cfg.token_ids_logprob_num, self.buckets)
-        self.max_slots = cfg.max_batch  # FutureMap entries (one per request slot) + sink
+        self.attn: AttentionBackend = plan.make_backend(geo, self.mesh)
+        if shapes.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, shapes.decode_steps)):
+            raise ValueError(f"decode_steps={shapes.decode_steps}: multi-step decode runs its steps' attention without "
+                             f"a host plan, which the {plan.attention} backend needs (cpu_kernel has none)")  # fmt: skip
+        self.model: CausalLM = self.family.causal_lm(mc, plan, self.attn)
+        opts = cfg.compute
+        self.buckets = Buckets.make(shapes.max_batch, shapes.max_extend_tokens, opts.extend_block, opts.decode_bucket_step)
+        self.constants = StepConstants(replicated(self.mesh), self.mask_words, shapes.token_ids_logprob_num, self.buckets)
+        self.max_slots = shapes.max_batch  # FutureMap entries (one per request slot) + sink
         self.host_tensors = tensors  # HF-named, as served (weight updates replace them whole)
-        checked_layout(mc, tensors)  # a missing or misshapen tensor is refused before anything runs
+        checked_layout(self.family, mc, tensors)  # a missing or misshapen tensor is refused before anything runs
         # what every compiled program takes first (the Decoder's state, model/weights/state.py; updates
         # must match it) and the KV cache's arrays: the programs compile against these
         self.params_avals = self.model.state_avals(self.mesh)
-        if self.platform == "cpu" and self.mesh.size == 1 and self.dot.startswith("kernel"):
+        if plan.packs_weights:
             weight_memory.reserve_pairs(self.params_avals)
         self.kv_avals = self._kv_avals()
         self._serving = threading.Event()  # set once the lead programs, weights and KV pool are ready
@@ -184,18 +152,13 @@ class ModelExecutor:
         pool.shutdown(wait=False)  # its thread ends with the tasks
         self.lora: LoraPool | None = None  # adapters: a pool of fixed shapes every program takes
         if cfg.lora_slots:
-            self.lora = LoraPool(mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets, self.layer_loop == "scan",
-                                 DTYPES[cfg.dtype], replicated(self.mesh))  # fmt: skip
+            self.lora = LoraPool(self.family, mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets,
+                                 plan.layer_loop == "scan", plan.jnp_dtype, replicated(self.mesh))  # fmt: skip
             self.lora_avals = _avals(self.lora.weights)
         self.trace_count = 0
-        # Extend programs sample their (few real) rows in groups, in a loop, where loops are cheap.
-        # Prompt positions' logprobs (extend programs) likewise, in groups: 64 on CPU (SmolLM2,
-        # 255 positions: +0.23 s over a 0.74 s step; groups of 16: +0.37 s, of 256: +2.8 s), 128 on
-        # accelerators, where each iteration of a runtime-count loop costs a host round trip
-        # (not measured there yet).
-        cpu = self.platform == "cpu"
-        step = make_step(self.model, 16 if cpu else None, INVARIANT_ROWS if cfg.deterministic else None,
-                         64 if cpu else 128)  # fmt: skip
+        # extend programs sample their (few real) rows in groups, in a loop, where loops are cheap;
+        # prompt positions' logprobs likewise (the plan's groups)
+        step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group)
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -205,23 +168,20 @@ class ModelExecutor:
         self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8, 9))
         self._on_disk: ProgramCache | None = None
         self._not_on_disk: set[StepShape] = set()  # programs `_compile_best` found not kept
-        if cfg.program_cache and usable(self.platform, cfg.tp_size):
-            self._on_disk = ProgramCache({
-                "executor": dataclasses.asdict(cfg), "model": repr(mc), "attention": self.backend, "dot": self.dot,
-                "layer_loop": self.layer_loop})  # fmt: skip
-            if self.platform == "cpu":
-                load_kernels(cfg)  # (before a program is read back)
+        if cfg.program_cache and plan.program_cache(self.mesh.size):
+            self._on_disk = ProgramCache({"executor": dataclasses.asdict(cfg), "model": repr(mc), "plan": repr(plan)})
+            plan.load_kernels()  # (before a program is read back)
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         contexts = self.attn.context_buckets()
-        order, lead = compile_order(self.buckets, contexts, cfg.verify_tokens, cfg.top_logprobs_num, cpu,
-                                    cfg.decode_steps, cfg.decode_steps_rows)  # fmt: skip
+        order, lead = compile_order(self.buckets, contexts, shapes.verify_tokens, shapes.top_logprobs_num,
+                                    plan.lead_small_programs, shapes.decode_steps, shapes.decode_steps_rows)  # fmt: skip
         self.programs = ProgramSet(self._compile, order, lead, contexts)
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
             self.params = building.result()
             if not self._fits(self.params):
                 raise RuntimeError("the built state does not match its avals (model/layers/decoder.py: state_avals)")
-            self._packed = [weight_memory.register(self.params, self.dot)]  # the packed copies' owner
+            self._packed = [weight_memory.register(self.params, plan.dot)]  # the packed copies' owner
             weakref.finalize(self, weight_memory.release, self._packed)
             zeroing.result()
             self._serving.set()
@@ -240,11 +200,11 @@ class ModelExecutor:
         missing or misshapen tensor. Many hosts: each reads only its own devices' shards of the
         (memory-mapped) tensors (build_lazy_state), never the whole model into host memory."""
         build = build_lazy_state if jax.process_count() > 1 else build_host_state
-        host = build(self.model_config, tensors, DTYPES[self.cfg.dtype], self.layer_loop == "scan",
-                     self.cfg.quantization)  # fmt: skip
+        plan = self.plan
+        host = build(self.family, self.model_config, tensors, plan.jnp_dtype, plan.layer_loop == "scan", plan.quant)
         params = jax.block_until_ready(self.model.place(host, self.mesh))
         release_pages(tensors)  # the checkpoint's pages, read once, leave this process's RSS
-        if self.platform == "cpu" and self.mesh.size == 1:  # the device buffers are these host arrays (no copy)
+        if plan.host_buffers:  # the device buffers are these host arrays (no copy)
             me = weakref.ref(self)  # an executor that failed to start is not kept waiting for
 
             def after() -> bool | None:  # serving, the KV pool's pages in; None: the executor is gone
@@ -274,7 +234,7 @@ class ModelExecutor:
         if old is not None:
             for leaf in jax.tree_util.tree_leaves(old):
                 leaf.delete()
-        self._packed[0] = weight_memory.register(params, self.dot)
+        self._packed[0] = weight_memory.register(params, self.plan.dot)
 
     def discard_params(self, params: Any) -> None:
         """Free a state built by `build_params` that will not be served (an update refused)."""
@@ -297,8 +257,8 @@ class ModelExecutor:
     # ---- programs -----------------------------------------------------------------------------
     def _program_args(self, shape: StepShape) -> tuple[Any, ...]:
         """The abstract arguments the program of `shape` compiles against."""
-        fwd, smp, lb, row_slot = step_avals(shape, self.attn.plan_avals(shape), self.cfg.max_pages,
-                                            replicated(self.mesh), self.mask_words, self.cfg.token_ids_logprob_num,
+        fwd, smp, lb, row_slot = step_avals(shape, self.attn.plan_avals(shape), self.cfg.shapes.max_pages,
+                                            replicated(self.mesh), self.mask_words, self.cfg.shapes.token_ids_logprob_num,
                                             self.buckets.positions(shape))  # fmt: skip
         kv, future = self.kv_avals
         lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
@@ -308,7 +268,7 @@ class ModelExecutor:
         """Compile the program of `smallest` (the shape that best holds a waiting step, with the
         shortest context bucket >= `need`) here and now, ahead of the background compile's order;
         with `loaded_only`, only where it is kept on disk (a load, not a compile). True if it did."""
-        top_n = self.cfg.top_logprobs_num
+        top_n = self.cfg.shapes.top_logprobs_num
         ctx = self.programs.smallest_context(smallest, top_n, need, compiled=False)
         if ctx is None:
             return False
@@ -368,7 +328,7 @@ class ModelExecutor:
     def prepare(self, rows: list[DeviceRow], verify: int = 0, multistep: bool = False) -> HostBatch:
         """The host side of a step: padded inputs, the program's shape, the backend's plan
         (`multistep`: `verify` decode steps in one program, model/runtime/step.py)."""
-        top_n, need = self.cfg.top_logprobs_num, 0
+        top_n, need = self.cfg.shapes.top_logprobs_num, 0
         ok: Callable[[StepShape], bool] | None = None
         if self.programs.pending:  # still compiling: the smallest compiled program that holds the step
             try:
@@ -383,8 +343,8 @@ class ModelExecutor:
         while True:
             seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
             try:
-                hb = build_batch(rows, self.buckets, self.cfg.page_size, self.cfg.max_pages, self.max_slots, verify, ok,
-                                 self.cfg.token_ids_logprob_num, multistep)  # fmt: skip
+                hb = build_batch(rows, self.buckets, self.cfg.shapes.page_size, self.cfg.shapes.max_pages, self.max_slots, verify, ok,
+                                 self.cfg.shapes.token_ids_logprob_num, multistep)  # fmt: skip
             except NoProgramYet as e:  # (CPU: a prefill longer than the smallest program's) compiled here, now
                 if self._compile_best(e.smallest, need, loaded_only=False) or self.programs.wait_for_more(seen):
                     continue
@@ -415,7 +375,7 @@ class ModelExecutor:
         return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions)
 
     def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs]:
-        key = (hb.shape, self.cfg.top_logprobs_num)
+        key = (hb.shape, self.cfg.shapes.top_logprobs_num)
         if key not in self.programs.compiled and self.cfg.precompile:
             raise RuntimeError(f"program {key} was not compiled at start-up")
         prog = self.programs.get(key)

@@ -8,6 +8,7 @@ prefix cache). This is the runtime's own smoke path (`ringserve generate-static`
 from __future__ import annotations
 
 import numpy as np
+
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
 from ringserve.model.runtime.executor import ModelExecutor

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+
 from ringserve.model.compute.kernels import cpu_memory
 from ringserve.model.compute.mesh import place_host_array
 

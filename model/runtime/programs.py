@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from ringserve.model.compute.step_inputs import Buckets, ForwardBatch, LogprobBatch, RowSampling, StepShape
 
 log = logging.getLogger(__name__)

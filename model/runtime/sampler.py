@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
 from ringserve.model.compute.step_inputs import SamplingBatch
 
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it

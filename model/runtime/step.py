@@ -34,10 +34,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from ringserve.model.compute.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingBatch
 from ringserve.model.layers.decoder import CausalLM
+from ringserve.model.layers.lora import LoraBatch
 from ringserve.model.runtime.sampler import SampleOut, position_logprobs, sample_rows
-from ringserve.model.weights.lora import LoraBatch
 
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any]]
 

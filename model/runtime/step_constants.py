@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
+
 from ringserve.model.compute.mesh import place_host_array
 from ringserve.model.compute.step_inputs import Buckets, HostBatch, LogprobBatch
 

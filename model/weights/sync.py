@@ -28,13 +28,15 @@ before writing that segment again, comes only once every runner has copied the p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
+
 from ringserve.model.checkpoints.load import load_checkpoint
-from ringserve.model.config import ModelConfig
+from ringserve.model.config import NOT_ARCHITECTURE, ModelConfig
 from ringserve.model.weights.segments import WeightError, read_segments
 
 if TYPE_CHECKING:
@@ -42,15 +44,11 @@ if TYPE_CHECKING:
 
 FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                 "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # fmt: skip
-ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-               "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "sliding_window")  # fmt: skip
-
-
 def check_same_architecture(serving: ModelConfig, new: ModelConfig, source: str) -> None:
-    diffs = [f"{f} {getattr(new, f)!r} != {getattr(serving, f)!r}" for f in ARCH_FIELDS
-             if getattr(new, f) != getattr(serving, f)]  # fmt: skip
-    if new.rope != serving.rope:
-        diffs.append(f"rope {new.rope} != {serving.rope}")
+    """ValueError (WeightError) naming each field of the architecture (every ModelConfig field
+    but model/config.py NOT_ARCHITECTURE: the family and every dimension) where `new` differs."""
+    diffs = [f"{f.name} {getattr(new, f.name)!r} != {getattr(serving, f.name)!r}" for f in dataclasses.fields(serving)
+             if f.name not in NOT_ARCHITECTURE and getattr(new, f.name) != getattr(serving, f.name)]  # fmt: skip
     if diffs:
         raise WeightError(f"{source}: another architecture than the served model ({'; '.join(diffs)})")
 
@@ -221,7 +219,7 @@ class WeightSync:
         t = self.ex.host_tensors.get(name)
         if t is None:
             raise WeightError(f"no weight named {name!r}")
-        serving = FLOAT_DTYPES[self.ex.cfg.dtype]
+        serving = FLOAT_DTYPES[self.ex.plan.dtype]
         return np.asarray(t[:truncate_size]).astype(serving).astype(np.float32)
 
     # ---- device memory -----------------------------------------------------------------------

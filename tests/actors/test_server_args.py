@@ -7,7 +7,9 @@ import dataclasses
 import re
 
 import pytest
-from ringserve.actors.server_args import ServerArgs
+
+from ringserve.actors.server_args import SECTIONS, ServerArgs
+from ringserve.model.compute.options import ComputeOptions, flat_fields
 
 
 def parse(argv: list[str]) -> ServerArgs:
@@ -21,7 +23,27 @@ def test_every_field_has_a_flag_and_defaults_round_trip():
     p = argparse.ArgumentParser()
     ServerArgs.add_cli_args(p)
     flags = {a.dest for a in p._actions}
-    assert {f.name for f in dataclasses.fields(ServerArgs)} <= flags
+    assert set(flat_fields(ServerArgs())) <= flags
+    # one --help group per section, holding exactly that section's flags
+    groups = {g.title: {a.dest for a in g._group_actions} for g in p._action_groups}
+    for tp, title in SECTIONS.values():
+        assert groups[title] == {f.name for f in dataclasses.fields(tp)}, title
+
+
+def test_options_live_in_sections_and_read_flat():
+    """Each option belongs to one section; the flat name reads it (SGLang's view); a section
+    travels whole (the runner hands `compute` to the executor as it is)."""
+    a = ServerArgs(page_size=8, dtype="bfloat16", tp_size=2, enable_lora=True)
+    assert (a.memory.page_size, a.compute.dtype, a.parallel.tp_size, a.lora.enable_lora) == (8, "bfloat16", 2, True)
+    assert (a.page_size, a.dtype, a.tp_size, a.enable_lora) == (8, "bfloat16", 2, True)
+    assert a.compute == ComputeOptions(dtype="bfloat16")
+    assert ServerArgs(compute=a.compute, page_size=8).compute is a.compute  # a whole section, unchanged
+    names = [f.name for tp, _ in SECTIONS.values() for f in dataclasses.fields(tp)]
+    assert len(names) == len(set(names))  # a flat name is in one section only
+    b = dataclasses.replace(a, max_total_tokens=65536)
+    assert (b.max_total_tokens, b.page_size, b.compute) == (65536, 8, a.compute)
+    with pytest.raises(AttributeError, match="no option 'page_sise'"):
+        a.page_sise  # noqa: B018
 
 
 def test_flags_parse_to_typed_fields():
@@ -39,8 +61,14 @@ def test_lora_flags_are_sglangs():
 
 
 def test_frozen():
+    a = ServerArgs()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        ServerArgs().page_size = 4  # type: ignore[misc]
+        a.memory.page_size = 4  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.memory = a.memory  # type: ignore[misc]
+    with pytest.raises((dataclasses.FrozenInstanceError, TypeError)):  # (a flat name is a read-only view)
+        a.page_size = 4  # type: ignore[misc]
+    assert a.page_size == 16
 
 
 @pytest.mark.parametrize(
@@ -114,7 +142,7 @@ def test_many_hosts_flags():
     assert (one.multihost, one.background_compile, one.restartable) == (False, True, True)
     # the relay's secret never shows in get_server_info
     assert parse(["--dist-token", "s3cret"]).public()["dist_token"] == "<secret>" and one.public()["dist_token"] is None
-    assert one.public()["page_size"] == 16 and set(one.public()) == {f.name for f in dataclasses.fields(ServerArgs)}
+    assert one.public()["page_size"] == 16 and set(one.public()) == set(flat_fields(one))
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+
 from ringserve.bench.backends import http_sender
 from ringserve.bench.metrics import RequestRecord
 from ringserve.bench.workload import Request

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ringserve.bench.metrics import RequestRecord, compute_metrics, format_table, summarize
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ringserve.bench import peer_systems as ps
 from ringserve.bench import peers
 from ringserve.bench.proc_tree import TreeSampler, tree_pids, tree_usage

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+
 from ringserve.actors.transport.trace import FIELDS, RUNNER_FIELDS, StepTrace
 from ringserve.bench.profile import chrome_trace, format_summary, merge, summarize, write_chrome_trace
 

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from ringserve.bench.workload import (
     arrival_times,
     random_requests,

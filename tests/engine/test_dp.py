@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-from ringserve.actors.frontend.dispatch import Dispatcher
 
+from ringserve.actors.frontend.dispatch import Dispatcher
 from tests.engine.conftest import SMALL
 
 pytestmark = pytest.mark.slow
@@ -212,6 +212,7 @@ def test_too_few_devices_is_refused_clearly(tiny_dir, monkeypatch):
 
 def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_path):
     import numpy as np
+
     from ringserve.model.checkpoints.load import load_checkpoint
     from ringserve.model.checkpoints.tiny import make_tiny_model
 

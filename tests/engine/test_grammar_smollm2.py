@@ -9,6 +9,7 @@ import json
 
 import jsonschema
 import pytest
+
 from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
 pytestmark = pytest.mark.network

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.actors.runner.slot_mirrors import SlotMirrors
 from ringserve.actors.scheduler.batch import StepResult
 from ringserve.actors.scheduler.core import SchedulerCore
@@ -15,7 +16,6 @@ from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.sampling import SamplingParams
 from ringserve.kvmem import KVCache
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-
 from tests.hf_ref import hf_greedy
 
 

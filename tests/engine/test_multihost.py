@@ -57,6 +57,7 @@ def dist_port() -> int:
 def other_weights(tmp_path_factory):
     """Another tiny checkpoint (seed 1): its directory and its tensors (what a trainer pushes)."""
     import numpy as np
+
     from ringserve.model.checkpoints.load import load_checkpoint
     from ringserve.model.checkpoints.tiny import make_tiny_model
 

@@ -18,9 +18,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def multi_engine(tiny_llama):
-    from ringserve.model.compute.kernels import cpu_attention
-
     from ringserve import Engine
+    from ringserve.model.compute.kernels import cpu_attention
     from tests.engine.conftest import SMALL
 
     if (why := cpu_attention.reason()) is not None:

@@ -123,8 +123,9 @@ def test_rl_loop_with_weights_from_tensors_subsets_and_chunks(engine, checkpoint
 
 
 def test_refusals_leave_the_old_weights_serving(engine, checkpoints, tmp_path):
-    from ringserve.model.checkpoints.tiny import make_tiny_model
     from safetensors.numpy import save_file
+
+    from ringserve.model.checkpoints.tiny import make_tiny_model
 
     before = outputs(engine)
     version = engine.get_server_info()["weight_version"]

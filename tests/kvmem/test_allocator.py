@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.kvmem import KVUsageError, PageAllocator, token_locations
 from ringserve.kvmem.allocator import FREE, HELD, SINK, TREE
 

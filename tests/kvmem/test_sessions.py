@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.kvmem import KVCache, SessionSlots
 from ringserve.kvmem.allocator import FREE, HELD
 

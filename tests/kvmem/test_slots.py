@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.kvmem import KVUsageError, PageAllocator, SlotPool
 from ringserve.kvmem.allocator import HELD, TREE
 

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
 from ringserve.kvmem import KVCache, KVUsageError, ReqKV, SessionSlots, TreeNode, token_locations
 
 STEPS = int(os.environ.get("RINGSERVE_KVMEM_STEPS", "2000"))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import DeviceRow
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-
 from tests.hf_ref import hf_greedy, hf_logits
 from tests.model import test_hf_parity as parity
 
@@ -123,6 +123,7 @@ def _kernel_case(d: int, bits: bool, seed: int = 0, heads: tuple[int, int] = (6,
     or as bf16 with `q_bf16`). Returns (out, reference)."""
     import jax
     import jax.numpy as jnp
+
     from ringserve.model.compute.kernels import cpu_attention
 
     if (why := cpu_attention.reason()) is not None:
@@ -259,7 +260,7 @@ def test_pallas_interpret_tp2_matches_native(tiny_dir, native, tmp_path):
 
 
 def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
-    from ringserve.model.compute.attention import resolve_backend
+    from ringserve.model.compute.plan import resolve_backend
     from ringserve.model.compute.kernels import cpu_attention
 
     monkeypatch.setattr(cpu_attention, "reason", lambda: None)
@@ -294,6 +295,7 @@ def _pairs_case(d, heads=(6, 2), window=0, kv_len=(37, 40, 32, 0), new=(1, 21, 1
     run it in a fresh process with these variables (RINGSERVE_AMX=0: without the tiles)."""
     import jax
     import jax.numpy as jnp
+
     from ringserve.model.compute.kernels import cpu_attention
 
     if not cpu_attention.reads_pairs():

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ringserve.model.compute.kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(cpu_matmul.reason() is not None, reason=f"cpu_matmul: {cpu_matmul.reason()}")
@@ -93,9 +94,10 @@ def test_grouped_call_gives_each_single_calls_bits(xdtype, wdtype, transpose):
 def test_project_is_one_call_for_the_kernel_and_per_linear_otherwise():
     """layers.project: one custom call for q/k/v-like projections on the kernel dot (biases added
     after), the same values as each Linear alone; XLA's dot or too many rows: one dot each."""
-    from ringserve.model.compute.dots import Linear, project
+    from ringserve.model.compute.dots import Dot
+    from ringserve.model.layers.linear import Linear, project
 
-    lins = [Linear(64, n, jnp.float32, bias=True, dot="kernel") for n in (64, 32, 32)]
+    lins = [Linear(64, n, jnp.float32, bias=True, dot=Dot("kernel")) for n in (64, 32, 32)]
     rng = np.random.default_rng(9)
     for lin in lins:
         lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float32)
@@ -139,14 +141,15 @@ def test_project_multiplies_a_stacked_weight_as_the_layers_on_either_dot():
     """layers.project on weights stacked over layers (the CPU scan's view): the kernel reads
     layer li in place (one call, no slice); past the kernel's rows XLA's dot gets the slice;
     both give what the layer's own Linear gives."""
-    from ringserve.model.compute.dots import Linear, kernel_rows, project
+    from ringserve.model.compute.dots import Dot, kernel_rows
+    from ringserve.model.layers.linear import Linear, project
 
     rng = np.random.default_rng(17)
-    per_layer = [[Linear(64, n, jnp.float32, dot="kernel") for n in (48, 16)] for _ in range(2)]
+    per_layer = [[Linear(64, n, jnp.float32, dot=Dot("kernel")) for n in (48, 16)] for _ in range(2)]
     for lins in per_layer:
         for lin in lins:
             lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float32)
-    stacked = [Linear(64, n, jnp.float32, dot="kernel") for n in (48, 16)]
+    stacked = [Linear(64, n, jnp.float32, dot=Dot("kernel")) for n in (48, 16)]
     for g, lin in enumerate(stacked):
         lin.weight = nnx_param(jnp.stack([lins[g].weight[...] for lins in per_layer]))
     for rows, calls in ((1, 1), (kernel_rows("float32") + 1, 0)):
@@ -450,14 +453,13 @@ def test_the_executor_registers_its_bf16_weights_for_pairs_and_again_after_a_swa
     gives, and as XLA's dot gives on the old (to a near-tie)."""
     from ringserve.model.compute.kernels import onednn
     from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-
     from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
     cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=16, max_extend_tokens=128,
                          precompile=False, dtype="bfloat16")  # fmt: skip
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17, 3, 8, 12, 20, 6])
     ex = ModelExecutor(tiny_dir("llama"), cfg)
-    assert ex.dot == "kernel"
+    assert ex.plan.dot.name == "kernel"
     onednn_owner, first = ex._packed[0]
     assert onednn_owner is None and first is not None and cpu_matmul.packed_bytes(first) == 0
     a = greedy_with_cached_prefix(ex, prompts, 16, 4)
@@ -545,13 +547,13 @@ def _bf16_steps(got, want) -> np.ndarray:
 @pytest.mark.parametrize("register", [True, False])
 def test_gated_is_silu_of_the_gate_times_up_as_layers_computes_it(wdtype, register):
     """`gated` (GatedMLP's silu(x @ wg) * (x @ wu) in one call) against the same two products
-    from `matmuls` and model/compute/dots.py's XLA activation: within two bf16 steps where its exp and
+    from `matmuls` and model/layers/mlp.py's XLA activation: within two bf16 steps where its exp and
     XLA's round apart, in under 1% of the values, at every row count (the 16-row blocks of AMX,
     its 32-row blocks past 64 rows, int8's int16 stream up to 16 rows); registered weights (read
     from packed pairs: AMX sums both products and activates them in place) and unregistered ones
     (both products, then the activation); a row's bits do not depend on its call's other rows
     (int8: on either side of where x turns from int16 rows to bf16 pairs, or to f32 unregistered)."""
-    from ringserve.model.compute.dots import silu
+    from ringserve.model.layers.mlp import silu
 
     k, n = 576, 200
     rng = np.random.default_rng(7)
@@ -582,10 +584,11 @@ def test_gated_is_silu_of_the_gate_times_up_as_layers_computes_it(wdtype, regist
 def test_the_mlp_takes_the_gated_call_for_bf16_on_the_kernel_only():
     """GatedMLP's activation runs in the gated call for bf16 x on the kernel's dots, and as XLA's
     expression under XLA's dot, for f32 and with adapters."""
-    from ringserve.model.compute.dots import GatedMLP
+    from ringserve.model.compute.dots import Dot
+    from ringserve.model.layers.mlp import GatedMLP
 
     def calls(dtype, dot) -> bool:
-        mlp = GatedMLP(32, 64, dtype, (), (), dot=dot)
+        mlp = GatedMLP(32, 64, dtype, (), (), dot=Dot(dot))
         return "gated = true" in jax.jit(lambda x: mlp(x)).lower(jnp.ones((2, 32), dtype)).as_text()
 
     assert calls(jnp.bfloat16, "kernel")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from ringserve.model.compute.kernels import cpu_memory
 
 pytestmark = pytest.mark.skipif(cpu_memory.reason() is not None, reason=f"no custom call: {cpu_memory.reason()}")

@@ -7,6 +7,7 @@ import subprocess
 import zipfile
 
 import pytest
+
 from ringserve.model.checkpoints import fetch
 from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model, main
 

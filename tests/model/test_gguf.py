@@ -11,6 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+
 from ringserve.model.checkpoints.gguf import (
     gguf_tokenizer_dir,
     load_gguf_tokenizer,
@@ -20,9 +21,8 @@ from ringserve.model.checkpoints.gguf import (
 )
 from ringserve.model.checkpoints.load import load_checkpoint
 from ringserve.model.compute.step_inputs import DeviceRow
-from ringserve.model.config import ModelConfig
+from ringserve.model.families import parse_config
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-
 from tests.model.bpe_ref import TEXTS, RefBPE
 
 CFG = ExecutorConfig(
@@ -76,7 +76,7 @@ def write_gguf(
 ) -> Path:
     """Write the HF checkpoint `src` as a llama.cpp-style GGUF (F32 unless `qtype` for 2-D weights)."""
     cfg = json.loads((src / "config.json").read_text())
-    mc = ModelConfig.from_dict(cfg)
+    mc = parse_config(cfg)
     _, tensors = load_checkpoint(src)
     arch = mc.family
     w = gguf.GGUFWriter(str(out), arch)

@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import DeviceRow
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-
 from tests.hf_ref import hf_greedy, hf_logits, hf_logprobs
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]

@@ -1,4 +1,4 @@
-"""The state's large host arrays (model/weights/state.py `_scratch`): on pages of their own, so that on
+"""The state's large host arrays (model/weights/memory.py `scratch`): on pages of their own, so that on
 CPU `jax.device_put` keeps them as the device buffers instead of copying them, and moved onto
 transparent huge pages once written (`huge_pages`)."""
 
@@ -10,12 +10,12 @@ import threading
 import jax
 import numpy as np
 import pytest
-from ringserve.model.weights.memory import huge_pages_when
-from ringserve.model.weights.state import _scratch, huge_pages
+
+from ringserve.model.weights.memory import huge_pages, huge_pages_when, scratch
 
 
 def test_a_large_scratch_array_is_page_aligned_and_placed_without_a_copy():
-    a = _scratch((3, 1024, 700), np.float32)  # 8.6 MB
+    a = scratch((3, 1024, 700), np.float32)  # 8.6 MB
     assert a.shape == (3, 1024, 700) and a.dtype == np.float32 and a.flags.writeable
     assert a.ctypes.data % 4096 == 0
     a[...] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
@@ -29,7 +29,7 @@ def test_a_large_scratch_array_is_page_aligned_and_placed_without_a_copy():
 
 
 def test_a_small_scratch_array_is_numpys():
-    b = _scratch((4, 8), np.int8)
+    b = scratch((4, 8), np.int8)
     assert b.shape == (4, 8) and b.dtype == np.int8 and b.base is None
 
 
@@ -59,15 +59,15 @@ def _huge_kb(address: int) -> int:
 
 
 def test_a_large_scratch_array_starts_on_a_huge_page():
-    a = _scratch((5, 1000, 1000), np.float32)  # 20 MB
+    a = scratch((5, 1000, 1000), np.float32)  # 20 MB
     assert a.ctypes.data % (2 << 20) == 0
 
 
 @pytest.mark.skipif(_thp() is not None, reason=str(_thp()))
 def test_huge_pages_moves_the_written_arrays_and_keeps_every_value():
-    stack = _scratch((4, 1024, 1536), np.float32)  # 24 MiB: 12 huge pages
+    stack = scratch((4, 1024, 1536), np.float32)  # 24 MiB: 12 huge pages
     stack[...] = np.arange(stack.size, dtype=np.float32).reshape(stack.shape)
-    emb = _scratch((3000, 1000), np.int8)  # 3 MB: below _scratch's 4 MiB, NumPy's own
+    emb = scratch((3000, 1000), np.int8)  # 3 MB: below _scratch's 4 MiB, NumPy's own
     emb[...] = 7
     want = stack.copy()
     placed = jax.device_put(stack)
@@ -85,7 +85,7 @@ def test_huge_pages_moves_the_written_arrays_and_keeps_every_value():
 
 
 def test_the_executors_thread_waits_and_leaves_an_executor_that_is_gone():
-    stack = _scratch((2, 1024, 1024), np.float32)
+    stack = scratch((2, 1024, 1024), np.float32)
     stack[...] = 1
     answers = iter([False, False, None])  # not serving yet, twice; then the executor is gone
     t = threading.Thread(target=huge_pages_when, args=({"w": stack}, lambda: next(answers)))
@@ -98,7 +98,7 @@ def test_the_executors_thread_waits_and_leaves_an_executor_that_is_gone():
 
 @pytest.mark.skipif(_thp() is not None, reason=str(_thp()))
 def test_the_executors_thread_moves_the_weights_once_it_may():
-    stack = _scratch((2, 1024, 1024), np.float32)  # 8 MiB: 4 huge pages
+    stack = scratch((2, 1024, 1024), np.float32)  # 8 MiB: 4 huge pages
     stack[...] = 3
     answers = iter([False, True])
     t = threading.Thread(target=huge_pages_when, args=({"w": stack}, lambda: next(answers)))

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+
 from ringserve.model.compute.kernels import build
 
 
@@ -55,17 +56,14 @@ def test_prebuild_starts_only_loaders_with_nothing_built(tmp_path, monkeypatch):
 def test_a_configuration_builds_the_matmul_library_of_its_weights_alone(monkeypatch, dtype, quantization, weights):
     """cpu_matmul is one library per weight dtype: a first start builds its configuration's
     (int8 where it quantizes), not the others (model/compute/plan.py `prebuild_kernels`)."""
-    from types import SimpleNamespace
-
-    from ringserve.model.compute import plan as compute_paths
+    from ringserve.model.compute import plan
     from ringserve.model.compute.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm
+    from ringserve.model.compute.options import ComputeOptions
 
     asked: list = []
     monkeypatch.setattr(build, "prebuild", lambda *reasons: asked.extend(reasons))
-    cfg = SimpleNamespace(cpu_matmul="auto", deterministic=False, tp_size=1, dtype=dtype, quantization=quantization,
-                          attention_backend="auto")  # fmt: skip
-    compute_paths.prebuild_kernels(cfg)
-    norm = [cpu_norm.reason] if dtype == "bfloat16" else []  # bf16 norms (model/compute/dots.py RMSNorm)
+    plan.prebuild_kernels(ComputeOptions(dtype=dtype, quantization=quantization), tp=1)
+    norm = [cpu_norm.reason] if dtype == "bfloat16" else []  # bf16 norms (model/compute/norm.py)
     assert asked == [cpu_memory.reason, *norm, cpu_attention.reason, cpu_matmul.loader_of(weights)]
     assert len({cpu_matmul.loader_of(w) for w in cpu_matmul.WEIGHTS}) == 3
 
@@ -106,6 +104,7 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from ringserve.model.compute.kernels import cpu_attention, cpu_matmul
 
     if cpu_matmul.reason() is not None or cpu_attention.reason() is not None:

@@ -8,7 +8,9 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+
 from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.families import family
 from ringserve.model.weights.state import build_host_state, build_lazy_state
 
 
@@ -39,8 +41,8 @@ Recorder.__getitem__ = _getitem  # type: ignore[method-assign]
 def test_lazy_leaves_equal_the_built_state_slice_by_slice(tiny_dir, stacked):
     cfg, tensors = load_checkpoint(tiny_dir("llama"))
     dt = ml_dtypes.bfloat16
-    built = build_host_state(cfg, tensors, dt, stacked)
-    lazy = build_lazy_state(cfg, tensors, dt, stacked)
+    built = build_host_state(family(cfg.family), cfg, tensors, dt, stacked)
+    lazy = build_lazy_state(family(cfg.family), cfg, tensors, dt, stacked)
     assert jax.tree.structure(built) == jax.tree.structure(lazy)
     for b, z in zip(jax.tree.leaves(built), jax.tree.leaves(lazy), strict=True):
         assert (b.shape, b.dtype) == (z.shape, z.dtype)
@@ -49,7 +51,7 @@ def test_lazy_leaves_equal_the_built_state_slice_by_slice(tiny_dir, stacked):
         half = tuple(slice(0, max(1, n // 2)) if i == b.ndim - 1 else slice(None) for i, n in enumerate(b.shape))
         np.testing.assert_array_equal(z[half], b[half])
     with pytest.raises(ValueError, match="missing"):
-        build_lazy_state(cfg, {k: v for k, v in tensors.items() if "norm" not in k}, dt, stacked)
+        build_lazy_state(family(cfg.family), cfg, {k: v for k, v in tensors.items() if "norm" not in k}, dt, stacked)
 
 
 def test_a_shard_reads_only_its_rows(tiny_dir):

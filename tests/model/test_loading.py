@@ -8,10 +8,10 @@ import shutil
 
 import numpy as np
 import pytest
-from ringserve.model.checkpoints.load import load_checkpoint
-from ringserve.model.config import ModelConfig
-from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.families import parse_config
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 from tests.hf_ref import hf_greedy
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
@@ -37,7 +37,7 @@ def test_half_precision_checkpoints_load_and_match_hf(tiny_dir, tmp_path, dtype)
     copy.deepcopy(hf).to(getattr(torch, dtype)).save_pretrained(out)
     config, tensors = load_checkpoint(out)
     assert str(tensors["model.embed_tokens.weight"].dtype) == dtype
-    assert config.family == "qwen2" and config.qkv_bias
+    assert config.family == "qwen2" and config.attention_bias
     prompts = prompts_with_shared_prefix(16, [5, 30])
     ours = greedy_with_cached_prefix(ModelExecutor(out, CFG), prompts, 16, 12)
     assert ours == hf_greedy(out, prompts, 12)
@@ -45,12 +45,12 @@ def test_half_precision_checkpoints_load_and_match_hf(tiny_dir, tmp_path, dtype)
 
 def test_rope_theta_and_rope_parameters_spellings_agree(tiny_dir):
     d = json.loads((tiny_dir("llama") / "config.json").read_text())
-    new = ModelConfig.from_dict(d)
+    new = parse_config(d)
     old = dict(d)
     params = dict(old.pop("rope_parameters"))
     old["rope_theta"] = params.pop("rope_theta")
     old["rope_scaling"] = params
-    assert ModelConfig.from_dict(old) == new
+    assert parse_config(old) == new
     assert new.rope.rope_type == "llama3" and new.rope.theta == 500000.0 and new.rope.factor == 8.0
     assert new.tie_word_embeddings
 
@@ -226,8 +226,9 @@ def _rss_file_kb() -> int:
 def test_release_pages_drops_checkpoint_pages_and_keeps_values(tmp_path):
     """After the served state is built the executor releases the checkpoint's mapped pages: RSS
     falls by the file's size and the tensors read back unchanged (from the page cache)."""
-    from ringserve.model.checkpoints.load import read_safetensors, release_pages
     from safetensors.numpy import save_file
+
+    from ringserve.model.checkpoints.load import read_safetensors, release_pages
 
     rng = np.random.default_rng(0)
     want = {f"w{i}": rng.standard_normal((1024, 2048), np.float32) for i in range(8)}  # 64 MiB

@@ -9,14 +9,14 @@ import json
 
 import numpy as np
 import pytest
+
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.checkpoints.peft import TARGET_MODULES, read_adapter
 from ringserve.model.checkpoints.tiny_lora import make_tiny_lora
 from ringserve.model.compute.step_inputs import DeviceRow
-from ringserve.model.config import ModelConfig
+from ringserve.model.families import read_config
+from ringserve.model.layers.lora import lora_delta
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-from ringserve.model.weights.lora import lora_delta
-
 from tests.hf_ref import hf_lora_greedy
 
 PAGE = 16
@@ -72,7 +72,7 @@ def greedy(ex: ModelExecutor, prompts: list[list[int]], slots: list[int], n_new:
 def test_mixed_batch_equals_peft(ex, base, adapters):
     """Rows of adapters a, b, c and of none in one batch, each equal to HF + PEFT with its own
     adapter (prefill in one extend step, then decode steps)."""
-    cfg = ModelConfig.from_dir(base)
+    cfg = read_config(base)
     for slot, path in enumerate(adapters, start=1):
         ex.lora.write(slot, read_adapter(path, cfg, 8, TARGET_MODULES))
     rng = np.random.default_rng(0)
@@ -93,7 +93,7 @@ def test_mixed_batch_equals_peft(ex, base, adapters):
 def test_one_adapter_alone_and_slot_reuse(ex, base, adapters):
     """One adapter alone; then its slot rewritten with another adapter, then cleared: each time
     the outputs follow, and the programs and the slot writer never compiled again."""
-    cfg = ModelConfig.from_dir(base)
+    cfg = read_config(base)
     prompts = [np.random.default_rng(1).integers(3, 2000, 40).tolist()]
     ex.lora.write(1, read_adapter(adapters[0], cfg, 8, TARGET_MODULES))
     assert greedy(ex, prompts, [1], N_NEW) == hf_lora_greedy(base, adapters[0], prompts, N_NEW)
@@ -106,7 +106,7 @@ def test_one_adapter_alone_and_slot_reuse(ex, base, adapters):
 
 
 def test_release_and_resume_keep_adapters(ex, base, adapters):
-    cfg = ModelConfig.from_dir(base)
+    cfg = read_config(base)
     ex.lora.write(2, read_adapter(adapters[1], cfg, 8, TARGET_MODULES))
     prompts = [np.random.default_rng(2).integers(3, 2000, 30).tolist()]
     before = greedy(ex, prompts, [2], 4)
@@ -126,7 +126,7 @@ def test_gather_form_and_scanned_layers_equal_peft(base, adapters, gather, layer
                          extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES,
                          lora_gather=gather, layer_loop=layer_loop)  # fmt: skip
     ex = ModelExecutor(base, cfg)
-    ex.lora.write(1, read_adapter(adapters[0], ModelConfig.from_dir(base), 8, TARGET_MODULES))
+    ex.lora.write(1, read_adapter(adapters[0], read_config(base), 8, TARGET_MODULES))
     prompts = [np.random.default_rng(3).integers(3, 2000, n).tolist() for n in (20, 31)]
     got = greedy(ex, prompts, [1, 0], N_NEW)
     assert got == [hf_lora_greedy(base, adapters[0], prompts[:1], N_NEW)[0], hf_lora_greedy(base, None, prompts[1:], N_NEW)[0]]
@@ -156,7 +156,7 @@ def _edit(path, **changes):
 
 
 def test_reader_refusals(base, tmp_path):
-    cfg = ModelConfig.from_dir(base)
+    cfg = read_config(base)
     good = make_tiny_lora(tmp_path / "good", base, rank=8, seed=1)
     with pytest.raises(ValueError, match="rank r=8 exceeds the server's max_lora_rank=4"):
         read_adapter(good, cfg, 4, TARGET_MODULES)
@@ -191,7 +191,7 @@ def test_other_families_equal_peft(tiny_dir, tmp_path, family):
                          extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES)  # fmt: skip
     ex = ModelExecutor(base, cfg)
     adapter = make_tiny_lora(tmp_path / "a", base, rank=8, seed=4)
-    ex.lora.write(1, read_adapter(adapter, ModelConfig.from_dir(base), 8, TARGET_MODULES))
+    ex.lora.write(1, read_adapter(adapter, read_config(base), 8, TARGET_MODULES))
     prompts = [np.random.default_rng(5).integers(3, 2000, n).tolist() for n in (25, 18)]
     got = greedy(ex, prompts, [1, 0], N_NEW)
     assert got[0] == hf_lora_greedy(base, adapter, prompts[:1], N_NEW)[0]

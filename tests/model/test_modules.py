@@ -1,5 +1,5 @@
 """The Decoder's nnx modules against the HF map: every Param is placed by exactly one HF tensor
-(model/weights/state.py: hf_layout) in both layer layouts, and carries the `tp` sharding model/compute/mesh.py
+(the family's layout, model/families/base.py) in both layer layouts, and carries the `tp` sharding model/compute/mesh.py
 states. (Loading and running them: test_hf_parity, test_step's TP test; weight updates:
 tests/engine/test_rl_loop.py.)"""
 
@@ -10,16 +10,17 @@ import json
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
-from ringserve.model.checkpoints.tiny import FAMILIES
+
 from ringserve.model.compute.attention.base import AttnGeometry, NoAttention
+from ringserve.model.compute.plan import ComputePlan
 from ringserve.model.config import ModelConfig
+from ringserve.model.families import FAMILIES, family, parse_config
 from ringserve.model.layers.decoder import CausalLM
-from ringserve.model.weights.state import hf_layout
 
 
 def model(cfg: ModelConfig, tp: int, layer_loop: str) -> CausalLM:
     geo = AttnGeometry(cfg.num_layers, 8, 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4, np.float32)
-    return CausalLM(cfg, NoAttention(geo), tp=tp, layer_loop=layer_loop)
+    return family(cfg.family).causal_lm(cfg, ComputePlan(tp=tp, layer_loop=layer_loop), NoAttention(geo))
 
 
 def flat(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
@@ -30,13 +31,13 @@ def flat(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
 
 
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hf_layout_places_every_param_once_with_its_shape(tiny_dir, family, layer_loop):
-    cfg = ModelConfig.from_dict(json.loads((tiny_dir(family) / "config.json").read_text()))
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_hf_layout_places_every_param_once_with_its_shape(tiny_dir, name, layer_loop):
+    cfg = parse_config(json.loads((tiny_dir(name) / "config.json").read_text()))
     state = flat(model(cfg, 1, layer_loop).abstract)
     stacked = layer_loop == "scan"
     placed: dict[tuple, list] = {}
-    for place in hf_layout(cfg).values():
+    for place in family(cfg.family).layout(cfg).values():
         shape = place.hf_shape[::-1] if place.transpose else place.hf_shape
         placed.setdefault(place.state_path(stacked), []).append((place.layer, shape))
     assert set(placed) == set(state)
@@ -51,7 +52,7 @@ def test_hf_layout_places_every_param_once_with_its_shape(tiny_dir, family, laye
 
 
 def test_params_carry_their_tp_sharding(tiny_dir):
-    cfg = ModelConfig.from_dict(json.loads((tiny_dir("qwen2") / "config.json").read_text()))
+    cfg = parse_config(json.loads((tiny_dir("qwen2") / "config.json").read_text()))
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size) == (8, 4, 640, 2048)
     col, row, rep = PartitionSpec(None, "tp"), PartitionSpec("tp", None), PartitionSpec()
     specs = flat(model(cfg, 4, "unrolled").specs)
@@ -81,7 +82,8 @@ def test_silu_rounds_once_as_torch_does_in_bf16():
     rounds after each of its ops, and differs from torch on some inputs)."""
     import jax.numpy as jnp
     import torch
-    from ringserve.model.compute.dots import silu
+
+    from ringserve.model.layers.mlp import silu
 
     x = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32) * 6
     xb = jnp.asarray(x, jnp.bfloat16)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import Buckets, DeviceRow, DeviceSampling
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 from ringserve.model.runtime.programs import compile_order

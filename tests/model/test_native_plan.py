@@ -11,6 +11,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ringserve.model.compute.attention.base import AttnGeometry, StepShape
 from ringserve.model.compute.attention.native import NativeAttention
 from ringserve.model.compute.attention.tiles import cdiv, num_tiles

@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ringserve.model.compute.kernels import onednn
+from ringserve.model.compute.options import ComputeOptions
 from ringserve.model.compute.plan import resolve_dot
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 
@@ -22,6 +26,10 @@ def needs(x_dtype: str, w_dtype: str):
     return pytest.mark.skipif(why is not None, reason=f"oneDNN custom call: {why}")
 
 
+def dot(platform: str, tp_size: int = 1, deterministic: bool = False, **opts) -> str:
+    return resolve_dot(ComputeOptions(enable_deterministic_inference=deterministic, **opts), platform, tp_size)
+
+
 def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     from ringserve.model.compute.kernels import cpu_matmul
 
@@ -29,57 +37,57 @@ def test_auto_picks_the_best_dot_that_runs_here(monkeypatch):
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": None)
     # where the kernel reads bf16 weights from packed pairs (AVX512-BF16) it takes every bf16 step
     monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": True)
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", quantization="int8"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"  # f32 rows
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="onednn"), "cpu") == "onednn"
+    assert dot("cpu", dtype="bfloat16") == "kernel"
+    assert dot("cpu", dtype="bfloat16", cpu_matmul="kernel") == "kernel"
+    assert dot("cpu", dtype="bfloat16", quantization="int8") == "kernel"
+    assert dot("cpu", dtype="float32", quantization="int8") == "kernel+onednn"  # f32 rows
+    assert dot("cpu", dtype="bfloat16", cpu_matmul="onednn") == "onednn"
     monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": False)
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel+onednn"
-    assert resolve_dot(ExecutorConfig(dtype="float32", quantization="int8"), "cpu") == "kernel+onednn"
-    assert resolve_dot(ExecutorConfig(dtype="float32"), "cpu") == "kernel"  # XLA's f32 dot for larger steps
-    assert resolve_dot(ExecutorConfig(dtype="float16"), "cpu") == "onednn"  # the kernel has no f16
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", tp_size=2), "cpu") == "xla"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "gpu") == "xla"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", deterministic=True), "cpu") == "invariant"
-    assert resolve_dot(ExecutorConfig(dtype="float32", cpu_matmul="onednn"), "cpu") == "onednn"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="xla"), "cpu") == "xla"
+    assert dot("cpu", dtype="bfloat16") == "kernel+onednn"
+    assert dot("cpu", dtype="float32", quantization="int8") == "kernel+onednn"
+    assert dot("cpu", dtype="float32") == "kernel"  # XLA's f32 dot for larger steps
+    assert dot("cpu", dtype="float16") == "onednn"  # the kernel has no f16
+    assert dot("cpu", dtype="bfloat16", tp_size=2) == "xla"
+    assert dot("gpu", dtype="bfloat16") == "xla"
+    assert dot("cpu", dtype="bfloat16", deterministic=True) == "invariant"
+    assert dot("cpu", dtype="float32", cpu_matmul="onednn") == "onednn"
+    assert dot("cpu", dtype="bfloat16", cpu_matmul="xla") == "xla"
     # oneDNN present, but without bf16 kernels on this CPU (AVX2 alone): bf16 and int8 stay off it
     monkeypatch.setattr(onednn, "supports", lambda x, w: None if (x, w) == ("float32", "float32") else "no bf16")
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", quantization="int8"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="float32", cpu_matmul="onednn"), "cpu") == "onednn"
+    assert dot("cpu", dtype="bfloat16") == "kernel"
+    assert dot("cpu", dtype="bfloat16", quantization="int8") == "kernel"
+    assert dot("cpu", dtype="float32", cpu_matmul="onednn") == "onednn"
     with pytest.raises(ValueError, match="cpu_matmul='onednn' is not available here: no bf16"):
-        resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="onednn"), "cpu")
+        dot("cpu", dtype="bfloat16", cpu_matmul="onednn")
     monkeypatch.setattr(onednn, "supports", lambda x, w: "no oneDNN")
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "kernel"
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16", cpu_matmul="kernel"), "cpu") == "kernel"
+    assert dot("cpu", dtype="bfloat16") == "kernel"
+    assert dot("cpu", dtype="bfloat16", cpu_matmul="kernel") == "kernel"
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": "no C++ compiler")
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "xla"  # auto falls back
+    assert dot("cpu", dtype="bfloat16") == "xla"  # auto falls back
     monkeypatch.setattr(onednn, "supports", lambda x, w: None)
-    assert resolve_dot(ExecutorConfig(dtype="bfloat16"), "cpu") == "onednn"
+    assert dot("cpu", dtype="bfloat16") == "onednn"
 
 
 @pytest.mark.parametrize(
-    "cfg, platform, message",
+    "kwargs, platform, message",
     [
-        (ExecutorConfig(cpu_matmul="mkl"), "cpu", "cpu_matmul='mkl': must be one of ['auto', 'xla', 'onednn', 'kernel']"),
-        (ExecutorConfig(cpu_matmul="onednn", deterministic=True), "cpu", "deterministic mode keeps"),
-        (ExecutorConfig(cpu_matmul="kernel", deterministic=True), "cpu", "deterministic mode keeps"),
-        (ExecutorConfig(cpu_matmul="onednn"), "tpu", "runs on CPU only; this platform is 'tpu'"),
-        (ExecutorConfig(cpu_matmul="kernel", tp_size=2), "cpu", "needs tp_size=1 (got 2)"),
-        (ExecutorConfig(cpu_matmul="kernel", dtype="float16"), "cpu", "float32 or bfloat16, not float16"),
-        (ExecutorConfig(cpu_matmul="onednn"), "cpu", "is not available here: no C++ compiler"),
-        (ExecutorConfig(cpu_matmul="kernel"), "cpu", "is not available here: no C++ compiler"),
+        (dict(cpu_matmul="mkl"), "cpu", "cpu_matmul='mkl': must be one of ['auto', 'xla', 'onednn', 'kernel']"),
+        (dict(cpu_matmul="onednn", deterministic=True), "cpu", "deterministic mode keeps"),
+        (dict(cpu_matmul="kernel", deterministic=True), "cpu", "deterministic mode keeps"),
+        (dict(cpu_matmul="onednn"), "tpu", "runs on CPU only; this platform is 'tpu'"),
+        (dict(cpu_matmul="kernel", tp_size=2), "cpu", "needs tp_size=1 (got 2)"),
+        (dict(cpu_matmul="kernel", dtype="float16"), "cpu", "float32 or bfloat16, not float16"),
+        (dict(cpu_matmul="onednn"), "cpu", "is not available here: no C++ compiler"),
+        (dict(cpu_matmul="kernel"), "cpu", "is not available here: no C++ compiler"),
     ],
 )
-def test_asking_for_a_dot_that_cannot_run_names_why(monkeypatch, cfg, platform, message):
+def test_asking_for_a_dot_that_cannot_run_names_why(monkeypatch, kwargs, platform, message):
     from ringserve.model.compute.kernels import cpu_matmul
 
     monkeypatch.setattr(onednn, "supports", lambda x, w: "no C++ compiler")
     monkeypatch.setattr(cpu_matmul, "reason", lambda weights="float32": "no C++ compiler")
     with pytest.raises(ValueError, match="cpu_matmul") as e:
-        resolve_dot(cfg, platform)
+        dot(platform, **kwargs)
     assert message in str(e.value)
 
 
@@ -145,7 +153,6 @@ def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla
     model on XLA's dot: the cache is stored as uint16 (no whole-cache conversions on CPU) and
     greedy continuations agree (the LM head's f32 logits may break a near-tie differently)."""
     from ringserve.model.compute.kernels import cpu_matmul as kernel
-
     from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
 
     cfg = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
@@ -153,18 +160,12 @@ def test_a_bf16_model_through_onednn_keeps_its_cache_as_bits_and_agrees_with_xla
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
     fast = ModelExecutor(tiny_dir("llama"), cfg)
     dot = "onednn" if cpu_matmul == "onednn" else "kernel" if kernel.packs_pairs() else "kernel+onednn"
-    assert fast.dot == dot and fast.kv_pool.kv[0].dtype == jnp.uint16
-    ref = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**{**_fields(cfg), "cpu_matmul": "xla"}))
-    assert ref.dot == "xla"
+    assert fast.plan.dot.name == dot and fast.kv_pool.kv[0].dtype == jnp.uint16
+    ref = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="xla"))
+    assert ref.plan.dot.name == "xla"
     a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)
     same = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
     assert same >= 0.9 * sum(map(len, a)), (a, b)
-
-
-def _fields(cfg: ExecutorConfig) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 @pytest.mark.parametrize("quant", [pytest.param(False, marks=needs("bfloat16", "bfloat16")),
@@ -268,7 +269,7 @@ def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside, monk
     """With oneDNN reading packed weights from 8 rows up, the small-row kernel keeps only the
     rows it is faster for (model/compute/dots.py KERNEL_ROWS_BESIDE_ONEDNN); alone it keeps more;
     bf16 weights read from packed pairs take the kernel at every size, beside oneDNN or not."""
-    from ringserve.model.compute.dots import PAIR_ROWS, few_rows, kernel_rows
+    from ringserve.model.compute.dots import PAIR_ROWS, Dot, kernel_rows
     from ringserve.model.compute.kernels import cpu_matmul
 
     monkeypatch.setattr(cpu_matmul, "packs_pairs", lambda weights="bfloat16": True)
@@ -281,6 +282,6 @@ def test_beside_onednn_the_small_row_kernel_takes_fewer_rows(dtype, beside, monk
     assert alone > beside
     for rows in (1, beside, beside + 1, alone, alone + 1):
         x = jnp.zeros((rows, 64), jnp.bfloat16)
-        assert few_rows("kernel+onednn", x, w) == (rows <= beside), rows
-        assert few_rows("kernel", x, w) == (rows <= alone), rows
-    assert not few_rows("onednn", jnp.zeros((1, 64), jnp.bfloat16), w)
+        assert Dot("kernel+onednn").few_rows(x, w) == (rows <= beside), rows
+        assert Dot("kernel").few_rows(x, w) == (rows <= alone), rows
+    assert not Dot("onednn").few_rows(jnp.zeros((1, 64), jnp.bfloat16), w)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
 from ringserve.model.runtime import program_cache
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
@@ -229,7 +230,7 @@ from tests.model.test_program_cache import counting_traces
 mx.make_step, traced = counting_traces(mx.make_step)
 cfg = json.loads(sys.argv[3])
 ex = mx.ModelExecutor(sys.argv[1], mx.ExecutorConfig(**cfg))
-print(json.dumps({"hits": ex._on_disk.hits, "misses": ex._on_disk.misses, "traced": len(traced), "dot": ex.dot}))
+print(json.dumps({"hits": ex._on_disk.hits, "misses": ex._on_disk.misses, "traced": len(traced), "dot": ex.plan.dot.name}))
 """
 
 

@@ -13,11 +13,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from ringserve.model.checkpoints.load import load_checkpoint
-from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-from ringserve.model.weights.state import QUANTIZED, build_host_state, build_lazy_state, quantize_int8
 
+from ringserve.model.checkpoints.load import load_checkpoint
+from ringserve.model.families import family
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from ringserve.model.weights.quant import quantize_int8
+from ringserve.model.weights.state import build_host_state, build_lazy_state
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+
+QUANTIZED = family("llama").quantized  # every family of these tests holds the same modules as int8
 
 CFG = ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=128,
                      precompile=False, cpu_matmul="xla")  # fmt: skip
@@ -67,7 +71,7 @@ def test_quantize_int8_in_row_blocks_and_in_place_has_the_definitions_bits(round
 @pytest.mark.parametrize("stacked", [True, False])
 def test_the_state_holds_int8_and_a_scale_beside_every_quantized_weight(tiny_dir, stacked):
     cfg, tensors = load_checkpoint(tiny_dir("qwen2"))  # qkv biases stay float beside an int8 weight
-    built = build_host_state(cfg, tensors, np.float32, stacked, "int8")
+    built = build_host_state(family(cfg.family), cfg, tensors, np.float32, stacked, "int8")
     layer = built["layers"] if stacked else built["layers"][0]
     q = layer["self_attn"]["q_proj"]
     assert q["weight"].dtype == np.int8 and q["bias"].dtype == np.float32
@@ -80,7 +84,7 @@ def test_the_state_holds_int8_and_a_scale_beside_every_quantized_weight(tiny_dir
     emb = built["embed_tokens"]
     assert emb["weight"].dtype == np.int8 and emb["scale"].shape == (cfg.vocab_size,)
     assert layer["input_layernorm"]["weight"].dtype == np.float32  # norms stay float
-    lazy = build_lazy_state(cfg, tensors, np.float32, stacked, "int8")
+    lazy = build_lazy_state(family(cfg.family), cfg, tensors, np.float32, stacked, "int8")
     assert jax.tree.structure(built) == jax.tree.structure(lazy)
     for b, z in zip(jax.tree.leaves(built), jax.tree.leaves(lazy), strict=True):
         assert (b.shape, b.dtype) == (z.shape, z.dtype)

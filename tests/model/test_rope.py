@@ -1,5 +1,5 @@
 """RoPE's cos and sin: on CPU every program gathers them from tables made on the host
-(layers.rope_tables with table_positions), elsewhere it computes them. XLA:CPU fuses cos and
+(model/layers/rope.py rope_tables with table_positions), elsewhere it computes them. XLA:CPU fuses cos and
 sin into every layer's q and k rotation and evaluates them per head; the tables avoid that."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ringserve.model.compute.dots import ROPE_TABLE_MAX, rope_inv_freq, rope_tables
+
 from ringserve.model.config import RopeConfig
+from ringserve.model.layers.rope import ROPE_TABLE_MAX, rope_inv_freq, rope_tables
 
 ROPES = [RopeConfig(theta=100000.0), RopeConfig(rope_type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0,
                                                 high_freq_factor=4.0, original_max_position_embeddings=8192)]  # fmt: skip

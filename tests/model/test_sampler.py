@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import ringserve.model.runtime.sampler as sampler_mod
 from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling, SamplingBatch
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor

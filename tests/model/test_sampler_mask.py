@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import Buckets, DeviceRow, SamplingBatch, build_batch
 from ringserve.model.runtime.sampler import allowed_only, sample, sample_rows
 

@@ -11,10 +11,10 @@ import json
 
 import numpy as np
 import pytest
+
 from ringserve.model.checkpoints.fetch import RegistryUnreachable, fetch_model
 from ringserve.model.compute.step_inputs import DeviceRow
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
-
 from tests.hf_ref import hf_greedy
 from tests.model.bpe_ref import TEXTS, RefBPE
 

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from ringserve.model.compute.step_inputs import DeviceRow, NoProgramYet
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 

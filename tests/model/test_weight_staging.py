@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from ringserve.actors.frontend.weight_buckets import Segment, buckets
 from ringserve.actors.transport.messages import TensorRef
 from ringserve.model.weights.sync import WeightError, WeightSync

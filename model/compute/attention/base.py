@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
 from ringserve.model.compute.step_inputs import StepShape  # noqa: F401 -- re-exported: the backends' shape type
 
 NEG_INF = -1e30  # additive mask value (finite: a fully masked row gives 0, not NaN)
@@ -76,6 +77,12 @@ class AttentionBackend:
 
     name: ClassVar[str] = ""
     uses_context_buckets: ClassVar[bool] = False  # programs keyed by a static context length
+
+    @classmethod
+    def make(cls, geo: AttnGeometry, plan: Any, mesh: Any = None) -> AttentionBackend:
+        """The backend for the compute plan `plan` (its options' tunables) on `mesh` (the `tp`
+        mesh, for kernels that run per device under shard_map)."""
+        return cls(geo)
 
     def __init__(self, geo: AttnGeometry):
         self.geo = geo

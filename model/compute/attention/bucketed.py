@@ -22,6 +22,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import ringserve.model.compute.attention.tiles as tiles
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry, StepShape, layer_pages
@@ -43,6 +44,10 @@ class BucketedAttention(AttentionBackend):
     uses_context_buckets: ClassVar[bool] = True
     chunk_tokens = 512  # keys per loop iteration (a multiple of the page size)
     unroll_up_to = 8  # loops this short are unrolled
+
+    @classmethod
+    def make(cls, geo: AttnGeometry, plan, mesh=None):
+        return cls(geo, plan.options.context_bucket_min)
 
     def __init__(self, geo: AttnGeometry, context_bucket_min: int = 512):
         super().__init__(geo)

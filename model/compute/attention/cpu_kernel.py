@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
 from ringserve.model.compute.attention.base import kv_bits, to_kv
 from ringserve.model.compute.attention.native import NativeAttention
 from ringserve.model.compute.kernels import cpu_attention

@@ -39,6 +39,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import ringserve.model.compute.attention.tiles as tiles
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.attention.base import (
@@ -55,6 +56,10 @@ class NativeAttention(AttentionBackend):
     name: ClassVar[str] = "native"
     decode_lanes = 16
     extend_lanes = 8
+
+    @classmethod
+    def make(cls, geo: AttnGeometry, plan, mesh=None):
+        return cls(geo, plan.options.attn_chunk_tokens)
 
     def __init__(self, geo: AttnGeometry, chunk_tokens: int = 64):
         super().__init__(geo)

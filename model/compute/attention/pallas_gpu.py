@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.attention.base import AttnGeometry, StepShape, layer_pages
 from ringserve.model.compute.attention.bucketed import BucketedAttention
@@ -34,6 +35,10 @@ class PallasGPUAttention(BucketedAttention):
     name: ClassVar[str] = "pallas_gpu"
     pages_per_compute_block = 8
     max_k_splits = 16
+
+    @classmethod
+    def make(cls, geo: AttnGeometry, plan, mesh=None):
+        return cls(geo, plan.options.context_bucket_min, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh)
 
     def __init__(self, geo: AttnGeometry, context_bucket_min: int = 512, interpret: bool = False, tp: int = 1, mesh=None):
         super().__init__(geo, context_bucket_min)

@@ -40,6 +40,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry
 
@@ -95,6 +96,10 @@ def _interpret_call(kernel, q, cache, kv_len, tables, cu_q_lens, num_seqs):
 
 class PallasTPUAttention(AttentionBackend):
     name: ClassVar[str] = "pallas"
+
+    @classmethod
+    def make(cls, geo: AttnGeometry, plan, mesh=None):
+        return cls(geo, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh)
 
     def __init__(self, geo: AttnGeometry, interpret: bool = False, tp: int = 1, mesh=None):
         super().__init__(geo)

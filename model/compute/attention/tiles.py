@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.attention.base import NEG_INF, AttnGeometry, StepShape, from_kv
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+
 from ringserve.model.paths import cache_dir, one_maker
 
 HERE = Path(__file__).parent

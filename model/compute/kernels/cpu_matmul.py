@@ -50,6 +50,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+
 from ringserve.model.compute.kernels.build import loader
 
 # One library per weight dtype (cpu_matmul.cc RINGSERVE_WEIGHTS), each under a target of its own:

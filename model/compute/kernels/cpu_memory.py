@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+
 from ringserve.model.compute.kernels.build import loader
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """RMSNorm, and the residual add before it, for bf16 on CPU as a custom call (cpu_norm.cc), on the
 cores of XLA's pool: one read of a row for its squares and one for its outputs, where XLA:CPU
 made three or four passes (a 2048-token SmolLM2 bf16 prefill step spent ~40 ms of ~415 in
-them). It gives what model/compute/dots.py's XLA `rms_norm` gives, to a bf16 step where the two sums of
+them). It gives what model/compute/norm.py's XLA `rms_norm` gives, to a bf16 step where the two sums of
 squares round apart; it needs only a C++ compiler (built on first use, `-march=native`,
 model/compute/kernels/build.py), and where it does not build the XLA expression runs.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from ringserve.model.compute.kernels.build import loader
 
 TARGET = "ringserve_cpu_rms_norm"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
 from ringserve.model.compute.kernels.build import loader
 
 _owners = itertools.count(1)

@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from ringserve.actors.detokenizer.incremental import IncrementalDecoder
 from ringserve.model.checkpoints.tokenizer import Decoder, decoder_spec, load_decoder, load_tokenizer
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ringserve.actors.detokenizer.incremental import IncrementalDecoder
 from ringserve.actors.transport.sampling import SamplingParams, find_stop
 

@@ -10,6 +10,7 @@ import time
 import httpx
 import msgspec
 import pytest
+
 from ringserve.actors.frontend import protocol as p
 from ringserve.actors.frontend.inputs import GenerateArgs
 

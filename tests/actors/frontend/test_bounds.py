@@ -12,6 +12,7 @@ import time
 import httpx
 import msgspec
 import pytest
+
 from ringserve.actors.frontend import protocol as p
 
 enc = msgspec.msgpack.encode

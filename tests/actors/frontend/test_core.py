@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
 from ringserve.actors.frontend.core import FrontendCore, generate_req
 from ringserve.actors.frontend.inputs import RequestSpec
 from ringserve.actors.frontend.sessions import Sessions

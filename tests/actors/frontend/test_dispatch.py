@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from ringserve.actors.frontend.dispatch import Dispatcher, PrefixIndex
 from ringserve.actors.transport.loads import GroupLoad
 

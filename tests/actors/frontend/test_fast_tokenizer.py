@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ringserve.model.checkpoints.tokenizer import FastTokenizer, load_encoder, load_tokenizer
 
 TEXTS = ["Héllo wörld — naïve café, 世界 🙂🚀 ok.", "", " ", "  leading and trailing  ", "a\n\nb\tc\r\n",

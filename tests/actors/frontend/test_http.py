@@ -255,6 +255,7 @@ def test_generate_body_builds_the_generate_args():
     """/generate's body decodes into GenerateBody and yields the GenerateArgs every surface
     builds; input_ids win over text (as SGLang); fields served only at their default refuse."""
     import msgspec
+
     from ringserve.actors.frontend.http_server import GenerateBody
     from ringserve.actors.frontend.inputs import GenerateArgs
 
@@ -296,6 +297,7 @@ def test_chat_roles_are_openais(engine, servers):
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
     import jinja2
+
     from ringserve.actors.frontend.openai_api import ChatMessage, ChatRequest, chat_args
 
     def render(messages: list[dict]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ringserve.actors.frontend.inputs import GenerateArgs, Limits, normalize_generate
 
 

@@ -10,11 +10,12 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
 from ringserve.actors.frontend import protocol as p
 from ringserve.actors.frontend.inputs import GenerateArgs
 from ringserve.actors.frontend.limits import MAX_DEPTH, bytes_per_token, check_depth, json_too_deep
 from ringserve.kvmem.allocator import cdiv
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 
 @pytest.mark.parametrize(("body", "error"), [

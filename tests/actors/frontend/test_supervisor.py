@@ -16,11 +16,11 @@ import threading
 
 import numpy as np
 import pytest
+
 from ringserve.actors.frontend.core import FrontendCore
 from ringserve.actors.frontend.journal import Journal
 from ringserve.actors.frontend.supervisor import RestartPolicy
 from ringserve.actors.transport import messages as m
-
 from tests.actors.frontend.test_core import Tok, out, spec
 
 

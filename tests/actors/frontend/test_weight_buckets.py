@@ -12,6 +12,7 @@ import stat
 import ml_dtypes
 import numpy as np
 import pytest
+
 from ringserve.actors.frontend.protocol import TensorPiece
 from ringserve.actors.frontend.weight_buckets import (
     ALIGN,

@@ -231,9 +231,8 @@ def test_bad_tensors_from_a_client_are_refused_naming_them(restored, servers):
 def test_a_stalled_pusher_times_out_and_a_cancelled_push_is_dropped(restored, servers):
     import threading
 
-    from ringserve.actors.frontend import protocol as p
-
     from ringserve import AsyncClient
+    from ringserve.actors.frontend import protocol as p
 
     engine = restored
     own = list(tensors(engine.model_dir).items())

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import posix_ipc
 import pytest
+
 from ringserve.actors.relay.blobs import Received, send_blobs, tensor_refs
 from ringserve.actors.relay.core import recv_frame, send_frame
 from ringserve.actors.transport import messages as m

@@ -11,6 +11,7 @@ import socket
 import threading
 
 import pytest
+
 from ringserve.actors.relay.core import (
     BYE,
     MAGIC,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.actors.runner.core import RunnerCore
 from ringserve.actors.runner.slot_mirrors import UNKNOWN, SlotMirrors
 from ringserve.actors.transport import messages as m

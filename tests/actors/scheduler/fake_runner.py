@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from ringserve.actors.scheduler.batch import ScheduledBatch, StepResult
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+import tests.actors.scheduler.test_scheduler as scheduler_tests
 from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.req import Req
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.sampling import SamplingParams
 from ringserve.kvmem import KVCache
-
-import tests.actors.scheduler.test_scheduler as scheduler_tests
 from tests.actors.scheduler.fake_runner import FakeRunner, reference
 from tests.actors.scheduler.test_scheduler import letters
 

@@ -14,13 +14,13 @@ import threading
 import jsonschema
 import numpy as np
 import pytest
+
 from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.grammar import Grammars
 from ringserve.actors.scheduler.req import Req
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.sampling import SamplingParams
 from ringserve.kvmem import KVCache
-
 from tests.actors.scheduler.fake_runner import FakeRunner, copying
 
 VOCAB = 2048  # the tiny model's

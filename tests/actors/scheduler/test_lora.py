@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.lora import LoraTable, cache_key
 from ringserve.actors.server_args import ServerArgs
 from ringserve.kvmem import KVCache
-
 from tests.actors.scheduler.fake_runner import FakeRunner
 from tests.actors.scheduler.test_scheduler import VOCAB, drive, letters, req
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.actors.runner.slot_mirrors import SlotMirrors
 from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.output import step_msg
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport import messages as m
 from ringserve.kvmem import KVCache
-
 from tests.actors.scheduler.fake_runner import FakeRunner
 from tests.actors.scheduler.test_scheduler import req
 

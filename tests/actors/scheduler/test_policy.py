@@ -4,8 +4,8 @@ first, falls back to FCFS past 128 waiting, and shares an uncached prefix within
 from __future__ import annotations
 
 import numpy as np
-from ringserve.actors.scheduler.policy import LPM_FALLBACK_QUEUE
 
+from ringserve.actors.scheduler.policy import LPM_FALLBACK_QUEUE
 from tests.actors.scheduler.fake_runner import reference
 from tests.actors.scheduler.test_books import VOCAB, drive, make, req
 

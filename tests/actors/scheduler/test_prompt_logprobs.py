@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+import tests.actors.scheduler.test_books as books_tests
+import tests.actors.scheduler.test_scheduler as sched_tests
 from ringserve.actors.runner.slot_mirrors import SlotMirrors
 from ringserve.actors.scheduler.logprobs import PromptLogprobs
 from ringserve.actors.scheduler.output import step_msg, token_out
 from ringserve.actors.scheduler.req import Req
 from ringserve.actors.transport import messages as m
-
-import tests.actors.scheduler.test_books as books_tests
-import tests.actors.scheduler.test_scheduler as sched_tests
 from tests.actors.scheduler.fake_runner import prompt_reference, reference
 
 VOCAB = 1000

@@ -11,11 +11,11 @@ import json
 
 import numpy as np
 import pytest
+
 from ringserve.actors.scheduler.actor import to_req
 from ringserve.actors.scheduler.output import token_out
 from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.sampling import SamplingParams
-
 from tests.actors.scheduler import test_grammar as g
 from tests.actors.scheduler.fake_runner import reference
 from tests.actors.scheduler.test_scheduler import VOCAB, drive, letters, make

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.prefill import BucketFit
 from ringserve.actors.scheduler.req import Req
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.sampling import SamplingParams
 from ringserve.kvmem import KVCache
-
 from tests.actors.scheduler.fake_runner import FakeRunner, reference
 
 VOCAB = 1000

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.req import Req
 from ringserve.actors.scheduler.spec import propose
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.sampling import SamplingParams
 from ringserve.kvmem import KVCache
-
 from tests.actors.scheduler.fake_runner import FakeRunner, copying, reference
 from tests.actors.scheduler.test_scheduler import letters
 

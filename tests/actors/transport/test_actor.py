@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from ringserve.actors.transport.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
 from ringserve.actors.transport.ring import Ring, RingClosed
 

@@ -9,6 +9,7 @@ import json
 import llguidance as llg
 import msgspec
 import pytest
+
 from ringserve.actors.transport.constraint import grammar
 from ringserve.actors.transport.sampling import SamplingParams
 

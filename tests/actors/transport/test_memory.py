@@ -5,6 +5,7 @@ weights; an explicit max_total_tokens wins; nothing that fits is a ValueError na
 from __future__ import annotations
 
 import pytest
+
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport import memory
 from ringserve.actors.transport.memory import need_tokens, resolve_memory, size_pool

@@ -7,6 +7,7 @@ import pickle
 
 import msgspec
 import pytest
+
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.sampling import SamplingParams

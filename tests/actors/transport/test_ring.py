@@ -14,6 +14,7 @@ import zlib
 import msgspec
 import numpy as np
 import pytest
+
 from ringserve.actors.transport.ring import BroadcastRing, Ring, RingClosed, RingTimeout, shm_files
 
 N_FRAMES = 1_000_000
