@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         ports = [free_port(), free_port()]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for p in ports:
-            cmd = [sys.executable, "-c", "import sys; from actors.cli.main import main; sys.exit(main())", "serve",
+            cmd = [sys.executable, "-c", "import sys; from ringserve.actors.cli.main import main; sys.exit(main())", "serve",
                    "--model", "tiny", "--port", str(p), "--no-socket", "--page-size", "16",
                    "--max-total-tokens", "16384", "--context-length", "512"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

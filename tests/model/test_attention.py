@@ -349,7 +349,7 @@ def _pairs_in_process(args, num_pages, window, scale, env):
         np.savez(os.path.join(tmp, "in.npz"), **(args | {"q": args["q"].view(np.uint16) if bf16 else args["q"]}))
         code = (
             "import sys, numpy as np, jax, jax.numpy as jnp\n"
-            "from model.kernels import cpu_attention\n"
+            "from ringserve.model.compute.kernels import cpu_attention\n"
             "assert cpu_attention.reason() is None\n"
             "a = np.load(sys.argv[1])\n"
             "q = jnp.asarray(a['q']) if a['q'].dtype == np.float32 else jax.lax.bitcast_convert_type(jnp.asarray(a['q']), jnp.bfloat16)\n"

@@ -227,7 +227,7 @@ def test_same_sums_on_one_thread_as_on_all():
     RINGSERVE_MATMUL_THREADS=1) gives the bits this process gives with the variable unset."""
     code = (
         "import numpy as np, jax.numpy as jnp\n"
-        "from model.kernels import cpu_matmul\n"
+        "from ringserve.model.compute.kernels import cpu_matmul\n"
         "assert cpu_matmul.reason() is None\n"
         "r = np.random.default_rng(3)\n"
         "x = jnp.asarray(r.standard_normal((3, 576)), jnp.float32)\n"
@@ -515,7 +515,7 @@ def test_amx_multiplies_registered_weights_at_every_row_count(k, n, transpose_w)
         cpu_matmul.release_weights(owner)
     code = (
         "import jax, jax.numpy as jnp, numpy as np\n"
-        "from model.kernels import cpu_matmul\n"
+        "from ringserve.model.compute.kernels import cpu_matmul\n"
         f"rng = np.random.default_rng({k + n})\n"
         f"w = jnp.asarray(rng.standard_normal({(n, k) if transpose_w else (k, n)}), jnp.bfloat16)\n"
         f"x = jnp.asarray(rng.standard_normal((70, {k})), jnp.bfloat16)\n"

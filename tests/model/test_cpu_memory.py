@@ -81,7 +81,7 @@ def test_sharded_over_devices():
     code = (
         "import numpy as np, jax, jax.numpy as jnp\n"
         "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
-        "from model.kernels import cpu_memory\n"
+        "from ringserve.model.compute.kernels import cpu_memory\n"
         "mesh = Mesh(np.array(jax.devices()), ('tp',))\n"
         "for spec in (P('tp', None), P()):\n"
         "    a = jax.ShapeDtypeStruct((4, 300001), jnp.bfloat16, sharding=NamedSharding(mesh, spec))\n"

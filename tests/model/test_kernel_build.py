@@ -173,7 +173,7 @@ def test_loading_the_kernels_leaves_denormals_alone():
         pytest.skip("no C++ compiler (g++, or $CXX)")
     code = (
         "import threading, numpy as np\n"
-        "from model.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm\n"
+        "from ringserve.model.compute.kernels import cpu_attention, cpu_matmul, cpu_memory, cpu_norm\n"
         "reasons = [cpu_attention.reason(), cpu_memory.reason(), cpu_norm.reason(),"
         " *(cpu_matmul.loader_of(w)() for w in cpu_matmul.WEIGHTS)]\n"
         "assert reasons == [None] * len(reasons), reasons\n"

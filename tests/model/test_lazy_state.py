@@ -57,7 +57,7 @@ def test_lazy_leaves_equal_the_built_state_slice_by_slice(tiny_dir, stacked):
 def test_a_shard_reads_only_its_rows(tiny_dir):
     cfg, tensors = load_checkpoint(tiny_dir("llama"))
     rec, log = recording(tensors)
-    lazy = build_lazy_state(cfg, rec, np.float32, stacked=True)
+    lazy = build_lazy_state(family(cfg.family), cfg, rec, np.float32, stacked=True)
     q = lazy["layers"]["self_attn"]["q_proj"]["weight"]  # [L, H, Hq*D], column-parallel: split on out
     out = q.shape[2]
     shard = q[slice(None), slice(None), slice(out // 2, out)]

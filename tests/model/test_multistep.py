@@ -115,7 +115,7 @@ def test_multistep_program_converts_no_whole_weight_out_of_its_loop(tiny_dir):
     ex = ModelExecutor(tiny_dir("llama"), cfg)
     row = DeviceRow(np.array([-1] * K, np.int32), 10, np.arange(1, 5, dtype=np.int32), future_slot=0)
     hb = ex.prepare([row], K, multistep=True)
-    text = ex.programs.get((hb.shape, ex.cfg.top_logprobs_num)).as_text()
+    text = ex.programs.get((hb.shape, ex.cfg.shapes.top_logprobs_num)).as_text()
     entry = text[text.index("\nENTRY") :]
     v, h = ex.model_config.vocab_size, ex.model_config.hidden_size
     assert not [line for line in entry.splitlines() if f"f32[{v},{h}]" in line], "a whole f32 table in the entry"

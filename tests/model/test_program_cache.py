@@ -149,10 +149,11 @@ def test_keys_move_with_what_shapes_a_trace(tmp_path, monkeypatch):
 
 
 def test_the_source_digest_moves_with_the_model_and_kvmem_sources(tmp_path):
-    (tmp_path / "model" / "kernels").mkdir(parents=True)
+    (tmp_path / "model" / "compute" / "kernels").mkdir(parents=True)
+    (tmp_path / "model" / "runtime").mkdir()
     (tmp_path / "kvmem").mkdir()
-    (tmp_path / "model" / "step.py").write_text("x = 1\n")
-    (tmp_path / "model" / "kernels" / "k.cc").write_text("int f();\n")
+    (tmp_path / "model" / "runtime" / "step.py").write_text("x = 1\n")
+    (tmp_path / "model" / "compute" / "kernels" / "k.cc").write_text("int f();\n")
     (tmp_path / "kvmem" / "pool.py").write_text("y = 2\n")
     d = program_cache.tree_digest(tmp_path)
     (tmp_path / "model" / "notes.txt").write_text("not a source")
@@ -166,7 +167,7 @@ def test_the_source_digest_moves_with_the_model_and_kvmem_sources(tmp_path):
         (tmp_path / f).write_text(before + "// changed\n")
         assert program_cache.tree_digest(tmp_path) != d, f
         (tmp_path / f).write_text(before)
-    (tmp_path / "model" / "step.py").rename(tmp_path / "model" / "step2.py")  # a path is part of it
+    (tmp_path / "model" / "runtime" / "step.py").rename(tmp_path / "model" / "runtime" / "step2.py")  # a path is part of it
     assert program_cache.tree_digest(tmp_path) != d
 
 

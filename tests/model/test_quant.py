@@ -149,7 +149,7 @@ def test_int8_through_onednn_agrees_with_xla(tiny_dir):
     cfg = dataclasses.replace(CFG, dtype="bfloat16", quantization="int8")
     fast = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="onednn"))
     ref = ModelExecutor(tiny_dir("llama"), cfg)
-    assert (fast.dot, ref.dot) == ("onednn", "xla")
+    assert (fast.plan.dot.name, ref.plan.dot.name) == ("onednn", "xla")
     prompts = prompts_with_shared_prefix(16, [5, 30, 9, 17])
     a, b = greedy_with_cached_prefix(fast, prompts, 16, 12), greedy_with_cached_prefix(ref, prompts, 16, 12)
     same = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
@@ -167,7 +167,7 @@ def test_decode_through_the_small_row_kernel_keeps_xla_tokens(tiny_dir, quantiza
     cfg = dataclasses.replace(CFG, quantization=quantization)
     fast = ModelExecutor(tiny_dir("llama"), dataclasses.replace(cfg, cpu_matmul="kernel"))
     ref = ModelExecutor(tiny_dir("llama"), cfg)
-    assert fast.dot.startswith("kernel") and ref.dot == "xla"
+    assert fast.plan.dot.kernel and ref.plan.dot.name == "xla"
     ps = prompts_with_shared_prefix(16, prompts)
     assert greedy_with_cached_prefix(fast, ps, 16, 12) == greedy_with_cached_prefix(ref, ps, 16, 12)
 

@@ -126,7 +126,7 @@ def test_the_frontend_imports_no_jax(tiny_dir):
     mods += ["ringserve.actors.transport.launcher", "ringserve.model.config", "ringserve.model.checkpoints.resolve",
              "ringserve.model.checkpoints.tokenizer"]  # fmt: skip
     code = (f"import sys\nfor m in {mods!r}: __import__(m)\n"
-            "from actors.server_args import ServerArgs\nfrom model.checkpoints.footprint import read_footprint\n"
+            "from ringserve.actors.server_args import ServerArgs\nfrom ringserve.model.checkpoints.footprint import read_footprint\n"
             f"ServerArgs(model_path={str(tiny_dir())!r}, enable_lora=True)\nread_footprint({str(tiny_dir())!r})\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'ml_dtypes')))")  # fmt: skip
     root = Path(__file__).resolve().parents[3]

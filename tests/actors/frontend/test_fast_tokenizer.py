@@ -161,10 +161,10 @@ def test_a_cached_start_imports_no_transformers(tiny_dir, cache):
     load_encoder(d)  # the spec, once
     code = (
         "import sys\nsys.modules['torch'] = None\n"
-        "from model.checkpoints.tokenizer import load_encoder\n"
+        "from ringserve.model.checkpoints.tokenizer import load_encoder\n"
         f"tok = load_encoder({str(d)!r})\n"
         "ids = tok.encode('hello there'); tok.decode(ids)\n"
-        "from actors.frontend.limits import bytes_per_token\n"
+        "from ringserve.actors.frontend.limits import bytes_per_token\n"
         "assert bytes_per_token(tok) is not None\n"
         "before = 'transformers' in sys.modules\n"
         "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True, tokenize=False)\n"
