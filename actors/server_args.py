@@ -434,7 +434,11 @@ class ServerArgs:
         """These args with the platform's defaults filled in (the frontend, before any actor starts)."""
         if self.prefill_step_cost is not None:
             return self
-        return dataclasses.replace(self, prefill_step_cost=prefill_step_cost(plat))
+        return self.replace(prefill_step_cost=prefill_step_cost(plat))
+
+    def replace(self, **options: Any) -> ServerArgs:
+        """These args with some options changed (flat names or whole sections): `dataclasses.replace`."""
+        return dataclasses.replace(self, **options)
 
     @property
     def program_shapes(self) -> ProgramShapes:

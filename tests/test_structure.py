@@ -211,6 +211,84 @@ def test_only_the_cli_reaches_up_into_bench():
     assert up == {"actors/cli/bench.py"}
 
 
+# ---- the model: one compute plan, one file per family ------------------------------------------
+# Strings that name a compute path: platforms, the dots, the attention backends. Compared anywhere
+# but where the plan is made (model/compute/: the plan, the platform facts, the backends' and
+# kernels' registries and their own implementations) and where the launcher places processes on
+# devices (actors/transport/devices.py), they are a compute-path decision made twice.
+PATH_NAMES = frozenset({"cpu", "gpu", "tpu", "cuda", "rocm", "xla", "invariant", "onednn", "kernel", "kernel+onednn",
+                        "native", "cpu_kernel", "bucketed", "pallas", "pallas_gpu"})  # fmt: skip
+PLAN_HOMES = ("model/compute/", "actors/transport/devices.py")
+
+
+def _path_strings(node: ast.AST) -> list[str]:
+    """The compute-path names a comparison operand or a startswith() argument holds."""
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and i.value in PATH_NAMES]
+
+
+def path_decisions(source: str, name: str = "<code>") -> list[str]:
+    """'line: name' of each comparison against a compute-path name in `source` (==, !=, in, not
+    in, is; .startswith / .endswith)."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Compare):
+            names = [s for op in (node.left, *node.comparators) for s in _path_strings(op)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("startswith", "endswith"):
+            names = [s for a in node.args for s in _path_strings(a)]
+        else:
+            continue
+        found += [f"{node.lineno}: {n}" for n in names]
+    return found
+
+
+def test_compute_paths_are_decided_in_the_plan_alone():
+    """No platform, dot or attention-backend name is compared outside model/compute/ (and the
+    launcher's device placement): the model, the runtime and the actors ask the plan."""
+    bad = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(f.relative_to(ROOT))
+            if rel.startswith(PLAN_HOMES):
+                continue
+            if found := path_decisions(f.read_text(), rel):
+                bad[rel] = found
+    assert bad == {}
+
+
+def test_the_path_check_finds_a_decision():
+    code = 'if platform == "cpu": pass\nif dot.startswith(("kernel", "x")): pass\nok = name in ("a", "b")\nif b in ["tpu"]: pass\n'
+    assert path_decisions(code) == ["1: cpu", "2: kernel", "4: tpu"]
+
+
+FAMILY_FILES = sorted(p for p in (ROOT / "model" / "families").glob("*.py") if p.stem not in ("__init__", "base"))
+
+
+def test_a_family_file_imports_no_other_family_and_no_jax_at_import():
+    """A family is its own file: it composes model/layers/ and model/families/base.py, never another
+    family's file; and it imports no JAX where it is imported (the frontend reads configs through
+    the registry), only inside the function that builds its module tree."""
+    graph = import_graph()
+    fams = {f"ringserve.model.families.{p.stem}" for p in FAMILY_FILES}
+    assert len(fams) >= 3
+    for mod in fams:
+        assert graph[mod] & fams == set(), mod
+    for p in FAMILY_FILES:
+        top = [n for n in ast.parse(p.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.split(".")[0] in JAX_NAMES or n.startswith("ringserve.model.layers")], p
+
+
+def test_every_family_is_registered_and_serves_its_architectures():
+    from ringserve.model.families import ARCHITECTURES, FAMILIES
+
+    registered = {f.__module__ for f in (type(f) for f in FAMILIES.values())}  # (Family instances)
+    assert registered == {"ringserve.model.families.base"}
+    files = {p.stem for p in FAMILY_FILES}
+    assert {n for n in FAMILIES} >= files - {"llama"} | {"llama"}  # every file's family is listed (llama.py: Llama, Mistral)
+    assert all(ARCHITECTURES[a] is f for f in FAMILIES.values() for a in f.architectures)
+
+
 # ---- the map matches the house --------------------------------------------------------------
 PATH_RE = re.compile(r"(?<![\w./-])((?:\.?[\w-]+/)+[\w-]+\.(?:py|md|sh|toml|json))\b")
 ROOTS = ("", "actors/", "kvmem/", "model/", "bench/", "tests/", "tools/")

@@ -22,6 +22,12 @@ def _fetch_model(argv: list[str]) -> int:
     return main(argv)
 
 
+def _models(argv: list[str]) -> int:
+    from ringserve.actors.cli.models import main
+
+    return main(argv)
+
+
 def _cleanup(argv: list[str]) -> int:
     from ringserve.actors.transport.launcher import cleanup_main
 
@@ -69,6 +75,7 @@ COMMANDS = {
     "generate-static": (_generate_static, "generate in-process with the model runtime alone (static batch, no actors)"),
     "make-tiny-model": (_make_tiny_model, "write a tiny random-weight HF-format model directory"),
     "fetch-model": (_fetch_model, "build a local HF-format copy of a known model (e.g. smollm2)"),
+    "models": (_models, "list the model families served, by HF architecture, with what each supports"),
     "cleanup": (_cleanup, "remove shared-memory segments left behind by dead ringserve processes"),
 }
 

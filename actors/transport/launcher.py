@@ -504,12 +504,11 @@ def _on_node(config: bytes, rank: int) -> bytes:
     """`config` (an encoded ActorConfig) for the runner of node `rank` (its ServerArgs.node_rank)."""
     if rank == 0:
         return config
-    import dataclasses
 
     from ringserve.actors.transport import messages as m
 
     cfg = m.actor_config.decode(config)
-    cfg.args = dataclasses.replace(cfg.args, node_rank=rank)
+    cfg.args = cfg.args.replace(node_rank=rank)
     return m.encode(cfg)
 
 

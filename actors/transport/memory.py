@@ -122,5 +122,5 @@ def resolve_memory(args: ServerArgs, model_path: str | Path,
     if pool.budget_tokens is None and pool.sized_by == "need":
         log.warning("the %s memory could not be told: the KV pool is sized by need alone (%s tokens)",
                     plat, f"{pool.need_tokens:,}")  # fmt: skip
-    return dataclasses.replace(args.for_platform(plat), max_total_tokens=pool.max_total_tokens,
+    return args.for_platform(plat).replace(max_total_tokens=pool.max_total_tokens,
                                mem_fraction_static=pool.mem_fraction_static), pool  # fmt: skip

@@ -115,7 +115,7 @@ def _weights(fam: Family, cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
         elif place.path[-1] == "bias":
             w[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
         elif place.transpose:  # a projection; a residual branch's output 3x (the docstring)
-            w[name] = lin(*shape, gain=3.0 if module in RESIDUAL_OUT else 1.0)
+            w[name] = lin(shape[0], shape[1], gain=3.0 if module in RESIDUAL_OUT else 1.0)
         else:  # a norm's weight
             w[name] = norm(shape[0])
     return w

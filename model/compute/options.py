@@ -94,7 +94,7 @@ def assemble(obj: Any, flat: dict[str, Any], where: str = "option") -> None:
     take SGLang's flat names (keywords, CLI flags) while their sections travel whole."""
     import difflib
 
-    cls = type(obj)
+    cls: Any = type(obj)
     hints = _hints(cls)
     sections = {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
     owner = {g.name: s for s, tp in sections.items() for g in dataclasses.fields(tp)}
@@ -121,13 +121,13 @@ def assemble(obj: Any, flat: dict[str, Any], where: str = "option") -> None:
         elif f.default is not dataclasses.MISSING:
             value = f.default
         else:
-            value = f.default_factory()  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc,operator]
         object.__setattr__(obj, name, value)
 
 
 def flat_fields(obj) -> dict:
     """{name: value} of every option of a sectioned dataclass, sections flattened (`assemble`'s inverse)."""
-    out = {}
+    out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -138,7 +138,7 @@ def flat_fields(obj) -> dict:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: Any) -> dict[str, Any]:
     import typing
 
     return typing.get_type_hints(cls)

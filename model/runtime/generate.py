@@ -22,7 +22,7 @@ def generate(
     eos_ids: set[int],
     on_token=None,
 ) -> list[list[int]]:
-    cfg = ex.cfg
+    cfg = ex.cfg.shapes
     page = cfg.page_size
     next_page = 1
     tables = []

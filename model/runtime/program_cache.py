@@ -15,9 +15,9 @@ turns the cache off. Entries are `Exported.serialize()` bytes (a flatbuffer, no 
 0600 in a 0700 directory, written whole (a temporary file renamed). Anything that fails to read
 or load is a miss: the caller traces as before and writes the entry again.
 
-Used on CPU by single-process, single-device executors (`usable`): the platform whose start-up
-it is measured on; a multi-device program's shardings and an accelerator's custom calls stay on
-the traced path, unchanged.
+Used on CPU by single-process, single-device executors (model/compute/plan.py `program_cache`):
+the platform whose start-up it is measured on; a multi-device program's shardings and an
+accelerator's custom calls stay on the traced path, unchanged.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def usable(platform: str, tp_size: int) -> bool:
-    """Whether an executor keeps its programs here: CPU, one process, one device, not turned off,
-    and XLA's persistent cache on (without it the traced module would be compiled anyway)."""
-    return (os.environ.get(ENV, "1") != "0" and platform == "cpu" and tp_size == 1 and jax.process_count() == 1
-            and bool(_xla_cache_dir()))  # fmt: skip
+def usable() -> bool:
+    """Whether programs may be kept here at all: not turned off, one process, and XLA's persistent
+    cache on (without it the traced module would be compiled anyway). Which executors keep them
+    (CPU, one device) is the compute plan's (model/compute/plan.py `program_cache`)."""
+    return os.environ.get(ENV, "1") != "0" and jax.process_count() == 1 and bool(_xla_cache_dir())
 
 
 def directory() -> Path:

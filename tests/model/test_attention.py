@@ -260,8 +260,8 @@ def test_pallas_interpret_tp2_matches_native(tiny_dir, native, tmp_path):
 
 
 def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only(monkeypatch):
-    from ringserve.model.compute.plan import resolve_backend
     from ringserve.model.compute.kernels import cpu_attention
+    from ringserve.model.compute.plan import resolve_backend
 
     monkeypatch.setattr(cpu_attention, "reason", lambda: None)
     assert resolve_backend("auto", "cpu") == "cpu_kernel"

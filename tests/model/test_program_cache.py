@@ -198,11 +198,13 @@ def test_a_step_returning_another_structure_is_refused(tmp_path):
 
 
 def test_used_on_one_cpu_device_unless_turned_off(monkeypatch):
+    from ringserve.model.compute.plan import ComputePlan
+
     assert jax.config.jax_compilation_cache_dir  # (tests/conftest.py turns XLA's cache on)
-    assert program_cache.usable("cpu", 1)
-    assert not program_cache.usable("cpu", 2) and not program_cache.usable("gpu", 1)
+    assert program_cache.usable() and ComputePlan(platform="cpu").program_cache(1)
+    assert not ComputePlan(platform="cpu").program_cache(2) and not ComputePlan(platform="gpu").program_cache(1)
     monkeypatch.setenv(program_cache.ENV, "0")
-    assert not program_cache.usable("cpu", 1)
+    assert not program_cache.usable() and not ComputePlan(platform="cpu").program_cache(1)
     assert os.environ[program_cache.ENV] == "0"
 
 
