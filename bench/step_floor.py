@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if jax.devices()[0].platform == "gpu" and torch.cuda.is_available():
             hf = hf.cuda()
     platform = jax.devices()[0].platform
-    print(f"# {a.model} {a.dtype} on {platform} ({jax.devices()[0].device_kind}); attention: {main_ex.backend}; matmul: {main_ex.dot}; "
+    print(f"# {a.model} {a.dtype} on {platform} ({jax.devices()[0].device_kind}); attention: {main_ex.plan.attention}; matmul: {main_ex.plan.dot.name}; "
           f"quantization: {a.quantization}")
     print(f"{'case':>18} {'step_ms':>9} {'floor_ms':>9} {'hf_ms':>9} {'tok_s':>10} {'vs_hf':>6}")
     rows = []
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
              "hf_ms": round(hf_ms, 2), "tok_s": round(new / step * 1e3, 1), "vs_hf": round(hf_ms / step, 2)}  # fmt: skip
         rows.append(r)
         print(f"{r['case']:>18} {step:9.2f} {floor:9.2f} {hf_ms:9.2f} {r['tok_s']:10.1f} {r['vs_hf']:6.2f}", flush=True)
-    report = {"model": a.model, "dtype": a.dtype, "platform": platform, "backend": main_ex.backend, "matmul": main_ex.dot,
+    report = {"model": a.model, "dtype": a.dtype, "platform": platform, "backend": main_ex.plan.attention, "matmul": main_ex.plan.dot.name,
               "quantization": a.quantization, "cases": rows}
     if a.startup:
         del main_ex, floor_ex

@@ -51,3 +51,23 @@ def test_the_wheel_lists_every_package():
         assert conf["package-dir"][f"ringserve.{part}"] == part
         want |= {"ringserve." + ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / part).rglob("__init__.py")}
     assert set(conf["packages"]) == want
+
+
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    """`pip install .` puts `ringserve` alone at the top of site-packages: its parts beneath it, the
+    kernels' sources (compiled on first use) beside their loaders, no generic names (`model`,
+    `bench`) to collide with an RL framework's own modules."""
+    import zipfile
+
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                        str(ROOT)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (wheel,) = tmp_path.glob("ringserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"ringserve", wheel.name.split("-py3")[0] + ".dist-info"}
+    for want in ("ringserve/__init__.py", "ringserve/actors/frontend/engine.py", "ringserve/model/families/llama.py",
+                 "ringserve/model/compute/kernels/cpu_matmul.cc", "ringserve/model/compute/kernels/simd.h",
+                 "ringserve/kvmem/radix.py", "ringserve/bench/serving.py"):  # fmt: skip
+        assert want in names, want
+    entry = zipfile.ZipFile(wheel).read(wheel.name.split("-py3")[0] + ".dist-info/entry_points.txt").decode()
+    assert "ringserve = ringserve.actors.cli.main:main" in entry

@@ -32,7 +32,9 @@ prepare() {
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $TAGS -d .whl "$w==$v" || exit 1
   done
-  git archive "$before" actors kvmem model bench tools pyproject.toml | tar -x -C .gpu/before || exit 1
+  # (the tree's own parts: `ringserve/` from the package's rename on)
+  git archive "$before" $(git ls-tree --name-only "$before" | grep -xE 'ringserve|actors|kvmem|model|bench|tools|pyproject.toml') \
+    | tar -x -C .gpu/before || exit 1
   cp "$model"/{config.json,tokenizer.json,tokenizer_config.json} .gpu/tok/ || { echo "fetch SmolLM2 first: ringserve fetch-model smollm2"; exit 1; }
   git rev-parse "$before" > .gpu/before/COMMIT
   du -sh .whl .gpu
@@ -57,15 +59,23 @@ run() {
   local smol=/tmp/smol rnd
   rnd=$(PYTHONPATH=.:/tmp/site python3 -c "from ringserve.model.checkpoints.random_shapes import random_model; print(random_model('smollm2-135m'))") || exit 4
   mkdir -p $smol && cp .gpu/tok/* $smol/ && ln -sf "$rnd/model.safetensors" $smol/model.safetensors
-  local before=$root/.gpu/before sf="python3 -m ringserve.bench.step_floor --model smollm2-135m --dtype bfloat16"
-  local serve="python3 -m ringserve.bench.serving --model $smol --dtype bfloat16 --num-prompts 64 --context-length 1024 --disable-tqdm"
+  local before=$root/.gpu/before
+  bench() { if [ -f "$1/ringserve/__init__.py" ]; then echo "ringserve.bench.$2"; else echo "bench.$2"; fi; }  # a tree before the rename
+  sf() { echo "python3 -m $(bench "$1" step_floor) --model smollm2-135m --dtype bfloat16"; }
+  serve() { echo "python3 -m $(bench "$1" serving) --model $smol --dtype bfloat16 --num-prompts 64 --context-length 1024 --disable-tqdm"; }
   echo "before: $(cat "$before/COMMIT")"
-  stage sf_after 120 "$root" $sf
-  stage sf_before 190 "$before" $sf --no-hf
-  stage sf_pallas_gpu 240 "$root" $sf --no-hf --backend pallas_gpu
-  stage sf_int8 290 "$root" $sf --no-hf --quantization int8
-  stage serve_after 430 "$root" $serve --output-json "$out/serve_after.json"
-  stage serve_before 560 "$before" $serve --output-json "$out/serve_before.json"
+  # shellcheck disable=SC2046
+  stage sf_after 120 "$root" $(sf "$root")
+  # shellcheck disable=SC2046
+  stage sf_before 190 "$before" $(sf "$before") --no-hf
+  # shellcheck disable=SC2046
+  stage sf_pallas_gpu 240 "$root" $(sf "$root") --no-hf --backend pallas_gpu
+  # shellcheck disable=SC2046
+  stage sf_int8 290 "$root" $(sf "$root") --no-hf --quantization int8
+  # shellcheck disable=SC2046
+  stage serve_after 430 "$root" $(serve "$root") --output-json "$out/serve_after.json"
+  # shellcheck disable=SC2046
+  stage serve_before 560 "$before" $(serve "$before") --output-json "$out/serve_before.json"
   echo "== done at $(($(date +%s) - t0)) s"
 }
 
