@@ -9,7 +9,10 @@ Accepts both the transformers 4 spelling (`rope_theta` + `rope_scaling`) and tra
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+import numpy as np
 
 ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -51,6 +54,28 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2], with llama3 / linear scaling applied.
+
+    Computed in float32 the way transformers does, so positions in the thousands rotate by the
+    same angles as the reference to the last bit that matters."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / np.power(np.float32(rope.theta), exponent)).astype(np.float32)
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
 
 
 def rope_from_dict(d: dict[str, Any], source: str) -> RopeConfig:
@@ -108,6 +133,6 @@ def shared_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-# What a weight update from another checkpoint may not change (model/weights/sync.py): the fields
+# What a weight update from another checkpoint may not change (model/runtime/weight_sync.py): the fields
 # that are not the architecture's.
 NOT_ARCHITECTURE = ("bos_token_id", "eos_token_ids", "dtype", "max_position_embeddings")

@@ -261,6 +261,29 @@ def test_the_path_check_finds_a_decision():
     assert path_decisions(code) == ["1: cpu", "2: kernel", "4: tpu"]
 
 
+# model/'s parts, lowest first: a part imports only parts below it
+MODEL_LAYERS = (("config", "paths"), ("compute",), ("layers",), ("families",), ("checkpoints",), ("weights",), ("runtime",))
+
+
+def model_part_arrows(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) among model/'s top-level parts (its folders and root modules)."""
+    def part(mod: str) -> str | None:
+        parts = mod.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == ["ringserve", "model"] else None
+
+    return {(part(m), part(d)) for m, deps in graph.items() for d in deps  # type: ignore[misc]
+            if part(m) and part(d) and part(m) != part(d)}  # fmt: skip
+
+
+def test_model_parts_import_downward_only():
+    """config/paths <- compute <- layers <- families <- checkpoints <- weights <- runtime."""
+    rank = {name: i for i, names in enumerate(MODEL_LAYERS) for name in names}
+    arrows = model_part_arrows(import_graph())
+    assert {a for a, _ in arrows} | {b for _, b in arrows} <= set(rank)
+    assert [(a, b) for a, b in sorted(arrows) if rank[a] <= rank[b]] == []
+    assert len(arrows) >= 10  # (the walk found them)
+
+
 FAMILY_FILES = sorted(p for p in (ROOT / "model" / "families").glob("*.py") if p.stem not in ("__init__", "base"))
 
 

@@ -16,7 +16,7 @@ refuses the part as runner 0 does (the agreement refuses it on every host).
 
 Host k's segments (`/rs-<pid>-<hex>-relay<i>`, mode 0600) live until the next weights message
 arrives (a later part, the commit, an abandon) or the relay ends. That is late enough: every
-part of an update agrees across runners (model/weights/sync.py), so host 0 sends the next part or
+part of an update agrees across runners (model/runtime/weight_sync.py), so host 0 sends the next part or
 the commit only after runner 0's reply to this one, which comes after every runner staged it.
 An abandon may come sooner (a cancelled push); runner k then fails the part, which is dropped.
 No pickle: the header is msgspec, the rest raw bytes.

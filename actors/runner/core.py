@@ -21,7 +21,7 @@ from ringserve.actors.transport.trace import RunnerStamps
 from ringserve.model.checkpoints.peft import parse_target_modules, read_adapter
 from ringserve.model.runtime.distributed import all_ok
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor, StepOut
-from ringserve.model.weights.sync import WeightSync
+from ringserve.model.runtime.weight_sync import WeightSync
 
 
 def executor_config(args) -> ExecutorConfig:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
-from ringserve.model.config import RopeConfig
+from ringserve.model.config import RopeConfig, rope_inv_freq
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
 from ringserve.model.families.base import GGUF_TOP
 
@@ -228,7 +228,6 @@ def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, p
     divisors fix `factor` (their max); the cutoffs depend on original_max_position_embeddings,
     low_freq_factor and high_freq_factor, taken from the values every Llama 3.x release uses
     (1, 4 and a power of two), and accepted only if they reproduce every frequency."""
-    from ringserve.model.layers.rope import rope_inv_freq
 
     base = rope_inv_freq(RopeConfig(theta=theta), head_dim)
     if divisors.shape != base.shape:

@@ -154,12 +154,11 @@ class ComputePlan:
             _loader(name, self.options)()
 
     def program_cache(self, devices: int) -> bool:
-        """Whether the traced programs are kept on disk (model/runtime/program_cache.py): on CPU
-        over one device (the platform whose start-up it is measured on; a multi-device program's
-        shardings and an accelerator's custom calls stay on the traced path)."""
-        from ringserve.model.runtime.program_cache import usable
-
-        return self.cpu and devices == 1 and usable()
+        """Whether the traced programs may be kept on disk (model/runtime/program_cache.py, which
+        says whether it is on at all): on CPU over one device (the platform whose start-up it is
+        measured on; a multi-device program's shardings and an accelerator's custom calls stay on
+        the traced path)."""
+        return self.cpu and devices == 1
 
 
 def resolve_backend(requested: str, platform: str, interpret: bool = False, tp: int = 1) -> str:

@@ -34,11 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ringserve.model.compute.mesh import place_host_array, tp_split
-from ringserve.model.config import ModelConfig
+from ringserve.model.config import ModelConfig, rope_inv_freq
 from ringserve.model.layers.linear import Embedding, Linear
 from ringserve.model.layers.lora import LayerLora, LoraBatch, token_slots
 from ringserve.model.layers.norm import RMSNorm
-from ringserve.model.layers.rope import rope_inv_freq, rope_tables
+from ringserve.model.layers.rope import rope_tables
 
 Block = Callable[[], nnx.Module]  # one decoder layer: (x, cos, sin, kv, layer, fb, lora) -> (x, kv)
 

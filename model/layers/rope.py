@@ -1,40 +1,13 @@
-"""Rotary position embedding (HF's rotate-half convention) and its tables: the inverse
-frequencies with llama3 / linear scaling (`rope_inv_freq`, NumPy: the GGUF reader checks llama3
-parameters with it too), cos and sin per step (`rope_tables`), the rotation (`apply_rope`)."""
+"""Rotary position embedding (HF's rotate-half convention): cos and sin per step (`rope_tables`,
+from model/config.py's `rope_inv_freq`), the rotation (`apply_rope`)."""
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ringserve.model.config import RopeConfig
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2], with llama3 / linear scaling applied.
-
-    Computed in float32 the way transformers does, so positions in the thousands rotate by the
-    same angles as the reference to the last bit that matters."""
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv = (np.float32(1.0) / np.power(np.float32(rope.theta), exponent)).astype(np.float32)
-    if rope.rope_type == "linear":
-        inv = inv / rope.factor
-    elif rope.rope_type == "llama3":
-        old = rope.original_max_position_embeddings
-        low_wavelen = old / rope.low_freq_factor
-        high_wavelen = old / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
 
 # The most entries (positions x D/2) of a cos or sin table baked into a program (4 MB of f32).
 ROPE_TABLE_MAX = 1 << 20

@@ -10,7 +10,7 @@ copies of it, model/weights/memory.py), the KV cache and the FutureMap on device
     ex.plan, ex.family                                how it computes (model/compute/plan.py), what it serves
     out, rows, accepted = ex.run(device_rows)         one step (model/compute/step_inputs.py DeviceRows)
     so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
-    ex.build_params / swap_params / drop_params       weights while serving (model/weights/sync.py)
+    ex.build_params / swap_params / drop_params       weights while serving (model/runtime/weight_sync.py)
     ex.kv_pool.new / drop                             device memory (release / resume)
     ex.lora                                           the LoRA adapter pool (model/weights/lora.py), or None
 
@@ -57,6 +57,7 @@ from ringserve.model.layers.decoder import CausalLM
 from ringserve.model.layers.lora import LoraBatch
 from ringserve.model.runtime.kv_pool import KVPool
 from ringserve.model.runtime.program_cache import ProgramCache
+from ringserve.model.runtime.program_cache import usable as program_cache_usable
 from ringserve.model.runtime.programs import Key, ProgramSet, compile_order, step_avals
 from ringserve.model.runtime.sampler import PositionLogprobs, SampleOut
 from ringserve.model.runtime.step import make_logits, make_step
@@ -168,7 +169,7 @@ class ModelExecutor:
         self._jitted = jax.jit(traced, donate_argnums=(1, 2), static_argnums=(7, 8, 9))
         self._on_disk: ProgramCache | None = None
         self._not_on_disk: set[StepShape] = set()  # programs `_compile_best` found not kept
-        if cfg.program_cache and plan.program_cache(self.mesh.size):
+        if cfg.program_cache and plan.program_cache(self.mesh.size) and program_cache_usable():
             self._on_disk = ProgramCache({"executor": dataclasses.asdict(cfg), "model": repr(mc), "plan": repr(plan)})
             plan.load_kernels()  # (before a program is read back)
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))

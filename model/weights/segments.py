@@ -1,5 +1,5 @@
 """Tensors in shared-memory segments, read where they lie (no JAX here: the runner's WeightSync
-stages them, model/weights/sync.py, and the frontend's supervisor journal keeps a host copy of
+stages them, model/runtime/weight_sync.py, and the frontend's supervisor journal keeps a host copy of
 them, actors/frontend/journal.py)."""
 
 from __future__ import annotations

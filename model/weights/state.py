@@ -32,7 +32,7 @@ with a f32 `scale` leaf beside each.
 
 The family's `layout` (model/families/base.py) is THE map from HF tensor names to places in the
 state: loading uses it (`build_host_state`), and so does a weight update by HF name
-(model/weights/sync.py), which builds a whole new state the same way; the compiled programs take
+(model/runtime/weight_sync.py), which builds a whole new state the same way; the compiled programs take
 the state as an argument, so nothing recompiles.
 """
 

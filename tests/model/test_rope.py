@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ringserve.model.config import RopeConfig
-from ringserve.model.layers.rope import ROPE_TABLE_MAX, rope_inv_freq, rope_tables
+from ringserve.model.config import RopeConfig, rope_inv_freq
+from ringserve.model.layers.rope import ROPE_TABLE_MAX, rope_tables
 
 ROPES = [RopeConfig(theta=100000.0), RopeConfig(rope_type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0,
                                                 high_freq_factor=4.0, original_max_position_embeddings=8192)]  # fmt: skip

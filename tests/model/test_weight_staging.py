@@ -13,7 +13,7 @@ import pytest
 
 from ringserve.actors.frontend.weight_buckets import Segment, buckets
 from ringserve.actors.transport.messages import TensorRef
-from ringserve.model.weights.sync import WeightError, WeightSync
+from ringserve.model.runtime.weight_sync import WeightError, WeightSync
 
 
 class FakeExecutor:
