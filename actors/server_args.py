@@ -54,7 +54,7 @@ class ModelOptions(_Section):
     model_path: str | None = _opt(
         None, "'tiny' (generated), 'smollm2' (fetched), a model directory or a .gguf file; None = smollm2"
     )
-    served_model_name: str | None = _opt(None, "the model's name in the OpenAI API (default: its directory name)")
+    served_model_name: str | None = _opt(None, "the model's name in the OpenAI API; None: its directory's name")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,12 +122,22 @@ class SpeculativeOptions(_Section):
 class OutputOptions(_Section):
     """Sampling and outputs: logprobs, seeds, streaming, structured outputs."""
 
+    sampling_defaults: Literal["model", "openai"] = _opt(
+        "model", "the sampling parameters a request leaves out: the model's (temperature, top_p, top_k, min_p, "
+        "max_new_tokens from its generation_config.json, as SGLang's --sampling-defaults model and vLLM's "
+        "--generation-config auto), or openai: the plain API defaults (temperature 1, top_p 1)"
+    )
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")
     max_token_ids_logprob: int = _opt(
         16, "token ids a request's token_ids_logprob may name (their logprobs are read in every step)"
     )
     seed: int = _opt(0, "default sampling seed of requests that give none")
     stream_interval: int = _opt(1, "tokens between streamed chunks")
+    incremental_streaming_output: bool = _opt(
+        False, "streamed chunks of /generate, the Engine and the Client hold only what is new since the last "
+        "(text, output_ids, their logprobs); off: each holds everything so far (SGLang's default); OpenAI's "
+        "routes stream deltas either way"
+    )
     constrained_json_whitespace_pattern: str | None = _opt(
         None, "regex of the whitespace a json_schema-constrained output may put between tokens (None: any)"
     )
@@ -186,7 +196,7 @@ class ParallelOptions(_Section):
     )
     relay_port: int = _opt(0, "node 0's step relay port (0: the coordinator's port + 1)")
     dist_token: str | None = _opt(
-        None, "shared secret of the hosts' step relay, the same on every host (default: $RINGSERVE_DIST_TOKEN)",
+        None, "shared secret of the hosts' step relay, the same on every host; None: $RINGSERVE_DIST_TOKEN",
         secret=True,
     )
     dist_timeout: int = _opt(300, "seconds the hosts wait for each other at start-up (jax.distributed, relay)")

@@ -376,4 +376,4 @@ def test_tests_mirror_the_packages():
         assert sorted((ROOT / "tests" / "actors" / folder).glob("test_*.py")), folder
     for pkg in ("kvmem", "model", "engine", "bench"):
         assert sorted((ROOT / "tests" / pkg).glob("test_*.py")), pkg
-    assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == ["test_structure.py", "test_tooling.py"]
+    assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == ["test_readme.py", "test_structure.py", "test_tooling.py"]

@@ -27,13 +27,13 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
         default="tiny",
         help="'tiny' (default, generated offline), 'smollm2', a model directory or a .gguf file",
     )
-    ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-in prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    ap.add_argument("--batch", type=int, default=0, help="also time N requests (the prompts repeated)")
+    ap.add_argument("--prompt", action="append", help="a prompt (repeatable) (default: four built-in prompts)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt at most (default: 32)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default: 0.0)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass; 1: off (default: 1.0)")
+    ap.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: off (default: -1)")
+    ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template (default: applied)")
+    ap.add_argument("--batch", type=int, default=0, help="also time N requests, the prompts repeated (default: 0)")
     return ap
 
 
@@ -86,6 +86,10 @@ def main(argv: list[str]) -> int:
             for text, out in zip(texts[1:], engine.generate(prompts[1:], sp), strict=True):
                 print(f"### {text}\n{out['text']}")
         if args.batch:
+            pending = engine.get_server_info().get("programs_pending", 0)
+            if pending:  # (what the silence is: the engine served while these compiled in the background)
+                print(f"waiting for the last {pending} of {engine.runner_info.get('programs_total')} step programs "
+                      "to compile before timing the batch ...", file=sys.stderr, flush=True)  # fmt: skip
             info = engine.wait_compiled()  # the timed batch runs on every step program
             print(f"all {info['programs_total']} step programs compiled {time.perf_counter() - t0:.1f}s after start",
                   file=sys.stderr)  # fmt: skip

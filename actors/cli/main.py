@@ -1,7 +1,9 @@
 """The `ringserve` command line.
 
 Subcommands are thin: each parses its own flags and calls into the package that owns the work.
-Imports are lazy so `ringserve cleanup` never pays for importing JAX.
+Imports are lazy so `ringserve cleanup` never pays for importing JAX. A user's mistake (a
+ValueError: a model that is not there, a port in use, options that clash) ends a command with its
+one-line message and exit status 2; `--log-level debug` adds the traceback.
 """
 
 from __future__ import annotations
@@ -88,7 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     args = parser.parse_args(argv[:1])
-    return COMMANDS[args.command][0](argv[1:])
+    try:
+        return COMMANDS[args.command][0](argv[1:])
+    except ValueError as e:  # a user's mistake (a model not found, a port in use, options that clash)
+        if _debug(argv):
+            raise
+        print(f"ringserve {args.command}: {e}", file=sys.stderr)  # one line
+        return 2
+
+
+def _debug(argv: list[str]) -> bool:
+    """--log-level debug given (the traceback of a refusal then goes with it)."""
+    return any(a == "--log-level=debug" or (a == "--log-level" and argv[i + 1:i + 2] == ["debug"])
+               for i, a in enumerate(argv))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ HOST0:PORT --dist-token T`); host 0 serves, the others run only a runner (actors
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,11 +27,12 @@ def parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="ringserve serve", description="serve a model over the IPC socket and HTTP")
     ap.add_argument("--model", "--model-path", dest="model_path", default=None,
-                    help="'tiny', 'smollm2' (default), a model directory or a .gguf file")  # fmt: skip
-    ap.add_argument("--socket", default=None, help="IPC socket path (default: a private 0700 directory)")
-    ap.add_argument("--no-socket", action="store_true", help="serve HTTP only")
-    ap.add_argument("--no-http", action="store_true", help="serve the IPC socket only")
-    ap.add_argument("--api-key", default=None, help="HTTP clients must send 'Authorization: Bearer <key>'")
+                    help="'tiny', 'smollm2', a model directory or a .gguf file (default: smollm2)")  # fmt: skip
+    ap.add_argument("--socket", default=None, help="IPC socket path (default: engine.sock in a private 0700 directory)")
+    ap.add_argument("--no-socket", action="store_true", help="serve HTTP only (default: the IPC socket too)")
+    ap.add_argument("--no-http", action="store_true", help="serve the IPC socket only (default: HTTP too)")
+    ap.add_argument("--api-key", default=None,
+                    help="HTTP clients must send 'Authorization: Bearer <key>' (default: none needed)")  # fmt: skip
     ServerArgs.add_cli_args(ap, skip=("model_path",))
     return ap
 
@@ -40,12 +43,30 @@ def _import_servers() -> None:
     import ringserve.actors.frontend.server  # noqa: F401
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound now, before the model loads (minutes for a large one): a port in use
+    is a ValueError saying so at once, not a traceback after the load. uvicorn serves on it."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    reuse_port=False)  # fmt: skip
+    except OSError as e:
+        what = "in use" if e.errno == errno.EADDRINUSE else f"not available ({e.strerror})"
+        raise ValueError(f"--host {host} --port {port}: the address is {what}; stop what holds it or pass another "
+                         f"--port (0: any free port)") from None  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
-    from ringserve.actors.server_args import OPTIONS
+    from ringserve.actors.server_args import OPTIONS, ServerArgs
+    from ringserve.actors.transport.launcher import remove_stale
 
     args = parser().parse_args(argv)
     server_args = {k: v for k, v in vars(args).items() if k in OPTIONS}
     stop = threading.Event()
+    checked = ServerArgs(**server_args)  # a bad option is refused before anything starts
+    removed, _ = remove_stale()  # a killed server's shared memory (`ringserve cleanup`)
+    if removed:
+        print(f"ringserve serve: removed {removed} shared-memory segments left by dead ringserve processes",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def on_signal(signum: int, _frame: object) -> None:
         print(f"\nringserve serve: {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
@@ -62,12 +83,26 @@ def main(argv: list[str]) -> int:
                 signal.signal(s, h)
     from ringserve.actors.frontend.engine import Engine
 
+    from ringserve.model.checkpoints.resolve import resolve_model
+
+    listener = None if args.no_http else bind_http(checked.host, checked.port)
+    try:
+        resolve_model(checked.model_path)  # a model that is not there is told before anything starts
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
     t0 = time.perf_counter()
     # the HTTP stack (fastapi, uvicorn: ~0.6 s of imports) loads while the engine starts
     importing = threading.Thread(target=_import_servers, name="ringserve-import", daemon=True)
     importing.start()
     print("ringserve serve: loading the model and compiling its step programs ...", file=sys.stderr, flush=True)
-    engine = Engine(**server_args)
+    try:
+        engine = Engine(**server_args)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
     importing.join()
     from ringserve.actors.frontend.server import Servers
 
@@ -77,7 +112,7 @@ def main(argv: list[str]) -> int:
         if stop.is_set():
             return 0
         servers = Servers(engine, socket=args.socket, ipc=not args.no_socket, http=not args.no_http,
-                          api_key=args.api_key).start()  # fmt: skip
+                          api_key=args.api_key, listener=listener).start()  # fmt: skip
         _banner(engine, servers, time.perf_counter() - t0)
         while not stop.wait(0.5):
             if engine.frontend.dead is not None:
@@ -108,7 +143,7 @@ def _banner(engine, servers, seconds: float) -> None:
         f"of up to {a.context_length} tokens",
     ]
     if servers.socket_path:
-        lines.append(f"  socket     {servers.socket_path}   (from actors import Client; Client(path))")
+        lines.append(f"  socket     {servers.socket_path}   (from ringserve import Client; Client(path))")
     if servers.url:
         key = " (API key required)" if servers.api_key else ""
         lines.append(f"  HTTP       {servers.url}{key}   (OpenAI: /v1, SGLang: /generate, Prometheus: /metrics)")

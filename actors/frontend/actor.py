@@ -82,9 +82,12 @@ def combine(replies: list[m.ControlReply]) -> m.ControlReply:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer, links: EngineLinks | None = None, *, args: ServerArgs, vocab_size: int):
+    def __init__(self, tokenizer, links: EngineLinks | None = None, *, args: ServerArgs, vocab_size: int,
+                 sampling_defaults: dict[str, Any] | None = None):  # fmt: skip
         self.tok = tokenizer
         self.args = args
+        # the model's sampling defaults (model/checkpoints/generation.py), for what a request leaves out
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.dp_size = args.dp_size
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
@@ -282,6 +285,7 @@ class TokenizerManager:
         return normalize_generate(
             args, self.limits, encode=self.tok.encode, next_seed=lambda: self._seeds.getrandbits(63),
             sessions=self.core.sessions, bos_token_id=self.tok.bos_token_id, check_lora=self.loras.check,
+            sampling_defaults=self.sampling_defaults,
         )  # fmt: skip
 
     def refuse_new(self, reason: str) -> None:
@@ -367,11 +371,16 @@ class TokenizerManager:
         async for chunk in self.stream_states(states, batched):
             yield chunk
 
-    async def stream_states(self, states: list[ReqState], batched: bool) -> AsyncGenerator[dict, None]:
+    async def stream_states(self, states: list[ReqState], batched: bool,
+                            incremental: bool | None = None) -> AsyncGenerator[dict, None]:  # fmt: skip
         """`generate_stream` of requests already submitted (aborted if the caller leaves). A
-        caller that lags costs one chunk, not one per output (`FrontendCore.chunks`)."""
+        caller that lags costs one chunk, not one per output (`FrontendCore.chunks`). Chunks are
+        cumulative, or only what is new with `incremental` (None: the server's
+        `incremental_streaming_output`; OpenAI's routes make their deltas from cumulative ones)."""
+        if incremental is None:
+            incremental = self.args.incremental_streaming_output
         try:
-            async for out in self.core.chunks(states, batched):
+            async for out in self.core.chunks(states, batched, incremental):
                 yield out
         finally:
             self.abort_unfinished(states)
@@ -473,6 +482,16 @@ class TokenizerManager:
         info["frontend_requests"] = len(self.core.states)
         info.update(self.core.metrics.restart_info(), actor_pids=self.actor_pids(), runner=self.runner_info())
         return {**self.static_info, **info}
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return self.model_info()
+
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's get_model_info, and the sampling defaults a request leaves out takes."""
+        path = self.static_info.get("model_path")
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+                "served_model_name": self.static_info.get("served_model_name"),
+                "default_sampling_params": dict(self.sampling_defaults)}  # fmt: skip
 
     async def wait_compiled(self, timeout: float = 900.0) -> dict:
         """Once the runner has compiled every step program: the server info. It serves as soon

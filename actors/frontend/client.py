@@ -248,6 +248,9 @@ class AsyncClient:
     async def get_server_info(self) -> dict:
         return await self.control("get_server_info")
 
+    async def get_model_info(self) -> dict:
+        return await self.control("get_model_info")
+
     async def get_load(self) -> dict:
         return await self.control("get_load")
 
@@ -390,6 +393,9 @@ class Client:
 
     def get_server_info(self) -> dict:
         return self._lt.run(self._ac.get_server_info())
+
+    def get_model_info(self) -> dict:
+        return self._lt.run(self._ac.get_model_info())
 
     def get_load(self) -> dict:
         return self._lt.run(self._ac.get_load())

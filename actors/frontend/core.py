@@ -196,14 +196,18 @@ class FrontendCore:
                 st.input_ids_logprobs = m.as_f32(more.input_ids_logprobs).reshape(-1, k).tolist()
 
     # ---- streams ----------------------------------------------------------------------------
-    async def chunks(self, states: list[ReqState], batched: bool) -> AsyncIterator[dict]:
+    async def chunks(self, states: list[ReqState], batched: bool, incremental: bool = False) -> AsyncIterator[dict]:
         """One stream's chunks: each the `result` of a request that changed since its last chunk
         (with "index" when batched), built when the caller asks for the next one; each request's
         last chunk is finished. EngineDead if a request is lost.
 
-        Outputs are cumulative, so the latest state is all a caller needs: one that keeps up gets
-        a chunk per output (every `stream_interval` tokens), one that lags gets the newest state
-        when it asks, and costs one chunk however far behind it is, never a queue of snapshots."""
+        Outputs are cumulative (SGLang's convention: a chunk holds the text and ids so far), so the
+        latest state is all a caller needs: one that keeps up gets a chunk per output (every
+        `stream_interval` tokens), one that lags gets the newest state when it asks, and costs one
+        chunk however far behind it is, never a queue of snapshots. With `incremental` (SGLang's
+        `incremental_streaming_output`) a chunk holds only what is new since its request's last
+        chunk: the text, output ids and their logprobs past what was sent."""
+        sent: dict[int, tuple[int, int]] = {}  # incremental: (text chars, output ids) sent per request
         news: dict[int, None] = {}  # requests changed since their last chunk, in order of change
         woken = asyncio.Event()
 
@@ -232,6 +236,13 @@ class FrontendCore:
                 if st.error is not None:
                     raise EngineDead(f"request {st.spec.rid} lost: the engine is down: {st.error}")
                 out = self.result(st)
+                if incremental:
+                    chars, ids = sent.get(i, (0, 0))
+                    sent[i] = (len(out["text"]), len(out["output_ids"]))
+                    out["text"], out["output_ids"] = out["text"][chars:], out["output_ids"][ids:]
+                    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+                        if key in out["meta_info"]:
+                            out["meta_info"][key] = out["meta_info"][key][ids:]
                 if batched:
                     out["index"] = i
                 left -= st.finished

@@ -46,6 +46,7 @@ class Engine:
         from ringserve.actors.transport.devices import group_envs
         from ringserve.actors.transport.launcher import start_engine
         from ringserve.actors.transport.memory import resolve_memory
+        from ringserve.model.checkpoints.generation import read_sampling_defaults
         from ringserve.model.checkpoints.resolve import resolve_model
         from ringserve.model.checkpoints.tokenizer import load_encoder
         from ringserve.model.families import read_config
@@ -67,6 +68,9 @@ class Engine:
         eos = set(mc.eos_token_ids if mc else ())
         self.vocab_size = mc.vocab_size if mc else len(tokenizer.result())
         self.served_model_name = args.served_model_name or self.model_dir.name
+        # what a request leaves out samples with (`sampling_defaults`: the model's generation_config.json, or
+        # the plain API defaults)
+        self.sampling_defaults = read_sampling_defaults(self.model_dir) if args.sampling_defaults == "model" else {}
 
         envs = group_envs(args.dp_size, args.tp_size)  # each group's devices, once (a restart reuses them)
 
@@ -77,7 +81,8 @@ class Engine:
 
         def frontend() -> TokenizerManager:  # made while the actors start
             self._tok = tokenizer.result()
-            self.frontend = TokenizerManager(self._tok, args=args, vocab_size=self.vocab_size)
+            self.frontend = TokenizerManager(self._tok, args=args, vocab_size=self.vocab_size,
+                                             sampling_defaults=self.sampling_defaults)  # fmt: skip
             self.frontend.actor_pids = self.supervisor.pids
             self.frontend.runner_info = lambda: self.runner_info
             return self.frontend
@@ -89,7 +94,8 @@ class Engine:
             self.supervisor.start(frontend)
             self.frontend.static_info = {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                                          "max_total_num_tokens": (args.num_pages - 1) * args.page_size,
-                                         "kv_pool": self.kv_pool.as_dict()}  # fmt: skip
+                                         "kv_pool": self.kv_pool.as_dict(),
+                                         "default_sampling_params": dict(self.sampling_defaults)}  # fmt: skip
         except BaseException:
             self.shutdown()
             raise
@@ -198,6 +204,10 @@ class Engine:
 
     def get_server_info(self) -> dict:
         return self.frontend.run_sync(self.frontend.get_server_info())
+
+    def get_model_info(self) -> dict:
+        """The served model: its path, name and the sampling defaults (`sampling_defaults`)."""
+        return self.frontend.model_info()
 
     def wait_compiled(self, timeout: float = READY_TIMEOUT_S) -> dict:
         """Block until the runner has compiled every step program (it serves before that: see

@@ -234,8 +234,7 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def get_model_info() -> Response:
-        return _json({"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
-                      "served_model_name": model_name})  # fmt: skip
+        return _json(tm.model_info())
 
     @app.get("/get_load")
     async def get_load() -> Response:
@@ -298,13 +297,13 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(oai.models_response(model_name, ctx))
+        return _json(oai.models_response(model_name, ctx, tm.sampling_defaults))
 
     @app.get("/v1/models/{model}")
     async def model(model: str) -> Response:
         if model != model_name:
             raise HTTPError(404, f"The model '{model}' does not exist")
-        return _json(oai.models_response(model_name, ctx)["data"][0])
+        return _json(oai.models_response(model_name, ctx, tm.sampling_defaults)["data"][0])
 
     async def openai(request: Request, typ: Any, chat: bool) -> Response:
         r = await body(request, typ)
@@ -313,14 +312,17 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
         args = await asyncio.get_running_loop().run_in_executor(
             None, lambda: oai.chat_args(r, render_chat) if chat else oai.completion_args(r)
         )
-        specs, _ = await _specs(tm, args)
+        try:
+            specs, _ = await _specs(tm, args)
+        except ValueError as e:  # named as the caller named it (max_tokens, seed), not as SGLang's
+            raise ValueError(oai.in_openai_names(str(e), r)) from None
         n = r.n
         echo = None if chat else oai.echo_texts(r, tm.tok.decode)
         if r.stream:
             states = await tm.submit_all(specs)
             so = r.stream_options
             usage = so is not None and so.include_usage
-            return _sse(oai.stream_chunks(tm.stream_states(states, True), chat=chat, model=model_name, n=n,
+            return _sse(oai.stream_chunks(tm.stream_states(states, True, incremental=False), chat=chat, model=model_name, n=n,
                                           include_usage=usage, echo=echo,
                                           continuous_usage=usage and so is not None and so.continuous_usage_stats))  # fmt: skip
         results = await tm.generate(specs, True)

@@ -207,11 +207,13 @@ def normalize_generate(
     sessions: Sessions | None = None,
     bos_token_id: int | None = None,
     check_lora: Callable[[Any, str], str | None] | None = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> tuple[list[RequestSpec], bool]:
     """Returns (specs, batched): batched=False when a single prompt was given (one result).
     With `session_params`, each prompt's tokens are put behind its session's earlier turns
     (`sessions.plan`, nothing changed yet) and its spec carries that plan. `check_lora(name,
-    where)`: a prompt's lora_path checked (actors/frontend/lora.py); None: no adapters served."""
+    where)`: a prompt's lora_path checked (actors/frontend/lora.py); None: no adapters served.
+    `sampling_defaults`: the model's, for the sampling parameters a prompt leaves out."""
     check_depth(args.sampling_params, "sampling_params")
     check_depth(args.session_params, "session_params")
     raw, batched = _prompts(args, encode, limits)
@@ -265,9 +267,8 @@ def normalize_generate(
             plan = sessions.plan(session_params[i], list(given), bos_token_id)
             given = plan.input_ids
         ids = _token_ids(where, given, limits)
-        sp = SamplingParams.from_dict(
-            sp_list[i], vocab_size=limits.vocab_size, max_new_tokens_limit=limits.context_length - len(ids)
-        )
+        sp = SamplingParams.from_dict(sp_list[i], vocab_size=limits.vocab_size, defaults=sampling_defaults,
+                                      max_new_tokens_limit=limits.context_length - len(ids))  # fmt: skip
         if not isinstance(tl[i], int) or not 0 <= tl[i] <= limits.max_top_logprobs_num:
             raise ValueError(
                 f"top_logprobs_num={_short(tl[i])} must be in [0, {limits.max_top_logprobs_num}] (server max_top_logprobs_num)"

@@ -19,6 +19,7 @@ SGLang's `structural_tag`) and SGLang's extras `regex` and `ebnf`, each one samp
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -83,9 +84,10 @@ _TEMPLATE_ROLE = {"developer": "system"}  # OpenAI's newer name for system; chat
 
 class ChatMessage(msgspec.Struct, **_S):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = None  # required (OpenAI's), but an assistant's with tool_calls
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's answer to a call (passed to the template)
+    tool_calls: list[dict[str, Any]] | None = None  # an earlier assistant turn's calls (passed to the template)
 
 
 class ChatRequest(_Common, **_S):
@@ -156,6 +158,16 @@ def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def in_openai_names(message: str, r: _Common) -> str:
+    """An error about the generate call a request became, in the OpenAI fields it sent:
+    `max_new_tokens` is its max_tokens (or max_completion_tokens), `sampling_seed` its seed."""
+    max_name = "max_completion_tokens" if getattr(r, "max_completion_tokens", None) is not None else "max_tokens"
+    message = message.removeprefix("sampling_params: ")
+    for ours, theirs in (("max_new_tokens", max_name), ("sampling_seed", "seed"), ("min_new_tokens", "min_tokens")):
+        message = re.sub(rf"\b{ours}\b", theirs, message)
+    return message
+
+
 def completion_args(r: CompletionRequest) -> GenerateArgs:
     """The generate call of a /v1/completions request. `echo` with `logprobs` asks for the
     prompt's logprobs too (logprob_start_len 0: computed in its prefill, no second pass)."""
@@ -200,6 +212,11 @@ def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]
     for i, msg in enumerate(r.messages):
         if msg.role not in ROLES:
             raise ValueError(f"messages[{i}].role={msg.role!r}: expected one of {list(ROLES)}")
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant message carries tool calls")
+        if msg.content is None and not msg.tool_calls:  # OpenAI: missing or null content is a 400
+            raise ValueError(f"messages[{i}].content: required (a string or a list of text parts)"
+                             + (", or tool_calls" if msg.role == "assistant" else ""))  # fmt: skip
         content = msg.content
         if isinstance(content, list):
             parts = []
@@ -214,10 +231,13 @@ def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]
         m: dict[str, Any] = {"role": _TEMPLATE_ROLE.get(msg.role, msg.role), "content": content or ""}
         if msg.tool_call_id is not None:
             m["tool_call_id"] = msg.tool_call_id
+        if msg.tool_calls:
+            m["tool_calls"] = msg.tool_calls
         messages.append(m)
     max_new = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_new is not None and max_new < 1:
-        raise ValueError(f"max_completion_tokens={max_new} must be >= 1")
+        name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+        raise ValueError(f"{name}={max_new} must be >= 1")
     if r.top_logprobs is not None and not r.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
     return GenerateArgs(
@@ -360,6 +380,9 @@ async def stream_chunks(chunks: AsyncIterator[dict[str, Any]], *, chat: bool, mo
         yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(results, n)}
 
 
-def models_response(name: str, max_model_len: int) -> dict[str, Any]:
+def models_response(name: str, max_model_len: int, sampling_defaults: dict[str, Any]) -> dict[str, Any]:
+    """/v1/models: the served model (vLLM's fields), with the sampling defaults a request that
+    leaves them out gets (the model's generation_config.json: `--sampling-defaults model`)."""
     return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "ringserve", "root": name, "max_model_len": max_model_len}]}  # fmt: skip
+                                        "owned_by": "ringserve", "root": name, "max_model_len": max_model_len,
+                                        "default_sampling_params": dict(sampling_defaults)}]}  # fmt: skip

@@ -31,24 +31,30 @@ log = logging.getLogger("ringserve.server")
 STOP_TIMEOUT_S = 15.0  # closing the connections and the HTTP server, past the drain
 
 
-async def _serve(server: Any) -> None:
-    """uvicorn's serve(); it raises SystemExit when it cannot bind, which would end the frontend's
-    loop thread: an OSError instead."""
+async def _serve(server: Any, listener: Any = None) -> None:
+    """uvicorn's serve() (on `listener`, a socket bound already, if given); it raises SystemExit
+    when it cannot bind, which would end the frontend's loop thread: an OSError instead."""
     try:
-        await server.serve()
+        await server.serve(sockets=[listener] if listener is not None else None)
     except SystemExit as e:
         raise OSError(f"the HTTP server exited (status {e.code})") from None
 
 
 class Servers:
     def __init__(self, engine: Engine, *, socket: str | None = None, ipc: bool = True, http: bool = True,
-                 host: str | None = None, port: int | None = None, api_key: str | None = None):  # fmt: skip
+                 host: str | None = None, port: int | None = None, api_key: str | None = None,
+                 listener: Any = None):  # fmt: skip
+        """`listener`: HTTP's socket, bound already (`ringserve serve` binds it before the model
+        loads, so a port in use is told at once); its address wins over host and port."""
         self.engine = engine
+        self.listener = listener
         self.tm = tm = engine.frontend
         self.verbs = verb_table(tm)
         self.ipc = IPCServer(tm, self.verbs, socket) if ipc else None
         self.host = host if host is not None else engine.args.host
         self.port = port if port is not None else engine.args.port
+        if listener is not None:
+            self.host, self.port = listener.getsockname()[:2]
         self._http: Any = None
         self._http_task: asyncio.Task | None = None
         self.api_key = api_key
@@ -90,7 +96,7 @@ class Servers:
                                     lifespan="off", timeout_graceful_shutdown=3)  # fmt: skip
             server = uvicorn.Server(config)
             self._http = server
-            self._http_task = asyncio.create_task(_serve(server))
+            self._http_task = asyncio.create_task(_serve(server, self.listener))
             while not server.started:
                 if self._http_task.done():  # e.g. the port is taken: uvicorn logged it and returned
                     exc = self._http_task.exception()

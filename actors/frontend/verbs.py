@@ -26,6 +26,7 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "continue_generation": tm.continue_generation,
         "flush_cache": tm.flush_cache,
         "get_server_info": tm.get_server_info,
+        "get_model_info": tm.get_model_info,
         "get_load": tm.get_load,
         "get_loads": tm.get_loads,
         "health": tm.health,

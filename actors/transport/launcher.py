@@ -538,25 +538,35 @@ def cleanup_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     parser.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    removed, kept = remove_stale(args.shm_dir, args.dry_run, print)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {removed}, kept {kept} of live processes")
+    return 0
+
+
+def remove_stale(shm_dir: str = "/dev/shm", dry_run: bool = False,
+                 say: Callable[[str], None] | None = None) -> tuple[int, int]:  # fmt: skip
+    """Remove the rs-<pid>-* segments and semaphores whose creating process is gone (a killed
+    server's); (removed, kept of live processes). `ringserve cleanup`, and `serve` at its start."""
     removed = kept = 0
-    for entry in sorted(os.listdir(args.shm_dir)):
+    for entry in sorted(os.listdir(shm_dir)):
         m = _NAME.match(entry)
         if m is None:
             continue
         if _pid_alive(int(m[1])):
             kept += 1
             continue
-        path = os.path.join(args.shm_dir, entry)
-        if not args.dry_run:
+        path = os.path.join(shm_dir, entry)
+        if not dry_run:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 continue
             except PermissionError as e:
-                print(f"cannot remove {path}: {e}")
+                if say is not None:
+                    say(f"cannot remove {path}: {e}")
                 continue
         removed += 1
-        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
-    verb = "would remove" if args.dry_run else "removed"
-    print(f"{verb} {removed}, kept {kept} of live processes")
-    return 0
+        if say is not None:
+            say(f"{'would remove' if dry_run else 'removed'} {path}")
+    return removed, kept

@@ -67,7 +67,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
         *,
         vocab_size: int | None = None,
         max_new_tokens_limit: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        """`defaults`: the model's sampling defaults (model/checkpoints/generation.py) for the
+        parameters `d` leaves out (or gives as None); a default max_new_tokens is capped to fit."""
         if d is not None and not isinstance(d, dict):
             raise ValueError(f"sampling_params: expected a dict of parameters, got {type(d).__name__}")
         d = dict(d or {})
@@ -78,6 +81,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                         f"sampling_params: both {alias!r} and {name!r} given with different values"
                     )
                 d[name] = d.pop(alias)
+        default_max = DEFAULT_MAX_NEW_TOKENS
+        for name, value in (defaults or {}).items():
+            if name == "max_new_tokens":
+                default_max = value
+            elif d.get(name) is None:
+                d[name] = value
         for name, neutral in NEUTRAL.items():
             if name in d:
                 _check_neutral(name, d.pop(name), neutral, "sampling_params: ")
@@ -88,9 +97,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                 f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES) | set(NEUTRAL))}"
             )
         if d.get("max_new_tokens") is None:  # the default is capped to fit; an explicit value must fit
-            d.pop("max_new_tokens", None)
-            if max_new_tokens_limit is not None:
-                d["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
+            d["max_new_tokens"] = default_max if max_new_tokens_limit is None else min(default_max, max_new_tokens_limit)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         for k in ("stop", "stop_token_ids", "sampling_seed", *CONSTRAINTS):

