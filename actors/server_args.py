@@ -132,6 +132,16 @@ class OutputOptions(_Section):
         16, "token ids a request's token_ids_logprob may name (their logprobs are read in every step)"
     )
     seed: int = _opt(0, "default sampling seed of requests that give none")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = _opt(
+        "raw_logprobs", "what output logprobs are of (vLLM's names): raw_logprobs, the model's distribution (after a "
+        "grammar's mask only); processed_logprobs, the distribution each token was drawn from (after min_new_tokens, "
+        "logit_bias, the penalties, temperature and top-k / top-p / min-p, renormalised over what they keep); "
+        "prompt logprobs are raw either way"
+    )
+    enable_return_hidden_states: bool = _opt(
+        False, "requests may ask for return_hidden_states (the last layer's state at each position; every step "
+        "program returns its tokens' states: compiled in)"
+    )
     stream_interval: int = _opt(1, "tokens between streamed chunks")
     incremental_streaming_output: bool = _opt(
         False, "streamed chunks of /generate, the Engine and the Client hold only what is new since the last "
@@ -460,6 +470,7 @@ class ServerArgs:
             top_logprobs_num=self.max_top_logprobs_num, token_ids_logprob_num=self.max_token_ids_logprob,
             verify_tokens=self.speculative_num_draft_tokens + 1 if self.speculative else 0,
             decode_steps=self.decode_steps, decode_steps_rows=self.decode_steps_max_batch,
+            processed_logprobs=self.logprobs_mode == "processed_logprobs", hidden_states=self.enable_return_hidden_states,
         )  # fmt: skip
 
     @property

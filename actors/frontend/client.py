@@ -189,14 +189,15 @@ class AsyncClient:
                        stream: bool = False, session_params: dict | list[dict] | None = None,
                        logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
                        lora_path: str | list[str | None] | None = None,
-                       data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
+                       data_parallel_rank: int | list[int | None] | None = None,
+                 return_hidden_states: bool | list[bool] = False) -> Any:  # fmt: skip
         """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
         chunks (returned once the server accepted the requests)."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
-                            data_parallel_rank=data_parallel_rank)  # fmt: skip
+                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states)  # fmt: skip
         return await self._generate(args)
 
     async def _generate(self, args: GenerateArgs) -> Any:
@@ -364,12 +365,13 @@ class Client:
                  stream: bool = False, session_params: dict | list[dict] | None = None,
                  logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
                  lora_path: str | list[str | None] | None = None,
-                 data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
+                 data_parallel_rank: int | list[int | None] | None = None,
+                 return_hidden_states: bool | list[bool] = False) -> Any:  # fmt: skip
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
-                            data_parallel_rank=data_parallel_rank)  # fmt: skip
+                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states)  # fmt: skip
         out = self._lt.run(self._ac._generate(args))
         return self._iterate(out) if stream else out
 

@@ -19,14 +19,19 @@ builds the SGLang-shaped dict from a state (streamed chunks carry the text and i
                        "input_top_logprobs", with token_ids_logprob "input_token_ids_logprobs"
                        and "output_token_ids_logprobs")}}
 
-plus "weight_version" / "weight_versions" (which weights made which tokens) and, with
-speculative decoding, SGLang's spec_* counters. Times are the caller's `now` (seconds of
+plus "weight_version" / "weight_versions" (which weights made which tokens), with
+speculative decoding SGLang's spec_* counters, and on the finish what the request asked to
+read back: "top_p_token_ids" / "top_p_token_offsets" (custom_params.return_top_p_token_ids:
+slime's fields, base64 of int32; token i drew from ids[offsets[i]:offsets[i + 1]]) and
+"hidden_states" (return_hidden_states: SGLang's, the prompt positions' as one list, then one
+per output token but the last). Times are the caller's `now` (seconds of
 time.perf_counter()), so the table is driven by hand in tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -75,7 +80,7 @@ def generate_req(spec: RequestSpec, resume: m.Resume | None = None) -> m.Generat
         return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
         session_id=plan.session.id if plan is not None else None, logprob_start_len=spec.logprob_start_len,
         token_ids_logprob=m.i32(spec.token_ids_logprob) if spec.token_ids_logprob else b"", resume=resume,
-        lora_path=spec.lora_path,
+        lora_path=spec.lora_path, return_hidden_states=spec.return_hidden_states,
     )  # fmt: skip
 
 
@@ -176,6 +181,12 @@ class FrontendCore:
             st.meta["weight_versions"] = [
                 {"version": v, "start": s, "end": e} for (v, s), e in zip(o.weight_versions, ends, strict=True)
             ]
+        if o.kept_offsets:  # slime's (its SGLang patch's) fields: base64 of little-endian int32
+            st.meta["top_p_token_ids"] = base64.b64encode(o.kept_ids).decode("ascii")
+            st.meta["top_p_token_offsets"] = base64.b64encode(o.kept_offsets).decode("ascii")
+        if o.hidden_dim:  # SGLang's: the prompt's positions as one list, then each output position's
+            h = m.as_f32(o.hidden).reshape(-1, o.hidden_dim)
+            st.meta["hidden_states"] = [h[: o.hidden_prompt].tolist(), *h[o.hidden_prompt :].tolist()]
         if o.spec_verify_ct:  # SGLang's names (slime reads them)
             k = self.num_draft_tokens
             st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,

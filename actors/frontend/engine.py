@@ -126,7 +126,8 @@ class Engine:
                  stream: bool = False, session_params: dict | list[dict] | None = None,
                  logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
                  lora_path: str | list[str | None] | None = None,
-                 data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
+                 data_parallel_rank: int | list[int | None] | None = None,
+                 return_hidden_states: bool | list[bool] = False) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
@@ -139,12 +140,14 @@ class Engine:
 
         `lora_path`: a loaded LoRA adapter's name (or one per prompt; None: the base model).
         `data_parallel_rank` (dp_size > 1) runs the request(s) in that group instead of the
-        dispatcher's pick."""
+        dispatcher's pick. `return_hidden_states` (a server started with
+        enable_return_hidden_states): meta_info["hidden_states"], SGLang's: the last layer's state
+        at each prompt position (one list), then at each output token's but the last."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
-                            data_parallel_rank=data_parallel_rank)  # fmt: skip
+                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -158,14 +161,15 @@ class Engine:
                              stream: bool = False, session_params: dict | list[dict] | None = None,
                              logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
                              lora_path: str | list[str | None] | None = None,
-                             data_parallel_rank: int | list[int | None] | None = None) -> Any:  # fmt: skip
+                             data_parallel_rank: int | list[int | None] | None = None,
+                 return_hidden_states: bool | list[bool] = False) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
-                            data_parallel_rank=data_parallel_rank)  # fmt: skip
+                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:

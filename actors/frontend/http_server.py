@@ -52,7 +52,7 @@ MAX_REQUEST_BYTES = 64 << 20
 MAX_PUSH_BUCKET_BYTES = 1 << 30  # data of one safetensors blob of a weight push (the server's one segment)
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
-    "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
+    "custom_logit_processor": None, "return_routed_experts": False,
     "background": False, "return_bytes": False, "return_entropy": False,
 }  # fmt: skip
 
@@ -74,7 +74,6 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     audio_data: Any = None
     input_embeds: Any = None
     custom_logit_processor: Any = None
-    return_hidden_states: bool = False
     return_routed_experts: bool = False
     # what SGLang's router always serializes (sgl-router's GenerateRequest): accepted and ignored as
     # SGLang ignores them, or served only at their default
@@ -87,7 +86,8 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     def args(self) -> GenerateArgs:
         """The generate call, once the fields served only at their default are checked."""
         for name, default in _NOT_SUPPORTED.items():
-            if getattr(self, name) != default:
+            value = getattr(self, name)
+            if value != default and not (default is None and value in ([], {})):  # (AReaL sends image_data: [])
                 raise ValueError(f"{name} is not supported by ringserve")
         fields = {f.name: getattr(self, f.name) for f in msgspec.structs.fields(GenerateArgs)}
         if self.text is not None and self.input_ids is not None:

@@ -48,6 +48,7 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     token_ids_logprob: list[Any] | None = None  # token ids (or one list per prompt) whose logprobs to report
     lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (or one per prompt); None: base
     data_parallel_rank: int | list[int | None] | None = None  # the group to run in (dp_size > 1; None: dispatched)
+    return_hidden_states: bool | list[bool] = False  # the last layer's states (needs enable_return_hidden_states)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class Limits:
     bytes_per_token: int | None = None  # most text bytes one token stands for, if certain (limits.py)
     max_token_ids_logprob: int = 16
     dp_size: int = 1  # data-parallel groups (a data_parallel_rank is checked against it)
+    hidden_states: bool = False  # requests may ask for return_hidden_states (enable_return_hidden_states)
 
     def check_text(self, where: str, text: str) -> None:
         """ValueError if `text` certainly cannot fit the context, before it is tokenized: it is
@@ -90,6 +92,7 @@ class RequestSpec:
     lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
     data_parallel_rank: int | None = None  # the caller's group for it (None: the dispatcher picks)
     sample_of: str | None = None  # one of n > 1 samples of this request id (they share one group)
+    return_hidden_states: bool = False  # the last layer's states at its positions are read back
 
     @property
     def seed(self) -> int:
@@ -256,6 +259,13 @@ def normalize_generate(
         elif name is not None:
             raise ValueError(f"{where}={_short(name)}: this server serves no LoRA adapters (start it with enable_lora)")
     dp_ranks = _dp_ranks(args.data_parallel_rank, n_prompts, limits.dp_size)
+    hidden = _per_prompt(args.return_hidden_states, n_prompts)
+    if len(hidden) != n_prompts or not all(isinstance(h, bool) for h in hidden):
+        raise ValueError(f"return_hidden_states: a boolean, or one per prompt ({n_prompts})")
+    if any(hidden) and not limits.hidden_states:
+        raise ValueError("return_hidden_states: this server returns none (start it with enable_return_hidden_states)")
+    if any(hidden) and session_params is not None:
+        raise ValueError("return_hidden_states: not with session_params (a turn's earlier turns' KV is reused)")
     specs: list[RequestSpec] = []
     for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
@@ -290,6 +300,7 @@ def normalize_generate(
                 stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
                 lora_path=loras[i],
                 data_parallel_rank=dp_ranks[i], sample_of=base_rid if sp.n > 1 else None,
+                return_hidden_states=hidden[i],
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

@@ -47,26 +47,26 @@ class _Common(msgspec.Struct, **_S):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
-    # not implemented: accepted only at their defaults (the last two are vLLM's and SGLang's extras)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    # SGLang's extras
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    # SGLang's and vLLM's extras
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's name of no_stop_trim
     rid: str | None = None
     # structured outputs (OpenAI's response_format; SGLang's regex and ebnf)
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
-    # what SGLang's router (sglang-router 0.3.2) always sends: served only at its default
-    return_hidden_states: bool = False
+    return_hidden_states: bool = False  # SGLang's: in each choice's "hidden_states" (enable_return_hidden_states)
 
 
 class CompletionRequest(_Common, **_S):
@@ -105,28 +105,21 @@ class ChatRequest(_Common, **_S):
     stream_reasoning: bool = True
 
 
-def _refuse_unsupported(r: _Common, extra: dict[str, tuple[Any, Any]]) -> None:
-    checks = {
-        "presence_penalty": (r.presence_penalty, 0.0),
-        "frequency_penalty": (r.frequency_penalty, 0.0),
-        "repetition_penalty": (r.repetition_penalty, 1.0),
-        "min_tokens": (r.min_tokens, 0),
-        "logit_bias": (r.logit_bias, None),
-        **extra,
-    }
-    checks["return_hidden_states"] = (r.return_hidden_states, False)
-    for name, (value, default) in checks.items():
-        if not (name == "logit_bias" and value == {}):
-            refuse_unless_default(name, value, default)
+def _refuse_unsupported(extra: dict[str, tuple[Any, Any]]) -> None:
+    for name, (value, default) in extra.items():
+        refuse_unless_default(name, value, default)
 
 
 def _sampling(r: _Common, max_new_tokens: int | None) -> dict[str, Any]:
     sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": r.n}
     for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "no_stop_trim", "stop"):  # fmt: skip
+                 "spaces_between_special_tokens", "no_stop_trim", "include_stop_str_in_output", "stop",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):  # fmt: skip
         value = getattr(r, name)
         if value is not None:
             sp[name] = value
+    if r.logit_bias:
+        sp["logit_bias"] = r.logit_bias
     if r.seed is not None:
         sp["sampling_seed"] = r.seed
     for name in ("regex", "ebnf"):
@@ -171,7 +164,7 @@ def in_openai_names(message: str, r: _Common) -> str:
 def completion_args(r: CompletionRequest) -> GenerateArgs:
     """The generate call of a /v1/completions request. `echo` with `logprobs` asks for the
     prompt's logprobs too (logprob_start_len 0: computed in its prefill, no second pass)."""
-    _refuse_unsupported(r, {"suffix": (r.suffix, None)})
+    _refuse_unsupported({"suffix": (r.suffix, None)})
     if r.best_of is not None and r.best_of != r.n:
         raise ValueError(f"best_of={r.best_of} is not supported (only best_of == n)")
     if r.max_tokens is not None and r.max_tokens < 1:
@@ -186,7 +179,7 @@ def completion_args(r: CompletionRequest) -> GenerateArgs:
         text=prompt if is_text else None, input_ids=None if is_text else prompt,
         sampling_params=_sampling(r, r.max_tokens), rid=r.rid,
         return_logprob=r.logprobs is not None, top_logprobs_num=r.logprobs or 0, stream=r.stream,
-        logprob_start_len=0 if r.echo and r.logprobs is not None else -1,
+        logprob_start_len=0 if r.echo and r.logprobs is not None else -1, return_hidden_states=r.return_hidden_states,
     )  # fmt: skip
 
 
@@ -205,7 +198,7 @@ def echo_texts(r: CompletionRequest, decode: Callable[[list[int]], str]) -> list
 def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]]) -> GenerateArgs:
     """The generate call of a /v1/chat/completions request; `render(messages)` is the model's
     chat template, tokenized."""
-    _refuse_unsupported(r, {"tools": (r.tools, None), "continue_final_message": (r.continue_final_message, False)})
+    _refuse_unsupported({"tools": (r.tools, None), "continue_final_message": (r.continue_final_message, False)})
     if not r.messages:
         raise ValueError("messages: cannot be empty")
     messages = []
@@ -243,6 +236,7 @@ def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]
     return GenerateArgs(
         input_ids=_render(render, messages), sampling_params=_sampling(r, max_new), rid=r.rid,
         return_logprob=r.logprobs, top_logprobs_num=(r.top_logprobs or 0) if r.logprobs else 0, stream=r.stream,
+        return_hidden_states=r.return_hidden_states,
     )  # fmt: skip
 
 
@@ -300,6 +294,11 @@ def _chat_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | Non
     return {"content": [{**entry(t), "top_logprobs": [entry(e) for e in row]} for t, row in zip(toks, tops, strict=True)]}
 
 
+def _hidden(meta: dict[str, Any]) -> dict[str, Any]:
+    """A choice's "hidden_states" (SGLang's), when its request asked for them."""
+    return {"hidden_states": meta["hidden_states"]} if "hidden_states" in meta else {}
+
+
 def completion_response(results: list[dict[str, Any]], n: int, model: str, echo: list[str] | None = None) -> dict[str, Any]:
     """`echo`: each prompt's text, put before its choices' text (and its logprobs before theirs)."""
     choices = []
@@ -307,7 +306,7 @@ def completion_response(results: list[dict[str, Any]], n: int, model: str, echo:
         reason, matched = _finish(r["meta_info"])
         text = r["text"] if echo is None else echo[i // n] + r["text"]
         choices.append({"index": i, "text": text, "logprobs": _completion_logprobs(r["meta_info"], echo=echo is not None),
-                        "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+                        "finish_reason": reason, "matched_stop": matched, **_hidden(r["meta_info"])})  # fmt: skip
     return {"id": results[0]["meta_info"]["id"], "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(results, n)}  # fmt: skip
 
@@ -317,7 +316,8 @@ def chat_response(results: list[dict[str, Any]], n: int, model: str) -> dict[str
     for i, r in enumerate(results):
         reason, matched = _finish(r["meta_info"])
         choices.append({"index": i, "message": {"role": "assistant", "content": r["text"] or None},
-                        "logprobs": _chat_logprobs(r["meta_info"]), "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+                        "logprobs": _chat_logprobs(r["meta_info"]), "finish_reason": reason, "matched_stop": matched,
+                        **_hidden(r["meta_info"])})  # fmt: skip
     return {"id": results[0]["meta_info"]["id"], "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(results, n)}  # fmt: skip
 

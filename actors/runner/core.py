@@ -19,6 +19,7 @@ from ringserve.actors.runner.slot_mirrors import SlotMirrors
 from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.trace import RunnerStamps
 from ringserve.model.checkpoints.peft import parse_target_modules, read_adapter
+from ringserve.model.compute.step_inputs import DeviceRow
 from ringserve.model.runtime.distributed import all_ok
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor, StepOut
 from ringserve.model.runtime.weight_sync import WeightSync
@@ -67,11 +68,12 @@ def ready_info(ex: ModelExecutor, load_s: float) -> dict:
 class Pending:
     """A dispatched step whose samples are not fetched yet (JAX dispatch is asynchronous)."""
 
-    __slots__ = ("step_id", "so", "rows", "k1", "t0", "want_top", "want_ids")
+    __slots__ = ("step_id", "so", "rows", "k1", "t0", "want_top", "want_ids", "dev_rows")
 
-    def __init__(self, step_id: int, so: StepOut, rows: int, k1: int, t0: float, want_top: bool, want_ids: bool):
+    def __init__(self, step_id: int, so: StepOut, rows: int, k1: int, t0: float, want_top: bool, want_ids: bool,
+                 dev_rows: list[DeviceRow]):  # fmt: skip
         self.step_id, self.so, self.rows, self.k1 = step_id, so, rows, k1
-        self.t0, self.want_top, self.want_ids = t0, want_top, want_ids
+        self.t0, self.want_top, self.want_ids, self.dev_rows = t0, want_top, want_ids, dev_rows
 
 
 class RunnerCore:
@@ -143,6 +145,10 @@ class RunnerCore:
     def dispatch(self, msg: m.StepMsg) -> Pending:
         t0 = time.perf_counter()
         dev_rows = self.mirrors.apply(msg)
+        for st in msg.starts:  # a penalized request's token counts, before its first step
+            if st.counts_ids:
+                ids = m.as_i32(st.counts_ids)
+                self.ex.start_counts(st.slot, ids[: st.counts_origin], ids[st.counts_origin :])
         t_applied = time.perf_counter()
         k1 = 1 + msg.drafts
         so = self.ex.run_step(dev_rows, k1 if msg.drafts else 0, msg.multistep)
@@ -150,7 +156,7 @@ class RunnerCore:
             self.stamps.dispatched(msg.step_id, t0, t_applied, so.out.tokens)
         want_ids = any(r.logprob_ids is not None for r in dev_rows)
         want_top = self.top_n > 0 and any(r.sampling.top_logprobs for r in dev_rows)  # else zeros (not computed)
-        return Pending(msg.step_id, so, len(dev_rows), k1, t0, want_top, want_ids)
+        return Pending(msg.step_id, so, len(dev_rows), k1, t0, want_top, want_ids, dev_rows)
 
     def _more(self, p: Pending, n: int) -> m.MoreLogprobs | None:
         """The step's token_ids_logprob (of its n samples) and prompt positions' logprobs, when
@@ -185,6 +191,10 @@ class RunnerCore:
             res.top_ids = m.i32(np.asarray(out.top_ids)[:n])
             res.top_logprobs = m.f32(np.asarray(out.top_logprobs)[:n])
         res.more = self._more(p, n)
+        if any(r.sampling.kept for r in p.dev_rows):
+            self._kept(p, n, res)
+        if any(r.sampling.hidden for r in p.dev_rows):
+            self._hidden(p, res)
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
         res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.programs.pending
@@ -192,3 +202,30 @@ class RunnerCore:
         if self.stamps is not None:
             res.times = self.stamps.fetched(p.step_id)
         return res
+
+    def _kept(self, p: Pending, n: int, res: m.StepResultMsg) -> None:
+        """The ids each sample of the rows that asked was drawn from (unpacked from the step's
+        bits, model/runtime/sampler.py), into `res`."""
+        words = np.asarray(p.so.out.kept)[:n]
+        vocab = self.ex.model_config.vocab_size
+        counts, ids = np.zeros(n, np.int32), []
+        for s in range(n):
+            if p.dev_rows[s // p.k1].sampling.kept:
+                kept = np.flatnonzero(np.unpackbits(words[s].view(np.uint8), bitorder="little")[:vocab])
+                counts[s] = len(kept)
+                ids.append(kept)
+        res.kept_counts, res.kept_ids = m.i32(counts), m.i32(np.concatenate(ids)) if ids else b""
+
+    def _hidden(self, p: Pending, res: m.StepResultMsg) -> None:
+        """The last hidden states of every token of the rows that asked, into `res`."""
+        h = p.so.hidden
+        if h is None or not h.shape[0]:
+            raise ValueError("a row asks for hidden states, but the programs return none (enable_return_hidden_states)")
+        h = np.asarray(h)
+        lens = [r.extend_len for r in p.dev_rows]
+        starts = np.concatenate([[0], np.cumsum(lens)]).astype(int)
+        take = [r.sampling.hidden for r in p.dev_rows]
+        res.hidden_rows = m.i32([n if t else 0 for n, t in zip(lens, take, strict=True)])
+        res.hidden = m.f32(np.concatenate([h[starts[i] : starts[i + 1]] for i, t in enumerate(take) if t]))
+        res.hidden_dim = h.shape[1]
+

@@ -27,6 +27,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from ringserve.actors.scheduler.batch import ScheduledBatch, StepResult
 from ringserve.actors.scheduler.core import ReqOutput, SchedulerCore
 from ringserve.actors.scheduler.grammar import Grammars
@@ -50,7 +52,7 @@ def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
     ids = m.as_i32(g.input_ids).copy()
     req = Req(g.rid, ids, g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
               m.as_i32(g.token_ids_logprob).copy() if g.token_ids_logprob else None,
-              stream=g.stream, session_id=g.session_id)  # fmt: skip
+              stream=g.stream, session_id=g.session_id, return_hidden_states=g.return_hidden_states)  # fmt: skip
     if g.return_logprob and 0 <= g.logprob_start_len < len(ids) - 1:  # some prompt position to compute
         req.prompt_lp = PromptLogprobs(g.logprob_start_len, len(ids))
     if g.resume is None:
@@ -69,6 +71,12 @@ def step_result(res: m.StepResultMsg) -> StepResult:
         top_lp = m.as_f32(res.top_logprobs).reshape(len(tokens), res.top_n)
     result = StepResult(res.step_id, tokens, m.as_f32(res.logprobs) if res.logprobs else None, top_ids, top_lp,
                         m.as_i32(res.accepted) if res.accepted else None)  # fmt: skip
+    if res.kept_counts:
+        result.kept_starts = np.concatenate([[0], np.cumsum(m.as_i32(res.kept_counts))]).astype(np.int32)
+        result.kept_ids = m.as_i32(res.kept_ids)
+    if res.hidden_rows:
+        result.hidden_starts = np.concatenate([[0], np.cumsum(m.as_i32(res.hidden_rows))]).astype(np.int32)
+        result.hidden = m.as_f32(res.hidden).reshape(-1, res.hidden_dim)
     more = res.more
     if more is None:
         return result

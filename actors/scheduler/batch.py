@@ -126,3 +126,7 @@ class StepResult:
     input_top_ids: np.ndarray | None = None  # int32 [P, N]
     input_top_logprobs: np.ndarray | None = None  # f32 [P, N]
     input_ids_logprobs: np.ndarray | None = None  # f32 [P, K]
+    kept_starts: np.ndarray | None = None  # int32 [tokens + 1]: sample j drew from kept_ids[ks[j] : ks[j + 1]]
+    kept_ids: np.ndarray | None = None  # int32 (return_top_p_token_ids)
+    hidden_starts: np.ndarray | None = None  # int32 [rows + 1]: row r's tokens' states hidden[hs[r] : hs[r + 1]]
+    hidden: np.ndarray | None = None  # f32 [n, H] (return_hidden_states; rows that did not ask: none)

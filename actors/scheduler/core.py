@@ -55,7 +55,7 @@ from ringserve.actors.scheduler.stats import SchedulerStats
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.messages import StartWeights
 from ringserve.kvmem import KVCache, ReqKV, SessionSlots
-from ringserve.model.compute.step_inputs import Buckets
+from ringserve.model.compute.step_inputs import BAN_IDS, Buckets
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")
@@ -121,6 +121,14 @@ class SchedulerCore:
             if self.loras is None:
                 raise ValueError(f"lora_path={lora_path!r}: this server serves no LoRA adapters (start it with enable_lora)")
             req.lora = self.loras.get(lora_path)
+        if req.return_hidden_states:
+            if not self.args.enable_return_hidden_states:
+                raise ValueError("return_hidden_states: this server returns none (start it with enable_return_hidden_states)")
+            if req.session_id is not None:
+                raise ValueError("return_hidden_states: not with a session turn (its earlier turns' KV is reused)")
+        if req.sampling.min_new_tokens and len(req.sampling.held_back(req.eos_ids)) > BAN_IDS:
+            raise ValueError(f"min_new_tokens: EOS ids and stop_token_ids together are more than the {BAN_IDS} the "
+                             "programs hold back")  # fmt: skip
         if req.sampling.constraint is not None:
             if self.grammars is None:
                 raise ValueError("this scheduler serves no output constraints (no grammar backend)")
@@ -442,6 +450,8 @@ class SchedulerCore:
                 if current and not req.finished:
                     self._record_prompt_logprobs(req, row.logprob_span, at, result)
                 at += row.logprob_span[1]
+            if req.return_hidden_states and current and not req.finished and result.hidden is not None:
+                self._record_hidden(req, row, i, accepted if row.drafts and not batch.multistep else None, result)
             if row.sample and current and req.spec is not None:
                 req.spec.resolved(accepted + 1)  # this step is no longer in flight
             if req.finished or not current or not row.sample:
@@ -484,6 +494,19 @@ class SchedulerCore:
             ids_lp = result.input_ids_logprobs[at : at + n, : len(req.token_ids_logprob)]
         req.prompt_lp.record(first, result.input_logprobs[at : at + n], top, ids_lp)
 
+    @staticmethod
+    def _record_hidden(req: Req, row: Row, i: int, accepted: int | None, result: StepResult) -> None:
+        """Row i's tokens' hidden states into its request: an extend or decode row's at its
+        positions; a verify round's (`accepted` drafts) its input token's and the accepted
+        drafts', from its true position (its committed length is a bound): its request's last
+        token's (the results come in order: the round's input token is booked)."""
+        assert result.hidden is not None and result.hidden_starts is not None
+        h = result.hidden[result.hidden_starts[i] : result.hidden_starts[i + 1]]
+        if accepted is not None:
+            req.record_hidden(req.fill_len - 1, h[: accepted + 1])
+        else:
+            req.record_hidden(row.committed_len, h)
+
     def _append(self, req: Req, token: int, j: int, result: StepResult) -> FinishReason | None:
         """One output token (result index j for its logprobs); why the request finishes now."""
         if not req.output_ids:
@@ -501,6 +524,10 @@ class SchedulerCore:
                 req.output_top_logprobs.append(list(top))
             if req.token_ids_logprob is not None and result.ids_logprobs is not None:
                 req.output_ids_logprobs.append(result.ids_logprobs[j, : len(req.token_ids_logprob)].tolist())
+        if req.sampling.return_top_p_token_ids:
+            ks = result.kept_starts
+            req.kept.append(result.kept_ids[ks[j] : ks[j + 1]] if ks is not None and result.kept_ids is not None
+                            else np.zeros(0, np.int32))  # fmt: skip
         return req.stop_reason(self.decode_tail)
 
     def _output(self, req: Req, finished: bool) -> ReqOutput:

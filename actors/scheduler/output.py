@@ -38,17 +38,28 @@ from ringserve.model.compute.step_inputs import DeviceSampling
 
 def _device_sampling(req: Req) -> DeviceSampling:
     """How the device samples `req`, and which of its logprobs are read (`token_out`: none
-    without return_logprob; the top-n only with top_logprobs_num)."""
-    return req.sampling.device(req.return_logprob, req.return_logprob and req.top_logprobs_num > 0)
+    without return_logprob; the top-n only with top_logprobs_num), whether its hidden states are."""
+    return req.sampling.device(req.return_logprob, req.return_logprob and req.top_logprobs_num > 0, req.origin_len,
+                               req.eos_ids, req.return_hidden_states)  # fmt: skip
+
+
+def _slot_start(r: Row) -> SlotStart:
+    """A (re)starting slot: its cached prefix, how it samples, and a penalized request's tokens
+    so far (its prompt, then its output: the slot's token counts start from them)."""
+    req = r.req
+    assert r.prefix_pages is not None
+    st = SlotStart(r.slot, i32(r.prefix_pages), _device_sampling(req), _ids(req.token_ids_logprob),
+                   req.lora.slot if req.lora is not None else 0)  # fmt: skip
+    if req.sampling.penalized:
+        st.counts_ids, st.counts_origin = i32(req.fill_ids(0, req.fill_len)), req.origin_len
+    return st
 
 
 def step_msg(batch: ScheduledBatch) -> StepMsg:
     rows = batch.rows
     k = batch.drafts
     assert all(r.drafts == k for r in rows), "a verify step has only verify rounds"
-    starts = [SlotStart(r.slot, i32(r.prefix_pages), _device_sampling(r.req), _ids(r.req.token_ids_logprob),
-                        r.req.lora.slot if r.req.lora is not None else 0)
-              for r in rows if r.prefix_pages is not None]  # fmt: skip
+    starts = [_slot_start(r) for r in rows if r.prefix_pages is not None]
     pages = [r.new_pages for r in rows]
     masks = {i: r.mask for i, r in enumerate(rows) if r.mask is not None}
     return StepMsg(
@@ -117,7 +128,22 @@ def token_out(o: ReqOutput) -> TokenOut:
             out.top_logprobs = f32([[lp for lp, _ in t] for t in tops])
             out.top_ids = i32([[tid for _, tid in t] for t in tops])
     out.more = _more(o, n, done)
+    if o.finished:
+        _read_back(req, out)
     return out
+
+
+def _read_back(req: Req, out: TokenOut) -> None:
+    """On the finish: the set each output token was drawn from (an empty one for the tokens a
+    resumed request had before: those were drawn in an earlier run), and the hidden states of
+    every position but the last, when the request asked."""
+    if req.sampling.return_top_p_token_ids:
+        sets = [np.zeros(0, np.int32)] * (len(req.output_ids) - len(req.kept)) + req.kept
+        out.kept_ids = i32(np.concatenate(sets)) if sets else b""
+        out.kept_offsets = i32(np.concatenate([[0], np.cumsum([len(k) for k in sets])]))
+    if req.return_hidden_states and req.hidden:
+        h = np.concatenate(req.hidden)[: req.fill_len - 1]
+        out.hidden, out.hidden_dim, out.hidden_prompt = f32(h), h.shape[1], min(req.origin_len, len(h))
 
 
 def _more(o: ReqOutput, n: int, done: int) -> MoreLogprobs | None:

@@ -88,6 +88,10 @@ class Req:
     grammar: ReqGrammar | None = None  # its output constraint's matcher (actors/scheduler/grammar.py)
     resumed: Resume | None = None  # resubmitted after a restart: output_ids began as resumed.output_ids
     lora: LoadedLora | None = None  # its LoRA adapter (actors/scheduler/lora.py); None: the base model
+    return_hidden_states: bool = False  # the last hidden states of its positions are read back
+    hidden: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32 [n, H] chunks, positions 0, 1, ...
+    hidden_len: int = 0  # positions whose hidden states are in `hidden`
+    kept: list[np.ndarray] = dataclasses.field(default_factory=list)  # return_top_p_token_ids: each output's set
 
     def continuing(self, resume: Resume) -> Req:
         """This request (new, from the wire) taking up the output its caller already has, as a
@@ -153,9 +157,22 @@ class Req:
 
     def prefix_ids(self) -> np.ndarray:
         """What the prefix cache may grant: every token but the last (one is always computed),
-        and none of the prompt positions whose logprobs are still wanted."""
-        cap = self.prompt_lp.cap() if self.prompt_lp is not None else None
-        return self.fill_ids(0, self.fill_len - 1 if cap is None else min(self.fill_len - 1, cap))
+        and none of the prompt positions whose logprobs or hidden states are still wanted."""
+        cap = self.fill_len - 1
+        if self.prompt_lp is not None and self.prompt_lp.cap() is not None:
+            cap = min(cap, self.prompt_lp.cap())
+        if self.return_hidden_states:
+            cap = min(cap, self.hidden_len)
+        return self.fill_ids(0, cap)
+
+    def record_hidden(self, first: int, h: np.ndarray) -> None:
+        """Hidden states of positions [first, first + len(h)): those past what is recorded
+        (a prefill again after a retraction repeats the earlier ones)."""
+        skip = self.hidden_len - first
+        assert skip >= 0, f"{self.rid}: hidden states from position {first}, {self.hidden_len} recorded"
+        if skip < len(h):
+            self.hidden.append(h[skip:])
+            self.hidden_len += len(h) - skip
 
     def stop_reason(self, decode_tail: Callable[[list[int]], str]) -> FinishReason | None:
         """Why the request finishes after its newest token (EOS, stop ids, its grammar stopped
@@ -163,6 +180,7 @@ class Req:
         when stop strings are set."""
         last = self.output_ids[-1]
         sp = self.sampling
+        early = len(self.output_ids) < sp.min_new_tokens  # (stop ids come only when nothing else may: a grammar)
         if not sp.ignore_eos and last in self.eos_ids:
             return FinishReason("stop", matched=last)
         if last in sp.stop_token_ids:
@@ -173,7 +191,7 @@ class Req:
                 return FinishReason("abort", message=error)
             if self.grammar.terminated:  # nothing but EOS can follow
                 return FinishReason("stop", matched=last)
-        if sp.stop:
+        if sp.stop and not early:  # (vLLM's min_tokens: no stop string before them)
             # Every token is checked as it arrives, so a stop string can only newly end inside
             # the last token: decoding a tail that can hold the longest stop string suffices
             # (a character is at most 4 byte-level tokens).

@@ -116,6 +116,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     session_id: str | None = None  # a streaming session's turn (its input holds the earlier turns)
     resume: Resume | None = None  # resubmitted after a restart: the output its caller already has
     lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
+    return_hidden_states: bool = False  # the tokens' last hidden states (needs enable_return_hidden_states)
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):
@@ -199,6 +200,10 @@ class SlotStart(msgspec.Struct, **_S):
     sampling: DeviceSampling
     logprob_ids: bytes = b""  # int32 the request's token_ids_logprob (logprobs at every position)
     lora_slot: int = 0  # its LoRA adapter's slot in the runner's pool (0: none)
+    # a penalized request: its prompt (the first `counts_origin`) and output so far, which the
+    # slot's token counts start from (model/runtime/sampler.py); empty otherwise
+    counts_ids: bytes = b""  # int32
+    counts_origin: int = 0
 
 
 class PromptPositions(msgspec.Struct, **_S):
@@ -327,6 +332,15 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     programs_pending: int = 0  # step programs still compiling in the background
     compile_error: str = ""  # why the background compile stopped, if it failed
     times: bytes = b""  # f64 runner stamps when ServerArgs.step_trace is on (actors/transport/trace.py)
+    # the set each sample was drawn from, for the rows that asked (return_top_p_token_ids):
+    # sample s's ids are kept_ids[ks[s] : ks[s + 1]] (ks: running sums of kept_counts, 0 elsewhere)
+    kept_counts: bytes = b""  # int32 [tokens]
+    kept_ids: bytes = b""  # int32
+    # the last hidden states of every token of the rows that asked (return_hidden_states), row
+    # after row: hidden_rows[r] of them for row r (its tokens in order; 0 for the others)
+    hidden_rows: bytes = b""  # int32 [R]
+    hidden: bytes = b""  # f32 [sum of hidden_rows, hidden_dim]
+    hidden_dim: int = 0
 
 
 class RunnerReply(msgspec.Struct, tag="reply", **_S):
@@ -363,6 +377,14 @@ class TokenOut(msgspec.Struct, **_S):
     weight_versions: list[tuple[str, int]] = []  # once there are several: (version, first output index), all so far
     spec_verify_ct: int = 0  # on the finish, with speculative decoding: verify rounds
     spec_accepted: int = 0  # and the drafts they accepted
+    # on the finish, what the request asked to read back: the set each output token was drawn
+    # from (token i's: kept_ids[offsets[i] : offsets[i + 1]]; a token from before a restart: an
+    # empty set), and the last hidden states of its prompt's and output's positions but the last
+    kept_ids: bytes = b""  # int32
+    kept_offsets: bytes = b""  # int32 [completion_tokens + 1]
+    hidden: bytes = b""  # f32 [positions, hidden_dim]
+    hidden_dim: int = 0
+    hidden_prompt: int = 0  # the first this many are the prompt's positions
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):

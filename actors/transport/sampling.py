@@ -21,23 +21,27 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 from ringserve.actors.transport.constraint import KINDS as CONSTRAINTS
 from ringserve.actors.transport.constraint import check as check_constraint
-from ringserve.model.compute.step_inputs import DeviceSampling
+from ringserve.model.compute.step_inputs import BIAS_IDS, DeviceSampling
 
-# Aliases other frameworks send (verl sends max_tokens; OpenAI clients send seed).
+# Aliases other frameworks send (verl sends max_tokens; OpenAI clients send seed; vLLM's names:
+# min_tokens, include_stop_str_in_output).
 DEFAULT_MAX_NEW_TOKENS = 128
-ALIASES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+ALIASES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
+           "include_stop_str_in_output": "no_stop_trim"}  # fmt: skip
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 16
 MAX_N = 64
-# SGLang's sampling parameters ringserve does not implement, at the values that change nothing:
-# accepted there (RL frameworks send them on every request: verl's rollout sends
-# repetition_penalty=1.0), refused at any other value with a ValueError naming the field
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
+MAX_LOGIT_BIAS = BIAS_IDS  # logit_bias entries a request may give (the programs' columns)
+# custom_params (SGLang's: a custom logit processor's arguments) ringserve reads; any other key is
+# accepted and ignored, as SGLang does without a processor
+CUSTOM_PARAMS = ("return_top_p_token_ids",)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -54,6 +58,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    # penalties (SGLang's and vLLM's semantics: repetition over prompt + output, HF's rule;
+    # frequency and presence over the output), each at its neutral value by default
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0  # EOS and stop_token_ids banned until this many tokens came
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, [-100, 100])
+    return_top_p_token_ids: bool = False  # custom_params': each token's kept set (slime's top-p replay)
     # the output constraint, at most one (actors/transport/constraint.py)
     json_schema: str | None = None
     regex: str | None = None
@@ -87,15 +99,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
                 default_max = value
             elif d.get(name) is None:
                 d[name] = value
-        for name, neutral in NEUTRAL.items():
-            if name in d:
-                _check_neutral(name, d.pop(name), neutral, "sampling_params: ")
+        custom = d.pop("custom_params", None)
+        if custom is not None:
+            if not isinstance(custom, dict):
+                raise ValueError(f"sampling_params: custom_params: expected an object, got {type(custom).__name__}")
+            for key in CUSTOM_PARAMS:
+                if custom.get(key) is not None:
+                    d[key] = custom[key]
         names = set(cls.__struct_fields__)
         unknown = sorted(str(k) for k in set(d) - names)
         if unknown:
             raise ValueError(
-                f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES) | set(NEUTRAL))}"
+                f"sampling_params: unknown parameter(s) {unknown}; known: {sorted(names | set(ALIASES) | {'custom_params'})}"
             )
+        for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "logit_bias"):
+            if k in d and d[k] is None:  # (None: left at its neutral value)
+                del d[k]
+        if isinstance(d.get("top_k"), float) and d["top_k"].is_integer():  # AReaL sends top_k=1e8: no limit
+            d["top_k"] = int(d["top_k"])
+        if isinstance(d.get("top_k"), int) and not isinstance(d["top_k"], bool) and vocab_size and d["top_k"] >= vocab_size:
+            d["top_k"] = -1  # as large as the vocabulary: no limit
+        if d.get("top_k") == 0:  # vLLM's "off"
+            d["top_k"] = -1
+        if isinstance(d.get("logit_bias"), dict):  # JSON's keys are strings: the token ids
+            try:
+                d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"sampling_params: logit_bias: keys must be token ids, got {list(d['logit_bias'])[:4]}") from None
         if d.get("max_new_tokens") is None:  # the default is capped to fit; an explicit value must fit
             d["max_new_tokens"] = default_max if max_new_tokens_limit is None else min(default_max, max_new_tokens_limit)
         if isinstance(d.get("stop"), str):
@@ -137,6 +167,24 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
             f"top_k={self.top_k!r} must be -1 (off) or in [1, 2**31)",
         )
         need(finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p:g} must be in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            need(finite(v) and -2 <= v <= 2, f"{name}={v:g} must be in [-2, 2] (0 = off)")
+        need(finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+             f"repetition_penalty={self.repetition_penalty:g} must be in (0, 2] (1 = off)")  # fmt: skip
+        need(0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens={self.min_new_tokens!r} must be in [0, max_new_tokens={self.max_new_tokens}]")  # fmt: skip
+        if self.logit_bias:
+            need(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                 f"logit_bias has {len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}")  # fmt: skip
+            for tok, bias in self.logit_bias.items():
+                need(tok >= 0 and (vocab_size is None or tok < vocab_size),
+                     f"logit_bias token {tok} outside the vocabulary [0, {vocab_size})")  # fmt: skip
+                need(finite(bias) and -100 <= bias <= 100, f"logit_bias[{tok}]={bias:g} must be in [-100, 100]")
+        if self.return_top_p_token_ids:
+            need(self.temperature == 0 or self.top_p < 1 or self.top_k > 0 or self.min_p > 0,
+                 "custom_params.return_top_p_token_ids needs top_p < 1, a top_k or a min_p (else the set each token is "
+                 "drawn from is the whole vocabulary)")  # fmt: skip
         need(1 <= self.n <= MAX_N, f"n={self.n!r} must be an integer in [1, {MAX_N}]")
         need(all(s for s in self.stop), f"stop={list(self.stop)!r} must be non-empty strings")
         need(
@@ -147,6 +195,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
             all(t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids={list(self.stop_token_ids)!r} must be integers >= 0",
         )
+        need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids has {len(self.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")  # fmt: skip
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             need(not bad, f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
@@ -179,12 +229,29 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def device(self, logprobs: bool = True, top_logprobs: bool = True) -> DeviceSampling:
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (the device then reads the request's token counts)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def held_back(self, eos_ids: Iterable[int]) -> tuple[int, ...]:
+        """The stop ids min_new_tokens holds back: the EOS ids (unless ignored) and stop_token_ids."""
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))))
+
+    def device(self, logprobs: bool = True, top_logprobs: bool = True, origin_len: int = 0,
+               eos_ids: Iterable[int] = (), hidden: bool = False) -> DeviceSampling:  # fmt: skip
         """The fields the device samples with (the seed must be set), and whether the request
-        reads its samples' logprobs and top-n logprobs (the device skips them when no row does)."""
+        reads its samples' logprobs and top-n logprobs (the device skips them when no row does),
+        its hidden states; `origin_len` (its prompt's) and `eos_ids` place min_new_tokens."""
         assert self.sampling_seed is not None, "the frontend sets every request's seed"
-        return DeviceSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed, logprobs,
-                              top_logprobs)  # fmt: skip
+        ban = self.held_back(eos_ids) if self.min_new_tokens else ()
+        bias = sorted(self.logit_bias.items()) if self.logit_bias else []
+        return DeviceSampling(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed, logprobs, top_logprobs,
+            self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+            origin_len + self.min_new_tokens if ban else 0, ban, tuple(t for t, _ in bias),
+            tuple(float(b) for _, b in bias), self.return_top_p_token_ids, hidden,
+        )  # fmt: skip
 
 
 def _check_neutral(name: str, value: Any, neutral: float, where: str = "") -> None:

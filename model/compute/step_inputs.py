@@ -83,6 +83,8 @@ class ProgramShapes:
     verify_tokens: int = 0  # speculative decoding: tokens per verify round (k + 1); 0 = off
     decode_steps: int = 1  # multi-step decode: decode steps a program runs one after another (1 = off)
     decode_steps_rows: int = 4  # multi-step decode programs for decode batches of up to this many rows
+    processed_logprobs: bool = False  # logprobs of the distribution sampled from (else the model's: raw)
+    hidden_states: bool = False  # every program returns its tokens' last hidden states (return_hidden_states)
 
     @property
     def max_pages(self) -> int:
@@ -101,7 +103,11 @@ class StepShape(NamedTuple):
     multistep: bool = False  # a multi-step decode program: `verify` decode steps one after another
 
 
-class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
+BAN_IDS = 32  # stop ids a row may have banned until its min_new_tokens (EOS ids + stop_token_ids)
+BIAS_IDS = 64  # logit_bias entries a row may have
+
+
+class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     """What the device samples a request with; sent once per request slot (the runner's slot
     mirror keeps it). Made from a request's SamplingParams by `SamplingParams.device()`."""
 
@@ -112,6 +118,20 @@ class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
     seed: int = 0
     logprobs: bool = True  # the sampled tokens' logprobs (and token_ids_logprob's) are read
     top_logprobs: bool = True  # their top-n logprobs are read (n: the programs' top_n)
+    repetition_penalty: float = 1.0  # over the prompt's and output's tokens (1: off)
+    frequency_penalty: float = 0.0  # per occurrence in the output (0: off)
+    presence_penalty: float = 0.0  # once per token the output holds (0: off)
+    min_until: int = 0  # a token sampled at a position below this is never one of `ban` (min_new_tokens)
+    ban: tuple[int, ...] = ()  # the stop ids min_new_tokens holds back (EOS ids unless ignored, stop_token_ids)
+    bias_ids: tuple[int, ...] = ()  # logit_bias: token ids
+    bias: tuple[float, ...] = ()  # and what is added to their logits
+    kept: bool = False  # the set each token was drawn from is read back (return_top_p_token_ids)
+    hidden: bool = False  # the tokens' last hidden states are read back (return_hidden_states)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the slot's token counts (model/runtime/sampler.py)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,6 +181,16 @@ class RowSampling(NamedTuple):
     any_mask: Arr = False  # [] bool: some row is constrained
     any_logprobs: Arr = True  # [] bool: some row's sampled logprobs are read (else not computed)
     any_top: Arr = True  # [] bool: some row's top-n logprobs are read (else not computed)
+    repetition: Arr = None  # [R] f32 repetition penalty (1 = off)
+    frequency: Arr = None  # [R] f32 frequency penalty (0 = off)
+    presence: Arr = None  # [R] f32 presence penalty (0 = off)
+    any_penalty: Arr = False  # [] bool: some row is penalized (else the token counts are not read)
+    min_until: Arr = None  # [R] i32 a sample at a position below it is none of the row's `ban`
+    ban: Arr = None  # [R, BAN_IDS] i32 stop ids held back (-1 pads); None: no row holds any back
+    bias_ids: Arr = None  # [R, BIAS_IDS] i32 logit_bias ids (-1 pads); None: no row biases
+    bias: Arr = None  # [R, BIAS_IDS] f32 what is added to them
+    any_adjust: Arr = False  # [] bool: some row holds stop ids back or biases (else `ban`, `bias` unread)
+    any_kept: Arr = False  # [] bool: some row reads back the set each sample was drawn from
 
 
 class LogprobBatch(NamedTuple):
@@ -190,6 +220,21 @@ class SamplingBatch(NamedTuple):
     logprob_ids: Arr = None  # [S, K] int32 token ids whose logprobs each sample reports; None: K = 0
     any_logprobs: Arr = True  # [] bool: some sample's logprobs are read (else they are zeros)
     any_top: Arr = True  # [] bool: some sample's top-n logprobs are read (else zeros)
+    # penalties, min_new_tokens and logit_bias (RowSampling's, per sample); `slot` is the row
+    # whose token counts the penalties read, `prior` a verify round's drafts before the sample
+    # (counted as output: the sample is kept only if they are accepted), -1 pads
+    repetition: Arr = None  # [S] f32
+    frequency: Arr = None  # [S] f32
+    presence: Arr = None  # [S] f32
+    any_penalty: Arr = False
+    slot: Arr = None  # [S] i32
+    prior: Arr = None  # [S, k1 - 1] i32; None outside verify programs
+    min_until: Arr = None  # [S] i32
+    ban: Arr = None  # [S, BAN_IDS] i32
+    bias_ids: Arr = None  # [S, BIAS_IDS] i32
+    bias: Arr = None  # [S, BIAS_IDS] f32
+    any_adjust: Arr = False
+    any_kept: Arr = False
 
 
 def _pow2_up_to(lo: int, hi: int) -> tuple[int, ...]:
@@ -397,28 +442,57 @@ def build_batch(
     sample_idx[:n] = start[1 : n + 1, None] - k1 + np.arange(k1)[None, :]
     sample_slot = np.full(nr, sink_slot, np.int32)
     sample_slot[:n] = [r.future_slot if r.future_slot >= 0 else sink_slot for r in rows]
+    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {})
+    smp = _row_sampling(rows, nr, k1)
+    lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
+    lora_slot = np.zeros(nr, np.int32)
+    lora_slot[:n] = [r.lora_slot for r in rows]
+    return HostBatch(shape, fits[0], fwd, smp, n * k1, lb, n_pos, lora_slot)
+
+
+def _row_sampling(rows: list[DeviceRow], nr: int, k1: int) -> RowSampling:
+    """The rows' sampling columns, padded to `nr` rows (padding rows: greedy, nothing on);
+    `ban` and `bias` are None when no row holds stop ids back or biases (the executor passes
+    zeros kept on device)."""
     temp = np.zeros(nr, np.float32)
     top_k = np.full(nr, -1, np.int32)
     top_p = np.ones(nr, np.float32)
     min_p = np.zeros(nr, np.float32)
     seed = np.zeros(nr, np.uint32)
-    want_lp = want_top = False
+    rep, freq, pres = np.ones(nr, np.float32), np.zeros(nr, np.float32), np.zeros(nr, np.float32)
+    min_until = np.zeros(nr, np.int32)
+    ban = bias_ids = bias = None
+    want_lp = want_top = want_kept = False
     for i, r in enumerate(rows):
         sp = r.sampling
         temp[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         seed[i] = (sp.seed ^ (sp.seed >> 32)) & 0xFFFFFFFF  # 63-bit seed folded to 32
         want_lp |= sp.logprobs or (r.logprob_ids is not None and len(r.logprob_ids) > 0)
         want_top |= sp.top_logprobs
+        want_kept |= sp.kept
+        rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
+        if sp.min_until and sp.ban:
+            if ban is None:
+                ban = np.full((nr, BAN_IDS), -1, np.int32)
+            if len(sp.ban) > BAN_IDS:
+                raise ValueError(f"row {i}: {len(sp.ban)} stop ids held back, the programs take {BAN_IDS}")
+            min_until[i] = sp.min_until
+            ban[i, : len(sp.ban)] = sp.ban
+        if sp.bias_ids:
+            if bias_ids is None:
+                bias_ids, bias = np.full((nr, BIAS_IDS), -1, np.int32), np.zeros((nr, BIAS_IDS), np.float32)
+            if len(sp.bias_ids) > BIAS_IDS or len(sp.bias) != len(sp.bias_ids):
+                raise ValueError(f"row {i}: {len(sp.bias_ids)} logit_bias ids ({len(sp.bias)} values), the programs "
+                                 f"take {BIAS_IDS}")  # fmt: skip
+            bias_ids[i, : len(sp.bias_ids)], bias[i, : len(sp.bias)] = sp.bias_ids, sp.bias
     random = temp > 0
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
-    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {})
+    penalized = (rep != 1) | (freq != 0) | (pres != 0)
     mask = _masks(rows, nr, k1)
-    smp = RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
-                      np.bool_(mask is not None), np.bool_(want_lp), np.bool_(want_top))  # fmt: skip
-    lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
-    lora_slot = np.zeros(nr, np.int32)
-    lora_slot[:n] = [r.lora_slot for r in rows]
-    return HostBatch(shape, fits[0], fwd, smp, n * k1, lb, n_pos, lora_slot)
+    return RowSampling(temp, top_k, top_p, min_p, seed, np.bool_(random.any()), np.bool_(filt.any()), mask,
+                       np.bool_(mask is not None), np.bool_(want_lp), np.bool_(want_top), rep, freq, pres,
+                       np.bool_(penalized.any()), min_until, ban, bias_ids, bias,
+                       np.bool_(ban is not None or bias_ids is not None), np.bool_(want_kept))  # fmt: skip
 
 
 def _logprob_batch(rows: list[DeviceRow], start: np.ndarray, p: int, nr: int, k: int) -> tuple[LogprobBatch, int]:

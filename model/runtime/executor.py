@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -59,7 +60,7 @@ from ringserve.model.runtime.kv_pool import KVPool
 from ringserve.model.runtime.program_cache import ProgramCache
 from ringserve.model.runtime.program_cache import usable as program_cache_usable
 from ringserve.model.runtime.programs import Key, ProgramSet, compile_order, step_avals
-from ringserve.model.runtime.sampler import PositionLogprobs, SampleOut
+from ringserve.model.runtime.sampler import PROMPT_BIT, PositionLogprobs, SampleOut
 from ringserve.model.runtime.step import make_logits, make_step
 from ringserve.model.runtime.step_constants import StepConstants
 from ringserve.model.weights import memory as weight_memory
@@ -98,6 +99,7 @@ class StepOut(NamedTuple):
     prompt: PositionLogprobs  # logprobs at the wanted prompt positions: the first `num_positions`
     num_samples: int
     num_positions: int
+    hidden: jax.Array | None = None  # [T, H] f32 the step's tokens' last hidden states (return_hidden_states)
 
 
 class ModelExecutor:
@@ -159,7 +161,8 @@ class ModelExecutor:
         self.trace_count = 0
         # extend programs sample their (few real) rows in groups, in a loop, where loops are cheap;
         # prompt positions' logprobs likewise (the plan's groups)
-        step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group)
+        step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
+                         shapes.hidden_states)  # fmt: skip
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -173,6 +176,11 @@ class ModelExecutor:
             self._on_disk = ProgramCache({"executor": dataclasses.asdict(cfg), "model": repr(mc), "plan": repr(plan)})
             plan.load_kernels()  # (before a program is read back)
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
+        counts_aval = self.kv_avals[1][2]
+        rep = replicated(self.mesh)
+        self._set_counts = jax.jit(_set_row, donate_argnums=(0,)).lower(
+            counts_aval, jax.ShapeDtypeStruct((), np.int32, sharding=rep),
+            jax.ShapeDtypeStruct(counts_aval.shape[1:], np.int32, sharding=rep)).compile()  # fmt: skip
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, shapes.verify_tokens, shapes.top_logprobs_num,
                                     plan.lead_small_programs, shapes.decode_steps, shapes.decode_steps_rows)  # fmt: skip
@@ -248,12 +256,15 @@ class ModelExecutor:
 
     # ---- device memory (the KV cache and FutureMap live in self.kv_pool, model/runtime/kv_pool.py) ------
     def _kv_avals(self) -> Any:
-        """The KV cache's and FutureMap's arrays, abstract (shape, dtype, sharding): what the
-        programs compile against and the pool makes."""
+        """The KV cache's arrays and the slots' state (the FutureMap's tokens and positions, the
+        penalties' token counts: model/runtime/sampler.py), abstract (shape, dtype, sharding):
+        what the programs compile against and the pool makes."""
         kv = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, s))
                    for a, s in zip(self.attn.kv_avals(), self.attn.kv_specs(self.cfg.tp_size), strict=True))  # fmt: skip
-        future = jax.ShapeDtypeStruct((self.max_slots + 1,), np.int32, sharding=replicated(self.mesh))
-        return kv, (future, future)
+        rep = replicated(self.mesh)
+        future = jax.ShapeDtypeStruct((self.max_slots + 1,), np.int32, sharding=rep)
+        counts = jax.ShapeDtypeStruct((self.max_slots + 1, self.model_config.vocab_size), np.int32, sharding=rep)
+        return kv, (future, future, counts)
 
     # ---- programs -----------------------------------------------------------------------------
     def _program_args(self, shape: StepShape) -> tuple[Any, ...]:
@@ -298,10 +309,10 @@ class ModelExecutor:
         return self._jitted.lower(*args, *_statics(shape, top_n)).compile()
 
     def _out_tree(self) -> Any:
-        """The structure every step program returns (model/runtime/step.py): kv, the FutureMap, the
-        samples, the accepted drafts, the prompt positions' logprobs."""
+        """The structure every step program returns (model/runtime/step.py): kv, the slots' state,
+        the samples, the accepted drafts, the prompt positions' logprobs, the hidden states."""
         kv, future = self.kv_avals
-        return jax.tree.structure((kv, future, SampleOut(*range(5)), 0, PositionLogprobs(*range(4))))
+        return jax.tree.structure((kv, future, SampleOut(*range(6)), 0, PositionLogprobs(*range(4)), 0))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""
@@ -372,10 +383,10 @@ class ModelExecutor:
         """`run`, with the logprobs at the rows' wanted prompt positions (`StepOut`); with
         `multistep`, `verify` decode steps in one program (each row yields that many tokens)."""
         hb = self.prepare(rows, verify, multistep)
-        out, accepted, prompt = self.run_host_batch(hb)
-        return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions)
+        out, accepted, prompt, hidden = self.run_host_batch(hb)
+        return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions, hidden)
 
-    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs]:
+    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs, jax.Array]:
         key = (hb.shape, self.cfg.shapes.top_logprobs_num)
         if key not in self.programs.compiled and self.cfg.precompile:
             raise RuntimeError(f"program {key} was not compiled at start-up")
@@ -391,10 +402,23 @@ class ModelExecutor:
         elif hb.lora_slot is not None and hb.lora_slot.any():
             raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
         kvp = self.kv_pool
-        kvp.kv, kvp.future, out, accepted, prompt = prog(self.params, kvp.kv, kvp.future, hb.forward,
-                                                           self.constants.sampling(hb), self.constants.logprob(hb), lora)  # fmt: skip
+        kvp.kv, kvp.future, out, accepted, prompt, hidden = prog(self.params, kvp.kv, kvp.future, hb.forward,
+                                                                   self.constants.sampling(hb), self.constants.logprob(hb),
+                                                                   lora)  # fmt: skip
         self.kv_pool.stepped(out.tokens)  # (its first step lets the pool's pages in)
-        return out, accepted, prompt
+        return out, accepted, prompt, hidden
+
+    def start_counts(self, slot: int, origin: np.ndarray, output: np.ndarray) -> None:
+        """Set `slot`'s token counts (the penalties', model/runtime/sampler.py) to a request's
+        prompt `origin` and its output so far; the steps count its tokens from there. One
+        compiled program (the row is built here, on the host: [V] int32), run in order with the
+        steps (the counts are donated through both)."""
+        row = np.zeros(self.model_config.vocab_size, np.int32)
+        row[origin] = PROMPT_BIT
+        row += np.bincount(output, minlength=len(row)).astype(np.int32)
+        kvp = self.kv_pool
+        tok, pos, counts = kvp.future
+        kvp.future = (tok, pos, self._set_counts(counts, np.int32(slot), row))
 
     def logits(self, rows: list[DeviceRow]) -> tuple[np.ndarray, list[int]]:
         """Full-vocabulary f32 logits of each row's last token (writes KV like `run`).
@@ -405,6 +429,11 @@ class ModelExecutor:
         kvp = self.kv_pool
         kvp.kv, logits = self._logits_fn(self.params, kvp.kv, jax.device_put(hb.forward, replicated(self.mesh)))
         return np.asarray(logits)[: hb.num_samples], list(range(hb.num_samples))
+
+
+def _set_row(a: jax.Array, i: jax.Array, row: jax.Array) -> jax.Array:
+    """a with row i replaced by `row`."""
+    return jax.lax.dynamic_update_slice(a, row[None], (i, jnp.int32(0)))
 
 
 def _statics(shape: StepShape, top_n: int) -> tuple[int, int, bool]:

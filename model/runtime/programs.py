@@ -26,7 +26,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ringserve.model.compute.step_inputs import Buckets, ForwardBatch, LogprobBatch, RowSampling, StepShape
+from ringserve.model.compute.step_inputs import (
+    BAN_IDS,
+    BIAS_IDS,
+    Buckets,
+    ForwardBatch,
+    LogprobBatch,
+    RowSampling,
+    StepShape,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +78,10 @@ def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sha
         temperature=spec((r,), f32), top_k=spec((r,), i32), top_p=spec((r,), f32), min_p=spec((r,), f32),
         seed=spec((r,), jnp.uint32), any_random=spec((), jnp.bool_), any_filter=spec((), jnp.bool_),
         mask=spec((r * k1, mask_words), i32), any_mask=spec((), jnp.bool_), any_logprobs=spec((), jnp.bool_),
-        any_top=spec((), jnp.bool_),
+        any_top=spec((), jnp.bool_), repetition=spec((r,), f32), frequency=spec((r,), f32), presence=spec((r,), f32),
+        any_penalty=spec((), jnp.bool_), min_until=spec((r,), i32), ban=spec((r, BAN_IDS), i32),
+        bias_ids=spec((r, BIAS_IDS), i32), bias=spec((r, BIAS_IDS), f32), any_adjust=spec((), jnp.bool_),
+        any_kept=spec((), jnp.bool_),
     )  # fmt: skip
     lb = LogprobBatch(spec((r, logprob_ids), i32))
     if positions:

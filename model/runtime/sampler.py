@@ -19,18 +19,42 @@ depends only on its seed and the position of the token being sampled, never on i
 neighbours or the batch size. temperature == 0 is greedy (argmax of the raw logits, lowest id
 on ties).
 
-Logprobs are of the raw model distribution (log_softmax of the logits, before temperature and
-filtering), like SGLang's default `output_token_logprobs`; so are a request's token_ids_logprob
-(`logprob_ids`, K per sample) and the prompt positions' logprobs (`position_logprobs`: the
-log-softmax of the logits at a prompt position, read at the token that follows it). A step's
-samples' logprobs are computed only when some sample reads them (`any_logprobs`; the top-n,
-`any_top`); otherwise they are zeros.
+What the logits go through before a token is drawn, in vLLM's order (each step under a
+`lax.cond` on whether any row uses it, so a step where none does skips it; no program is added
+for any of them):
 
-A grammar's mask comes first, before every path (greedy, filters, seeded draws) and before the
-logprobs (as SGLang applies its vocab mask to the logits): a token the mask does not allow gets
-logit -inf. The mask is an input of every program ([S, W] int32 packed bits, bit t % 32 of word
-t // 32 allows token t), applied under `lax.cond(any_mask)`, so unconstrained steps skip it and
-no program is added for it.
+    grammar mask        a token the row's grammar does not allow gets logit -inf
+    min_new_tokens      below the row's `min_until` position its held-back stop ids get -inf
+                        (unless nothing else is left: a grammar that allows only EOS wins)
+    logit_bias          added to the biased ids' logits
+    repetition penalty  every token the prompt or the output holds: logit / p if > 0, else * p
+                        (HF's RepetitionPenaltyLogitsProcessor, vLLM's and SGLang's rule)
+    frequency, presence logit - f * (its count in the output) - p * (1 if the output holds it)
+    temperature, top-k / top-p / min-p, the draw (above)
+
+The penalties read the slot's token counts, kept on device beside the FutureMap
+(model/runtime/step.py): one int32 per (slot, token), `PROMPT_BIT` set for a token of the
+prompt, the low bits counting it in the output; a verify round's sample also counts the drafts
+before it (`prior`). Greedy rows take the argmax of the adjusted logits.
+
+Logprobs (`raw`, the default, vLLM's raw_logprobs) are of the model's distribution after the
+grammar mask only: log_softmax of the logits, before the adjustments, temperature and filters,
+like SGLang's default `output_token_logprobs`; `processed` (vLLM's processed_logprobs): of the
+distribution the token was drawn from, after all of them (the kept set renormalised; a greedy
+row's: the adjusted logits at temperature 1). A request's token_ids_logprob (`logprob_ids`, K
+per sample) are read from the same logits; prompt positions' logprobs (`position_logprobs`:
+the log-softmax of the logits at a prompt position, read at the token that follows it) are
+always raw. A step's samples' logprobs are computed only when some sample reads them
+(`any_logprobs`; the top-n, `any_top`); otherwise they are zeros. A logprob of -inf (a token
+nothing may draw) reads as the float32 minimum, as SGLang clamps it (JSON has no infinity).
+
+The set each token was drawn from (`kept`: the sampling mask slime and SGLang return for
+top-p replay, SGLang's `return_top_p_token_ids`) comes back as packed bits, [S, W] int32 in
+the grammar mask's layout, when some sample wants it (`any_kept`; else zeros): the kept set
+within the finite logits for a drawn row, the chosen token alone for a greedy one.
+
+A grammar's mask is an input of every program ([S, W] int32 packed bits, bit t % 32 of word
+t // 32 allows token t), applied under `lax.cond(any_mask)`, so unconstrained steps skip it.
 """
 
 from __future__ import annotations
@@ -47,6 +71,9 @@ Arr = Any  # jax.Array on device; np.ndarray while the host builds it
 
 CANDIDATES = 256  # largest probabilities taken by lax.top_k for the filters' fast path
 _ONE_BITS = 0x3F800000  # float32 1.0 as int32: every probability's bits are <= this
+PROMPT_BIT = 1 << 30  # a slot's token count: this bit for a token of the prompt, the low bits its output count
+COUNT_BITS = PROMPT_BIT - 1
+_LOGPROB_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 class SampleOut(NamedTuple):
@@ -55,6 +82,7 @@ class SampleOut(NamedTuple):
     top_ids: jax.Array  # [S, N] int32 (N = top_logprobs_num compiled in; may be 0)
     top_logprobs: jax.Array  # [S, N] f32
     ids_logprobs: jax.Array  # [S, K] f32 logprobs of each sample's token_ids_logprob (K may be 0)
+    kept: jax.Array  # [S, W] int32 packed bits: the set each token was drawn from (zeros unless any_kept)
 
 
 class PositionLogprobs(NamedTuple):
@@ -227,22 +255,80 @@ def allowed_only(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, sp: SamplingBatch, top_n: int) -> SampleOut:
-    """Sample one token per row of logits [S, V] (f32), within each row's mask."""
+def pack_bits(mask: jax.Array) -> jax.Array:
+    """Boolean [S, V] as [S, ceil(V / 32)] int32, bit t % 32 of word t // 32 for token t (the
+    grammar mask's layout)."""
+    s, v = mask.shape
+    w = -(-v // 32)
+    bits = jnp.pad(mask, ((0, 0), (0, w * 32 - v))).reshape(s, w, 32).astype(jnp.uint32)
+    words = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)  # distinct bits: an OR
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def adjusted(logits: jax.Array, sp: SamplingBatch, counts: jax.Array | None) -> jax.Array:
+    """The logits after min_new_tokens' held-back stop ids, logit_bias and the penalties (the
+    module docstring), each skipped when no sample uses it; `counts`: the slots' token counts
+    [slots, V] (None: a program without them, tests)."""
+    if sp.ban is not None:
+        logits = jax.lax.cond(sp.any_adjust, lambda: _held_back_and_biased(logits, sp), lambda: logits)
+    if counts is not None and sp.repetition is not None:
+        logits = jax.lax.cond(sp.any_penalty, lambda: _penalized(logits, sp, counts), lambda: logits)
+    return logits
+
+
+def _held_back_and_biased(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+    s, v = logits.shape
+    rows = jnp.arange(s)[:, None]
+    held = (sp.position < sp.min_until)[:, None] & (sp.ban >= 0)
+    out = logits.at[rows, jnp.where(held, sp.ban, v)].set(-jnp.inf, mode="drop")  # (v: out of range, dropped)
+    out = jnp.where(jnp.any(out > -jnp.inf, axis=-1, keepdims=True), out, logits)  # nothing left: not held back
+    return out.at[rows, jnp.where(sp.bias_ids >= 0, sp.bias_ids, v)].add(sp.bias, mode="drop")
+
+
+def _penalized(logits: jax.Array, sp: SamplingBatch, counts: jax.Array) -> jax.Array:
+    s, v = logits.shape
+    c = counts[sp.slot]  # [S, V]
+    if sp.prior is not None:  # a verify round's drafts before the sample count as its output
+        c = c.at[jnp.arange(s)[:, None], jnp.where(sp.prior >= 0, sp.prior, v)].add(1, mode="drop")
+    n = (c & COUNT_BITS).astype(jnp.float32)
+    rp = jnp.where(sp.repetition > 0, sp.repetition, 1.0)[:, None]  # (padding rows: 0)
+    x = jnp.where(c != 0, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    return x - sp.frequency[:, None] * n - sp.presence[:, None] * (n > 0)
+
+
+def sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array | None = None,
+           processed: bool = False) -> SampleOut:  # fmt: skip
+    """Sample one token per row of logits [S, V] (f32), within each row's mask, after the
+    adjustments (`counts`: the slots' token counts the penalties read); `processed`: the
+    logprobs are of the distribution drawn from (else the model's)."""
     s, v = logits.shape
     if sp.mask is not None:
         logits = jax.lax.cond(sp.any_mask, lambda: allowed_only(logits, sp.mask), lambda: logits)
+    raw, logits = logits, adjusted(logits, sp, counts)
     greedy = _first_max(logits)
+    w = -(-v // 32)
+
+    def kept_bits(kept: Callable[[], jax.Array]) -> jax.Array:
+        return jax.lax.cond(sp.any_kept, lambda: pack_bits(kept()), lambda: jnp.zeros((s, w), jnp.int32))
+
+    def one_hot() -> jax.Array:
+        return jnp.arange(v, dtype=jnp.int32)[None, :] == greedy[:, None]
 
     def draw(_):
         scaled = logits / _temperature(sp)
         mask = jax.lax.cond(sp.any_filter, lambda: _keep_mask_scaled(scaled, sp), lambda: jnp.ones((s, v), bool))
         scores = jnp.where(mask, scaled + gumbel_noise(sp.seed, sp.position, v), -jnp.inf)
         drawn = _first_max(scores)
-        return jnp.where(sp.temperature > 0, drawn, greedy)
+        random = (sp.temperature > 0)[:, None]
+        kept = kept_bits(lambda: jnp.where(random, mask & (scaled > -jnp.inf), one_hot()))
+        dist = jnp.where(random, jnp.where(mask, scaled, -jnp.inf), logits) if processed else None
+        return jnp.where(sp.temperature > 0, drawn, greedy), kept, dist
 
-    tokens = jax.lax.cond(sp.any_random, draw, lambda _: greedy, None)
-    return SampleOut(tokens, *_wanted_logprobs(logits, tokens, top_n, sp))
+    def plain(_):
+        return greedy, kept_bits(one_hot), logits if processed else None
+
+    tokens, kept, dist = jax.lax.cond(sp.any_random, draw, plain, None)
+    return SampleOut(tokens, *_wanted_logprobs(dist if processed else raw, tokens, top_n, sp), kept)
 
 
 def _wanted_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, sp: SamplingBatch):
@@ -276,7 +362,7 @@ def _read_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Ar
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
 
     def logprob(x: jax.Array) -> jax.Array:  # x: entries of each row's logits [S, n]
-        return (x - top) - log_sum
+        return jnp.maximum((x - top) - log_sum, _LOGPROB_FLOOR)  # (-inf: the float32 minimum)
 
     chosen = logprob(jnp.take_along_axis(logits, tokens[:, None], axis=-1))[:, 0]
     if top_n > 0:
@@ -332,8 +418,11 @@ def sample_rows(
     n_rows: jax.Array,
     group: int | None,
     fixed: int | None = None,
+    counts: jax.Array | None = None,
+    processed: bool = False,
 ) -> SampleOut:
-    """Sample rows of hidden states hs [R, H] (logits_fn: [S, H] -> f32 [S, V]).
+    """Sample rows of hidden states hs [R, H] (logits_fn: [S, H] -> f32 [S, V]; `counts` and
+    `processed` as `sample`'s).
 
     group None: every row at once. Otherwise only the first `n_rows` (a traced count), `group`
     rows per iteration of a runtime-trip-count loop, so the LM head and the sampler cost what
@@ -347,23 +436,24 @@ def sample_rows(
         pad = -r % fixed
         hs = jnp.pad(hs, ((0, pad), (0, 0)))
         sp = SamplingBatch(*(_pad_rows(x, pad) for x in sp))
-        out = sample_rows(logits_fn, hs, sp, top_n, n_rows, fixed)
+        out = sample_rows(logits_fn, hs, sp, top_n, n_rows, fixed, None, counts, processed)
         return SampleOut(*(a[:r] for a in out))
     if group is None or r <= group or r % group:
-        return sample(logits_fn(hs), sp, top_n)
+        return sample(logits_fn(hs), sp, top_n, counts, processed)
 
     def cut(x, lo):
         return x if x is None or jnp.ndim(x) == 0 else jax.lax.dynamic_slice_in_dim(x, lo, group)
 
     def body(i, outs):
         lo = i * group
-        o = sample(logits_fn(cut(hs, lo)), SamplingBatch(*(cut(x, lo) for x in sp)), top_n)
+        o = sample(logits_fn(cut(hs, lo)), SamplingBatch(*(cut(x, lo) for x in sp)), top_n, counts, processed)
         return SampleOut(*(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True)))
 
+    v = jax.eval_shape(logits_fn, hs[:1]).shape[1]  # (the LM head traced for its shape alone)
     k = 0 if sp.logprob_ids is None else sp.logprob_ids.shape[1]
     init = SampleOut(
-        jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.float32),
-        jnp.zeros((r, top_n), jnp.int32), jnp.zeros((r, top_n), jnp.float32), jnp.zeros((r, k), jnp.float32),
+        jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, top_n), jnp.int32),
+        jnp.zeros((r, top_n), jnp.float32), jnp.zeros((r, k), jnp.float32), jnp.zeros((r, -(-v // 32)), jnp.int32),
     )  # fmt: skip
     return jax.lax.fori_loop(0, (n_rows + group - 1) // group, body, init)
 

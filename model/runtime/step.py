@@ -38,49 +38,56 @@ import jax.numpy as jnp
 from ringserve.model.compute.step_inputs import ForwardBatch, LogprobBatch, RowSampling, SamplingBatch
 from ringserve.model.layers.decoder import CausalLM
 from ringserve.model.layers.lora import LoraBatch
-from ringserve.model.runtime.sampler import SampleOut, position_logprobs, sample_rows
+from ringserve.model.runtime.sampler import position_logprobs, sample_rows
 
-StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any]]
+StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any, jax.Array]]
 
 
-def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 64) -> StepFn:
+def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 64,
+              processed: bool = False, hidden: bool = False) -> StepFn:  # fmt: skip
     """The step function of `model`. Extend programs sample their (few real) rows `sample_group`
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
     deterministic mode). Prompt positions' logprobs are computed `position_group` at a time
-    (in the deterministic mode always that many, padded: one shape whatever the program)."""
+    (in the deterministic mode always that many, padded: one shape whatever the program).
+    `processed`: the samples' logprobs are of the distribution drawn from (model/runtime/sampler.py);
+    `hidden`: the programs return their tokens' last hidden states."""
 
     def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
              top_n: int, verify: int, multistep: bool = False):  # fmt: skip
-        """kv and the FutureMap (token, position per slot) in, updated, out, with the samples
-        ([R * k1], row after row), the drafts each row accepted ([R] int32) and the logprobs
-        at the wanted prompt positions ([P])."""
+        """kv and the slots' state (the FutureMap's token and position, the token counts) in,
+        updated, out, with the samples ([R * k1], row after row), the drafts each row accepted
+        ([R] int32), the logprobs at the wanted prompt positions ([P]) and, with `hidden`, the
+        tokens' last hidden states ([T, H]; else [0, 0])."""
         k1 = max(1, verify)
         if multistep:
             return multi_step(params, kv, future, fb, rs, lb, lora, top_n, k1)
-        tok, pos = future
+        tok, pos, counts = future
         ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
         if k1 > 1:  # verify rounds were planned at bounds on their slots' lengths
             fb = at_true_positions(model, fb, pos)
         h, kv = model.forward(params, ids, fb, kv, lora)
         r, n = fb.kv_len.shape[0], fb.num_rows[0]
-        sp = per_sample(rs, lb.ids, fb.positions[fb.sample_idx] + 1, k1)  # each token's seed at its position
+        drafts = fb.input_ids[fb.sample_idx.reshape(r, k1)[:, 1:]]  # raw ids: NO_DRAFT (-1) never matches
+        # each token's seed at its position; a verify round's drafts count before the samples after them
+        sp = per_sample(rs, lb.ids, fb.positions[fb.sample_idx] + 1, k1, fb.sample_slot, drafts)
         group = sample_group if fb.input_ids.shape[0] != r else None  # not a decode program
         out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx], sp, top_n, n * k1, group,
-                          fixed_rows)  # fmt: skip
+                          fixed_rows, counts, processed)  # fmt: skip
         targets = out.tokens.reshape(r, k1)
-        drafts = fb.input_ids[fb.sample_idx.reshape(r, k1)[:, 1:]]  # raw ids: NO_DRAFT (-1) never matches
         match = (drafts >= 0) & (drafts == targets[:, :-1])
-        accepted = jnp.where(jnp.arange(r) < n, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
+        real = jnp.arange(r) < n
+        accepted = jnp.where(real, jnp.cumprod(match, axis=1).sum(axis=1), 0).astype(jnp.int32)
         tok = tok.at[fb.sample_slot].set(jnp.take_along_axis(targets, accepted[:, None], axis=1)[:, 0])
         pos = pos.at[fb.sample_slot].set(fb.kv_len - (k1 - 1) + accepted)
+        counts = counted(counts, fb.sample_slot, targets, real[:, None] & (jnp.arange(k1)[None, :] <= accepted[:, None]))
         prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, position_group,
                                    fixed=fixed_rows is not None)  # fmt: skip
-        return kv, (tok, pos), out, accepted, prompt
+        return kv, (tok, pos, counts), out, accepted, prompt, h.astype(jnp.float32) if hidden else jnp.zeros((0, 0), jnp.float32)
 
     def multi_step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
                    top_n: int, k1: int):  # fmt: skip
         """k1 decode steps in a device loop (the module docstring); outputs as `step`'s."""
-        tok, pos = future
+        tok, pos, counts = future
         r, n = fb.kv_len.shape[0], fb.num_rows[0]
         real = jnp.arange(r) < n
         first = fb.row_start[:-1]  # each row's first place (padding rows: the padding tokens)
@@ -88,34 +95,32 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         ids = jnp.where(ids < 0, tok[jnp.maximum(-ids - 1, 0)], ids)
         mask = None if rs.mask is None else rs.mask.reshape(r, k1, -1)
 
-        def one(j, carry):
+        def one(carry, j):
             # the weights ride in the carry through a barrier: XLA:CPU gathers bf16 embedding
             # rows through f32 and would hoist that convert of the whole table out of the loop
             # (SmolLM2 bf16: a 113 MB f32 copy each call, 12.3 -> 19 ms a token)
-            params, kv, ids, outs = carry
+            params, kv, counts, ids = carry
             params = jax.lax.optimization_barrier(params)
             at = first + j
             dfb = fb._replace(input_ids=ids, positions=fb.positions[at], out_loc=fb.out_loc[at],
                               row_start=jnp.minimum(jnp.arange(r + 1), n).astype(jnp.int32),
                               kv_len=jnp.where(real, fb.kv_len - (k1 - 1) + j, 0), sample_idx=jnp.arange(r, dtype=jnp.int32))  # fmt: skip
             h, kv = model.forward(params, ids, dfb, kv, lora)
-            sp = per_sample(rs._replace(mask=None if mask is None else mask[:, j]), lb.ids, dfb.positions + 1, 1)
-            o = sample_rows(lambda x: model.logits(params, x), h, sp, top_n, n, None, fixed_rows)
-            outs = jax.tree.map(lambda a, b: a.at[:, j].set(b), outs, o)
-            return params, kv, o.tokens, outs
+            sp = per_sample(rs._replace(mask=None if mask is None else mask[:, j]), lb.ids, dfb.positions + 1, 1,
+                            fb.sample_slot)  # fmt: skip
+            o = sample_rows(lambda x: model.logits(params, x), h, sp, top_n, n, None, fixed_rows, counts, processed)
+            counts = counted(counts, fb.sample_slot, o.tokens[:, None], real[:, None])
+            return (params, kv, counts, o.tokens), (o, h.astype(jnp.float32) if hidden else None)
 
-        k = lb.ids.shape[1]
-        outs = SampleOut(jnp.zeros((r, k1), jnp.int32), jnp.zeros((r, k1), jnp.float32),
-                         jnp.zeros((r, k1, top_n), jnp.int32), jnp.zeros((r, k1, top_n), jnp.float32),
-                         jnp.zeros((r, k1, k), jnp.float32))  # fmt: skip
-        _, kv, last, outs = jax.lax.fori_loop(0, k1, one, (params, kv, ids, outs))
-        out = jax.tree.map(lambda a: a.reshape((r * k1,) + a.shape[2:]), outs)
+        (_, kv, counts, last), (outs, hs) = jax.lax.scan(one, (params, kv, counts, ids), jnp.arange(k1))
+        # [k1, R, ...] -> row after row: step j's sample of row r at r * k1 + j (as its input token)
+        out, hs = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((r * k1,) + a.shape[2:]), (outs, hs))
         tok = tok.at[fb.sample_slot].set(last)
         pos = pos.at[fb.sample_slot].set(fb.kv_len)
         accepted = jnp.where(real, k1 - 1, 0).astype(jnp.int32)
         assert lb.index is None  # (a decode program takes no prompt positions: empty logprobs, h unread)
         prompt = position_logprobs(lambda x: model.logits(params, x), jnp.zeros((0, 1)), lb, top_n, position_group)
-        return kv, (tok, pos), out, accepted, prompt
+        return kv, (tok, pos, counts), out, accepted, prompt, hs if hidden else jnp.zeros((0, 0), jnp.float32)
 
     return step
 
@@ -141,16 +146,32 @@ def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> For
     )  # fmt: skip
 
 
-def per_sample(rs: RowSampling, ids: jax.Array, position: jax.Array, k1: int) -> SamplingBatch:
-    """The sampler's input: each row's parameters (and token_ids_logprob `ids` [R, K]) for each
-    of its k1 sampled tokens (the mask is per sampled token already)."""
+def per_sample(rs: RowSampling, ids: jax.Array, position: jax.Array, k1: int, slot: jax.Array,
+               drafts: jax.Array | None = None) -> SamplingBatch:  # fmt: skip
+    """The sampler's input: each row's parameters (and token_ids_logprob `ids` [R, K], token
+    counts' `slot` [R]) for each of its k1 sampled tokens (the mask is per sampled token
+    already); `drafts` [R, k1 - 1]: a verify round's, each sample's `prior` the ones before it."""
 
     def each(x: jax.Array) -> jax.Array:
-        return x if k1 == 1 else jnp.repeat(x, k1, axis=0)
+        return x if k1 == 1 or x is None else jnp.repeat(x, k1, axis=0)
 
+    prior = None
+    if drafts is not None and k1 > 1:  # sample j of a round: drafts [0, j) before it
+        before = jnp.arange(k1 - 1)[None, :] < jnp.arange(k1)[:, None]  # [k1, k1 - 1]
+        prior = jnp.where(before[None], drafts[:, None, :], -1).reshape(-1, k1 - 1)
     return SamplingBatch(each(rs.temperature), each(rs.top_k), each(rs.top_p), each(rs.min_p), each(rs.seed),
                          position, rs.any_random, rs.any_filter, rs.mask, rs.any_mask,
-                         each(ids) if ids.shape[1] else None, rs.any_logprobs, rs.any_top)  # fmt: skip
+                         each(ids) if ids.shape[1] else None, rs.any_logprobs, rs.any_top, each(rs.repetition),
+                         each(rs.frequency), each(rs.presence), rs.any_penalty, each(slot), prior,
+                         each(rs.min_until), each(rs.ban), each(rs.bias_ids), each(rs.bias), rs.any_adjust,
+                         rs.any_kept)  # fmt: skip
+
+
+def counted(counts: jax.Array, slots: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """The slots' token counts with each valid token counted once more in its row's slot
+    (slots [R], tokens and valid [R, n]); padding rows count in the sink slot."""
+    v = counts.shape[1]
+    return counts.at[slots[:, None], jnp.where(valid, tokens, v)].add(1, mode="drop")
 
 
 def make_logits(model: CausalLM) -> Callable[..., tuple[Any, jax.Array]]:
