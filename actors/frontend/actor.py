@@ -440,6 +440,23 @@ class TokenizerManager:
             raise ValueError(f"mode={mode!r}: choose one of {list(PAUSE_MODES)}")
         return await self._ok(m.PauseReq(mode), "pause")
 
+    async def pause_after_inflight(self, poll_s: float = 0.01) -> dict:
+        """vLLM's pause mode `wait`: new requests wait at the front door while every request in
+        flight finishes, then the scheduler pauses (in place: nothing is left running) and the
+        new ones queue there until `continue_generation`."""
+        while self.held is not None:  # (a weight update across groups is deciding)
+            await self.held.wait()
+        self.held = held = asyncio.Event()
+        try:
+            if not (await self.get_server_info())["paused"]:  # (paused already: nothing in flight moves)
+                inflight = list(self.core.states.values())
+                while any(not st.finished and st.error is None for st in inflight):
+                    await asyncio.sleep(poll_s)
+            return await self.pause_generation("in_place")
+        finally:
+            self.held = None
+            held.set()
+
     async def continue_generation(self) -> dict:
         return await self._ok(m.ContinueReq(), "continue")
 

@@ -80,7 +80,7 @@ def generate_req(spec: RequestSpec, resume: m.Resume | None = None) -> m.Generat
         return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num, stream=spec.stream,
         session_id=plan.session.id if plan is not None else None, logprob_start_len=spec.logprob_start_len,
         token_ids_logprob=m.i32(spec.token_ids_logprob) if spec.token_ids_logprob else b"", resume=resume,
-        lora_path=spec.lora_path, return_hidden_states=spec.return_hidden_states,
+        lora_path=spec.lora_path, return_hidden_states=spec.return_hidden_states, cache_salt=spec.cache_salt,
     )  # fmt: skip
 
 

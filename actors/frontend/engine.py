@@ -127,7 +127,8 @@ class Engine:
                  logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
                  lora_path: str | list[str | None] | None = None,
                  data_parallel_rank: int | list[int | None] | None = None,
-                 return_hidden_states: bool | list[bool] = False) -> Any:  # fmt: skip
+                 return_hidden_states: bool | list[bool] = False,
+                 cache_salt: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
         requests were given), the last one of each request finished; leaving the iterator early
@@ -142,12 +143,14 @@ class Engine:
         `data_parallel_rank` (dp_size > 1) runs the request(s) in that group instead of the
         dispatcher's pick. `return_hidden_states` (a server started with
         enable_return_hidden_states): meta_info["hidden_states"], SGLang's: the last layer's state
-        at each prompt position (one list), then at each output token's but the last."""
+        at each prompt position (one list), then at each output token's but the last. `cache_salt`
+        (vLLM's): the prefix cache is shared only among requests of equal salts."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
-                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states)  # fmt: skip
+                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states,
+                            cache_salt=cache_salt)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:
@@ -162,14 +165,16 @@ class Engine:
                              logprob_start_len: int | list[int] = -1, token_ids_logprob: list | None = None,
                              lora_path: str | list[str | None] | None = None,
                              data_parallel_rank: int | list[int | None] | None = None,
-                 return_hidden_states: bool | list[bool] = False) -> Any:  # fmt: skip
+                 return_hidden_states: bool | list[bool] = False,
+                 cache_salt: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
-                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states)  # fmt: skip
+                            data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states,
+                            cache_salt=cache_salt)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
         if stream:

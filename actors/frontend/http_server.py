@@ -4,7 +4,9 @@ Native: POST /generate (SGLang's JSON in and out, SSE streaming with cumulative 
 /abort_request, /pause_generation, /continue_generation, /flush_cache (400 with the reason when
 refused), GET /get_server_info, /get_model_info, /get_load, /v1/loads, /health,
 /health_generate, /metrics (Prometheus). OpenAI: /v1/models, /v1/completions,
-/v1/chat/completions.
+/v1/chat/completions. vLLM's control routes (/pause, /resume, /sleep, /wake_up,
+/reset_prefix_cache, /tokenize, /detokenize, /abort_requests) and its token-in token-out
+/inference/v1/generate: vllm_api.py.
 
 Bodies are decoded with msgspec into typed structs (/generate's into `GenerateBody`, which
 yields the one `GenerateArgs` every surface builds): malformed JSON, a wrong type, an unknown
@@ -40,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from ringserve.actors.frontend import openai_api as oai
+from ringserve.actors.frontend import vllm_api
 from ringserve.actors.frontend.actor import TokenizerManager
 from ringserve.actors.frontend.errors import EngineDead
 from ringserve.actors.frontend.inputs import GenerateArgs
@@ -286,6 +289,9 @@ def build_app(tm: TokenizerManager, *, model_name: str, model_path: str, api_key
 
     for name in verbs or {}:
         app.add_api_route(f"/{name}", _verb_route(verbs or {}, name, body), methods=["GET", "POST"])
+
+    # ---- vLLM's control routes and token-in token-out generate (actors/frontend/vllm_api.py) ---
+    vllm_api.add_routes(app, tm, body, _json, _sse, model_name)
 
     # ---- OpenAI -------------------------------------------------------------------------------
     def render_chat(messages: list[dict[str, Any]]) -> list[int]:

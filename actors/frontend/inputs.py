@@ -49,6 +49,10 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (or one per prompt); None: base
     data_parallel_rank: int | list[int | None] | None = None  # the group to run in (dp_size > 1; None: dispatched)
     return_hidden_states: bool | list[bool] = False  # the last layer's states (needs enable_return_hidden_states)
+    cache_salt: str | list[str | None] | None = None  # vLLM's: the prefix cache is shared only among equal salts
+
+
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +97,7 @@ class RequestSpec:
     data_parallel_rank: int | None = None  # the caller's group for it (None: the dispatcher picks)
     sample_of: str | None = None  # one of n > 1 samples of this request id (they share one group)
     return_hidden_states: bool = False  # the last layer's states at its positions are read back
+    cache_salt: str | None = None  # its prefix cache namespace's salt (None: the common one)
 
     @property
     def seed(self) -> int:
@@ -266,6 +271,12 @@ def normalize_generate(
         raise ValueError("return_hidden_states: this server returns none (start it with enable_return_hidden_states)")
     if any(hidden) and session_params is not None:
         raise ValueError("return_hidden_states: not with session_params (a turn's earlier turns' KV is reused)")
+    salts = _per_prompt(args.cache_salt, n_prompts)
+    if len(salts) != n_prompts:
+        raise ValueError(f"cache_salt: {len(salts)} given for {n_prompts} prompts")
+    for s in salts:
+        if s is not None and not (isinstance(s, str) and 0 < len(s) <= MAX_CACHE_SALT):
+            raise ValueError(f"cache_salt={_short(s)}: a non-empty string of at most {MAX_CACHE_SALT} characters")
     specs: list[RequestSpec] = []
     for i, given in enumerate(raw):
         where = f"input_ids[{i}]" if batched else "input_ids"
@@ -300,7 +311,7 @@ def normalize_generate(
                 stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
                 lora_path=loras[i],
                 data_parallel_rank=dp_ranks[i], sample_of=base_rid if sp.n > 1 else None,
-                return_hidden_states=hidden[i],
+                return_hidden_states=hidden[i], cache_salt=salts[i],
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

@@ -67,6 +67,7 @@ class _Common(msgspec.Struct, **_S):
     regex: str | None = None
     ebnf: str | None = None
     return_hidden_states: bool = False  # SGLang's: in each choice's "hidden_states" (enable_return_hidden_states)
+    cache_salt: str | None = None  # vLLM's: the prefix cache is shared only among equal salts
 
 
 class CompletionRequest(_Common, **_S):
@@ -180,6 +181,7 @@ def completion_args(r: CompletionRequest) -> GenerateArgs:
         sampling_params=_sampling(r, r.max_tokens), rid=r.rid,
         return_logprob=r.logprobs is not None, top_logprobs_num=r.logprobs or 0, stream=r.stream,
         logprob_start_len=0 if r.echo and r.logprobs is not None else -1, return_hidden_states=r.return_hidden_states,
+        cache_salt=r.cache_salt,
     )  # fmt: skip
 
 
@@ -236,7 +238,7 @@ def chat_args(r: ChatRequest, render: Callable[[list[dict[str, Any]]], list[int]
     return GenerateArgs(
         input_ids=_render(render, messages), sampling_params=_sampling(r, max_new), rid=r.rid,
         return_logprob=r.logprobs, top_logprobs_num=(r.top_logprobs or 0) if r.logprobs else 0, stream=r.stream,
-        return_hidden_states=r.return_hidden_states,
+        return_hidden_states=r.return_hidden_states, cache_salt=r.cache_salt,
     )  # fmt: skip
 
 

@@ -52,7 +52,8 @@ def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
     ids = m.as_i32(g.input_ids).copy()
     req = Req(g.rid, ids, g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
               m.as_i32(g.token_ids_logprob).copy() if g.token_ids_logprob else None,
-              stream=g.stream, session_id=g.session_id, return_hidden_states=g.return_hidden_states)  # fmt: skip
+              stream=g.stream, session_id=g.session_id, return_hidden_states=g.return_hidden_states,
+              cache_salt=g.cache_salt)  # fmt: skip
     if g.return_logprob and 0 <= g.logprob_start_len < len(ids) - 1:  # some prompt position to compute
         req.prompt_lp = PromptLogprobs(g.logprob_start_len, len(ids))
     if g.resume is None:

@@ -281,8 +281,8 @@ class SchedulerCore:
         return batch
 
     def _cache_key(self, req: Req) -> str:
-        """The prefix cache's namespace of `req`: the weight version, and its adapter load."""
-        return cache_key(self.weight_version, req.lora)
+        """The prefix cache's namespace of `req`: the weight version, its adapter load, its salt."""
+        return cache_key(self.weight_version, req.lora, req.cache_salt)
 
     def _match_len(self, req: Req) -> int:
         return self.cache.match_len(req.prefix_ids(), self._cache_key(req))

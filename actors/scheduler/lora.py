@@ -70,6 +70,8 @@ class LoraTable:
         return {a.name: a.path for a in self.by_name.values()}
 
 
-def cache_key(weight_version: str, lora: LoadedLora | None) -> str:
-    """The prefix cache's namespace of a request: the weights, and the adapter load if any."""
-    return weight_version if lora is None else f"{weight_version}\x1flora:{lora.uid}"
+def cache_key(weight_version: str, lora: LoadedLora | None, salt: str | None = None) -> str:
+    """The prefix cache's namespace of a request: the weights, the adapter load if any, and the
+    request's cache_salt if any (vLLM's: prefixes are shared only among equal salts)."""
+    key = weight_version if lora is None else f"{weight_version}\x1flora:{lora.uid}"
+    return key if salt is None else f"{key}\x1fsalt:{salt}"

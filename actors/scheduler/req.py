@@ -89,6 +89,7 @@ class Req:
     resumed: Resume | None = None  # resubmitted after a restart: output_ids began as resumed.output_ids
     lora: LoadedLora | None = None  # its LoRA adapter (actors/scheduler/lora.py); None: the base model
     return_hidden_states: bool = False  # the last hidden states of its positions are read back
+    cache_salt: str | None = None  # its prefix cache namespace's salt (vLLM's; None: the common one)
     hidden: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32 [n, H] chunks, positions 0, 1, ...
     hidden_len: int = 0  # positions whose hidden states are in `hidden`
     kept: list[np.ndarray] = dataclasses.field(default_factory=list)  # return_top_p_token_ids: each output's set

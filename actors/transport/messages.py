@@ -117,6 +117,7 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     resume: Resume | None = None  # resubmitted after a restart: the output its caller already has
     lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
     return_hidden_states: bool = False  # the tokens' last hidden states (needs enable_return_hidden_states)
+    cache_salt: str | None = None  # the prefix cache is shared only among requests of equal salts
 
 
 class AbortReq(msgspec.Struct, tag="abort", **_S):

@@ -76,3 +76,35 @@ def in_background(engine, prompts, max_new, min_decodes: int = 3, **sp):
         assert time.monotonic() < deadline, "generation never started decoding"
         time.sleep(0.01)
     return t, box
+
+
+def rl_sampling(eos: int) -> list[dict]:
+    """What RL frameworks send besides temperature (tests/engine/test_sampling_params.py checks
+    each against a reference): penalties, min_new_tokens with a pushed-for EOS, logit_bias, the
+    sampling mask; greedy and seeded."""
+    return [
+        {"temperature": 0, "ignore_eos": True, "repetition_penalty": 1.3, "frequency_penalty": 0.4},
+        {"temperature": 0, "ignore_eos": True, "presence_penalty": 1.5, "logit_bias": {"5": 2.0}},
+        {"temperature": 0, "min_new_tokens": 6, "logit_bias": {str(eos): 50.0}, "frequency_penalty": 0.5},
+        {"temperature": 0.8, "top_p": 0.9, "sampling_seed": 11, "ignore_eos": True, "repetition_penalty": 1.2,
+         "presence_penalty": 0.5, "custom_params": {"return_top_p_token_ids": True}},
+    ]  # fmt: skip
+
+
+def assert_same_rl_outputs(engine, reference, prompts: list[list[int]], max_new: int) -> None:
+    """`engine` gives `reference`'s tokens, finish reasons, logprobs and sampling masks for every
+    prompt under each of `rl_sampling`'s parameters (all in one batch)."""
+    cases = rl_sampling(engine.tokenizer.eos_token_id)
+    ps = [p for p in prompts for _ in cases]
+    sps = [{**c, "max_new_tokens": max_new} for _ in prompts for c in cases]
+    want = reference.generate(input_ids=ps, sampling_params=sps, return_logprob=True)
+    got = engine.generate(input_ids=ps, sampling_params=sps, return_logprob=True)
+    for g, w, sp in zip(got, want, sps, strict=True):
+        assert g["output_ids"] == w["output_ids"], sp
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], sp
+        np.testing.assert_allclose([x[0] for x in g["meta_info"]["output_token_logprobs"]],
+                                   [x[0] for x in w["meta_info"]["output_token_logprobs"]], rtol=1e-4, atol=1e-4)  # fmt: skip
+        for key in ("top_p_token_ids", "top_p_token_offsets"):
+            assert g["meta_info"].get(key) == w["meta_info"].get(key), sp
+    early = [len(w["output_ids"]) for w, sp in zip(want, sps, strict=True) if sp.get("min_new_tokens")]
+    assert min(early) >= 6 and any(n < max_new for n in early), "EOS was meant to end them right after min_new_tokens"

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tests.engine.conftest import SMALL, assert_no_leak, random_prompts
+from tests.engine.conftest import SMALL, assert_no_leak, assert_same_rl_outputs, random_prompts, rl_sampling
 
 DET = dict(SMALL, enable_deterministic_inference=True, chunked_prefill_size=48)
 SAMPLING = [
@@ -98,5 +98,18 @@ def test_prompt_logprobs_have_the_same_bits_chunked_differently_and_overlap_on_o
     a.generate(input_ids=[t[:37] for t in targets], sampling_params={"max_new_tokens": 1})  # cached under another split
     assert prompt_part(a.generate(input_ids=others[:2] + targets, **ask))[2:] == alone
     assert prompt_part(b.generate(input_ids=targets[::-1] + others[2:], **ask))[:3] == alone[::-1]
+    assert_no_leak(a)
+    assert_no_leak(b)
+
+
+def test_penalized_biased_and_masked_requests_have_the_same_bits_too(det_engines):
+    a, b = det_engines
+    targets = random_prompts(2, seed=74, lo=60, hi=140)
+    others = random_prompts(6, seed=75, lo=2, hi=120)
+    for sp in rl_sampling(a.tokenizer.eos_token_id):
+        sp = {**sp, "max_new_tokens": 16}
+        alone = [run(a, [t], sp)[0] for t in targets]
+        assert run(a, others[:3] + targets + others[3:], sp)[3:5] == alone, sp
+    assert_same_rl_outputs(b, a, targets, 16)
     assert_no_leak(a)
     assert_no_leak(b)

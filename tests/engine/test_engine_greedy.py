@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.conftest import engine_ctx, random_prompts
+from tests.engine.conftest import assert_same_rl_outputs, engine_ctx, random_prompts
 from tests.hf_ref import hf_greedy
 
 N_PROMPTS = 16
@@ -37,7 +37,8 @@ def reference(tiny_llama):
         "page16-retract",
     ],
 )
-def test_greedy_equals_hf(tiny_llama, reference, page_size, chunked_prefill_size, overlap, max_total_tokens):
+def test_greedy_equals_hf(tiny_llama, shared_engine, reference, page_size, chunked_prefill_size, overlap,
+                          max_total_tokens):  # fmt: skip
     prompts, want = reference
     kw = dict(
         page_size=page_size, chunked_prefill_size=chunked_prefill_size, disable_overlap_schedule=not overlap
@@ -56,6 +57,9 @@ def test_greedy_equals_hf(tiny_llama, reference, page_size, chunked_prefill_size
             assert info["num_retracted"] > 0, "the small pool was meant to force a retract"
         else:
             assert info["num_retracted"] == 0
+        # penalties (token counts set again from prompt + output after a retract), min_new_tokens,
+        # logit_bias, sampling masks: the shared engine's, whatever the configuration
+        assert_same_rl_outputs(engine, shared_engine, prompts[:6], MAX_NEW)
 
 
 def test_text_and_streaming(tiny_llama):

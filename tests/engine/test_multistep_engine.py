@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine.conftest import assert_no_leak, engine_ctx, in_background, random_prompts
+from tests.engine.conftest import assert_no_leak, assert_same_rl_outputs, engine_ctx, in_background, random_prompts
 
 K = 4
 MULTI = dict(decode_steps=K, decode_steps_max_batch=4)
@@ -109,3 +109,8 @@ def test_pause_modes_mid_run(multi, shared_engine, mode):
             assert o["output_ids"] == w[: len(o["output_ids"])]
     else:
         assert _ids(outs) == want
+
+
+def test_penalties_min_new_tokens_bias_and_sampling_masks_equal_one_step_decoding(multi, shared_engine):
+    """Each decode step of a run counts its token before the next one samples."""
+    assert_same_rl_outputs(multi, shared_engine, random_prompts(1, seed=67, lo=3, hi=30), 20)  # 4 rows: multi-step

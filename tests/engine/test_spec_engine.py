@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.engine.conftest import SMALL, assert_no_leak, engine_ctx, in_background, random_prompts
+from tests.engine.conftest import SMALL, assert_no_leak, assert_same_rl_outputs, engine_ctx, in_background, random_prompts
 
 K = 3
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=K)
@@ -162,3 +162,10 @@ def test_seed_001_case_table_through_the_engine(constant_model, page, overlap):
             prev, prev_T = m["id"], T
         assert seen == {True, False}, "every turn finished the same way: the table was not covered"
         e.close_session(sid)
+
+
+def test_penalties_min_new_tokens_bias_and_sampling_masks_equal_non_speculative(spec, shared_engine):
+    """A verify round's drafts count as output before the samples after them: the penalties'
+    counts, min_new_tokens' positions and the masks are the non-speculative ones."""
+    assert_same_rl_outputs(spec, shared_engine, mixed_prompts(6, seed=67), 24)
+    assert spec.get_server_info()["avg_spec_accept_length"] > 1.0
