@@ -185,6 +185,11 @@ class StartupOptions(_Section):
         True, "keep compiled step programs in $RINGSERVE_CACHE/xla, on CPU the traced ones in "
         "$RINGSERVE_CACHE/programs (later start-ups take seconds)"
     )
+    runner_in_process: bool = _opt(
+        False, "run the runner as a thread of the process that starts the engine, on its devices (a trainer's: "
+        "one process owns a TPU host's chips; ringserve.integrations.tunix), the other actors as processes; "
+        "dp_size 1 on one host"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,6 +312,8 @@ class ServerArgs:
             self.max_running_requests >= 1, f"max_running_requests={self.max_running_requests}: must be >= 1"
         )
         need(self.context_length >= 2, f"context_length={self.context_length}: must be >= 2")
+        need(not self.runner_in_process or (self.dp_size == 1 and self.nnodes == 1),
+             f"runner_in_process: one runner on this host's devices (dp_size={self.dp_size}, nnodes={self.nnodes})")  # fmt: skip
         if self.max_total_tokens is not None:  # None: sized at start-up (actors/transport/memory.py)
             need(
                 self.max_total_tokens >= 2 * self.page_size,

@@ -9,7 +9,9 @@ system over shared-memory rings.
 The one importable top-level name. Its parts install beneath it from the repository's folders
 (pyproject.toml maps them): `ringserve.actors` (actors/: the processes and every wire type),
 `ringserve.kvmem` (kvmem/: KV bookkeeping, NumPy only), `ringserve.model` (model/: the JAX model
-runtime) and `ringserve.bench` (bench/: the benchmark harness behind `ringserve bench`).
+runtime), `ringserve.bench` (bench/: the benchmark harness behind `ringserve bench`) and
+`ringserve.integrations` (integrations/: ringserve inside other frameworks' code, each module
+importing its framework: `ringserve.integrations.tunix.RingserveRollout`).
 
 Names are imported lazily, so `ringserve cleanup` never pays for JAX or transformers.
 """

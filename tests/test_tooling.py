@@ -21,7 +21,7 @@ def _tool(name: str) -> str:
 
 
 def test_ruff_clean():
-    r = subprocess.run([_tool("ruff"), "check", "ringserve", "actors", "kvmem", "model", "tests", "bench", "tools"], cwd=ROOT,
+    r = subprocess.run([_tool("ruff"), "check", "ringserve", "actors", "kvmem", "model", "integrations", "tests", "bench", "tools"], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
 
@@ -32,7 +32,7 @@ def test_mypy_clean(tmp_path):
     pkg = tmp_path / "ringserve"
     pkg.mkdir()
     (pkg / "__init__.py").symlink_to(ROOT / "ringserve" / "__init__.py")
-    for part in ("actors", "kvmem", "model"):
+    for part in ("actors", "kvmem", "model", "integrations"):
         (pkg / part).symlink_to(ROOT / part)
     r = subprocess.run([_tool("mypy"), "--config-file", str(ROOT / "pyproject.toml"), "-p", "ringserve"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -47,7 +47,7 @@ def test_the_wheel_lists_every_package():
 
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     want = {"ringserve"}
-    for part in ("actors", "kvmem", "model", "bench"):
+    for part in ("actors", "kvmem", "model", "bench", "integrations"):
         assert conf["package-dir"][f"ringserve.{part}"] == part
         want |= {"ringserve." + ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / part).rglob("__init__.py")}
     assert set(conf["packages"]) == want

@@ -82,7 +82,6 @@ def main(argv: list[str]) -> int:
             for s, h in previous.items():
                 signal.signal(s, h)
     from ringserve.actors.frontend.engine import Engine
-
     from ringserve.model.checkpoints.resolve import resolve_model
 
     listener = None if args.no_http else bind_http(checked.host, checked.port)

@@ -225,13 +225,18 @@ def add_routes(app: FastAPI, tm: TokenizerManager, body: Callable[[Request, Any]
         if (b.prompt is None) == (b.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if b.messages is not None:
-            text = tm.tok.apply_chat_template(b.messages, add_generation_prompt=b.add_generation_prompt, tokenize=False)
+            text = tm.tok.apply_chat_template(
+                b.messages, add_generation_prompt=b.add_generation_prompt, tokenize=False
+            )
             ids = tm.tok.encode(text, add_special_tokens=False)
         else:
+            assert b.prompt is not None
             tm.limits.check_text("prompt", b.prompt)
             ids = tm.tok.encode(b.prompt, add_special_tokens=b.add_special_tokens)
         strs = tm.tok.convert_ids_to_tokens(ids) if b.return_token_strs else None
-        return json({"count": len(ids), "max_model_len": tm.args.context_length, "tokens": ids, "token_strs": strs})
+        return json(
+            {"count": len(ids), "max_model_len": tm.args.context_length, "tokens": ids, "token_strs": strs}
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -72,7 +72,7 @@ def run(ctx) -> None:
                      heartbeat_s=args.dist_heartbeat_s, local_devices=args.tp_size // args.nnodes)  # fmt: skip
         ctx.log.info("node %d of %d joined the jax.distributed cluster at %s", args.node_rank, args.nnodes,
                      args.dist_init_addr)  # fmt: skip
-    if args.xla_cache:
+    if args.xla_cache and not args.runner_in_process:  # (a trainer's process keeps its own JAX settings)
         enable_compilation_cache()
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg.model_dir, executor_config(args))
@@ -102,3 +102,5 @@ def run(ctx) -> None:
     finally:
         if args.jax_profile_dir:
             jax.profiler.stop_trace()
+        if args.runner_in_process:  # the process goes on: its compile thread and device memory must not
+            ex.close()

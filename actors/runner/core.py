@@ -218,10 +218,9 @@ class RunnerCore:
 
     def _hidden(self, p: Pending, res: m.StepResultMsg) -> None:
         """The last hidden states of every token of the rows that asked, into `res`."""
-        h = p.so.hidden
-        if h is None or not h.shape[0]:
+        if p.so.hidden is None or not p.so.hidden.shape[0]:
             raise ValueError("a row asks for hidden states, but the programs return none (enable_return_hidden_states)")
-        h = np.asarray(h)
+        h = np.asarray(p.so.hidden)
         lens = [r.extend_len for r in p.dev_rows]
         starts = np.concatenate([[0], np.cumsum(lens)]).astype(int)
         take = [r.sampling.hidden for r in p.dev_rows]

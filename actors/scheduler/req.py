@@ -160,8 +160,9 @@ class Req:
         """What the prefix cache may grant: every token but the last (one is always computed),
         and none of the prompt positions whose logprobs or hidden states are still wanted."""
         cap = self.fill_len - 1
-        if self.prompt_lp is not None and self.prompt_lp.cap() is not None:
-            cap = min(cap, self.prompt_lp.cap())
+        lp_cap = self.prompt_lp.cap() if self.prompt_lp is not None else None
+        if lp_cap is not None:
+            cap = min(cap, lp_cap)
         if self.return_hidden_states:
             cap = min(cap, self.hidden_len)
         return self.fill_ids(0, cap)

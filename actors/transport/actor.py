@@ -1,7 +1,8 @@
 """One actor process: its context, its control channel to the parent, and its entry point.
 
 An actor is a function `target(ctx: ActorContext) -> None` named "module:function", run by
-`actor_main` in a process started with the multiprocessing spawn context (see launcher.py).
+`actor_main` in a process started with the multiprocessing spawn context (see launcher.py), or
+by `thread_actor_main` in a thread of the parent's process (the runner with runner_in_process).
 
 Control channel: one duplex pipe per actor carrying msgspec-encoded `Control` structs (never
 pickle). Child -> parent: Ready, LogLine, Failed (formatted traceback, sent before a non-zero
@@ -25,7 +26,7 @@ import msgspec
 
 from ringserve.actors.transport.ring import RingClosed, unlink_name
 
-__all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target", "without_torch"]
+__all__ = ["ActorContext", "ActorSpec", "Control", "actor_main", "resolve_target", "thread_actor_main", "without_torch"]
 
 _S = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -200,6 +201,41 @@ def actor_main(conn: Connection, spec_bytes: bytes) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: ring handles may still be in use by threads
+
+
+def thread_actor_main(conn: Connection, spec_bytes: bytes) -> int:
+    """`actor_main` for an actor run as a thread of the parent's own process (the runner with
+    `runner_in_process`: on the devices of the process that starts the engine, a trainer's).
+    The process is the parent's: no session, environment, torch block or logging of its own,
+    and its end is the thread's (returns the exit code), never the process's; the parent's end
+    of the pipe closing (the group torn down) is a stop request."""
+    spec = msgspec.msgpack.decode(spec_bytes, type=ActorSpec)
+    ctx = ActorContext(spec, conn)
+    threading.Thread(target=_watch_stop, args=(ctx, conn), name=f"{spec.name}-stop-watch", daemon=True).start()
+    code = 0
+    try:
+        resolve_target(spec.target)(ctx)
+    except RingClosed:
+        if not ctx.stopping():
+            ctx._stop.wait(1.0)
+        if not ctx.stopping():
+            code = _report(ctx)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            code = _report(ctx)
+    except BaseException:
+        code = _report(ctx)
+    return code
+
+
+def _watch_stop(ctx: ActorContext, conn: Connection) -> None:
+    """A thread actor's control thread: Stop, or the parent's end closing, sets `stopping()`."""
+    while not ctx.stopping():
+        try:
+            if conn.poll(0.5) and isinstance(decode_control(conn.recv_bytes()), Stop):
+                ctx._stop.set()
+        except (EOFError, OSError):
+            ctx._stop.set()
 
 
 def _report(ctx: ActorContext) -> int:

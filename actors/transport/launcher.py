@@ -8,6 +8,10 @@ behind by dead processes.
     watcher thread ◄───── pipe: Ready / LogLine / Failed (msgspec) ─────────── ctx.ready(), ctx.log
                    ◄───── process sentinel (readable when the process ends)
 
+`spawn_thread` runs an actor as a thread of the parent's own process instead (the runner with
+runner_in_process: on the devices of the process that starts the engine, a trainer's), watched
+the same way through a pipe and a sentinel of its own; teardown asks it to stop, never signals.
+
 One watcher thread owns every process after spawn: it forwards log lines, records readiness,
 and reaps exits. An exit the group did not ask for (any code, 0 included) is a failure: the
 watcher calls `on_failure(name, exitcode, traceback_text)` once, then tears the group down.
@@ -45,6 +49,7 @@ from ringserve.actors.transport.actor import (
     actor_main,
     decode_control,
     encode,
+    thread_actor_main,
 )
 from ringserve.actors.transport.devices import group_envs
 from ringserve.actors.transport.loads import LoadBoard
@@ -102,10 +107,39 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+class _ThreadProc:
+    """What the watcher needs of an actor run as a thread of this process (`spawn_thread`): the
+    process's pid, a sentinel that is readable once the thread has ended, `join`, `exitcode`.
+    No signal ever reaches it (the pid is this process's): teardown asks it to stop and waits."""
+
+    def __init__(self, name: str, conn: Connection, spec: bytes) -> None:
+        self.pid = os.getpid()
+        self.exitcode: int | None = None
+        self.sentinel, self._done = os.pipe()
+        self._thread = threading.Thread(target=self._run, args=(conn, spec), name=f"ringserve-{name}", daemon=True)
+
+    def _run(self, conn: Connection, spec: bytes) -> None:
+        code = 1
+        try:
+            code = thread_actor_main(conn, spec)
+        finally:
+            self.exitcode = code
+            os.close(self._done)  # the sentinel reads EOF
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+
+
 @dataclass(eq=False)
 class _Actor:
     name: str
-    proc: BaseProcess
+    proc: BaseProcess | _ThreadProc
     conn: Connection
     info: bytes | None = None  # set by Ready
     traceback: str = ""  # set by Failed
@@ -206,6 +240,22 @@ class ActorGroup:
                 proc.start()
             self._actors[name] = _Actor(name, proc, parent_conn)
         child_conn.close()
+        self._wake()
+
+    def spawn_thread(self, name: str, target: str, config: bytes = b"", rings: dict[str, str] | None = None) -> None:
+        """Start actor `name` running `target` in a thread of this process (its devices, its
+        environment): the runner with runner_in_process. It is watched as a process is (Ready,
+        its end, a failure's traceback), but teardown can only ask it to stop."""
+        if name in self._actors:
+            raise ValueError(f"actor {name!r} already exists")
+        spec = ActorSpec(name, target, bytes(config), dict(rings or {}), self._log_level, os.getpid())
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        proc = _ThreadProc(name, child_conn, encode(spec))
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError(f"cannot start {name!r}: the actor group is shutting down")
+            proc.start()
+            self._actors[name] = _Actor(name, proc, parent_conn)
         self._wake()
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, bytes]:
@@ -389,8 +439,11 @@ class ActorGroup:
             live = [a for a in actors if a.exitcode is None]
             if not live:
                 break
+            if sig is not None and all(isinstance(a.proc, _ThreadProc) for a in live):
+                log.warning("actor thread(s) %s did not stop within %.1f s; left running", [a.name for a in live], grace)
+                break
             for a in live:
-                if sig is not None and a.proc.pid is not None:
+                if sig is not None and a.proc.pid is not None and not isinstance(a.proc, _ThreadProc):
                     try:
                         os.kill(a.proc.pid, sig)
                     except ProcessLookupError:
@@ -401,6 +454,8 @@ class ActorGroup:
         for a in actors:
             self._drain(a)
             a.conn.close()
+            if isinstance(a.proc, _ThreadProc) and a.exitcode is not None:
+                a.proc.close()
         for ring in rings:
             ring.unlink()
 
@@ -468,9 +523,12 @@ def start_engine(args: ServerArgs, configs: list[bytes], on_failure: OnFailure,
                            "to_detok": detok_in.name, "loads": links.loads.name}  # fmt: skip
             group.spawn(actor_name("scheduler", r, dp), "ringserve.actors.scheduler.actor:run", configs[r], sched_rings)
             for k in range(local):  # runner k reads the broadcast ring as reader k; only runner 0 sends
-                group.spawn(actor_name("runner", r, dp) if k == 0 else f"runner{k}", "ringserve.actors.runner.actor:run",
-                            _on_node(configs[r], k), {"inbox": runner_in.name, "outbox": runner_out.name},
-                            env=envs[r])  # fmt: skip
+                runner_rings = {"inbox": runner_in.name, "outbox": runner_out.name}
+                if args.runner_in_process:  # on this process's devices (a trainer's); dp_size 1, one host
+                    group.spawn_thread("runner", "ringserve.actors.runner.actor:run", configs[r], runner_rings)
+                else:
+                    group.spawn(actor_name("runner", r, dp) if k == 0 else f"runner{k}", "ringserve.actors.runner.actor:run",
+                                _on_node(configs[r], k), runner_rings, env=envs[r])  # fmt: skip
             if relay:  # reader `local`: every message down one TCP stream per other host
                 group.spawn("relay", "ringserve.actors.relay.actor:run_out", configs[r], {"inbox": runner_in.name})
             group.spawn(actor_name("detokenizer", r, dp), "ringserve.actors.detokenizer.actor:run", configs[r],

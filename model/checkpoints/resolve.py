@@ -21,7 +21,7 @@ def resolve_model(name: str | None) -> tuple[Path, Path]:
     else:
         path = Path(name)
     if not path.exists():
-        raise ValueError(not_found(name))
+        raise ValueError(not_found(str(name)))
     if path.is_dir():
         from ringserve.model.families import read_config
 

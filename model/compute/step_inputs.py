@@ -479,11 +479,11 @@ def _row_sampling(rows: list[DeviceRow], nr: int, k1: int) -> RowSampling:
             min_until[i] = sp.min_until
             ban[i, : len(sp.ban)] = sp.ban
         if sp.bias_ids:
-            if bias_ids is None:
-                bias_ids, bias = np.full((nr, BIAS_IDS), -1, np.int32), np.zeros((nr, BIAS_IDS), np.float32)
             if len(sp.bias_ids) > BIAS_IDS or len(sp.bias) != len(sp.bias_ids):
                 raise ValueError(f"row {i}: {len(sp.bias_ids)} logit_bias ids ({len(sp.bias)} values), the programs "
                                  f"take {BIAS_IDS}")  # fmt: skip
+            if bias_ids is None or bias is None:
+                bias_ids, bias = np.full((nr, BIAS_IDS), -1, np.int32), np.zeros((nr, BIAS_IDS), np.float32)
             bias_ids[i, : len(sp.bias_ids)], bias[i, : len(sp.bias)] = sp.bias_ids, sp.bias
     random = temp > 0
     filt = random & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))

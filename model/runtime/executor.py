@@ -245,6 +245,15 @@ class ModelExecutor:
                 leaf.delete()
         self._packed[0] = weight_memory.register(params, self.plan.dot)
 
+    def close(self) -> None:
+        """Stop the background compile and free the weights, the KV pool and the slots' state on
+        the device: an executor in a process that goes on after it (runner_in_process)."""
+        self.programs.stop()
+        if self.kv_pool.kv is not None:
+            self.kv_pool.drop()
+        if getattr(self, "params", None) is not None:
+            self.drop_params()
+
     def discard_params(self, params: Any) -> None:
         """Free a state built by `build_params` that will not be served (an update refused)."""
         for leaf in jax.tree_util.tree_leaves(params):

@@ -242,6 +242,18 @@ class ProgramSet:
         self._thread.start()
         return time.perf_counter() - t0
 
+    def stop(self) -> None:
+        """Compile no more in the background (the program compiling now finishes first): an
+        executor whose process goes on after it (runner_in_process)."""
+        with self._more:
+            dropped = len(self._queue)
+            self._queue.clear()
+            self.pending -= dropped
+            self._more.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._finish()
+
     def compile_now(self, key: Key) -> bool:
         """Compile `key` on the calling thread (at its priority) if the background compile has not
         come to it yet: a step waits for it. True if it did. Waiting for the background's order

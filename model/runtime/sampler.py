@@ -328,7 +328,8 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array |
         return greedy, kept_bits(one_hot), logits if processed else None
 
     tokens, kept, dist = jax.lax.cond(sp.any_random, draw, plain, None)
-    return SampleOut(tokens, *_wanted_logprobs(dist if processed else raw, tokens, top_n, sp), kept)
+    chosen, top_ids, top_lp, ids_lp = _wanted_logprobs(dist if processed else raw, tokens, top_n, sp)
+    return SampleOut(tokens, chosen, top_ids, top_lp, ids_lp, kept)
 
 
 def _wanted_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, sp: SamplingBatch):

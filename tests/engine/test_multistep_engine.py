@@ -9,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine.conftest import assert_no_leak, assert_same_rl_outputs, engine_ctx, in_background, random_prompts
+from tests.engine.conftest import (
+    assert_no_leak,
+    assert_same_rl_outputs,
+    engine_ctx,
+    in_background,
+    random_prompts,
+)
 
 K = 4
 MULTI = dict(decode_steps=K, decode_steps_max_batch=4)

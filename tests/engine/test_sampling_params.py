@@ -35,12 +35,16 @@ def _ids(outs: list[dict]) -> list[list[int]]:
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
 def test_repetition_penalty_equals_hfs_processor(engine, tiny_llama, prompts, penalty):
     want = hf_repetition_greedy(tiny_llama, prompts, MAX_NEW, penalty)
-    assert want != hf_greedy(tiny_llama, prompts, MAX_NEW), "the penalty was meant to change some continuation"
+    assert want != hf_greedy(tiny_llama, prompts, MAX_NEW), (
+        "the penalty was meant to change some continuation"
+    )
     outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "repetition_penalty": penalty})
     assert _ids(outs) == want
 
 
-def test_frequency_and_presence_equal_the_reference_and_leave_their_neighbours_alone(engine, tiny_llama, prompts):
+def test_frequency_and_presence_equal_the_reference_and_leave_their_neighbours_alone(
+    engine, tiny_llama, prompts
+):
     cases = [{"frequency_penalty": 1.5}, {"presence_penalty": 2.0}, {"frequency_penalty": -0.5, "presence_penalty": 1.0},
              {"repetition_penalty": 1.2, "frequency_penalty": 0.8, "presence_penalty": 0.4}]  # fmt: skip
     ps = [p for p in prompts[:2] for _ in cases] + prompts[2:]
@@ -52,13 +56,17 @@ def test_frequency_and_presence_equal_the_reference_and_leave_their_neighbours_a
         assert o["output_ids"] == want, sp
     plain = hf_greedy(tiny_llama, prompts[2:], MAX_NEW)
     assert _ids(outs[-len(plain) :]) == plain
-    assert any(o["output_ids"] != hf_greedy(tiny_llama, [p], MAX_NEW)[0] for o, p in zip(outs, ps, strict=True))
+    assert any(
+        o["output_ids"] != hf_greedy(tiny_llama, [p], MAX_NEW)[0] for o, p in zip(outs, ps, strict=True)
+    )
 
 
 def test_seeded_penalized_draws_equal_the_reference(engine, tiny_llama, prompts):
     sp = {"max_new_tokens": MAX_NEW, "temperature": 0.8, "ignore_eos": True, "repetition_penalty": 1.2,
           "frequency_penalty": 0.5, "presence_penalty": 0.3}  # fmt: skip
-    outs = engine.generate(input_ids=prompts, sampling_params=[{**sp, "sampling_seed": 1000 + i} for i in range(len(prompts))])
+    outs = engine.generate(
+        input_ids=prompts, sampling_params=[{**sp, "sampling_seed": 1000 + i} for i in range(len(prompts))]
+    )
     for i, (o, p) in enumerate(zip(outs, prompts, strict=True)):
         want = reference_decode(tiny_llama, p, MAX_NEW, repetition=1.2, frequency=0.5, presence=0.3, temperature=0.8,
                                 seed=1000 + i)  # fmt: skip
@@ -70,12 +78,19 @@ def test_min_new_tokens_never_ends_early(engine, tiny_llama, prompts):
     free = hf_greedy(tiny_llama, [p], MAX_NEW)[0]
     stop = free[2]  # the third token would end it
     short = engine.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [stop]})
-    assert short["output_ids"] == free[: free.index(stop) + 1] and short["meta_info"]["finish_reason"]["type"] == "stop"
+    assert (
+        short["output_ids"] == free[: free.index(stop) + 1]
+        and short["meta_info"]["finish_reason"]["type"] == "stop"
+    )
     for min_new in (6, MAX_NEW):
-        out = engine.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [stop], "min_new_tokens": min_new})
+        out = engine.generate(
+            input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [stop], "min_new_tokens": min_new}
+        )
         ids = out["output_ids"]
         assert len(ids) >= min_new and stop not in ids[:min_new]
-        assert ids == reference_decode(tiny_llama, p, MAX_NEW, min_new=min_new, held_back=(stop,), stop=(stop,))
+        assert ids == reference_decode(
+            tiny_llama, p, MAX_NEW, min_new=min_new, held_back=(stop,), stop=(stop,)
+        )
     # vLLM's name, min_tokens, and the EOS id (held back unless ignore_eos)
     eos = engine.tokenizer.eos_token_id
     out = engine.generate(input_ids=p, sampling_params={"max_new_tokens": 8, "temperature": 0, "min_tokens": 8,
@@ -90,7 +105,9 @@ def test_logit_bias(engine, tiny_llama, prompts):
     assert out["output_ids"] == [7] * MAX_NEW
     first = hf_greedy(tiny_llama, [p], 1)[0][0]
     bias = {first: -100.0, 33: 3.0}
-    out = engine.generate(input_ids=p, sampling_params={**GREEDY, "logit_bias": {str(k): v for k, v in bias.items()}})
+    out = engine.generate(
+        input_ids=p, sampling_params={**GREEDY, "logit_bias": {str(k): v for k, v in bias.items()}}
+    )
     assert out["output_ids"] == reference_decode(tiny_llama, p, MAX_NEW, bias=bias)
     assert out["output_ids"][0] != first
     with pytest.raises(ValueError, match="logit_bias"):
@@ -127,7 +144,9 @@ def test_the_sampling_mask_is_the_set_top_p_keeps(engine, tiny_llama, prompts):
         assert got == _top_p_set(hf_logits(tiny_llama, p + ids[:i])[-1], 0.9, 0.8), i
     assert len(kept) > len(ids), "the random model's top-p sets were meant to hold more than one token"
     # the same tokens without asking (the mask changes nothing drawn); top_k bounds the set
-    plain = engine.generate(input_ids=p, sampling_params={k: v for k, v in sp.items() if k != "custom_params"})
+    plain = engine.generate(
+        input_ids=p, sampling_params={k: v for k, v in sp.items() if k != "custom_params"}
+    )
     assert plain["output_ids"] == ids and "top_p_token_ids" not in plain["meta_info"]
     out = engine.generate(input_ids=p, sampling_params={**sp, "top_p": 1.0, "top_k": 3})
     offsets = _decode_i32(out["meta_info"]["top_p_token_offsets"])
@@ -137,7 +156,10 @@ def test_the_sampling_mask_is_the_set_top_p_keeps(engine, tiny_llama, prompts):
                                                         "custom_params": {"return_top_p_token_ids": True}})  # fmt: skip
     assert _decode_i32(out["meta_info"]["top_p_token_ids"]).tolist() == out["output_ids"]
     with pytest.raises(ValueError, match="return_top_p_token_ids"):
-        engine.generate(input_ids=p, sampling_params={"temperature": 1.0, "custom_params": {"return_top_p_token_ids": True}})
+        engine.generate(
+            input_ids=p,
+            sampling_params={"temperature": 1.0, "custom_params": {"return_top_p_token_ids": True}},
+        )
 
 
 def test_bad_penalties_are_refused_naming_the_field(engine, prompts):
@@ -173,7 +195,9 @@ def test_processed_logprobs_are_of_the_distribution_drawn_from(processed, engine
         x = hf_logits(tiny_llama, p + ids[:i])[-1].astype(np.float64)
         lp_raw = x - x.max() - np.log(np.exp(x - x.max()).sum())
         assert raw["meta_info"]["output_token_logprobs"][i][0] == pytest.approx(lp_raw[t], abs=1e-4)
-        seen = set(p + ids[:i])  # repetition penalty (HF's rule), then temperature, then top-k's 5, renormalised
+        seen = set(
+            p + ids[:i]
+        )  # repetition penalty (HF's rule), then temperature, then top-k's 5, renormalised
         y = np.array([(v / 1.3 if v > 0 else v * 1.3) if j in seen else v for j, v in enumerate(x)]) / 0.7
         top = np.argsort(-y, kind="stable")[:5]
         z = y[top] - y[top].max()
@@ -190,17 +214,25 @@ def test_hidden_states_equal_hfs_last_layer(processed, tiny_llama, prompts):
     from tests.hf_ref import hf_model
 
     p = prompts[0]
-    out = processed.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 5}, return_hidden_states=True)
+    out = processed.generate(
+        input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 5}, return_hidden_states=True
+    )
     hs = out["meta_info"]["hidden_states"]
-    assert len(hs) == 1 + 4 and len(hs[0]) == len(p)  # the prompt's positions, then each output's but the last
+    assert len(hs) == 1 + 4 and len(hs[0]) == len(
+        p
+    )  # the prompt's positions, then each output's but the last
     got = np.array(hs[0] + hs[1:], np.float32)
     with torch.no_grad():
-        want = hf_model(str(tiny_llama))(torch.tensor([p + out["output_ids"][:-1]]), output_hidden_states=True)
+        want = hf_model(str(tiny_llama))(
+            torch.tensor([p + out["output_ids"][:-1]]), output_hidden_states=True
+        )
     np.testing.assert_allclose(got, want.hidden_states[-1][0].numpy(), atol=2e-4, rtol=1e-4)
     # a prompt the prefix cache holds is computed again for them; the others are not held up
     again = processed.generate(input_ids=[p, p], sampling_params={**GREEDY, "max_new_tokens": 5},
                                return_hidden_states=[True, False])  # fmt: skip
-    np.testing.assert_allclose(np.array(again[0]["meta_info"]["hidden_states"][0], np.float32), got[: len(p)], atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(again[0]["meta_info"]["hidden_states"][0], np.float32), got[: len(p)], atol=1e-5
+    )
     assert "hidden_states" not in again[1]["meta_info"] and again[1]["output_ids"] == out["output_ids"]
 
 

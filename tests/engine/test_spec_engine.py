@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.engine.conftest import SMALL, assert_no_leak, assert_same_rl_outputs, engine_ctx, in_background, random_prompts
+from tests.engine.conftest import (
+    SMALL,
+    assert_no_leak,
+    assert_same_rl_outputs,
+    engine_ctx,
+    in_background,
+    random_prompts,
+)
 
 K = 3
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=K)

@@ -27,12 +27,16 @@ def test_slime_generate_body(engine, servers):
     sp = {"temperature": 1.0, "top_p": 0.7, "top_k": -1, "max_new_tokens": 10, "stop": None, "stop_token_ids": None,
           "skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False,
           "custom_params": {"return_top_p_token_ids": True}, "sampling_seed": 5}  # fmt: skip
-    r = httpx.post(servers.url + "/generate", json={"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True})
+    r = httpx.post(
+        servers.url + "/generate", json={"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     meta = out["meta_info"]
     n = meta["completion_tokens"]
-    assert n == len(out["output_ids"]) == len(meta["output_token_logprobs"]) and meta["finish_reason"]["type"] in ("stop", "length")
+    assert n == len(out["output_ids"]) == len(meta["output_token_logprobs"]) and meta["finish_reason"][
+        "type"
+    ] in ("stop", "length")
     ids, offsets = _i32(meta, "top_p_token_ids"), _i32(meta, "top_p_token_offsets")
     assert offsets[0] == 0 and len(offsets) == n + 1 and offsets[-1] == len(ids)
     for i, t in enumerate(out["output_ids"]):
@@ -53,7 +57,10 @@ def test_areal_generate_body(engine, servers):
     r = httpx.post(servers.url + "/generate", json=body)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
     meta = r.json()["meta_info"]
-    assert meta["finish_reason"]["type"] in ("stop", "length") and len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert (
+        meta["finish_reason"]["type"] in ("stop", "length")
+        and len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    )
     want = engine.generate(input_ids=PROMPT, sampling_params={**body["sampling_params"], "top_k": -1})
     assert r.json()["output_ids"] == want["output_ids"]
 
@@ -84,35 +91,55 @@ def test_skyrl_generate_and_detokenize(engine, servers):
                                                                  "cache_salt": "run-1"})  # fmt: skip
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    want = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 7, "temperature": 0}, return_logprob=True)
-    assert choice["token_ids"] == want["output_ids"] and choice["finish_reason"] == want["meta_info"]["finish_reason"]["type"]
+    want = engine.generate(
+        input_ids=PROMPT, sampling_params={"max_new_tokens": 7, "temperature": 0}, return_logprob=True
+    )
+    assert (
+        choice["token_ids"] == want["output_ids"]
+        and choice["finish_reason"] == want["meta_info"]["finish_reason"]["type"]
+    )
     lps = [e["logprob"] for e in choice["logprobs"]["content"]]
     np.testing.assert_allclose(lps, [e[0] for e in want["meta_info"]["output_token_logprobs"]], atol=1e-5)
-    assert all(e["top_logprobs"] == [] for e in choice["logprobs"]["content"])  # logprobs 0: the sampled token's only
+    assert all(
+        e["top_logprobs"] == [] for e in choice["logprobs"]["content"]
+    )  # logprobs 0: the sampled token's only
     d = httpx.post(servers.url + "/detokenize", json={"model": None, "tokens": choice["token_ids"]})
     assert d.json()["prompt"] == engine.tokenizer.decode(choice["token_ids"])
-    t = httpx.post(servers.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": True}).json()
+    t = httpx.post(
+        servers.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": True}
+    ).json()
     assert t["tokens"] == engine.tokenizer.encode("hello world") and t["count"] == len(t["tokens"])
     # prompt logprobs (vLLM's shape: None, then {token id: {logprob, rank, decoded_token}}) and a stream
     r = httpx.post(servers.url + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {
         "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2}})  # fmt: skip
     pl = r.json()["prompt_logprobs"]
-    assert pl[0] is None and len(pl) == len(PROMPT) and all(str(t) in row for t, row in zip(PROMPT[1:], pl[1:], strict=True))
+    assert (
+        pl[0] is None
+        and len(pl) == len(PROMPT)
+        and all(str(t) in row for t, row in zip(PROMPT[1:], pl[1:], strict=True))
+    )
     with httpx.stream("POST", servers.url + "/inference/v1/generate", json={"token_ids": PROMPT, "stream": True,
                                                                              "sampling_params": sp}) as s:  # fmt: skip
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     import json
 
     chunks = [json.loads(e) for e in events[:-1]]
-    assert events[-1] == "[DONE]" and sum((c["choices"][0]["token_ids"] for c in chunks), []) == want["output_ids"]
-    r = httpx.post(servers.url + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"best_of": 2}})
+    assert (
+        events[-1] == "[DONE]"
+        and sum((c["choices"][0]["token_ids"] for c in chunks), []) == want["output_ids"]
+    )
+    r = httpx.post(
+        servers.url + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"best_of": 2}}
+    )
     assert r.status_code == 400 and "best_of" in r.text
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
 def test_vllm_pause_modes(engine, servers, mode):
     url = servers.url
-    want = engine.generate(input_ids=[PROMPT], sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": 200})
+    want = engine.generate(
+        input_ids=[PROMPT], sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": 200}
+    )
     t, box = in_background(engine, [PROMPT], 200)
     r = httpx.post(url + "/pause", params={"mode": mode}, timeout=60)
     assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
