@@ -37,7 +37,10 @@ timed() {  # timed NAME FUNCTION: run FUNCTION, log to CLIENTS_DIR/NAME.log, rep
     fi
     t0=$(date +%s)
     say "$name: installing (log: $CLIENTS_DIR/$name.log) ..."
-    "$fn" > "$CLIENTS_DIR/$name.log" 2>&1 || rc=$?
+    set +e  # (a function run in a `||` list would ignore its own failures: a subshell with -e of its own)
+    ( set -e; "$fn" ) > "$CLIENTS_DIR/$name.log" 2>&1
+    rc=$?
+    set -e
     if [ $rc -ne 0 ]; then
         say "$name: FAILED (exit $rc) after $(( $(date +%s) - t0 )) s; last lines of the log:"
         tail -n 15 "$CLIENTS_DIR/$name.log" >&2
@@ -66,11 +69,14 @@ install_areal() {
     rm -rf "$d" && "$PYTHON" -m venv "$d"
     "$d/bin/pip" install "torch==$TORCH_CPU" || "$d/bin/pip" install torch
     "$d/bin/pip" install --no-deps "areal==$AREAL_VERSION"
-    # what `areal.engine.sglang_remote` imports (areal's own list pins CUDA builds)
-    "$d/bin/pip" install ray aiohttp requests transformers tokenizers safetensors numpy pydantic uvloop \
-        tensordict hydra-core omegaconf pyyaml psutil packaging einops datasets wandb swanlab tabulate \
-        colorlog networkx regex pybase64 "math-verify" "orjson" "msgspec" "aiofiles" "fastapi" "uvicorn" \
-        "python-dotenv" "matplotlib" "tensorboardx" "torchdata" "peft" "mathruler" "qwen_agent" || true
+    # what `areal.engine.sglang_remote` and its config import (areal's own list pins CUDA builds;
+    # transformers within areal's pin)
+    "$d/bin/pip" install ray aiohttp requests "transformers>=5.0,<=5.3.0" tokenizers safetensors numpy pydantic \
+        uvloop tensordict hydra-core omegaconf pyyaml psutil packaging einops datasets wandb swanlab tabulate \
+        colorlog networkx regex pybase64 math-verify orjson msgspec aiofiles fastapi uvicorn python-dotenv \
+        matplotlib tensorboardx torchdata peft mathruler flask lark numba
+    # huggingface's `kernels` (pulled in on the side) is newer than that transformers reads: an import error
+    "$d/bin/pip" uninstall -y kernels || true
     "$d/bin/python" -c 'from areal.engine.sglang_remote import RemoteSGLangEngine; from areal.api.cli_args import InferenceEngineConfig; print("areal ok")'
     echo "areal $AREAL_VERSION (torch $("$d/bin/python" -c 'import torch; print(torch.__version__)'))" > "$d/.installed"
 }
