@@ -124,7 +124,7 @@ class OutputOptions(_Section):
 
     sampling_defaults: Literal["model", "openai"] = _opt(
         "model", "the sampling parameters a request leaves out: the model's (temperature, top_p, top_k, min_p, "
-        "max_new_tokens from its generation_config.json, as SGLang's --sampling-defaults model and vLLM's "
+        "repetition_penalty, max_new_tokens from its generation_config.json, as SGLang's --sampling-defaults model and vLLM's "
         "--generation-config auto), or openai: the plain API defaults (temperature 1, top_p 1)"
     )
     max_top_logprobs_num: int = _opt(5, "top_logprobs_num a request may ask for (compiled into every step)")

@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 
 # generation_config.json's keys that are defaults of ringserve's sampling parameters (same names)
 KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
-NOT_YET = {"repetition_penalty": 1.0}  # read, but left out while ringserve does not implement it
 
 
 def read_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
@@ -35,8 +34,4 @@ def read_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(d, dict):
         return {}
-    out = {k: d[k] for k in KEYS if d.get(k) is not None}
-    for k, neutral in NOT_YET.items():
-        if k in out and out.pop(k) != neutral:
-            log.warning("%s sets %s=%r: not implemented yet, ignored", path, k, d[k])
-    return out
+    return {k: d[k] for k in KEYS if d.get(k) is not None}

@@ -239,3 +239,20 @@ def test_hidden_states_equal_hfs_last_layer(processed, tiny_llama, prompts):
 def test_hidden_states_need_the_server_flag(engine, prompts):
     with pytest.raises(ValueError, match="enable_return_hidden_states"):
         engine.generate(input_ids=prompts[0], sampling_params=GREEDY, return_hidden_states=True)
+
+
+def test_penalties_and_min_new_tokens_under_a_grammar(engine, prompts):
+    """The grammar's mask comes first: a penalized, biased, min_new_tokens request still parses as
+    its schema says, and its grammar's end ends it (EOS is all the grammar allows then)."""
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    base = {"json_schema": schema, "max_new_tokens": 64, "temperature": 0}
+    plain = engine.generate(input_ids=prompts[0], sampling_params=base)
+    for extra in ({"repetition_penalty": 1.6, "frequency_penalty": 1.0}, {"min_new_tokens": 60},
+                  {"logit_bias": {"7": 5.0}, "presence_penalty": 2.0}):  # fmt: skip
+        out = engine.generate(input_ids=prompts[0], sampling_params={**base, **extra})
+        assert set(json.loads(out["text"])) == {"a", "b"}, (extra, out["text"])
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", extra
+    assert set(json.loads(plain["text"])) == {"a", "b"}

@@ -26,8 +26,11 @@ PROMPTS = random_prompts(64, seed=281, lo=4, hi=48)
 
 
 def sampling(i: int) -> dict:
-    """Even requests greedy, odd ones seeded."""
+    """Even requests greedy, odd ones seeded; half of each penalized (a resubmitted request's token
+    counts start from its prompt and the output it had)."""
     sp = {"ignore_eos": True, "max_new_tokens": MAX_NEW}
+    if i % 4 >= 2:
+        sp |= {"repetition_penalty": 1.2, "presence_penalty": 0.4}
     return {**sp, "temperature": 0} if i % 2 == 0 else {**sp, "temperature": 0.9, "top_p": 0.95, "sampling_seed": 1000 + i}
 
 
