@@ -180,3 +180,23 @@ def test_vllm_sleep_wake_reset_and_abort_requests(engine, servers):
     assert box["out"][0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert httpx.post(url + "/sleep", params={"level": "3"}).status_code == 400
     assert httpx.post(url + "/pause", params={"mode": "later"}).status_code == 400
+
+
+def test_special_tokens_and_stop_strings_as_clients_ask(engine, servers):
+    """skip_special_tokens false keeps the EOS's text (slime's setting), true drops it; a stop
+    string stays in the text with no_stop_trim (vLLM: include_stop_str_in_output), else the text
+    ends before it."""
+    eos, eos_text = engine.tokenizer.eos_token_id, engine.tokenizer.eos_token
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    kept = httpx.post(servers.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+        **sp, "skip_special_tokens": False, "spaces_between_special_tokens": False}}).json()  # fmt: skip
+    assert kept["output_ids"] == [eos] * 3 and kept["text"].count(eos_text) == 3, kept["text"]
+    dropped = httpx.post(servers.url + "/generate", json={"input_ids": PROMPT, "sampling_params": sp}).json()
+    assert eos_text not in dropped["text"]
+    free = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    stop = free["text"][3:6]
+    assert stop.strip(), free["text"]
+    for flag, name in ((True, "no_stop_trim"), (True, "include_stop_str_in_output"), (False, "no_stop_trim")):
+        out = httpx.post(servers.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "stop": [stop], name: flag}}).json()  # fmt: skip
+        assert (stop in out["text"]) == flag and out["meta_info"]["finish_reason"]["matched"] == stop, (name, out)

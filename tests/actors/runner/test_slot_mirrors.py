@@ -106,7 +106,8 @@ class FakeExecutor:
         self.calls.append(-verify if multistep else verify)
         toks = np.arange(padded * k1, dtype=np.int32) + 100
         out = SampleOut(toks, -toks.astype(np.float32), np.zeros((padded * k1, 0), np.int32),
-                        np.zeros((padded * k1, 0), np.float32), np.zeros((padded * k1, 0), np.float32))  # fmt: skip
+                        np.zeros((padded * k1, 0), np.float32), np.zeros((padded * k1, 0), np.float32),
+                        np.zeros((padded * k1, 1), np.int32))  # fmt: skip
         return StepOut(out, np.full(padded, 7, np.int32), None, len(rows) * k1, 0)  # type: ignore[arg-type]
 
 
