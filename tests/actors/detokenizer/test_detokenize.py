@@ -64,16 +64,21 @@ def test_find_stop_across_boundaries():
         ({"temperature": -0.5}, "temperature=-0.5 must be in [0, 1e4]"),
         ({"top_p": 0}, "top_p=0 must be in (0, 1]"),
         ({"top_p": 1.5}, "top_p=1.5 must be in (0, 1]"),
-        ({"top_k": 0}, "top_k=0 must be -1 (off) or in [1, 2**31)"),
+        ({"top_k": -2}, "top_k=-2 must be -1 (off) or in [1, 2**31)"),
         ({"min_p": 2}, "min_p=2 must be in [0, 1]"),
         ({"n": 0}, "n=0 must be an integer in [1, 64]"),
         ({"stop": [""]}, "must be non-empty strings"),
         ({"stop_token_ids": [5, 99999]}, "stop_token_ids [99999] outside the vocabulary [0, 2048)"),
         ({"frequency_penaltyy": 1}, "unknown parameter(s) ['frequency_penaltyy']"),
-        ({"frequency_penalty": 0.3}, "frequency_penalty=0.3 is not supported by ringserve (leave it at 0.0)"),
-        ({"repetition_penalty": 1.05}, "repetition_penalty=1.05 is not supported by ringserve (leave it at 1.0)"),
-        ({"min_new_tokens": 1}, "min_new_tokens=1 is not supported by ringserve (leave it at 0)"),
-        ({"presence_penalty": "0"}, "presence_penalty: expected a number, got str"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty=2.5 must be in [-2, 2] (0 = off)"),
+        ({"presence_penalty": -3}, "presence_penalty=-3 must be in [-2, 2] (0 = off)"),
+        ({"repetition_penalty": 0}, "repetition_penalty=0 must be in (0, 2] (1 = off)"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty=nan must be in (0, 2] (1 = off)"),
+        ({"min_new_tokens": 5, "max_new_tokens": 3}, "min_new_tokens=5 must be in [0, max_new_tokens=3]"),
+        ({"min_new_tokens": -1}, "min_new_tokens=-1 must be in [0, max_new_tokens="),
+        ({"presence_penalty": "0"}, "presence_penalty: expected float, got str"),
+        ({"logit_bias": {"5": 101}}, "logit_bias[5]=101 must be in [-100, 100]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias: keys must be token ids"),
         ({"max_tokens": 5, "max_new_tokens": 6}, "both 'max_tokens' and 'max_new_tokens'"),
         ({"max_new_tokens": 2000}, "max_new_tokens=2000 exceeds the limit 1000"),
     ],
@@ -88,6 +93,13 @@ def test_penalties_at_their_neutral_values_change_nothing():
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0, "min_new_tokens": 0}
     assert SamplingParams.from_dict({"max_new_tokens": 3, **neutral}) == SamplingParams.from_dict({"max_new_tokens": 3})
     assert SamplingParams.from_dict({"repetition_penalty": None}) == SamplingParams.from_dict({})
+
+
+def test_top_k_off_as_each_framework_says_it():
+    # -1 (SGLang), 0 (vLLM), 1e8 (AReaL) and anything at least the vocabulary: no limit
+    for off in (-1, 0, 1e8, 2048, 2**40):
+        assert SamplingParams.from_dict({"top_k": off}, vocab_size=2048).top_k == -1, off
+    assert SamplingParams.from_dict({"top_k": 2047}, vocab_size=2048).top_k == 2047
 
 
 def test_aliases_and_normalisation():

@@ -43,7 +43,7 @@ HTTP_CASES = [
     ("/pause_generation", b'{"mode": "sideways"}', 400, ["mode='sideways'", "abort"]),
     ("/abort_request", b'{"rid": 5}', 400, ["rid", "Expected `str`"]),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": -3}', 400, ["max_tokens=-3"]),
-    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 1.5}', 400, ["presence_penalty", "not supported"]),
+    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 2.5}', 400, ["presence_penalty=2.5", "[-2, 2]"]),
     ("/v1/completions", b'{"prompt": "hi", "logprobs": 77}', 400, ["top_logprobs_num=77"]),
     ("/v1/chat/completions", b'{"messages": []}', 400, ["messages", "empty"]),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "colour": "red"}', 400, ["unknown field `colour`"]),

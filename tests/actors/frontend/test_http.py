@@ -206,10 +206,11 @@ def test_openai_errors_are_openai_shaped(servers):
         c.completions.create(model="gpt-17", prompt="hi", max_tokens=4)
 
 
-def test_penalties_and_min_tokens_at_their_neutral_values_are_accepted_on_every_route(engine, servers):
-    """RL frameworks send SGLang's penalties on every request (verl: repetition_penalty=1.0):
-    at the values that change nothing they are served, as without them; any other value is a
-    400 naming the field (ringserve implements none of them)."""
+def test_penalties_and_min_tokens_on_every_route(engine, servers):
+    """RL frameworks send SGLang's penalties on every request (verl: repetition_penalty=1.0): at
+    the values that change nothing they are served as without them; other values in range are
+    applied alike on every route (the same tokens as the Engine's); out of range is a 400 naming
+    the field and the range."""
     sp = {**GREEDY, "max_new_tokens": 5}
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0, "min_new_tokens": 0}
     want = engine.generate(input_ids=[11, 12, 13], sampling_params=sp)["output_ids"]
@@ -219,17 +220,30 @@ def test_penalties_and_min_tokens_at_their_neutral_values_are_accepted_on_every_
     r = httpx.post(servers.url + "/v1/completions", json={"prompt": [11, 12, 13], "max_tokens": 5, **GREEDY,
                                                           "repetition_penalty": 1.0, "min_tokens": 0})  # fmt: skip
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    # in effect: a strong repetition penalty over a prompt of one repeated token
+    hot = {**GREEDY, "max_new_tokens": 8, "ignore_eos": True, "repetition_penalty": 2.0, "frequency_penalty": 1.5}
+    pen = engine.generate(input_ids=[11] * 6, sampling_params=hot)["output_ids"]
+    plain = engine.generate(input_ids=[11] * 6, sampling_params={**hot, **neutral})["output_ids"]
+    assert pen != plain and len(pen) == 8
+    r = httpx.post(servers.url + "/generate", json={"input_ids": [11] * 6, "sampling_params": hot})
+    assert r.status_code == 200 and r.json()["output_ids"] == pen
+    r = httpx.post(servers.url + "/v1/completions", json={"prompt": [11] * 6, "max_tokens": 8, "ignore_eos": True,
+                                                          **GREEDY, "repetition_penalty": 2.0,
+                                                          "frequency_penalty": 1.5, "logprobs": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
     for route, body, field in [
-        ("/generate", {"input_ids": [11], "sampling_params": {"repetition_penalty": 1.1}}, "repetition_penalty=1.1"),
-        ("/generate", {"input_ids": [11], "sampling_params": {"min_new_tokens": 3}}, "min_new_tokens=3"),
-        ("/v1/completions", {"prompt": "hi", "min_tokens": 2}, "min_tokens=2"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0.9},
-         "repetition_penalty=0.9"),
-    ]:
+        ("/generate", {"input_ids": [11], "sampling_params": {"repetition_penalty": 2.1}}, "repetition_penalty=2.1 must be in (0, 2]"),
+        ("/generate", {"input_ids": [11], "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}},
+         "min_new_tokens=3 must be in [0, max_new_tokens=2]"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens=9 must be in [0, max_tokens=4]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -2.5},
+         "frequency_penalty=-2.5 must be in [-2, 2]"),
+    ]:  # fmt: skip
         r = httpx.post(servers.url + route, json=body)
-        assert r.status_code == 400 and f"{field} is not supported by ringserve" in r.text, (route, r.text)
-    with pytest.raises(ValueError, match=r"presence_penalty=0.5 is not supported by ringserve \(leave it at 0.0\)"):
-        engine.generate(input_ids=[11], sampling_params={"presence_penalty": 0.5})
+        assert r.status_code == 400 and field in r.text, (route, r.text)
+    with pytest.raises(ValueError, match=r"presence_penalty=2.5 must be in \[-2, 2\]"):
+        engine.generate(input_ids=[11], sampling_params={"presence_penalty": 2.5})
 
 
 def test_sessions_over_http_and_the_client(engine, servers, client):

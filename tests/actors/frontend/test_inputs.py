@@ -89,8 +89,8 @@ def test_unseeded_prompts_get_distinct_seeds():
             "sampling_params: expected a dict of parameters, got str",
         ),
         (
-            dict(input_ids=[1, 2], sampling_params={"top_k": 2**40}),
-            "top_k=1099511627776 must be -1 (off) or in [1, 2**31)",
+            dict(input_ids=[1, 2], sampling_params={"top_k": -5}),
+            "top_k=-5 must be -1 (off) or in [1, 2**31)",
         ),
         (
             dict(input_ids=[1, 2], sampling_params={"temperature": float("inf")}),
