@@ -148,19 +148,43 @@ class CloseSessionReq(msgspec.Struct, tag="close_session", **_S):
     session_id: str
 
 
-class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
-    """Load new weights into the runner(s): from a checkpoint on disk, or HF-named tensors in
-    shared memory sent in bounded parts under one `update` id (the runner swaps after the last;
-    all or nothing); "abandon" drops update `update`'s staged parts (a push that failed half
-    way). Allowed while paused or idle (abandon: always)."""
+class WeightGroup(msgspec.Struct, **_S):
+    """SGLang's weight-update group (torch.distributed, the trainer's rank 0 broadcasting): where
+    to join it ("group_init": each runner joins as rank `rank_offset` + its index among the
+    engine's runners), or the tensors one update broadcasts in order ("group")."""
 
-    source: str  # "disk" | "tensor" | "abandon" | "check" (would one be taken now? nothing changes)
+    group_name: str
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    backend: str = "gloo"  # "gloo" (CPU) | "nccl" (GPU)
+    names: list[str] = []
+    dtypes: list[str] = []  # torch's names without "torch.": float32, bfloat16, float16
+    shapes: list[list[int]] = []
+
+
+class UpdateWeightsReq(msgspec.Struct, tag="update_weights", **_S):
+    """Load new weights into the runner(s): from a checkpoint on disk, HF-named tensors in
+    shared memory sent in bounded parts under one `update` id (the runner swaps after the last;
+    all or nothing), arrays handed over inside this process ("local": a runner in the engine's
+    process, by `update` id), or broadcast over an update group ("group"; "group_init" and
+    "group_destroy" join and leave one, changing no weight); "abandon" drops update `update`'s
+    staged parts (a push that failed half way). Allowed while paused or idle (abandon, group_init
+    and group_destroy: always)."""
+
+    # "disk" | "tensor" | "local" | "group" | "group_init" | "group_destroy" | "abandon"
+    # | "check" (would one be taken now? nothing changes)
+    source: str
     model_path: str = ""
     weight_version: str | None = None
     part: int = 0
     parts: int = 1  # 0 while unknown (a push: its last part is the empty one that says parts)
     tensors: list[TensorRef] = []
     update: str = ""
+    group: WeightGroup | None = None
+    mode: str = "replace"  # "add": each tensor is its difference from the served one (a delta)
+    base_weight_version: str | None = None  # refused unless the engine serves this version
 
 
 class GetWeightsReq(msgspec.Struct, tag="get_weights", **_S):
