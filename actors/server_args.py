@@ -222,6 +222,10 @@ class ParallelOptions(_Section):
         False, "nnodes > 1 on one machine, in one engine: every node's runner is spawned here and reads the step "
         "ring directly (tests; no relay)"
     )
+    weight_group_timeout: int = _opt(
+        600, "seconds a runner waits to join a trainer's weight-update group (init_weights_update_group) and for "
+        "each tensor broadcast in it; past it the group is left and the old weights keep serving"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -397,6 +401,7 @@ class ServerArgs:
         need(self.dist_timeout >= 1, f"dist_timeout={self.dist_timeout}: must be >= 1 second")
         need(self.nnodes == 1 or self.dp_size == 1,
              f"dp_size={self.dp_size} with nnodes={self.nnodes}: data-parallel groups over many hosts are not supported yet")  # fmt: skip
+        need(self.weight_group_timeout >= 1, f"weight_group_timeout={self.weight_group_timeout}: must be >= 1 second")
         need(self.dist_heartbeat_s >= 1, f"dist_heartbeat_s={self.dist_heartbeat_s}: must be >= 1 second")
         self._check_lora(need)
 

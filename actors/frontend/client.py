@@ -283,6 +283,22 @@ class AsyncClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return await self.control("get_weights_by_name", name=name, truncate_size=truncate_size)
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str | None = None) -> dict:  # fmt: skip
+        """As `Engine.init_weights_update_group`."""
+        return await self.control("init_weights_update_group", master_address=master_address, master_port=master_port,
+                                  rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                  backend=backend)  # fmt: skip
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group", **kw: Any) -> dict:
+        return await self.control("update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
+                                  group_name=group_name, **kw)  # fmt: skip
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self.control("destroy_weights_update_group", group_name=group_name)
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         """As `Engine.load_lora_adapter` (the path is read by the server's runner, on its host)."""
         return await self.control("load_lora_adapter", lora_name=lora_name, lora_path=lora_path, pinned=pinned)
@@ -426,6 +442,18 @@ class Client:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._lt.run(self._ac.get_weights_by_name(name, truncate_size))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None) -> dict:
+        return self._lt.run(self._ac.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                               group_name, backend))  # fmt: skip
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", **kw: Any) -> dict:
+        return self._lt.run(self._ac.update_weights_from_distributed(names, dtypes, shapes, group_name, **kw))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._lt.run(self._ac.destroy_weights_update_group(group_name))
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         return self._lt.run(self._ac.load_lora_adapter(lora_name, lora_path, pinned))

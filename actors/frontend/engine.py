@@ -246,6 +246,25 @@ class Engine:
         (default 512 MiB); all or nothing. From another process: `Client.update_weights_from_tensor`."""
         return self.frontend.run_sync(self.frontend.weights.update_weights_from_tensor(named_tensors, weight_version, **kw))
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None) -> dict:
+        """SGLang's: every runner joins a trainer's torch.distributed group (its rank 0 joins at
+        the same time) as rank `rank_offset` + its index (data-parallel group x host). Needs
+        torch (`pip install 'ringserve[torch]'`). Returns {"success", "message"}."""
+        return self.frontend.run_sync(self.frontend.weights.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend))  # fmt: skip
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", **kw: Any) -> dict:
+        """SGLang's: the tensors the trainer's rank 0 broadcasts over the group, in this order
+        (flush_cache, abort_all_requests, weight_version as the other updates); all or nothing.
+        Returns {"success", "message", "weight_version"}."""
+        return self.frontend.run_sync(self.frontend.weights.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, **kw))  # fmt: skip
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.frontend.run_sync(self.frontend.weights.destroy_weights_update_group(group_name))
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of a weight (HF name and layout) as served."""
         return self.frontend.run_sync(self.frontend.weights.get_weights_by_name(name, truncate_size))

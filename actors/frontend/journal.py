@@ -91,7 +91,7 @@ class Journal:
             log.exception("supervisor journal: %s", self.lost)
 
     def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
-        if msg.source == "check":  # a data-parallel frontend's question before an update: nothing changed
+        if msg.source in ("check", "group_init", "group_destroy"):  # nothing served changed
             return
         if not reply.ok:
             self._staged.clear()
@@ -103,6 +103,10 @@ class Journal:
         if msg.source == "disk":
             self.model_dir, self.tensors, self.lost = msg.model_path, {}, None
             self._staged.clear()
+        elif msg.source == "group":  # the runner received them; no copy passed this process
+            assert msg.group is not None
+            self.lost = (f"the tensors received over update group {msg.group.group_name!r} reached the runner only "
+                         "(a restart can rebuild weights from disk or pushed tensors)")  # fmt: skip
         else:
             if msg.part == 0:
                 self._staged.clear()

@@ -34,6 +34,9 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
         "open_session": tm.open_session,
         "close_session": tm.close_session,
         "update_weights_from_disk": w.update_weights_from_disk,
+        "init_weights_update_group": w.init_weights_update_group,
+        "update_weights_from_distributed": w.update_weights_from_distributed,
+        "destroy_weights_update_group": w.destroy_weights_update_group,
         "get_weights_by_name": w.get_weights_by_name,
         "get_weight_version": w.get_weight_version,
         "release_memory_occupation": w.release_memory_occupation,
@@ -44,7 +47,8 @@ def verb_table(tm: TokenizerManager) -> dict[str, Verb]:
 
 
 # The verbs HTTP serves as `/<name>` routes (the others have routes of their own).
-HTTP_VERBS = ("update_weights_from_disk", "get_weights_by_name", "get_weight_version",
+HTTP_VERBS = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
+              "destroy_weights_update_group", "get_weights_by_name", "get_weight_version",
               "release_memory_occupation", "resume_memory_occupation", "open_session", "close_session",
               "load_lora_adapter", "unload_lora_adapter")  # fmt: skip
 

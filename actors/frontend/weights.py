@@ -30,12 +30,16 @@ from ringserve.actors.frontend.weight_push import BodyReader, Push, check_push_a
 from ringserve.actors.transport import messages as m
 
 MEMORY_TAGS = ("kv_cache", "weights")
+GROUP_NAME = "weight_update_group"  # SGLang's default
+GROUP_BACKENDS = ("gloo", "nccl")
+GROUP_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Frontend(Protocol):
     """What these verbs use of the TokenizerManager."""
 
     dp_size: int
+    args: Any  # ServerArgs
     held: asyncio.Event | None
 
     async def control(self, msg: Any, kind: str) -> m.ControlReply: ...
@@ -188,6 +192,76 @@ class WeightsAPI:
         except PushRefused as e:
             return e.out
 
+    # ---- SGLang's update groups (actors/runner/weight_group.py) --------------------------------
+    def _runners(self) -> int:
+        """The engine's runners that hold weights: one per data-parallel group and host."""
+        return self.tm.dp_size * self.tm.args.nnodes
+
+    async def init_weights_update_group(self, master_address: str, master_port: int | str, rank_offset: int,
+                                        world_size: int, group_name: str = GROUP_NAME, backend: str | None = None,
+                                        pp_rank: int | None = None) -> dict[str, Any]:  # fmt: skip
+        """Every runner joins the trainer's torch.distributed group at master_address:master_port
+        as rank `rank_offset` + its index (data-parallel group x host; `world_size` counts the
+        trainer's rank 0 and every engine rank). The trainer's rank 0 joins at the same time (the
+        call returns once the group is made). backend None: nccl on GPUs, gloo otherwise."""
+        port = _port(master_port)
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address={master_address!r} must be a non-empty host name or address")
+        _check_int("rank_offset", rank_offset, 1)
+        n = self._runners()
+        _check_int("world_size", world_size, rank_offset + n)
+        _check_group_name(group_name)
+        if backend not in (None, *GROUP_BACKENDS):
+            raise ValueError(f"backend={backend!r}: choose one of {list(GROUP_BACKENDS)} (None: by platform)")
+        if pp_rank not in (None, 0):
+            raise ValueError(f"pp_rank={pp_rank!r}: ringserve has no pipeline stages (0 or None)")
+        g = m.WeightGroup(group_name, master_address, port, rank_offset, world_size, backend or "")
+        async with self._lock:
+            r = await self.tm.control(m.UpdateWeightsReq("group_init", group=g), "update_weights")
+        return {"success": r.ok, "message": r.message}
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = GROUP_NAME, flush_cache: bool = True,
+                                              abort_all_requests: bool = False, weight_version: str | None = None,
+                                              load_format: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """The tensors the trainer's rank 0 broadcasts over `group_name`, in this order (HF names,
+        dtype names as torch's without "torch.", shapes): staged, checked and swapped in all or
+        nothing as any update. Refused (busy), the runners still receive them (the trainer's
+        broadcast must complete) and drop them."""
+        _check_group_name(group_name)
+        _check_version(weight_version)
+        if load_format not in (None, "auto"):
+            raise ValueError(f"load_format={load_format!r}: only None (one broadcast per tensor)")
+        for field, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+            if not isinstance(v, list) or not v:
+                raise ValueError(f"{field} must be a non-empty list (one entry per tensor)")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must have one entry per tensor "
+                             f"(got {len(names)}, {len(dtypes)}, {len(shapes)})")  # fmt: skip
+        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"names: {name!r} must be a non-empty string")
+            if not isinstance(dt, str) or dt.removeprefix("torch.") not in GROUP_DTYPES:
+                raise ValueError(f"dtypes: tensor {name!r} has dtype {dt!r}; weights are {list(GROUP_DTYPES)}")
+            if not isinstance(shape, list | tuple) or any(not isinstance(d, int) or isinstance(d, bool) or d < 0
+                                                         for d in shape):  # fmt: skip
+                raise ValueError(f"shapes: tensor {name!r} has shape {shape!r}; a list of integers >= 0")
+        g = m.WeightGroup(group_name, names=list(names), dtypes=[d.removeprefix("torch.") for d in dtypes],
+                          shapes=[list(s) for s in shapes])  # fmt: skip
+        async with self._exclusive(abort_all_requests) as refused:
+            if refused is not None:  # a group would not take it: every runner takes part and drops it
+                await self.tm.control(m.UpdateWeightsReq("group_drain", group=g), "update_weights")
+                return refused
+            out = await self._update(m.UpdateWeightsReq("group", weight_version=weight_version, group=g))
+            return await self._after(out, flush_cache)
+
+    async def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> dict[str, Any]:
+        _check_group_name(group_name)
+        async with self._lock:
+            r = await self.tm.control(m.UpdateWeightsReq("group_destroy", group=m.WeightGroup(group_name)),
+                                      "update_weights")  # fmt: skip
+        return {"success": r.ok, "message": r.message}
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of a weight as the runner serves it (as SGLang's)."""
         if not isinstance(name, str) or not name:
@@ -212,6 +286,25 @@ class WeightsAPI:
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         r = await self.tm.control(m.MemoryReq("resume", _tags(tags)), "memory")
         return {"success": r.ok, "message": r.message}
+
+
+def _port(v: Any) -> int:
+    """A TCP port as SGLang's clients send it (AReaL: a string)."""
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 65535:
+        raise ValueError(f"master_port={v!r} must be a port in [1, 65535]")
+    return v
+
+
+def _check_int(field: str, v: Any, least: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < least:
+        raise ValueError(f"{field}={v!r} must be an integer >= {least}")
+
+
+def _check_group_name(v: Any) -> None:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"group_name={v!r} must be a non-empty string")
 
 
 def _check_version(v: Any) -> None:

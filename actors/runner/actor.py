@@ -14,6 +14,7 @@ import json
 import time
 
 from ringserve.actors.runner.core import Pending, RunnerCore, executor_config, ready_info
+from ringserve.actors.runner.weight_group import UpdateGroups
 from ringserve.actors.transport import messages as m
 from ringserve.model.runtime.executor import ModelExecutor
 from ringserve.model.runtime.programs import enable_compilation_cache
@@ -79,7 +80,11 @@ def run(ctx) -> None:
     load_s = time.perf_counter() - t0
     ctx.log.info("model loaded and %d of %d step programs compiled in %.1fs (attention: %s)",
                  ex.num_programs, ex.num_programs_total, load_s, ex.plan.attention)  # fmt: skip
-    runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0)
+    # this runner's rank in a trainer's update group is the group's rank_offset + its index among
+    # the engine's runners: data-parallel group by group, host by host (actors/runner/weight_group.py)
+    groups = UpdateGroups(cfg.dp_rank * args.nnodes + args.node_rank, args.weight_group_timeout)
+    runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0,
+                        groups=groups)  # fmt: skip
     if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded
         ctx.log.info("%s", runner.start_weights(cfg.weights))
     runner.start_loras(args.lora_adapters)
@@ -100,6 +105,7 @@ def run(ctx) -> None:
     try:
         serve(runner, inbox, outbox, ctx.stopping, send_results=args.node_rank == 0)
     finally:
+        runner.groups.close()  # (a trainer waiting on a broadcast sees the group go)
         if args.jax_profile_dir:
             jax.profiler.stop_trace()
         if args.runner_in_process:  # the process goes on: its compile thread and device memory must not

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from ringserve.actors.runner.slot_mirrors import SlotMirrors
+from ringserve.actors.runner.weight_group import UpdateGroups
 from ringserve.actors.transport import messages as m
 from ringserve.actors.transport.trace import RunnerStamps
 from ringserve.model.checkpoints.peft import parse_target_modules, read_adapter
@@ -77,11 +78,13 @@ class Pending:
 
 
 class RunnerCore:
-    def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int, trace: bool = False):
+    def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int, trace: bool = False,
+                 groups: UpdateGroups | None = None):  # fmt: skip
         self.ex = executor
         self.mirrors = SlotMirrors(max_slots)
         self.top_n = top_n
         self.weights = WeightSync(executor, all_ok)
+        self.groups = groups or UpdateGroups(0, 600)  # the trainers' update groups joined (weight_group.py)
         self.stamps = RunnerStamps() if trace else None  # ServerArgs.step_trace (actors/transport/trace.py)
 
     def start_loras(self, adapters: dict[str, str]) -> None:
@@ -125,6 +128,8 @@ class RunnerCore:
                 u = msg.update
                 if u.source == "disk":
                     text = self.weights.load_disk(u.model_path)
+                elif u.source.startswith("group"):
+                    text = self.update_group(u)
                 elif u.source == "abandon":
                     self.weights.abandon(u.update)
                     text = f"abandoned {u.update}"
@@ -141,6 +146,22 @@ class RunnerCore:
             if isinstance(msg, m.RunnerWeights):
                 self.weights.abandon()
             return m.RunnerReply(False, str(e))
+
+    def update_group(self, u: m.UpdateWeightsReq) -> str:
+        """Join, leave or receive an update over a trainer's update group; "group_drain" receives
+        an update the scheduler refused and drops it (the trainer broadcasts regardless)."""
+        g = u.group
+        if g is None:
+            raise ValueError(f"update_weights {u.source!r} names no group")
+        if u.source == "group_init":
+            return self.groups.join(g)
+        if u.source == "group_destroy":
+            return self.groups.leave(g.group_name)
+        if u.source == "group_drain":
+            self.groups.receive(g, keep=False)
+            return f"received and dropped {len(g.names)} tensors"
+        n = self.weights.apply(lambda: self.groups.receive(g))
+        return f"updated {n} tensors from update group {g.group_name!r}"
 
     def dispatch(self, msg: m.StepMsg) -> Pending:
         t0 = time.perf_counter()

@@ -289,13 +289,19 @@ class SchedulerActor:
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
         """Forward an update (or one part of it) to the runner(s); the reply always carries the
         version serving afterwards (the frontend keeps no copy)."""
-        busy = None if msg.source == "abandon" else self.core.busy()  # dropping staged parts changes nothing served
+        # dropping staged parts, joining or leaving an update group: nothing served changes
+        changes = msg.source not in ("abandon", "group_init", "group_destroy", "group_drain")
+        busy = self.core.busy() if changes else None
         if msg.source == "check":  # the DP frontend asks every group before any commits (all or nothing)
             ok, text = busy is None, f"update_weights refused: {busy}" if busy else "an update would be taken"
         elif busy is not None:
             ok, text = False, f"update_weights refused: {busy}"
+            if msg.source == "group":  # the trainer broadcasts anyway: the runner takes part and drops it
+                drained = self._runner_call(m.RunnerWeights(m.UpdateWeightsReq("group_drain", group=msg.group)))
+                if not drained.ok:
+                    text += f"; {drained.message}"
         else:
-            last = msg.source != "abandon" and msg.part == msg.parts - 1
+            last = changes and msg.part == msg.parts - 1
             if last:  # the final part swaps: version it
                 msg.weight_version = self.core.next_weight_version(msg.weight_version)
             r = self._runner_call(m.RunnerWeights(msg))

@@ -168,6 +168,11 @@ class WeightSync:
         finally:
             self.staging = None
 
+    def apply(self, read: Callable[[], dict[str, Any]]) -> int:
+        """Tensors `read` delivers (HF names; host arrays; a subset is fine), all or nothing:
+        every host reads and agrees before any swaps (an update group's broadcast)."""
+        return self._commit(read, full=False)
+
     def abandon(self, update: str | None = None) -> None:
         """Drop the staged update (`update`'s only, if given)."""
         if self.staging is not None and update in (None, self.staging.update):

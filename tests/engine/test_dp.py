@@ -230,6 +230,36 @@ def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_pat
             for r in (0, 1)] == [old, old]  # fmt: skip
 
 
+def test_an_update_group_reaches_both_groups(engine, shared_engine, tiny_dir, tmp_path):
+    """A trainer's update group (tests/engine/group_trainer.py): each group's runner joins as rank
+    rank_offset + its dp rank; one broadcast reaches both; each then serves as a fresh engine
+    on that checkpoint."""
+    pytest.importorskip("torch")
+    from ringserve import Engine
+    from ringserve.model.checkpoints.tiny import make_tiny_model
+    from tests.engine.test_update_group import Trainer
+
+    use(engine, "round_robin")
+    new = make_tiny_model(tmp_path / "s2", "llama", seed=2)
+    prompt, sp = [3, 14, 15, 92, 65], {**GREEDY, "max_new_tokens": 8}
+    with Engine(str(new), page_size=16, precompile=False, **SMALL) as fresh:
+        want = fresh.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    t = Trainer(3, "dp-group", new)
+    try:
+        r = t.join(engine.init_weights_update_group)
+        assert r["success"], r
+        assert "as rank 1 of 3" in r["message"] and "as rank 2 of 3" in r["message"], r  # (one line per group)
+        r = t.send(lambda **kw: engine.update_weights_from_distributed(**kw, weight_version="dp-g1"))
+        assert r["success"], r
+        assert [engine.generate(input_ids=prompt, sampling_params=sp, data_parallel_rank=r)["output_ids"]
+                for r in (0, 1)] == [want, want]  # fmt: skip
+        assert [g["weight_version"] for g in engine.get_server_info()["dp_groups"]] == ["dp-g1", "dp-g1"]
+    finally:
+        assert engine.destroy_weights_update_group("dp-group")["success"]
+        t.quit()
+    assert engine.update_weights_from_disk(str(tiny_dir("llama")), weight_version="dp-back")["success"]
+
+
 def test_a_crash_in_one_group_restarts_every_group_and_loses_no_request(engine, shared_engine):
     import os
     import signal

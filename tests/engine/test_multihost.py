@@ -11,6 +11,7 @@ tp=1 over the same prompts (chunked prefill on: prompts longer than a chunk).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -104,6 +105,21 @@ def test_two_runners_in_one_engine_match_one_process(tiny_dir, reference, other_
         assert r["success"], r
         assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want_other
         assert e.update_weights_from_disk(str(path))["success"]
+        if overlap and importlib.util.find_spec("torch") is not None:
+            # a trainer's update group: each host's runner joins as rank 1 + its node rank, both
+            # receive every broadcast and commit together
+            from tests.engine.test_update_group import Trainer
+
+            t = Trainer(3, "hosts", other_weights[0])
+            try:
+                r = t.join(e.init_weights_update_group)
+                assert r["success"] and "rank 1 of 3" in r["message"], r
+                assert t.send(e.update_weights_from_distributed)["success"]
+                assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want_other
+            finally:
+                assert e.destroy_weights_update_group("hosts")["success"]
+                t.quit()
+            assert e.update_weights_from_disk(str(path))["success"]
         assert e.release_memory_occupation()["success"] and e.resume_memory_occupation()["success"]
         assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
 
