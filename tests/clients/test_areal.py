@@ -1,6 +1,8 @@
 """AReaL's RemoteSGLangEngine, unmodified, against `ringserve serve`: greedy generate with
 logprobs (SGLang's fields, Content-Type application/json), pause/continue mid-rollout resumed by
-AReaL to the tokens of an uninterrupted run, update_weights_from_disk with abort_all_requests."""
+AReaL to the tokens of an uninterrupted run, update_weights_from_disk with abort_all_requests;
+then AReaL's FSDPEngine weight sync over an update group (its own rendezvous and broadcasts,
+gloo): the server then answers as HF transformers on the broadcast checkpoint."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def test_areal_remote_sglang_engine(tmp_path, tiny_dir):
     from ringserve.model.checkpoints.tiny import make_tiny_model
 
     old, new = tiny_dir("llama"), make_tiny_model(tmp_path / "new", "llama", seed=1)
+    newer = make_tiny_model(tmp_path / "newer", "llama", seed=2)  # what the trainer broadcasts
     prompt, max_new, long_new = [5, 17, 99, 123, 7], 12, 400
     port = _port()
     server = subprocess.Popen([sys.executable, "-m", "ringserve.actors.cli.main", "serve", "--model-path", str(old),
@@ -48,6 +51,9 @@ def test_areal_remote_sglang_engine(tmp_path, tiny_dir):
         cases.write_text(json.dumps({"prompt": prompt, "max_new": max_new, "long_new": long_new, "new_model": str(new),
                                      "name_resolve_root": str(tmp_path / "name_resolve")}))  # fmt: skip
         out = run_script(areal, "areal_remote.py", f"127.0.0.1:{port}", str(cases), timeout=900)
+        cases.write_text(json.dumps({"prompt": prompt, "max_new": max_new, "new_model": str(newer),
+                                     "name_resolve_root": str(tmp_path / "name_resolve2")}))  # fmt: skip
+        synced = run_script(areal, "areal_update_group.py", f"127.0.0.1:{port}", str(cases), timeout=900)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -64,3 +70,4 @@ def test_areal_remote_sglang_engine(tmp_path, tiny_dir):
         out["interrupted"] == want_old and out["interrupted_stop"] == "length"
     )  # the uninterrupted run's tokens
     assert out["after_update"] == hf_greedy(new, [prompt], max_new)[0]
+    assert synced["after_update"] == hf_greedy(newer, [prompt], max_new)[0], synced
