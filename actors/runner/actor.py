@@ -82,7 +82,8 @@ def run(ctx) -> None:
                  ex.num_programs, ex.num_programs_total, load_s, ex.plan.attention)  # fmt: skip
     # this runner's rank in a trainer's update group is the group's rank_offset + its index among
     # the engine's runners: data-parallel group by group, host by host (actors/runner/weight_group.py)
-    groups = UpdateGroups(cfg.dp_rank * args.nnodes + args.node_rank, args.weight_group_timeout)
+    groups = UpdateGroups(cfg.dp_rank * args.nnodes + args.node_rank, args.weight_group_timeout,
+                          ex.plan.update_group_backend)  # fmt: skip
     runner = RunnerCore(ex, args.max_running_requests, args.max_top_logprobs_num, trace=args.step_trace > 0,
                         groups=groups)  # fmt: skip
     if cfg.weights.tensors:  # a restart: the tensors pushed since `model_dir` was loaded

@@ -66,10 +66,12 @@ class Joined:
 class UpdateGroups:
     """The update groups this runner has joined, by name. `index`: this runner's place among the
     engine's runners that hold weights (data-parallel group x hosts), added to a group's
-    `rank_offset`; `timeout_s`: the group's rendezvous and each broadcast's limit."""
+    `rank_offset`; `timeout_s`: the group's rendezvous and each broadcast's limit; `backend`:
+    the one a group gets when the trainer names none (the compute plan's); `device`: where
+    NCCL receives (torch's name of this runner's GPU)."""
 
-    def __init__(self, index: int, timeout_s: float, device: Any = None):
-        self.index, self.timeout_s, self.device = index, timeout_s, device
+    def __init__(self, index: int, timeout_s: float, backend: str = "gloo", device: Any = None):
+        self.index, self.timeout_s, self.backend, self.device = index, timeout_s, backend, device
         self.groups: dict[str, Joined] = {}
 
     def join(self, g: m.WeightGroup) -> str:
@@ -82,16 +84,17 @@ class UpdateGroups:
         torch = import_torch()
         from torch.distributed import distributed_c10d as c10d
 
-        backend = g.backend or ("nccl" if jax.default_backend() == "gpu" else "gloo")
+        backend = g.backend or self.backend
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             host = g.master_address if ":" not in g.master_address else f"[{g.master_address}]"
             store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{g.master_port}", rank, g.world_size, timeout=timeout))
             store.set_timeout(timeout)
             store = c10d.PrefixStore(g.group_name, store)
+            # (torch's own helper, as SGLang's and AReaL's: a group without a default group)
             pg, _ = c10d._new_process_group_helper(g.world_size, rank, [], c10d.Backend(backend), store,
-                                                   group_name=g.group_name, timeout=timeout,
-                                                   group_desc=g.group_name)  # fmt: skip
+                                                   group_name=g.group_name,  # type: ignore[arg-type]  # (a NewType of str)
+                                                   timeout=timeout, group_desc=g.group_name)  # fmt: skip
             c10d._world.pg_group_ranks[pg] = {i: i for i in range(g.world_size)}  # group ranks = its own ranks
         except Exception as e:  # noqa: BLE001 -- any failure to join is the caller's refusal
             raise WeightError(f"update group {g.group_name!r}: joining {g.master_address}:{g.master_port} as rank "

@@ -93,6 +93,12 @@ class ComputePlan:
         return self.platform == "cpu"
 
     @property
+    def update_group_backend(self) -> str:
+        """The torch.distributed backend a trainer's weight-update group uses here when the
+        trainer names none (actors/runner/weight_group.py): NCCL between GPUs, gloo otherwise."""
+        return "nccl" if self.platform == "gpu" else "gloo"
+
+    @property
     def packs_weights(self) -> bool:
         """The kernel dots keep packed copies of the weights (reserved at start-up)."""
         return self.host_buffers and self.dot.kernel
