@@ -124,7 +124,8 @@ def test_a_second_process_pushes_every_tensor_in_small_buckets(restored, servers
     out, _ = proc.communicate(timeout=120)
     r = json.loads(out)
     new = tensors(checkpoints[1])
-    assert r == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "pushed-1"}, r
+    assert r == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "pushed-1",
+                 "bytes": sum(a.nbytes for a in new.values())}, r
     assert engine.continue_generation()["success"]
     t.join(60)
     assert "err" not in box
@@ -174,7 +175,7 @@ def test_a_pusher_killed_half_way_leaves_the_old_weights_and_no_shared_memory(re
     norm = tensors(checkpoints[2])["model.norm.weight"]
     with Client(servers.socket_path) as c:
         r = c.update_weights_from_tensor({"model.norm.weight": norm}, weight_version="norm-only", bucket_bytes=4096)
-    assert r == {"success": True, "message": "updated 1 tensors", "weight_version": "norm-only"}
+    assert r == {"success": True, "message": "updated 1 tensors", "weight_version": "norm-only", "bytes": norm.nbytes}
     assert engine.get_weights_by_name("model.norm.weight", truncate_size=256) == norm.tolist()
     assert engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=4) == old_embed
 
@@ -293,7 +294,8 @@ def test_http_push_of_safetensors_blobs_equals_a_fresh_engine(restored, servers,
     new = tensors(checkpoints[2])
     r = _post(servers.url, safetensors_stream(new, SMALL_BUCKET), "?weight_version=http-2&flush_cache=true")
     assert r.status_code == 200, r.text
-    assert r.json() == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "http-2"}
+    assert r.json() == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "http-2",
+                        "bytes": sum(a.nbytes for a in new.values())}
     engine.continue_generation()
     assert outputs(engine) == fresh[2] and push_segments() == []
 
