@@ -5,7 +5,8 @@ and the checks the server applies to a bucket's header before the runner reads a
 A piece is a run of whole rows (along dim 0) of one tensor. A tensor that fits the room left in
 the bucket goes whole; one that does not starts the next bucket; one larger than a bucket is cut
 into pieces of as many rows as fit, in order (a row larger than the bucket is refused, naming
-the tensor and `bucket_bytes`). So a bucket never holds more than `bucket_bytes` of data, and a
+the tensor and `bucket_bytes`); a bucket holds at most one piece of a tensor (a blob's names
+are keys). So a bucket never holds more than `bucket_bytes` of data, and a
 trainer that hands over a generator holds one bucket at a time.
 
 One segment (`bucket_bytes` long, ftruncated: memory only where written; the writer reserves

@@ -7,8 +7,13 @@ and each Param's sharding), and swaps only once every tensor arrived and checked
 wrong leaves the old weights serving. The compiled step programs take the state as their first
 argument with the same structure, shapes, dtypes and shardings, so nothing recompiles.
 
+A delta (model/weights/delta.py) is applied here, whatever its source: each tensor an update
+delivers is a whole array or `Rows` of it (the others kept), replacing the served value or, in
+mode "add", added to it; the new host tensors are then built as any update's.
+
 Checks, each an error naming the tensor: an unknown name, a missing one (full updates), a
-shape other than the model's, a dtype that is not floating point, and for a checkpoint on disk
+shape other than the model's, a dtype that is not floating point, rows out of range or
+overlapping, and for a checkpoint on disk
 an architecture other than the served one (family and every dimension).
 
 An update from tensors arrives in parts (buckets) under one update id: each part's pieces (runs
