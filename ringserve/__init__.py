@@ -5,6 +5,7 @@ system over shared-memory rings.
     from ringserve import Engine               # in-process engine (spawns the actor processes)
     from ringserve import Client, AsyncClient  # clients of `ringserve serve`'s IPC socket
     from ringserve import Servers              # the IPC socket and HTTP servers around an Engine
+    from ringserve import Rows                 # some rows of a weight, in a (delta) weight update
 
 The one importable top-level name. Its parts install beneath it from the repository's folders
 (pyproject.toml maps them): `ringserve.actors` (actors/: the processes and every wire type),
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
     from ringserve.actors.frontend.errors import EngineDead
     from ringserve.actors.frontend.server import Servers
     from ringserve.actors.server_args import ServerArgs
+    from ringserve.model.weights.delta import Rows
 
-__all__ = ["AsyncClient", "Client", "Engine", "EngineDead", "ServerArgs", "Servers", "__version__"]
+__all__ = ["AsyncClient", "Client", "Engine", "EngineDead", "Rows", "ServerArgs", "Servers", "__version__"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -43,6 +45,7 @@ _WHERE = {
     "Client": "ringserve.actors.frontend.client",
     "Engine": "ringserve.actors.frontend.engine",
     "EngineDead": "ringserve.actors.frontend.errors",
+    "Rows": "ringserve.model.weights.delta",
     "Servers": "ringserve.actors.frontend.server",
     "ServerArgs": "ringserve.actors.server_args",
 }

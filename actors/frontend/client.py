@@ -37,6 +37,7 @@ from ringserve.actors.frontend.weight_buckets import (
     check_bucket_bytes,
     write_next,
 )
+from ringserve.model.weights.delta import check_mode
 
 CLIENT_MAX_FRAME = 1 << 30  # replies can be large (a batch with top logprobs)
 CLOSE_TIMEOUT_S = 5.0  # a sync client's close waits this long for its connection to close
@@ -309,18 +310,22 @@ class AsyncClient:
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, bucket_bytes: int = BUCKET_BYTES,
                                          flush_cache: bool = True, abort_all_requests: bool = False,
-                                         slots: int = 2, timeout: float = p.PUSH_TIMEOUT_S) -> dict:  # fmt: skip
+                                         slots: int = 2, timeout: float = p.PUSH_TIMEOUT_S, mode: str = "replace",
+                                         base_weight_version: str | None = None) -> dict:  # fmt: skip
         """HF-named NumPy, JAX or torch arrays from this process (a dict, (name, array) pairs, or
         a generator, read one bucket at a time) into the server's weights through shared memory
-        on this host, in buckets of at most `bucket_bytes`; all or nothing, as the Engine's.
-        The server makes `slots` segments; this process fills one while the runner reads
-        another. Returns {"success", "message", "weight_version"} (a refusal: success False)."""
+        on this host, in buckets of at most `bucket_bytes`; all or nothing, as the Engine's
+        (deltas too: `Rows` values, `mode`, `base_weight_version`). The server makes `slots`
+        segments; this process fills one while the runner reads another. Returns {"success",
+        "message", "weight_version", "bytes"} (a refusal: success False)."""
         check_bucket_bytes(bucket_bytes)
+        check_mode(mode)
         it = iter(buckets(named_tensors, bucket_bytes))
         loop = asyncio.get_running_loop()
 
         def make(cid: int) -> p.PushWeights:
-            return p.PushWeights(cid, bucket_bytes, slots, weight_version, flush_cache, abort_all_requests, timeout)
+            return p.PushWeights(cid, bucket_bytes, slots, weight_version, flush_cache, abort_all_requests, timeout,
+                                 mode, base_weight_version)  # fmt: skip
 
         cid, q = await self._open(make)
         segments: list[Segment] = []

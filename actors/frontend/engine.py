@@ -237,13 +237,18 @@ class Engine:
         """Load a checkpoint of the same architecture into the runner(s) without a restart or a
         recompilation; refused (success False, with the reason, old weights serving) while
         requests run unless paused, or for a missing / misshapen tensor or another
-        architecture. Returns {"success", "message", "weight_version"}."""
+        architecture, or unless the engine serves `base_weight_version` (if given). Returns
+        {"success", "message", "weight_version"}."""
         return self.frontend.run_sync(self.frontend.weights.update_weights_from_disk(model_path, weight_version, **kw))
 
     def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None, **kw: Any) -> dict:
         """HF-named NumPy, JAX or torch arrays (a dict, (name, array) pairs or a generator of
         them; a subset is fine), through shared memory in buckets of at most `bucket_bytes`
-        (default 512 MiB); all or nothing. From another process: `Client.update_weights_from_tensor`."""
+        (default 512 MiB); all or nothing. Deltas: a value `ringserve.Rows(start, array)` sends
+        only those rows (the others kept), `mode="add"` adds each to the served value, and
+        `base_weight_version` refuses the update unless the engine serves that version. Returns
+        {"success", "message", "weight_version", "bytes"}. From another process:
+        `Client.update_weights_from_tensor`."""
         return self.frontend.run_sync(self.frontend.weights.update_weights_from_tensor(named_tensors, weight_version, **kw))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

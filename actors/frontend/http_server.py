@@ -21,7 +21,8 @@ Weights from a trainer on another host: `POST /update_weights_from_tensor` with
 `Content-Type: application/octet-stream`, a body of safetensors blobs back to back (each a
 bucket of at most `max_push_bucket_bytes` of data; `weight_buckets.safetensors_stream` writes
 one), the arguments in the query (`weight_version`, `flush_cache`, `abort_all_requests`,
-`timeout`). The server reads each blob's data straight into its one shared-memory segment, the
+`timeout`, and for deltas `mode` and `base_weight_version`; a blob's rows of a tensor sent as
+`Rows`: weight_buckets.py). The server reads each blob's data straight into its one shared-memory segment, the
 runner stages it, and the last blob's end applies the update, all or nothing; a bad header,
 name, shape or dtype is a 400 naming the tensor and the field, a refusal a 400 with the reason,
 and a client that disconnects or stalls (`timeout`) leaves the old weights serving.
@@ -417,7 +418,7 @@ def _push_query(q: dict[str, str]) -> dict[str, Any]:
     """/update_weights_from_tensor's query arguments (400 naming one that is unknown or bad)."""
     out: dict[str, Any] = {}
     for key, value in q.items():
-        if key == "weight_version":
+        if key in ("weight_version", "base_weight_version", "mode"):  # (checked by the weights API: 400)
             out[key] = value
         elif key in ("flush_cache", "abort_all_requests"):
             if value.lower() not in ("true", "false", "1", "0"):
@@ -429,7 +430,8 @@ def _push_query(q: dict[str, str]) -> dict[str, Any]:
             except ValueError:
                 raise HTTPError(400, f"timeout={value!r:.40}: a number of seconds") from None
         else:
-            raise HTTPError(400, f"{key}: unknown argument (weight_version, flush_cache, abort_all_requests, timeout)")
+            raise HTTPError(400, f"{key}: unknown argument (weight_version, flush_cache, abort_all_requests, timeout, "
+                                 "mode, base_weight_version)")  # fmt: skip
     return out
 
 

@@ -13,7 +13,9 @@ tells it each reply, also one whose caller stopped waiting).
 
 Weights pushed from tensors are kept as a host copy of each name's latest value (at most one
 model's weights: a full push replaces the previous one), taken while the caller's segment still
-exists (before its reply is handed over). If a copy cannot be taken, or the checkpoint the
+exists (before its reply is handed over). A delta (mode "add", or `Rows` of a tensor) is folded
+into that copy (or into the checkpoint's tensor, for a name not pushed since) with the runner's
+own arithmetic (model/weights/delta.py), so a restart serves the same bits. If a copy cannot be taken, or the checkpoint the
 weights were loaded from is gone, the journal says why a restart cannot bring them back
 (`why_not`) and the supervisor refuses to restart instead of serving other weights.
 """
@@ -65,6 +67,7 @@ class Journal:
         self.tensors: dict[str, Tensor] = {}
         self.lost: str | None = None  # why the weights serving cannot be rebuilt (a copy failed)
         self._staged: dict[str, Tensor] = {}  # parts of a tensor update not yet confirmed whole
+        self._rows: dict[str, list[Any]] = {}  # its sparse pieces (Rows), not yet confirmed
 
     def confirmed(self, msg: Any, reply: m.ControlReply) -> None:
         """The scheduler answered `msg` with `reply` (refused or not). Never raises: a journal
@@ -87,17 +90,16 @@ class Journal:
                     self.released -= set(msg.tags)
         except Exception as e:
             self._staged.clear()
+            self._rows.clear()
             self.lost = f"a weight update from tensors could not be kept for restarts ({e!r})"
             log.exception("supervisor journal: %s", self.lost)
 
     def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
         if msg.source in ("check", "group_init", "group_destroy"):  # nothing served changed
             return
-        if not reply.ok:
+        if not reply.ok or msg.source == "abandon":  # refused, or a push dropped half way: nothing of it serves
             self._staged.clear()
-            return
-        if msg.source == "abandon":  # a push dropped half way: nothing of it serves
-            self._staged.clear()
+            self._rows.clear()
             return
         last = msg.part == msg.parts - 1
         if msg.source == "disk":
@@ -110,13 +112,38 @@ class Journal:
         else:
             if msg.part == 0:
                 self._staged.clear()
-            _read_tensors(msg.tensors, self._staged)  # (the caller unlinks or reuses them after this reply)
+                self._rows.clear()
+            # (the caller unlinks or reuses the segments after this reply)
+            _read_tensors([r for r in msg.tensors if not r.sparse], self._staged)
+            _read_rows([r for r in msg.tensors if r.sparse], self._rows)
             if last:
-                self.tensors.update(self._staged)
+                if msg.mode == "replace" and not self._rows:
+                    self.tensors.update(self._staged)
+                else:
+                    self._fold(msg.mode)
                 self._staged.clear()
+                self._rows.clear()
         if last:
             self.version = json.loads(reply.payload)["weight_version"]
             self.updates += 1
+
+    def _fold(self, mode: str) -> None:
+        """Apply a confirmed delta to the host copies, as the runner did to its tensors."""
+        from ringserve.model.weights.delta import updated
+
+        checkpoint: dict[str, Any] | None = None
+        for name in [*self._staged, *self._rows]:
+            if name in self.tensors:
+                served = _array(self.tensors[name])
+            else:
+                if checkpoint is None:
+                    from ringserve.model.checkpoints.load import load_checkpoint
+
+                    checkpoint = load_checkpoint(Path(self.model_dir))[1]
+                served = checkpoint[name]
+            new = updated(served, _array(self._staged[name]) if name in self._staged else self._rows[name], mode)
+            new = np.ascontiguousarray(new)
+            self.tensors[name] = Tensor(new.dtype.name, new.shape, bytearray(new.tobytes()))
 
     def why_not(self) -> str | None:
         """Why the weights serving cannot be brought back, or None."""
@@ -174,6 +201,32 @@ class Journal:
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _array(t: Tensor) -> np.ndarray:
+    return np.frombuffer(t.data, _dtype(t.dtype)).reshape(t.shape)
+
+
+def _read_rows(refs: list[m.TensorRef], into: dict[str, list[Any]]) -> None:
+    """Copy sparse pieces (some rows of a tensor, TensorRef.sparse) out as `Rows`."""
+    from ringserve.model.weights.delta import Rows
+
+    def take(r: m.TensorRef, mm: Any) -> None:
+        dt = _dtype(r.dtype)
+        per_row = int(np.prod(r.shape[1:], dtype=np.int64))
+        n = r.nbytes // (per_row * dt.itemsize)
+        rows = np.frombuffer(mm, dt, n * per_row, r.offset).reshape(n, *r.shape[1:]).copy()
+        into.setdefault(r.name, []).append(Rows(r.start, rows))
+
+    read_segments(refs, take)
 
 
 def _read_tensors(refs: list[m.TensorRef], into: dict[str, Tensor]) -> None:

@@ -84,7 +84,8 @@ class Cancel(msgspec.Struct, tag="cancel", **_S):
 
 class TensorPiece(msgspec.Struct, array_like=True, **_S):
     """Rows [start, start + nbytes / row bytes) along dim 0 of the HF-named tensor `name` (of the
-    whole `shape`), at `offset` in a push's segment (actors/frontend/weight_buckets.py)."""
+    whole `shape`), at `offset` in a push's segment (actors/frontend/weight_buckets.py); `sparse`
+    as TensorRef's (some rows of the tensor, `shape[0]` the end of those sent)."""
 
     name: str
     dtype: str  # float32 | float16 | bfloat16
@@ -92,6 +93,7 @@ class TensorPiece(msgspec.Struct, array_like=True, **_S):
     offset: int
     nbytes: int
     start: int = 0  # first row
+    sparse: bool = False
 
 
 class PushWeights(msgspec.Struct, tag="push_weights", **_S):
@@ -104,6 +106,8 @@ class PushWeights(msgspec.Struct, tag="push_weights", **_S):
     flush_cache: bool = True
     abort_all_requests: bool = False
     timeout: float = PUSH_TIMEOUT_S  # seconds the server waits for the next frame before it gives up
+    mode: str = "replace"  # "add": each tensor is a difference to add to the served one
+    base_weight_version: str | None = None  # refused unless the engine serves this version
 
 
 class PushBucket(msgspec.Struct, tag="push_bucket", **_S):

@@ -5,7 +5,8 @@ and the checks the server applies to a bucket's header before the runner reads a
 A piece is a run of whole rows (along dim 0) of one tensor. A tensor that fits the room left in
 the bucket goes whole; one that does not starts the next bucket; one larger than a bucket is cut
 into pieces of as many rows as fit, in order (a row larger than the bucket is refused, naming
-the tensor and `bucket_bytes`). So a bucket never holds more than `bucket_bytes` of data, and a
+the tensor and `bucket_bytes`); a bucket holds at most one piece of a tensor (a blob's names
+are keys). So a bucket never holds more than `bucket_bytes` of data, and a
 trainer that hands over a generator holds one bucket at a time.
 
 One segment (`bucket_bytes` long, ftruncated: memory only where written; the writer reserves
@@ -17,10 +18,15 @@ what it writes with fallocate, so a full /dev/shm is an OSError, never a SIGBUS)
     └───────────┴───┴──────────────┴───┴───────────────────────┴───┴──────────────┘
     every piece starts at a multiple of ALIGN bytes; its header (TensorPiece) names it
 
+A value may be `Rows(start, array)` (model/weights/delta.py): only rows [start, stop) of that
+tensor, the others kept; its pieces are marked `sparse` and their `shape[0]` is `stop` (the
+server checks it against the served tensor).
+
 One safetensors blob (the standard format, readable by `safetensors.numpy.load`): an 8-byte
 little-endian header length, the JSON header, then the pieces' bytes back to back. A piece that
 is not a whole tensor has the shape of its rows, and `__metadata__` maps its name to
-"<first row>/<rows of the whole tensor>".
+"<first row>/<rows of the whole tensor>", or for rows of a sparse tensor
+"<first row>/<stop>/sparse".
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 
 from ringserve.actors.frontend.protocol import TensorPiece
 from ringserve.kvmem.allocator import cdiv
+from ringserve.model.weights.delta import Rows
 
 ALIGN = 64  # bytes; a piece's offset in a segment
 BUCKET_BYTES = 512 << 20  # verl's default bucket
@@ -97,10 +104,12 @@ def _rows(a: np.ndarray) -> int:
 @dataclasses.dataclass(slots=True)
 class Piece:
     name: str
-    array: np.ndarray  # the whole tensor, C-contiguous
-    start: int  # rows [start, stop) along dim 0 (a 0-d tensor is one row)
+    array: np.ndarray  # the whole tensor (or the rows sent of a sparse one), C-contiguous
+    start: int  # rows [start, stop) of `array` along dim 0 (a 0-d tensor is one row)
     stop: int
     offset: int  # in the segment, or in the blob's data
+    first: int = 0  # the tensor's row where `array` begins (a sparse tensor's Rows.start)
+    sparse: bool = False  # some rows of the tensor (Rows), the others kept
 
     @property
     def row_bytes(self) -> int:
@@ -114,38 +123,55 @@ class Piece:
         """The piece's bytes (a view, no copy)."""
         return self.array.reshape(-1).view(np.uint8)[self.start * self.row_bytes : self.stop * self.row_bytes]
 
-    def header(self) -> TensorPiece:
+    @property
+    def shape(self) -> list[int]:
+        """The tensor's shape on the wire: a sparse one's dim 0 ends where its rows do."""
         a = self.array
-        return TensorPiece(self.name, a.dtype.name, list(a.shape), self.offset, self.nbytes, self.start)
+        return [self.first + a.shape[0], *a.shape[1:]] if self.sparse else list(a.shape)
+
+    def header(self) -> TensorPiece:
+        return TensorPiece(self.name, self.array.dtype.name, self.shape, self.offset, self.nbytes,
+                           self.first + self.start, self.sparse)  # fmt: skip
 
 
 def _named(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """(name, array or Rows) pairs; a value that is a list of Rows is one pair each."""
     items = named.items() if isinstance(named, Mapping) else named
     for i, item in enumerate(items):
         if not (isinstance(item, tuple | list) and len(item) == 2):
             raise ValueError(f"named_tensors[{i}]: expected a (name, array) pair")
-        yield item[0], item[1]
+        name, value = item
+        if isinstance(value, list | tuple) and value and all(isinstance(v, Rows) for v in value):
+            for rows in value:
+                yield name, rows
+        else:
+            yield name, value
 
 
 def buckets(named: Mapping[str, Any] | Iterable[tuple[str, Any]], bucket_bytes: int,
             align: int = ALIGN) -> Iterator[list[Piece]]:  # fmt: skip
-    """The tensors as buckets of pieces, each bucket's data at most `bucket_bytes` (offsets from
-    0, each a multiple of `align`). Lazy: a generator of tensors is read as the buckets go."""
+    """The tensors (or `Rows` of them) as buckets of pieces, each bucket's data at most
+    `bucket_bytes` (offsets from 0, each a multiple of `align`). Lazy: a generator of tensors is
+    read as the buckets go."""
     check_bucket_bytes(bucket_bytes)
-    seen: set[str] = set()
+    seen: dict[str, bool] = {}  # name: sent as Rows (a tensor's disjoint Rows may come in several values)
     bucket: list[Piece] = []
     used = 0
     for name, value in _named(named):
-        a = host_array(name, value)
-        if name in seen:
-            raise ValueError(f"named_tensors: tensor {name!r} appears twice")
-        seen.add(name)
+        sparse = isinstance(value, Rows)
+        a = host_array(name, value.array if sparse else value)
+        first = int(value.start) if sparse else 0
+        if name in seen and not (sparse and seen[name]):
+            raise ValueError(f"named_tensors: tensor {name!r} appears twice (only its Rows may: disjoint ones)")
+        seen[name] = sparse
         rows = _rows(a)
         row_bytes = a.nbytes // max(rows, 1)
         if row_bytes > bucket_bytes:
             raise ValueError(f"tensor {name!r}: one row of {row_bytes} bytes does not fit bucket_bytes={bucket_bytes}")
-        if bucket and a.nbytes <= bucket_bytes and _up(used, align) + a.nbytes > bucket_bytes:
-            yield bucket  # it fits a bucket whole: do not cut it
+        again = any(pc.name == name for pc in bucket)  # one piece of a tensor a bucket: a blob's names are keys
+        whole = a.nbytes <= bucket_bytes and _up(used, align) + a.nbytes > bucket_bytes  # it fits one: do not cut it
+        if bucket and (again or whole):
+            yield bucket
             bucket, used = [], 0
         start = 0
         while True:
@@ -155,7 +181,7 @@ def buckets(named: Mapping[str, Any] | Iterable[tuple[str, Any]], bucket_bytes: 
                 yield bucket
                 bucket, used = [], 0
                 continue
-            bucket.append(Piece(name, a, start, start + fit, at))
+            bucket.append(Piece(name, a, start, start + fit, at, first, sparse))
             used, start = at + fit * row_bytes, start + fit
             if start >= rows:
                 break
@@ -296,7 +322,9 @@ def blob_parts(bucket: list[Piece]) -> Iterator[bytes | memoryview]:
         shape = [pc.stop - pc.start, *a.shape[1:]] if a.ndim else []
         header[pc.name] = {"dtype": _ST_NAME[a.dtype.name], "shape": shape,
                            "data_offsets": [pc.offset, pc.offset + pc.nbytes]}  # fmt: skip
-        if (pc.start, pc.stop) != (0, _rows(a)):
+        if pc.sparse:
+            meta[pc.name] = f"{pc.first + pc.start}/{pc.shape[0]}/sparse"
+        elif (pc.start, pc.stop) != (0, _rows(a)):
             meta[pc.name] = f"{pc.start}/{_rows(a)}"
     if meta:
         header["__metadata__"] = meta
@@ -316,7 +344,7 @@ def safetensors_stream(named: Mapping[str, Any] | Iterable[tuple[str, Any]],
             yield bytes(part)
 
 
-_ROWS = re.compile(r"(\d{1,15})/(\d{1,15})")
+_ROWS = re.compile(r"(\d{1,15})/(\d{1,15})(/sparse)?")
 
 
 def parse_blob_header(raw: bytes, where: str, limit: int) -> tuple[list[TensorPiece], int]:
@@ -348,14 +376,15 @@ def parse_blob_header(raw: bytes, where: str, limit: int) -> tuple[list[TensorPi
         nbytes = DTYPES[dtype] * int(np.prod(shape, dtype=np.int64))
         if offs[1] - offs[0] != nbytes:
             raise ValueError(f"{at} data_offsets: {offs[1] - offs[0]} bytes for shape {shape} of {dtype} ({nbytes})")
-        whole, start = list(shape), 0
+        whole, start, sparse = list(shape), 0, False
         rows = meta.get(name)
         if rows is not None:
             m = _ROWS.fullmatch(rows) if isinstance(rows, str) else None
             if m is None or not shape:
-                raise ValueError(f"{at} __metadata__: {rows!r:.40} is not '<first row>/<rows>' of a tensor with rows")
-            start, whole[0] = int(m[1]), int(m[2])
-        pieces.append(TensorPiece(name, dtype, whole, offs[0], nbytes, start))
+                raise ValueError(f"{at} __metadata__: {rows!r:.40} is not '<first row>/<rows>' or "
+                                 "'<first row>/<stop>/sparse' of a tensor with rows")  # fmt: skip
+            start, whole[0], sparse = int(m[1]), int(m[2]), m[3] is not None
+        pieces.append(TensorPiece(name, dtype, whole, offs[0], nbytes, start, sparse))
         spans.append((offs[0], offs[1], name))
     spans.sort()
     end = 0

@@ -15,6 +15,10 @@ scheduler forwards it (refused while requests run unless paused, as every weight
 runner copies its pieces out into host arrays. Nothing reaches the device before `commit`; a push
 that ends otherwise has its staged parts dropped (an "abandon" part, sent from `close`).
 
+Every part carries the update's `mode` and `base_weight_version` (a delta: the scheduler refuses
+any part made against another version than the one serving, before the runner stages it), and
+the commit's reply says how many `bytes` of tensor data the push moved.
+
 Only one update runs at a time (the weights API holds a lock across the push); a part in flight
 when the push is cancelled still completes in the runner, or finds its segment gone and is
 refused: either way the abandon that follows drops it.
@@ -52,10 +56,13 @@ def check_push_args(slots: Any, timeout: Any) -> None:
 
 
 class Push:
-    def __init__(self, control: Control, bucket_bytes: int, slots: int):
+    def __init__(self, control: Control, bucket_bytes: int, slots: int, mode: str = "replace",
+                 base_weight_version: str | None = None):  # fmt: skip
         self.control = control
+        self.mode, self.base_weight_version = mode, base_weight_version
         self.id = secrets.token_hex(8)
         self.parts = 0  # parts sent to the runner (each staged there)
+        self.bytes = 0  # tensor data in the parts sent
         self.committed = False
         self.segments: list[Segment] = []
         base = f"/rs-{os.getpid()}-{secrets.token_hex(4)}-push"
@@ -73,9 +80,11 @@ class Push:
             raise ValueError(f"bucket {self.parts}: slot={slot} is not one of the push's {len(self.segments)} segments")
         seg = self.segments[slot]
         check_pieces(pieces, seg.size, f"bucket {self.parts}")
-        refs = [m.TensorRef(pc.name, pc.dtype, pc.shape, seg.name, pc.offset, pc.nbytes, pc.start) for pc in pieces]
-        req = m.UpdateWeightsReq("tensor", part=self.parts, parts=0, tensors=refs, update=self.id)
+        refs = [m.TensorRef(pc.name, pc.dtype, pc.shape, seg.name, pc.offset, pc.nbytes, pc.start, pc.sparse)
+                for pc in pieces]  # fmt: skip
+        req = self._part(part=self.parts, parts=0, tensors=refs)
         self.parts += 1
+        self.bytes += sum(pc.nbytes for pc in pieces)
         out = await self._send(req)
         return None if out["success"] else out
 
@@ -83,12 +92,13 @@ class Push:
         """The last (empty) part: the runner checks every tensor is complete and swaps. A push
         of no tensors changes nothing ({success: True, message: "no tensors"})."""
         if not self.parts:
-            return {"success": True, "message": "no tensors"}
-        req = m.UpdateWeightsReq("tensor", weight_version=weight_version, part=self.parts, parts=self.parts + 1,
-                                 update=self.id)  # fmt: skip
-        out = await self._send(req)
+            return {"success": True, "message": "no tensors", "bytes": 0}
+        out = await self._send(self._part(weight_version=weight_version, part=self.parts, parts=self.parts + 1))
         self.committed = out["success"]  # refused (e.g. busy): close() drops what is staged
-        return out
+        return out | {"bytes": self.bytes}
+
+    def _part(self, **kw: Any) -> m.UpdateWeightsReq:
+        return m.UpdateWeightsReq("tensor", update=self.id, mode=self.mode, base_weight_version=self.base_weight_version, **kw)
 
     async def _send(self, req: m.UpdateWeightsReq) -> dict[str, Any]:
         """One part, shielded: cancelling the push does not cancel the part's reply, which the

@@ -12,6 +12,11 @@ at most `bucket_bytes` (actors/frontend/weight_buckets.py), from this process
 call) or another host (`serve_body`, HTTP); the runner stages every bucket and swaps after the
 last, all or nothing. One update runs at a time. The new `weight_version` (default: a counter)
 stamps every later output.
+
+Deltas (model/weights/delta.py): an update from tensors may name a subset of the weights, send
+only some rows of one (`Rows(start, array)`), and with `mode="add"` add each to the served
+value; `base_weight_version` (every update) refuses it unless the engine serves that version,
+so a delta computed against version v never lands on other weights.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ringserve.actors.frontend import protocol as p
 from ringserve.actors.frontend.weight_buckets import BUCKET_BYTES, buckets, check_bucket_bytes, write_next
 from ringserve.actors.frontend.weight_push import BodyReader, Push, check_push_args, serve_body, serve_client
 from ringserve.actors.transport import messages as m
+from ringserve.model.weights.delta import check_mode
 
 MEMORY_TAGS = ("kv_cache", "weights")
 GROUP_NAME = "weight_update_group"  # SGLang's default
@@ -75,7 +81,8 @@ class WeightsAPI:
             await self.tm.continue_generation()
 
     @contextlib.asynccontextmanager
-    async def _exclusive(self, abort_all_requests: bool) -> AsyncIterator[dict[str, Any] | None]:
+    async def _exclusive(self, abort_all_requests: bool,
+                         base_weight_version: str | None) -> AsyncIterator[dict[str, Any] | None]:  # fmt: skip
         """One update at a time. With several data-parallel groups it is all or nothing across
         them: new requests wait at the front door (`tm.held`) while every group is asked first
         whether it would take an update now (the scheduler's busy check, source "check"); if one
@@ -89,7 +96,8 @@ class WeightsAPI:
                 return
             self.tm.held = held = asyncio.Event()
             try:
-                r = await self.tm.control(m.UpdateWeightsReq("check"), "update_weights")
+                check = m.UpdateWeightsReq("check", base_weight_version=base_weight_version)
+                r = await self.tm.control(check, "update_weights")
                 yield None if r.ok else {"success": False, "message": r.message,
                                          "weight_version": json.loads(r.payload)["weight_version"]}  # fmt: skip
             finally:
@@ -105,31 +113,37 @@ class WeightsAPI:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        load_format: str | None = None, abort_all_requests: bool = False,
-                                       flush_cache: bool = True) -> dict[str, Any]:  # fmt: skip
+                                       flush_cache: bool = True, base_weight_version: str | None = None) -> dict[str, Any]:  # fmt: skip
         """Load a checkpoint of the same architecture (HF directory or .gguf) into the runner(s)."""
         if not isinstance(model_path, str) or not model_path:
             raise ValueError(f"model_path={model_path!r} must be a non-empty string")
         _check_version(weight_version)
+        _check_version(base_weight_version, "base_weight_version")
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format={load_format!r}: only 'auto' (safetensors directory or .gguf)")
-        async with self._exclusive(abort_all_requests) as refused:
+        async with self._exclusive(abort_all_requests, base_weight_version) as refused:
             if refused is not None:
                 return refused
-            out = await self._update(m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version))
+            req = m.UpdateWeightsReq("disk", os.path.abspath(model_path), weight_version,
+                                     base_weight_version=base_weight_version)  # fmt: skip
+            out = await self._update(req)
             return await self._after(out, flush_cache)
 
     @contextlib.asynccontextmanager
     async def _push(self, bucket_bytes: int, slots: int, weight_version: str | None, abort_all_requests: bool,
-                    timeout: float = p.PUSH_TIMEOUT_S) -> AsyncIterator[Push]:  # fmt: skip
+                    timeout: float = p.PUSH_TIMEOUT_S, mode: str = "replace",
+                    base_weight_version: str | None = None) -> AsyncIterator[Push]:  # fmt: skip
         """A push under the update lock; its segments go and its staged parts are dropped
         however it ends (weight_push.py). Refused by a group before it starts: `PushRefused`."""
         check_bucket_bytes(bucket_bytes)
         check_push_args(slots, timeout)
         _check_version(weight_version)
-        async with self._exclusive(abort_all_requests) as refused:
+        _check_version(base_weight_version, "base_weight_version")
+        check_mode(mode)
+        async with self._exclusive(abort_all_requests, base_weight_version) as refused:
             if refused is not None:
                 raise PushRefused(refused)
-            push = Push(self._update, bucket_bytes, slots)
+            push = Push(self._update, bucket_bytes, slots, mode, base_weight_version)
             try:
                 yield push
             finally:
@@ -137,21 +151,27 @@ class WeightsAPI:
 
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, flush_cache: bool = True,
-                                         bucket_bytes: int = BUCKET_BYTES,
-                                         abort_all_requests: bool = False) -> dict[str, Any]:  # fmt: skip
+                                         bucket_bytes: int = BUCKET_BYTES, abort_all_requests: bool = False,
+                                         mode: str = "replace", base_weight_version: str | None = None) -> dict[str, Any]:  # fmt: skip
         """HF-named NumPy, JAX or torch arrays (a dict, or (name, array) pairs, or a generator of
-        them), all of the weights or a subset, from this process: bucket k + 1 is written into one
-        of the push's two segments (off the loop) while the runner stages bucket k from the other."""
+        them), all of the weights or a subset, a value `Rows(start, array)` for some rows of one
+        (a list of them for several blocks), each replacing the served value or, with
+        mode="add", added to it; refused unless the engine serves `base_weight_version` (if
+        given). From this process: bucket k + 1 is written into one of the push's two segments
+        (off the loop) while the runner stages bucket k from the other."""
+        check_mode(mode)
         it = iter(buckets(named_tensors, bucket_bytes))
         try:
-            return await self._from_tensor(it, bucket_bytes, weight_version, abort_all_requests, flush_cache)
+            return await self._from_tensor(it, bucket_bytes, weight_version, abort_all_requests, flush_cache, mode,
+                                           base_weight_version)  # fmt: skip
         except PushRefused as e:
             return e.out
 
     async def _from_tensor(self, it: Any, bucket_bytes: int, weight_version: str | None, abort_all_requests: bool,
-                           flush_cache: bool) -> dict[str, Any]:  # fmt: skip
+                           flush_cache: bool, mode: str, base_weight_version: str | None) -> dict[str, Any]:  # fmt: skip
         loop = asyncio.get_running_loop()
-        async with self._push(bucket_bytes, 2, weight_version, abort_all_requests) as push:
+        async with self._push(bucket_bytes, 2, weight_version, abort_all_requests, mode=mode,
+                              base_weight_version=base_weight_version) as push:  # fmt: skip
             staging: asyncio.Task | None = None  # bucket k - 1, in the other segment
             try:
                 for k in itertools.count():
@@ -174,7 +194,7 @@ class WeightsAPI:
         """`Client.update_weights_from_tensor` from another process (the IPC socket's call)."""
         try:
             async with self._push(start.bucket_bytes, start.slots, start.weight_version, start.abort_all_requests,
-                                  start.timeout) as push:  # fmt: skip
+                                  start.timeout, start.mode, start.base_weight_version) as push:  # fmt: skip
                 out = await serve_client(push, start, inbox, send)
                 return await self._after(out, start.flush_cache) if out["success"] else out
         except PushRefused as e:
@@ -182,11 +202,13 @@ class WeightsAPI:
 
     async def push_from_body(self, chunks: AsyncIterator[bytes], max_bucket_bytes: int, weight_version: str | None = None,
                              flush_cache: bool = True, abort_all_requests: bool = False,
-                             timeout: float = p.PUSH_TIMEOUT_S) -> dict[str, Any]:  # fmt: skip
+                             timeout: float = p.PUSH_TIMEOUT_S, mode: str = "replace",
+                             base_weight_version: str | None = None) -> dict[str, Any]:  # fmt: skip
         """`POST /update_weights_from_tensor`: safetensors blobs of at most `max_bucket_bytes`
         of data each, read off the body into one segment."""
         try:
-            async with self._push(max_bucket_bytes, 1, weight_version, abort_all_requests, timeout) as push:
+            async with self._push(max_bucket_bytes, 1, weight_version, abort_all_requests, timeout, mode,
+                                  base_weight_version) as push:  # fmt: skip
                 out = await serve_body(push, BodyReader(chunks, timeout), weight_version)
                 return await self._after(out, flush_cache) if out["success"] else out
         except PushRefused as e:
@@ -307,9 +329,9 @@ def _check_group_name(v: Any) -> None:
         raise ValueError(f"group_name={v!r} must be a non-empty string")
 
 
-def _check_version(v: Any) -> None:
+def _check_version(v: Any, field: str = "weight_version") -> None:
     if v is not None and not (isinstance(v, str) and v):
-        raise ValueError(f"weight_version={v!r} must be a non-empty string")
+        raise ValueError(f"{field}={v!r} must be a non-empty string")
 
 
 def _tags(tags: Any) -> list[str]:

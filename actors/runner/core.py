@@ -134,7 +134,8 @@ class RunnerCore:
                     self.weights.abandon(u.update)
                     text = f"abandoned {u.update}"
                 else:
-                    text = self.weights.stage(u.tensors, u.update, first=u.part == 0, last=u.part == u.parts - 1)
+                    text = self.weights.stage(u.tensors, u.update, first=u.part == 0, last=u.part == u.parts - 1,
+                                              mode=u.mode)  # fmt: skip
                 return m.RunnerReply(True, text)
             if isinstance(msg, m.RunnerGetWeights):
                 a = self.weights.get(msg.request.name, msg.request.truncate_size)

@@ -288,14 +288,16 @@ class SchedulerActor:
 
     def _update_weights(self, msg: m.UpdateWeightsReq) -> None:
         """Forward an update (or one part of it) to the runner(s); the reply always carries the
-        version serving afterwards (the frontend keeps no copy)."""
+        version serving afterwards (the frontend keeps no copy). An update made against another
+        version than the one serving (`base_weight_version`, a delta) is refused at every part,
+        before the runner stages anything, and at the commit."""
         # dropping staged parts, joining or leaving an update group: nothing served changes
         changes = msg.source not in ("abandon", "group_init", "group_destroy", "group_drain")
-        busy = self.core.busy() if changes else None
+        why = self.core.busy() or self._stale(msg) if changes else None
         if msg.source == "check":  # the DP frontend asks every group before any commits (all or nothing)
-            ok, text = busy is None, f"update_weights refused: {busy}" if busy else "an update would be taken"
-        elif busy is not None:
-            ok, text = False, f"update_weights refused: {busy}"
+            ok, text = why is None, f"update_weights refused: {why}" if why else "an update would be taken"
+        elif why is not None:
+            ok, text = False, f"update_weights refused: {why}"
             if msg.source == "group":  # the trainer broadcasts anyway: the runner takes part and drops it
                 drained = self._runner_call(m.RunnerWeights(m.UpdateWeightsReq("group_drain", group=msg.group)))
                 if not drained.ok:
@@ -310,6 +312,13 @@ class SchedulerActor:
                 self.checked_idle = False
             ok, text = r.ok, r.message
         self._reply("update_weights", ok, text, json.dumps({"weight_version": self.core.weight_version}).encode())
+
+    def _stale(self, msg: m.UpdateWeightsReq) -> str | None:
+        """Why an update made against `base_weight_version` cannot apply to the weights serving."""
+        base, serving = msg.base_weight_version, self.core.weight_version
+        if base is None or base == serving:
+            return None
+        return f"base_weight_version={base!r} but the engine serves {serving!r}"
 
     def _memory(self, msg: m.MemoryReq) -> None:
         if msg.action == "release":

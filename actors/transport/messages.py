@@ -56,7 +56,9 @@ def as_u8(b: bytes) -> np.ndarray:
 
 class TensorRef(msgspec.Struct, **_S):
     """Rows [start, start + nbytes / row bytes) along dim 0 of one HF-named tensor of `shape`
-    (all of it, by default), in a shared-memory segment the runner maps (never in the ring)."""
+    (all of it, by default), in a shared-memory segment the runner maps (never in the ring).
+    `sparse`: the pusher sends only some rows of the tensor (`ringserve.Rows`), the others keep
+    their served values; `shape[0]` is then the end of the rows it sent, not the tensor's."""
 
     name: str
     dtype: str  # numpy dtype name: float32, float16, bfloat16
@@ -65,6 +67,7 @@ class TensorRef(msgspec.Struct, **_S):
     offset: int
     nbytes: int
     start: int = 0  # first row
+    sparse: bool = False
 
 
 # ---- actor configs (the opaque `config` bytes each actor is spawned with) ---------------------

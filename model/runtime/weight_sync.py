@@ -7,8 +7,13 @@ and each Param's sharding), and swaps only once every tensor arrived and checked
 wrong leaves the old weights serving. The compiled step programs take the state as their first
 argument with the same structure, shapes, dtypes and shardings, so nothing recompiles.
 
+A delta (model/weights/delta.py) is applied here, whatever its source: each tensor an update
+delivers is a whole array or `Rows` of it (the others kept), replacing the served value or, in
+mode "add", added to it; the new host tensors are then built as any update's.
+
 Checks, each an error naming the tensor: an unknown name, a missing one (full updates), a
-shape other than the model's, a dtype that is not floating point, and for a checkpoint on disk
+shape other than the model's, a dtype that is not floating point, rows out of range or
+overlapping, and for a checkpoint on disk
 an architecture other than the served one (family and every dimension).
 
 An update from tensors arrives in parts (buckets) under one update id: each part's pieces (runs
@@ -37,6 +42,7 @@ import numpy as np
 
 from ringserve.model.checkpoints.load import load_checkpoint
 from ringserve.model.config import NOT_ARCHITECTURE, ModelConfig
+from ringserve.model.weights.delta import MODES, Rows, check_rows, updated
 from ringserve.model.weights.segments import WeightError, read_segments
 
 if TYPE_CHECKING:
@@ -59,14 +65,18 @@ def _as_rows(a: np.ndarray) -> np.ndarray:
 
 
 class Staging:
-    """One update from tensors as its parts arrive. Each tensor's rows come in order: `rows[name]`
-    of `arrays[name]` are filled; the update may apply once every begun tensor is full."""
+    """One update from tensors as its parts arrive. A whole tensor's rows come in order:
+    `rows[name]` of `arrays[name]` are filled, and it must be full by the last part. A sparse
+    tensor's pieces (TensorRef.sparse: rows the pusher chose, the others kept) are kept as
+    `Rows`, in any order; WeightSync checks they fit and do not overlap."""
 
-    def __init__(self, update: str, served: dict[str, Any]):
+    def __init__(self, update: str, served: dict[str, Any], mode: str):
         self.update = update
+        self.mode = mode  # every part of the update says the same
         self.served = served  # the served HF tensors (their shapes)
         self.arrays: dict[str, np.ndarray] = {}
         self.rows: dict[str, int] = {}
+        self.sparse: dict[str, list[Rows]] = {}
 
     def add(self, ref: Any, src: Any) -> None:
         """Piece `ref` (a TensorRef) from the buffer `src` (its segment): checked, then copied."""
@@ -74,10 +84,17 @@ class Staging:
         if name not in self.served:
             raise WeightError(f"tensor {name!r} is not a weight of the served model")
         want = tuple(np.shape(self.served[name]))
-        if tuple(ref.shape) != want:
-            raise WeightError(f"tensor {name!r} has shape {tuple(ref.shape)}, the served model's is {want}")
         if dt is None:
             raise WeightError(f"tensor {name!r} has dtype {ref.dtype}; weights must be float32, float16 or bfloat16")
+        if ref.offset < 0 or ref.offset + ref.nbytes > len(src):
+            raise WeightError(f"tensor {name!r}: {ref.nbytes} bytes at {ref.offset} pass its segment of {len(src)}")
+        if (name in self.sparse) != ref.sparse and (name in self.sparse or name in self.arrays):
+            raise WeightError(f"tensor {name!r} sent both whole and as rows in one update")
+        if ref.sparse:
+            self._add_rows(ref, dt, want, src)
+            return
+        if tuple(ref.shape) != want:
+            raise WeightError(f"tensor {name!r} has shape {tuple(ref.shape)}, the served model's is {want}")
         a = self.arrays.get(name)
         if a is None:
             a = self.arrays[name] = np.empty(want, dt)
@@ -93,18 +110,34 @@ class Staging:
         if ref.start != have or (row and ref.nbytes % row) or have + n > len(flat):
             raise WeightError(f"tensor {name!r}: a piece of rows [{ref.start}, {ref.start + n}) after {have} of "
                               f"{len(flat)} rows (pieces come in order, whole rows)")  # fmt: skip
-        if ref.offset < 0 or ref.offset + ref.nbytes > len(src):
-            raise WeightError(f"tensor {name!r}: {ref.nbytes} bytes at {ref.offset} pass its segment of {len(src)}")
         flat[have : have + n] = np.frombuffer(src, dt, n * flat.shape[1], ref.offset).reshape(n, -1)
         self.rows[name] = have + n
 
-    def tensors(self) -> dict[str, np.ndarray]:
-        """The staged tensors, each complete (WeightError naming the first that is not)."""
+    def _add_rows(self, ref: Any, dt: np.dtype, want: tuple[int, ...], src: Any) -> None:
+        """A piece of a sparse tensor: its own rows, copied out (range and overlap: WeightSync)."""
+        name = ref.name
+        if not want or tuple(ref.shape[1:]) != want[1:]:
+            raise WeightError(f"tensor {name!r}: rows of shape {tuple(ref.shape[1:])}, the served model's are "
+                              f"{want[1:] if want else 'none (0-d: send it whole)'}")  # fmt: skip
+        pieces = self.sparse.setdefault(name, [])
+        if pieces and pieces[0].array.dtype != dt:
+            raise WeightError(f"tensor {name!r}: a piece of dtype {ref.dtype} after pieces of {pieces[0].array.dtype.name}")
+        per_row = int(np.prod(want[1:], dtype=np.int64))
+        row = per_row * dt.itemsize
+        if not row or ref.nbytes % row:
+            raise WeightError(f"tensor {name!r}: {ref.nbytes} bytes are not whole rows of {row} bytes")
+        n = ref.nbytes // row
+        rows = np.frombuffer(src, dt, n * per_row, ref.offset).reshape(n, *want[1:]).copy()
+        pieces.append(Rows(ref.start, rows))
+
+    def tensors(self) -> dict[str, np.ndarray | list[Rows]]:
+        """The staged tensors: whole ones, each complete (WeightError naming the first that is
+        not), and sparse ones as their rows."""
         for name, a in self.arrays.items():
             total = a.shape[0] if a.ndim else 1
             if self.rows[name] != total:
                 raise WeightError(f"tensor {name!r} is incomplete: {self.rows[name]} of {total} rows arrived")
-        return self.arrays
+        return {**self.arrays, **self.sparse}
 
 
 class WeightSync:
@@ -135,16 +168,18 @@ class WeightSync:
         n = self._commit(read, full=True)
         return f"loaded {n} tensors from {path}"
 
-    def stage(self, refs: list[Any], update: str, first: bool, last: bool) -> str:
+    def stage(self, refs: list[Any], update: str, first: bool, last: bool, mode: str = "replace") -> str:
         """One part of update `update` from tensors in shared memory (the first forgets any
-        other update staged); the last applies every staged tensor, all or nothing. Any error
-        drops the whole update."""
+        other update staged); the last applies every staged tensor in `mode` (model/weights/delta.py),
+        all or nothing. Any error drops the whole update."""
         if first:
-            self.staging = Staging(update, self.ex.host_tensors)
+            self.staging = Staging(update, self.ex.host_tensors, mode)
 
         def read() -> dict[str, Any]:
             if self.staging is None or self.staging.update != update:
                 raise WeightError(f"part {update!r} of an update that is not staged (abandoned, or its first part was refused)")
+            if mode != self.staging.mode:
+                raise WeightError(f"part {update!r}: mode={mode!r} after parts of mode={self.staging.mode!r}")
             read_segments(refs, self.staging.add)
             return self.staging.tensors() if last else {}
 
@@ -164,7 +199,7 @@ class WeightSync:
                 raise WeightError(f"{type(err).__name__}: {err}") from err
             return f"staged {len(refs)} pieces"
         try:
-            return f"updated {self._commit(read, full=False)} tensors"
+            return f"updated {self._commit(read, full=False, mode=mode)} tensors"
         finally:
             self.staging = None
 
@@ -178,14 +213,15 @@ class WeightSync:
         if self.staging is not None and update in (None, self.staging.update):
             self.staging = None
 
-    def _commit(self, read: Callable[[], dict[str, Any]], full: bool) -> int:
-        """Read and check the new tensors and build the new state beside the served one; swap
-        only if `agree` says every host did so too (called exactly once, whatever failed: on many
+    def _commit(self, read: Callable[[], dict[str, Any]], full: bool, mode: str = "replace") -> int:
+        """Read and check the new tensors (each a whole array or a list of `Rows`, applied in
+        `mode`: model/weights/delta.py) and build the new state beside the served one; swap only
+        if `agree` says every host did so too (called exactly once, whatever failed: on many
         hosts every runner agrees at this point of the message stream)."""
         new, err = None, None
         try:
             tensors = read()
-            merged = self._check(tensors, full)
+            merged = self._check(tensors, full, mode)
             new = self.ex.build_params(merged)  # raises before anything changes
         except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
             err = e
@@ -198,8 +234,10 @@ class WeightSync:
         self.ex.swap_params(new, merged)
         return len(tensors)
 
-    def _check(self, tensors: dict[str, Any], full: bool) -> dict[str, Any]:
-        """The served tensors with `tensors` over them, once each checks out."""
+    def _check(self, tensors: dict[str, Any], full: bool, mode: str) -> dict[str, Any]:
+        """The served tensors with `tensors` applied over them in `mode`, once each checks out."""
+        if mode not in MODES:
+            raise WeightError(f"mode={mode!r}: one of {list(MODES)}")
         current = self.ex.host_tensors
         unknown = sorted(set(tensors) - set(current))
         if unknown:
@@ -208,14 +246,21 @@ class WeightSync:
             missing = sorted(set(current) - set(tensors))
             if missing:
                 raise WeightError(f"the new weights miss tensor {missing[0]!r} ({len(missing)} missing)")
+        out = {}
         for name, a in tensors.items():
             want = tuple(np.shape(current[name]))
-            if tuple(np.shape(a)) != want:
+            if isinstance(a, list):  # rows of it (Rows), the others kept
+                a = check_rows(name, want, a)
+                dtypes = {np.dtype(r.array.dtype) for r in a}
+            elif tuple(np.shape(a)) != want:
                 raise WeightError(f"tensor {name!r} has shape {tuple(np.shape(a))}, the served model's is {want}")
-            dt = np.dtype(a.dtype)
-            if dt.name not in FLOAT_DTYPES:
-                raise WeightError(f"tensor {name!r} has dtype {dt.name}; weights must be float32, float16 or bfloat16")
-        return {**current, **tensors}
+            else:
+                dtypes = {np.dtype(a.dtype)}
+            for dt in dtypes:
+                if dt.name not in FLOAT_DTYPES:
+                    raise WeightError(f"tensor {name!r} has dtype {dt.name}; weights must be float32, float16 or bfloat16")
+            out[name] = updated(current[name], a, mode)
+        return {**current, **out}
 
     # ---- reading back ------------------------------------------------------------------------
     def get(self, name: str, truncate_size: int) -> np.ndarray:

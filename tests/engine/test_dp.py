@@ -221,7 +221,8 @@ def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_pat
     old = engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
     other = {k: np.array(v) for k, v in load_checkpoint(make_tiny_model(tmp_path / "s1", "llama", seed=1))[1].items()}
     out = engine.update_weights_from_tensor(other, weight_version="dp-t1", bucket_bytes=1 << 20)
-    assert out == {"success": True, "message": f"updated {len(other)} tensors", "weight_version": "dp-t1"}
+    assert out == {"success": True, "message": f"updated {len(other)} tensors", "weight_version": "dp-t1",
+                   "bytes": sum(a.nbytes for a in other.values())}
     per_group = [engine.generate(input_ids=prompt, sampling_params=sp, data_parallel_rank=r)["output_ids"] for r in (0, 1)]
     assert per_group[0] == per_group[1] != old
     assert [g["weight_version"] for g in engine.get_server_info()["dp_groups"]] == ["dp-t1", "dp-t1"]

@@ -115,7 +115,8 @@ def test_rl_loop_with_weights_from_tensors_subsets_and_chunks(engine, checkpoint
     with Engine(str(d), page_size=16, precompile=False, **SMALL) as e:
         want = outputs(e)
     r = engine.update_weights_from_tensor({k: v for k, v in mixed.items() if ".layers.1." in k}, weight_version="mix")
-    assert r == {"success": True, "message": "updated 9 tensors", "weight_version": "mix"}
+    assert r == {"success": True, "message": "updated 9 tensors", "weight_version": "mix",
+                 "bytes": sum(v.nbytes for k, v in mixed.items() if ".layers.1." in k)}
     assert engine.flush_cache()["success"] and outputs(engine) == want
     got = engine.get_weights_by_name("model.layers.1.mlp.up_proj.weight", truncate_size=3)
     np.testing.assert_array_equal(np.asarray(got, np.float32), mixed["model.layers.1.mlp.up_proj.weight"][:3])
@@ -204,3 +205,61 @@ def test_the_same_verbs_over_http_and_the_client(engine, checkpoints):
             assert json.dumps(c.get_weights_by_name("model.norm.weight", 2))
         engine.flush_cache()
         engine.continue_generation()
+
+
+def test_deltas_equal_the_full_update_on_their_base_and_are_refused_on_another(engine, checkpoints):
+    """Four deltas in a row, each made against the version before it (a subset; mode "add";
+    Rows of tensors; "add" of Rows and a whole tensor): each serves what the equivalent full
+    update serves (greedy and seeded tokens, the weights read back). A delta on another base, or
+    a bad mode, changes nothing."""
+    from ringserve import Rows
+
+    base, target = _tensors(checkpoints[0]), _tensors(checkpoints[2])
+    E, Q, U = "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    N = "model.layers.2.input_layernorm.weight"
+    t = min(PROMPTS[0])  # a token every run reads: its embedding row changes
+    f32 = np.float32
+    deltas = [  # (mode, named_tensors, what it makes of the served tensors)
+        ("replace", {U: target[U], N: target[N]}, lambda w: w | {U: target[U], N: target[N]}),
+        ("add", {Q: target[Q] - base[Q]}, lambda w: w | {Q: w[Q] + (target[Q] - base[Q])}),
+        ("replace", {E: [Rows(t, target[E][t : t + 3]), Rows(1500, target[E][1500:1600])], U: Rows(0, base[U][:320])},
+         lambda w: w | {E: np.concatenate([w[E][:t], target[E][t : t + 3], w[E][t + 3 : 1500], target[E][1500:1600],
+                                            w[E][1600:]]), U: np.concatenate([base[U][:320], w[U][320:]])}),
+        ("add", {E: Rows(t, np.full((1, 256), 0.25, f32)), N: np.full(256, -0.5, f32)},
+         lambda w: w | {E: np.concatenate([w[E][:t], w[E][t : t + 1] + f32(0.25), w[E][t + 1 :]]), N: w[N] - f32(0.5)}),
+    ]  # fmt: skip
+    assert engine.update_weights_from_disk(str(checkpoints[0]), weight_version="d0")["success"]  # (idle: no pause needed)
+    served, seen = dict(base), [outputs(engine)]
+    for i, (mode, named, apply) in enumerate(deltas, start=1):
+        r = engine.update_weights_from_tensor(named, weight_version=f"d{i}", mode=mode, base_weight_version=f"d{i - 1}")
+        sent = sum(v.array.nbytes if isinstance(v, Rows) else v.nbytes for vs in named.values()
+                   for v in (vs if isinstance(vs, list) else [vs]))  # fmt: skip
+        assert r == {"success": True, "message": f"updated {len(named)} tensors", "weight_version": f"d{i}", "bytes": sent}
+        served = apply(served)
+        got = outputs(engine)
+        assert got != seen[-1], f"delta {i} changed no token"  # (so the comparison below can fail)
+        seen.append(got)
+        read = {k: engine.get_weights_by_name(k, truncate_size=4096) for k in (E, Q, U, N)}
+        # the equivalent full update (every tensor, made from the served values) serves the same
+        assert engine.update_weights_from_tensor(served, weight_version=f"d{i}")["success"]
+        assert engine.flush_cache()["success"]
+        assert outputs(engine) == got, f"delta {i}"
+        for k, rows in read.items():
+            assert engine.get_weights_by_name(k, truncate_size=4096) == rows, (i, k)
+            np.testing.assert_array_equal(np.asarray(rows, f32), served[k])
+    # against another base: refused before anything is staged, nothing changes
+    before = engine.get_weights_by_name(N, truncate_size=256)
+    r = engine.update_weights_from_tensor({N: np.ones(256, f32)}, mode="add", base_weight_version="d3")
+    assert r["success"] is False and r["weight_version"] == "d4", r
+    assert "base_weight_version='d3' but the engine serves 'd4'" in r["message"], r
+    r = engine.update_weights_from_disk(str(checkpoints[1]), base_weight_version="d0")
+    assert r["success"] is False and "base_weight_version='d0' but the engine serves 'd4'" in r["message"], r
+    with pytest.raises(ValueError, match=r"mode='mul' must be one of \['replace', 'add'\]"):
+        engine.update_weights_from_tensor({N: np.ones(256, f32)}, mode="mul")
+    with pytest.raises(ValueError, match="base_weight_version=''"):
+        engine.update_weights_from_tensor({N: np.ones(256, f32)}, base_weight_version="")
+    r = engine.update_weights_from_tensor({E: [Rows(0, np.ones((4, 256), f32)), Rows(3, np.ones((1, 256), f32))]})
+    assert r["success"] is False and "'model.embed_tokens.weight': rows [0, 4) and [3, 4) overlap" in r["message"], r
+    assert engine.get_server_info()["weight_version"] == "d4" and engine.get_weights_by_name(N, truncate_size=256) == before
+    assert engine.flush_cache()["success"] and outputs(engine) == seen[-1]
+    assert engine.update_weights_from_disk(str(checkpoints[0]))["success"]

@@ -55,7 +55,7 @@ def test_smollm2_pushed_from_another_process_in_64_mib_buckets_equals_a_fresh_en
         tensors = load_file(sys.argv[2])
         with Client(sys.argv[1]) as c:
             r = c.update_weights_from_tensor(tensors, weight_version="smollm2", bucket_bytes=64 << 20)
-        print(json.dumps({"n": len(tensors), **r}), flush=True)
+        print(json.dumps({"n": len(tensors), "nbytes": sum(a.nbytes for a in tensors.values()), **r}), flush=True)
     """)
     with Engine(str(start), precompile=False, **KW) as engine, Servers(engine, http=False) as servers:
         assert outputs(engine) != want
@@ -63,6 +63,7 @@ def test_smollm2_pushed_from_another_process_in_64_mib_buckets_equals_a_fresh_en
                              capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.getcwd()},
                              check=True).stdout  # fmt: skip
         r = json.loads(out)
+        assert r.pop("bytes") == r.pop("nbytes"), r  # every byte of the checkpoint moved, once
         assert r == {"n": 272, "success": True, "message": "updated 272 tensors", "weight_version": "smollm2"}, r
         assert outputs(engine) == want
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"rs-{os.getpid()}-") and "-push" in f]

@@ -163,3 +163,95 @@ def test_an_update_commits_only_if_every_host_agrees(segment):
         sync.stage(refs, "u3", first=i == 0, last=False)
     assert sync.stage([], "u3", first=False, last=True) == "updated 1 tensors"
     np.testing.assert_array_equal(sync.ex.host_tensors["w"], new["w"])
+
+
+# ---- deltas: Rows, mode "add" (model/weights/delta.py) ------------------------------------------
+def sparse_parts(named: dict, bucket_bytes: int, seg: Segment) -> Iterator[list[TensorRef]]:
+    """As `parts`, for values that may be Rows (the refs as Push.bucket makes them)."""
+    for bucket in buckets(named, bucket_bytes):
+        seg.write(bucket)
+        yield [TensorRef(h.name, h.dtype, h.shape, seg.name, h.offset, h.nbytes, h.start, h.sparse)
+               for h in (pc.header() for pc in bucket)]  # fmt: skip
+
+
+def push(sync: WeightSync, named: dict, seg: Segment, mode: str = "replace", bucket_bytes: int = 1 << 16) -> str:
+    for i, refs in enumerate(sparse_parts(named, bucket_bytes, seg)):
+        sync.stage(refs, "u", first=i == 0, last=False, mode=mode)
+    return sync.stage([], "u", first=False, last=True, mode=mode)
+
+
+def test_rows_replace_or_add_only_their_rows_in_any_order_and_across_buckets(segment):
+    from ringserve import Rows
+
+    rng = np.random.default_rng(2)
+    served = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in SERVED.items()}
+    a, b = rng.standard_normal((9, 8), dtype=np.float32), rng.standard_normal((3, 8), dtype=np.float32)
+    sync = WeightSync(FakeExecutor(dict(served)))
+    # two blocks of emb (the later one first; the first cut over buckets of 2 rows), norm whole
+    assert push(sync, [("emb", Rows(40, b)), ("emb", Rows(5, a)), ("norm", np.ones(8, np.float32))], segment,
+                bucket_bytes=64) == "updated 2 tensors"  # fmt: skip
+    want = served["emb"].copy()
+    want[5:14], want[40:43] = a, b
+    np.testing.assert_array_equal(sync.ex.host_tensors["emb"], want)
+    np.testing.assert_array_equal(sync.ex.host_tensors["norm"], np.ones(8, np.float32))
+    assert sync.ex.host_tensors["w"] is served["w"]
+    # mode "add": rows and whole tensors are added to the served values
+    sync = WeightSync(FakeExecutor(dict(served)))
+    assert push(sync, {"emb": [Rows(5, a), Rows(40, b)], "w": np.full((4, 3), 0.5, np.float32)}, segment,
+                mode="add") == "updated 2 tensors"  # fmt: skip
+    want = served["emb"].copy()
+    want[5:14] += a
+    want[40:43] += b
+    np.testing.assert_array_equal(sync.ex.host_tensors["emb"], want)
+    np.testing.assert_array_equal(sync.ex.host_tensors["w"], served["w"] + np.float32(0.5))
+    assert sync.ex.host_tensors["norm"] is served["norm"]
+
+
+def test_add_computes_in_float32_and_keeps_the_served_dtype(segment):
+    import ml_dtypes
+
+    from ringserve import Rows
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    served = {"emb": np.ones((50, 8), bf16), "norm": np.ones(8, bf16)}
+    # just over half of bf16's ulp at 1 (2**-7): the float32 sum rounds up to 1 + 2**-7; the
+    # delta cast to bf16 first (2**-8 exactly) would tie and round to even, back to 1
+    delta = np.full((2, 8), 2.0**-8 * (1 + 2.0**-10), np.float32)
+    sync = WeightSync(FakeExecutor(dict(served)))
+    push(sync, {"emb": Rows(10, delta), "norm": np.full(8, 2.0**-8, bf16)}, segment, mode="add")
+    got = sync.ex.host_tensors
+    assert got["emb"].dtype == bf16 and got["norm"].dtype == bf16
+    want = np.ones((50, 8), np.float32)
+    want[10:12] = 1 + 2.0**-7
+    np.testing.assert_array_equal(got["emb"].astype(np.float32), want)
+    np.testing.assert_array_equal(got["norm"].astype(np.float32), np.ones(8))  # a bf16 tie: to even
+
+
+def test_bad_rows_or_modes_are_refused_naming_the_tensor_and_change_nothing(sync, segment):
+    from ringserve import Rows
+
+    cases = [
+        ({"emb": [Rows(0, np.ones((5, 8), np.float32)), Rows(4, np.ones((2, 8), np.float32))]},
+         r"'emb': rows \[0, 5\) and \[4, 6\) overlap"),
+        ({"emb": Rows(48, np.ones((3, 8), np.float32))}, r"'emb': rows \[48, 51\) pass its 50 rows"),
+        ({"emb": Rows(0, np.ones((2, 7), np.float32))}, r"'emb': rows of shape \(7,\), the served model's are \(8,\)"),
+        ({"nope": Rows(0, np.ones((2, 8), np.float32))}, "'nope' is not a weight"),
+    ]  # fmt: skip
+    for named, match in cases:
+        with pytest.raises(WeightError, match=match):
+            push(sync, named, segment)
+        assert sync.staging is None and sync.ex.built == [] and sync.ex.host_tensors == SERVED
+    with pytest.raises(WeightError, match="'emb' sent both whole and as rows"):
+        sync.stage(next(sparse_parts({"emb": Rows(0, np.ones((1, 8), np.float32))}, 1 << 16, segment)), "v",
+                   first=True, last=False)  # fmt: skip
+        sync.stage(next(sparse_parts({"emb": np.ones((50, 8), np.float32)}, 1 << 16, segment)), "v",
+                   first=False, last=False)  # fmt: skip
+    with pytest.raises(WeightError, match="mode='add' after parts of mode='replace'"):
+        sync.stage(next(sparse_parts({"norm": np.ones(8, np.float32)}, 1 << 16, segment)), "w", first=True, last=False)
+        sync.stage([], "w", first=False, last=True, mode="add")
+    with pytest.raises(WeightError, match=r"mode='mul': one of \['replace', 'add'\]"):
+        push(sync, {"norm": np.ones(8, np.float32)}, segment, mode="mul")
+    with pytest.raises(ValueError, match="Rows.start=-1"):
+        Rows(-1, np.ones((1, 8)))
+    with pytest.raises(ValueError, match="appears twice"):
+        list(buckets([("emb", Rows(0, np.ones((1, 8), np.float32))), ("emb", np.ones((50, 8), np.float32))], 1 << 16))

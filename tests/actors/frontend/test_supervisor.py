@@ -145,6 +145,51 @@ def test_a_pushed_update_the_journal_cannot_copy_refuses_restarts_until_a_full_l
     assert j.why_not() is None and (j.version, j.tensors) == ("4", {})
 
 
+def test_the_journal_folds_deltas_into_what_a_restart_serves(tmp_path):
+    """A delta (mode "add", Rows of a tensor) is kept as the value it made: over a tensor pushed
+    before, or over the checkpoint's own for a name not pushed since; a restart gets whole tensors."""
+    from msgspec.structs import replace
+
+    from ringserve.model.checkpoints.load import load_checkpoint
+    from ringserve.model.checkpoints.tiny import make_tiny_model
+
+    ck = make_tiny_model(tmp_path / "ck", "llama", seed=0)
+    base = {k: np.array(v) for k, v in load_checkpoint(ck)[1].items()}
+    E, N = "model.embed_tokens.weight", "model.norm.weight"
+    j = Journal(str(ck))
+    norm = np.full(256, 2.0, np.float32)
+    refs = segment({N: norm})
+    try:
+        j.confirmed(m.UpdateWeightsReq("tensor", tensors=refs), ok("update_weights", "1"))
+    finally:
+        _unlink(refs[0].segment)
+    rows, d = np.full((2, 256), 0.5, np.float32), np.full(256, 0.25, np.float32)
+    refs = segment({E: rows, N: d})
+    refs[0] = replace(refs[0], shape=[7, 256], start=5, sparse=True)  # rows [5, 7) of E
+    try:
+        j.confirmed(m.UpdateWeightsReq("tensor", tensors=refs, mode="add"), ok("update_weights", "2"))
+    finally:
+        _unlink(refs[0].segment)
+    assert j.why_not() is None and (j.version, j.updates) == ("2", 2)
+    with j.start_weights() as w:
+        got = read_back(w.tensors)
+    want = base[E].copy()
+    want[5:7] += rows
+    np.testing.assert_array_equal(got[E], want)
+    np.testing.assert_array_equal(got[N], norm + d)
+    # rows replaced over the folded value: the rest stays as folded
+    refs = segment({E: np.zeros((1, 256), np.float32)})
+    refs[0] = replace(refs[0], shape=[6, 256], start=5, sparse=True)
+    try:
+        j.confirmed(m.UpdateWeightsReq("tensor", tensors=refs), ok("update_weights", "3"))
+    finally:
+        _unlink(refs[0].segment)
+    with j.start_weights() as w:
+        got = read_back(w.tensors)
+    want[5] = 0
+    np.testing.assert_array_equal(got[E], want)
+
+
 def test_a_resubmission_carries_what_the_caller_already_has():
     core = FrontendCore(Tok())
     st = core.add(spec("A", stream=True), now=0.0)

@@ -269,6 +269,6 @@ def test_a_push_session_abandons_what_it_staged_unless_committed():
     assert _session(bad_header) == []  # nothing reached the scheduler, nothing to abandon
 
     async def empty(push, sent):
-        assert await push.commit(None) == {"success": True, "message": "no tensors"}
+        assert await push.commit(None) == {"success": True, "message": "no tensors", "bytes": 0}
 
     assert _session(empty) == []

@@ -124,7 +124,8 @@ def test_a_second_process_pushes_every_tensor_in_small_buckets(restored, servers
     out, _ = proc.communicate(timeout=120)
     r = json.loads(out)
     new = tensors(checkpoints[1])
-    assert r == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "pushed-1"}, r
+    assert r == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "pushed-1",
+                 "bytes": sum(a.nbytes for a in new.values())}, r
     assert engine.continue_generation()["success"]
     t.join(60)
     assert "err" not in box
@@ -174,7 +175,7 @@ def test_a_pusher_killed_half_way_leaves_the_old_weights_and_no_shared_memory(re
     norm = tensors(checkpoints[2])["model.norm.weight"]
     with Client(servers.socket_path) as c:
         r = c.update_weights_from_tensor({"model.norm.weight": norm}, weight_version="norm-only", bucket_bytes=4096)
-    assert r == {"success": True, "message": "updated 1 tensors", "weight_version": "norm-only"}
+    assert r == {"success": True, "message": "updated 1 tensors", "weight_version": "norm-only", "bytes": norm.nbytes}
     assert engine.get_weights_by_name("model.norm.weight", truncate_size=256) == norm.tolist()
     assert engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=4) == old_embed
 
@@ -293,7 +294,8 @@ def test_http_push_of_safetensors_blobs_equals_a_fresh_engine(restored, servers,
     new = tensors(checkpoints[2])
     r = _post(servers.url, safetensors_stream(new, SMALL_BUCKET), "?weight_version=http-2&flush_cache=true")
     assert r.status_code == 200, r.text
-    assert r.json() == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "http-2"}
+    assert r.json() == {"success": True, "message": f"updated {len(new)} tensors", "weight_version": "http-2",
+                        "bytes": sum(a.nbytes for a in new.values())}
     engine.continue_generation()
     assert outputs(engine) == fresh[2] and push_segments() == []
 
@@ -386,3 +388,48 @@ def test_an_http_client_that_stalls_or_disconnects_half_way_leaves_the_old_weigh
         wait_unlocked(engine)
     engine.continue_generation()
     assert outputs(engine) == before and engine.get_server_info()["weight_version"] != "cut"
+
+
+def test_deltas_from_the_client_and_over_http(restored, servers):
+    """A delta through each other door: the Client's ("add" of Rows and a whole tensor), HTTP's
+    (Rows cut over blobs); each against its base, refused on another (nothing changes), a bad
+    mode a ValueError / 400 naming the field."""
+    from ringserve import Client, Rows
+    from ringserve.actors.frontend.weight_buckets import safetensors_stream
+
+    engine = restored
+    E, N = "model.embed_tokens.weight", "model.norm.weight"
+
+    def served() -> tuple[np.ndarray, np.ndarray]:
+        return (np.asarray(engine.get_weights_by_name(E, truncate_size=4096), np.float32),
+                np.asarray(engine.get_weights_by_name(N, truncate_size=256), np.float32))  # fmt: skip
+
+    v = engine.get_server_info()["weight_version"]
+    emb, norm = served()
+    rows, d = np.full((3, 256), 0.125, np.float32), np.full(256, 0.5, np.float32)
+    with Client(servers.socket_path) as c:
+        r = c.update_weights_from_tensor({E: Rows(10, rows), N: d}, weight_version="c1", mode="add",
+                                         base_weight_version=v, bucket_bytes=4096)  # fmt: skip
+        assert r == {"success": True, "message": "updated 2 tensors", "weight_version": "c1", "bytes": rows.nbytes + d.nbytes}
+        emb[10:13] += rows
+        norm += d
+        r = c.update_weights_from_tensor({N: d}, mode="add", base_weight_version=v)  # made against the old version
+        assert r["success"] is False and f"base_weight_version={v!r} but the engine serves 'c1'" in r["message"], r
+        with pytest.raises(ValueError, match=r"mode='sub' must be one of \['replace', 'add'\]"):
+            c.update_weights_from_tensor({N: d}, mode="sub")
+    got = served()
+    np.testing.assert_array_equal(got[0], emb)
+    np.testing.assert_array_equal(got[1], norm)
+    block = np.full((40, 256), -1.0, np.float32)
+    r = _post(servers.url, safetensors_stream({E: Rows(100, block)}, 8192), "?weight_version=h1&base_weight_version=c1")
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "updated 1 tensors", "weight_version": "h1",
+                                                 "bytes": block.nbytes}, r.text  # fmt: skip
+    emb[100:140] = block
+    r = _post(servers.url, safetensors_stream({N: d}), "?mode=add&base_weight_version=c1")
+    assert r.status_code == 400 and "base_weight_version='c1' but the engine serves 'h1'" in r.text, r.text
+    r = _post(servers.url, safetensors_stream({N: d}), "?mode=sub")
+    assert r.status_code == 400 and "mode='sub' must be one of ['replace', 'add']" in r.text, r.text
+    got = served()
+    np.testing.assert_array_equal(got[0], emb)
+    np.testing.assert_array_equal(got[1], norm)
+    assert engine.get_server_info()["weight_version"] == "h1" and push_segments() == []
