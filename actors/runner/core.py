@@ -125,6 +125,8 @@ class RunnerCore:
                 u = msg.update
                 if u.source == "disk":
                     text = self.weights.load_disk(u.model_path)
+                elif u.source == "local":  # arrays handed over in this process (runner_in_process)
+                    text = self.weights.load_local(u.update)
                 elif u.source == "abandon":
                     self.weights.abandon(u.update)
                     text = f"abandoned {u.update}"
