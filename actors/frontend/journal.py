@@ -11,6 +11,9 @@ tells it each reply, also one whose caller stopped waiting).
     weight version   the update's reply                    the scheduler's start (version, count)
     LoRA adapters    LoraReq replies (loaded_adapters)     LoraReq unloads / loads (from lora_paths')
 
+Weights handed over in-process (a trainer's JAX arrays, device to device,
+actors/frontend/weight_local.py) are not kept: after one, `why_not` says so until a checkpoint
+is loaded whole.
 Weights pushed from tensors are kept as a host copy of each name's latest value (at most one
 model's weights: a full push replaces the previous one), taken while the caller's segment still
 exists (before its reply is handed over). If a copy cannot be taken, or the checkpoint the
@@ -103,6 +106,9 @@ class Journal:
         if msg.source == "disk":
             self.model_dir, self.tensors, self.lost = msg.model_path, {}, None
             self._staged.clear()
+        elif msg.source == "local":  # a trainer's JAX arrays, lent to a runner in this process: no copy here
+            self.lost = (f"weight version {json.loads(reply.payload)['weight_version']} came from JAX arrays "
+                         "handed over in-process (device to device), which are not kept for restarts")  # fmt: skip
         else:
             if msg.part == 0:
                 self._staged.clear()

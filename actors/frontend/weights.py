@@ -26,8 +26,10 @@ from typing import Any, Protocol
 
 from ringserve.actors.frontend import protocol as p
 from ringserve.actors.frontend.weight_buckets import BUCKET_BYTES, buckets, check_bucket_bytes, write_next
+from ringserve.actors.frontend.weight_local import device_arrays, renamed, update_id
 from ringserve.actors.frontend.weight_push import BodyReader, Push, check_push_args, serve_body, serve_client
 from ringserve.actors.transport import messages as m
+from ringserve.model.weights.handoff import lend
 
 MEMORY_TAGS = ("kv_cache", "weights")
 
@@ -36,6 +38,7 @@ class Frontend(Protocol):
     """What these verbs use of the TokenizerManager."""
 
     dp_size: int
+    args: Any  # its ServerArgs (runner_in_process)
     held: asyncio.Event | None
 
     async def control(self, msg: Any, kind: str) -> m.ControlReply: ...
@@ -133,16 +136,35 @@ class WeightsAPI:
 
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, flush_cache: bool = True,
-                                         bucket_bytes: int = BUCKET_BYTES,
-                                         abort_all_requests: bool = False) -> dict[str, Any]:  # fmt: skip
+                                         bucket_bytes: int = BUCKET_BYTES, abort_all_requests: bool = False,
+                                         name_map: Callable[[str], str | None] | None = None) -> dict[str, Any]:  # fmt: skip
         """HF-named NumPy, JAX or torch arrays (a dict, or (name, array) pairs, or a generator of
-        them), all of the weights or a subset, from this process: bucket k + 1 is written into one
-        of the push's two segments (off the loop) while the runner stages bucket k from the other."""
+        them; `name_map`: the given names -> HF names, None to leave one out), all of the
+        weights or a subset, from this process: bucket k + 1 is written into one of the push's
+        two segments (off the loop) while the runner stages bucket k from the other. JAX arrays
+        for a runner in this process go device to device instead (actors/frontend/weight_local.py)."""
+        named_tensors = renamed(named_tensors, name_map)
+        if self.tm.args.runner_in_process:
+            arrays, named_tensors = device_arrays(named_tensors)
+            if arrays is not None:
+                return await self._from_device(arrays, weight_version, abort_all_requests, flush_cache)
         it = iter(buckets(named_tensors, bucket_bytes))
         try:
             return await self._from_tensor(it, bucket_bytes, weight_version, abort_all_requests, flush_cache)
         except PushRefused as e:
             return e.out
+
+    async def _from_device(self, arrays: dict[str, Any], weight_version: str | None, abort_all_requests: bool,
+                           flush_cache: bool) -> dict[str, Any]:  # fmt: skip
+        """JAX arrays lent to the runner in this process for the update's one control call."""
+        _check_version(weight_version)
+        async with self._exclusive(abort_all_requests) as refused:
+            if refused is not None:
+                return refused
+            update = update_id()
+            with lend(update, arrays):
+                out = await self._update(m.UpdateWeightsReq("local", weight_version=weight_version, update=update))
+            return await self._after(out, flush_cache)
 
     async def _from_tensor(self, it: Any, bucket_bytes: int, weight_version: str | None, abort_all_requests: bool,
                            flush_cache: bool) -> dict[str, Any]:  # fmt: skip

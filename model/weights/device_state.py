@@ -46,7 +46,9 @@ class DeviceStateBuilder:
     `build_host_state` (a missing or misshapen tensor: ValueError naming it). One jitted walk,
     compiled once per set of input shardings (a trainer's stay the same from step to step)."""
 
-    def __init__(self, family: Family, cfg: ModelConfig, dtype: Any, stacked: bool, quant: str | None, avals: Tree):
+    def __init__(
+        self, family: Family, cfg: ModelConfig, dtype: Any, stacked: bool, quant: str | None, avals: Tree
+    ):
         self.family, self.cfg, self.stacked = family, cfg, stacked
         self.dtype, self.quant = jnp.dtype(dtype), quant
         self.layout = family.layout(cfg)
@@ -127,7 +129,11 @@ def onto(a: Any, mesh: Mesh, host_sharding: NamedSharding) -> jax.Array:
         if tuple(src.mesh.devices.flat) == ours:
             return a
         if src.mesh.size == len(ours):  # the same split over our devices: per-shard copies
-            same = Mesh(np.array(ours).reshape(src.mesh.devices.shape), src.mesh.axis_names, axis_types=src.mesh.axis_types)
+            same = Mesh(
+                np.array(ours).reshape(src.mesh.devices.shape),
+                src.mesh.axis_names,
+                axis_types=src.mesh.axis_types,
+            )
             return jax.device_put(a, NamedSharding(same, src.spec))
         if not src.is_fully_replicated:  # whole on each of its devices first (their collectives)
             a = jax.jit(lambda x: x, out_shardings=NamedSharding(src.mesh, PartitionSpec()))(a)

@@ -26,7 +26,10 @@ CFG = dict(page_size=16, num_pages=64, max_context_len=128, max_batch=4, max_ext
 def new_weights(served: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
     """Other values of every served tensor (float32), as a trainer's next step would give."""
     rng = np.random.default_rng(seed)
-    return {n: (np.asarray(a, np.float32) + rng.normal(0, 0.02, np.shape(a))).astype(np.float32) for n, a in served.items()}
+    return {
+        n: (np.asarray(a, np.float32) + rng.normal(0, 0.02, np.shape(a))).astype(np.float32)
+        for n, a in served.items()
+    }
 
 
 def assert_same_state(got, want) -> None:
@@ -40,7 +43,9 @@ def assert_same_state(got, want) -> None:
 @pytest.mark.parametrize("dtype, loop, quant", [("float32", "scan", None), ("bfloat16", "unrolled", None),
                                                 ("bfloat16", "scan", "int8"), ("float32", "unrolled", "int8")])  # fmt: skip
 def test_device_build_equals_host_build(tiny_dir, dtype, loop, quant):
-    ex = ModelExecutor(tiny_dir("llama"), ExecutorConfig(**CFG, dtype=dtype, layer_loop=loop, quantization=quant))
+    ex = ModelExecutor(
+        tiny_dir("llama"), ExecutorConfig(**CFG, dtype=dtype, layer_loop=loop, quantization=quant)
+    )
     host = new_weights(ex.host_tensors, 1)
     want = ex.build_params(host)
     got = ex.build_params_on_device({n: jnp.asarray(a) for n, a in host.items()})
@@ -110,5 +115,9 @@ def test_a_trainers_tp2_arrays_reach_the_engines_tp2_layout(tiny_dir, loop, quan
     r = subprocess.run([sys.executable, "-c", TP2, str(tiny_dir("llama")), loop, quant, where], env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"same": True, "fits": True, "host_reads": 0,
-                                                          "devices": [0, 1]}
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        "same": True,
+        "fits": True,
+        "host_reads": 0,
+        "devices": [0, 1],
+    }
