@@ -34,7 +34,9 @@ Update = Callable[[Any, dict[str, np.ndarray]], tuple[float, dict]]
 def _device(engine: Any, tensors: dict[str, np.ndarray]) -> tuple[float, dict]:
     import jax
 
-    arrays = jax.block_until_ready({n: jax.device_put(a) for n, a in tensors.items()})  # held before the clock
+    arrays = jax.block_until_ready(
+        {n: jax.device_put(a) for n, a in tensors.items()}
+    )  # held before the clock
     t0 = time.perf_counter()
     r = engine.update_weights_from_tensor(arrays)
     return time.perf_counter() - t0, r
@@ -82,12 +84,17 @@ def run(model: str, paths: list[str], repeat: int, **engine_options: Any) -> dic
           f"{len(info.get('devices', []))} {info.get('platform')} device(s); load average {os.getloadavg()[0]:.2f} "
           f"on {os.cpu_count()} CPUs", file=sys.stderr)  # fmt: skip
     for p, xs in runs.items():
-        print(f"{p:8s} median {statistics.median(xs) * 1e3:8.1f} ms   runs " + " ".join(f"{x * 1e3:.1f}" for x in xs))
+        print(
+            f"{p:8s} median {statistics.median(xs) * 1e3:8.1f} ms   runs "
+            + " ".join(f"{x * 1e3:.1f}" for x in xs)
+        )
     return runs
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.weight_updates", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m ringserve.bench.weight_updates", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {sorted(PATHS)}")
     ap.add_argument("--repeat", type=int, default=3)
