@@ -23,17 +23,19 @@ own devices (`runner_in_process`; one process owns a TPU host's chips). Then:
     update_params(state, filter_types)  the trainer's `nnx.State` (every Param, or the LoRA
                                         params: merged into the base weights served) mapped to
                                         HF names by the family's own Tunix map (tunix.models.
-                                        {llama3,qwen2,qwen3}.params), pushed through shared
-                                        memory, all or nothing, while nothing runs
+                                        {llama3,qwen2,qwen3}.params), all or nothing, while
+                                        nothing runs: JAX arrays (a trainer's, on its devices)
+                                        go device to device, host arrays through shared memory
     get_per_token_logps(prompt, completion)  the completion tokens' logprobs, from ringserve's
                                         prompt logprobs over prompt + completion (one prefill)
     model()                             None: the learner syncs weights after every step (it
                                         skips that when the rollout model is the actor)
 
-The weights travel trainer devices -> host -> shared memory -> the runner's devices: on CPU
-both meshes are the host's; the engine's weight update takes HF-named host arrays. (A sync that
-stays on the device, the trainer's arrays resharded onto the runner's mesh in the one process,
-is not built.)
+The weights stay on the devices: the trainer's arrays are laid out as HF's with jnp on its own
+devices (`to_hf`, `merge_lora`), then lent to the runner in this process, which moves them onto
+its mesh device to device and builds the served state there (ringserve's
+actors/frontend/weight_local.py and model/weights/device_state.py); host (NumPy) leaves take the
+shared-memory push as before.
 """
 
 from __future__ import annotations
@@ -85,26 +87,37 @@ class TunixToHF:
             key, transform = torch_utils.torch_key_to_jax_key(rules, name)
             self.by_tunix[key] = (name, transform, shape)
 
-    def __call__(self, flat: dict[str, Any]) -> dict[str, np.ndarray]:
-        """HF name -> host array of each leaf of `flat` (Tunix key -> array) the map knows."""
+    def __call__(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """HF name -> array of each leaf of `flat` (Tunix key -> array) the map knows: a JAX
+        array stays one, on its devices; anything else becomes a host array."""
         out = {}
         for key, value in flat.items():
             if key not in self.by_tunix:
                 continue
             name, transform, shape = self.by_tunix[key]
-            out[name] = to_hf(np.asarray(value), transform, shape)
+            out[name] = to_hf(value if isinstance(value, jax.Array) else np.asarray(value), transform, shape)
         return out
 
 
-def to_hf(v: np.ndarray, transform: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """Undo Tunix's `v.transpose(permute).reshape(reshape)` of an HF tensor of `shape`."""
+def _xp(*arrays: Any) -> Any:
+    """jnp where any of `arrays` is a JAX array (the work stays on its devices), else NumPy."""
+    import jax.numpy as jnp
+
+    return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+
+
+def to_hf(v: Any, transform: Any, shape: tuple[int, ...]) -> Any:
+    """Undo Tunix's `v.transpose(permute).reshape(reshape)` of an HF tensor of `shape` (NumPy
+    or JAX, as `v` is)."""
+    xp = _xp(v)
     if transform is None:
-        return v.reshape(shape)
+        return xp.reshape(v, shape)
     permute, reshape = transform
     if permute:
-        v = v.reshape([shape[p] for p in permute]) if reshape else v
-        return np.ascontiguousarray(v.transpose(np.argsort(permute)))
-    return v.reshape(shape)
+        v = xp.reshape(v, [shape[p] for p in permute]) if reshape else v
+        t = xp.transpose(v, np.argsort(permute))
+        return np.ascontiguousarray(t) if xp is np else t
+    return xp.reshape(v, shape)
 
 
 def flat_state(state: Any) -> dict[str, Any]:
@@ -114,36 +127,37 @@ def flat_state(state: Any) -> dict[str, Any]:
     return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v for path, v in leaves}
 
 
-def merge_lora(
-    base: dict[str, np.ndarray], lora: dict[str, Any], to_hf: TunixToHF, alpha: float
-) -> dict[str, np.ndarray]:
+def merge_lora(base: dict[str, Any], lora: dict[str, Any], to_hf: TunixToHF, alpha: float) -> dict[str, Any]:
     """The HF tensors the LoRA params change, merged: for each module whose `w_lora_a` and
     `w_lora_b` (or `kernel_lora_*`: qwix's) came, its base weight plus alpha / rank * (a @ b)
-    laid out as HF's (a: [in..., rank], b: [rank, out...])."""
+    laid out as HF's (a: [in..., rank], b: [rank, out...]); in jnp on the trainer's devices where
+    the arrays are JAX ones."""
     out = {}
     for key, a in lora.items():
         if not key.endswith(LORA_SUFFIXES[0]):
             continue
         stem = key[: -len(LORA_SUFFIXES[0])]
-        b = np.asarray(lora[stem + LORA_SUFFIXES[1]], np.float32)
-        a = np.asarray(a, np.float32)
-        scale = alpha / a.shape[-1]
         if stem not in to_hf.by_tunix:
             raise ValueError(f"LoRA params of {stem!r}: no HF tensor in the family's map")
         name, transform, shape = to_hf.by_tunix[stem]
+        b = lora[stem + LORA_SUFFIXES[1]]
+        xp = _xp(a, b, base[name])
+        a, b = xp.asarray(a, np.float32), xp.asarray(b, np.float32)
+        scale = alpha / a.shape[-1]
         delta = a.reshape(-1, a.shape[-1]) @ b.reshape(b.shape[0], -1)  # [in, out] flattened
-        out[name] = (base[name].astype(np.float32) + scale * to_hf_delta(delta, transform, shape)).astype(
+        out[name] = (xp.asarray(base[name], np.float32) + scale * to_hf_delta(delta, transform, shape)).astype(
             base[name].dtype
         )
     return out
 
 
-def to_hf_delta(delta: np.ndarray, transform: Any, shape: tuple[int, ...]) -> np.ndarray:
+def to_hf_delta(delta: Any, transform: Any, shape: tuple[int, ...]) -> Any:
     """A LoRA product in the Tunix module's flattened [in, out] layout as the HF tensor's."""
     if transform is None or not transform[0]:
         return delta.reshape(shape)
     permute = transform[0]
-    return np.ascontiguousarray(delta.reshape([shape[p] for p in permute]).transpose(np.argsort(permute)))
+    t = delta.reshape([shape[p] for p in permute]).transpose(np.argsort(permute))
+    return np.ascontiguousarray(t) if isinstance(t, np.ndarray) else t
 
 
 class RingserveRollout(base_rollout.BaseRollout):  # type: ignore[misc]
@@ -168,10 +182,11 @@ class RingserveRollout(base_rollout.BaseRollout):  # type: ignore[misc]
         options = dict(runner_in_process=True, logprobs_mode="processed_logprobs", context_length=ctx,
                        max_running_requests=64, disable_radix_cache=True, log_level="warning")  # fmt: skip
         self.engine = Engine(self.model_path, **{**options, **engine_options})
-        self.base: dict[
-            str, np.ndarray
-        ] = {}  # the HF tensors of the Params but the LoRA ones (LoRA merges onto them)
-        self.served: dict[str, np.ndarray] = {}  # the HF tensors served now
+        # With lora_alpha only (else a full copy of the model would stay in the trainer's device
+        # memory between syncs): the HF tensors of the Params but the LoRA ones, which LoRA
+        # merges onto, and the HF tensors served now.
+        self.base: dict[str, Any] = {}
+        self.served: dict[str, Any] = {}
         with jax.transfer_guard("allow"):
             self.update_params(nnx.state(rollout_actor, nnx.Param))
 
@@ -237,13 +252,14 @@ class RingserveRollout(base_rollout.BaseRollout):  # type: ignore[misc]
 
     def update_params(self, params: Any, filter_types: Any = None) -> None:
         """Serve the trainer's weights: every Param mapped to its HF tensor, or the LoRA params
-        merged into the base ones; pushed all or nothing (the engine must be idle, as it is
-        between Tunix's steps)."""
+        merged into the base ones; all or nothing (the engine must be idle, as it is between
+        Tunix's steps). JAX arrays stay on the devices (the engine's device-to-device update)."""
         with jax.transfer_guard("allow"):
             flat = flat_state(params)
             lora = {k: v for k, v in flat.items() if k.endswith(LORA_SUFFIXES)}
             tensors = self.to_hf({k: v for k, v in flat.items() if k not in lora})
-            self.base.update(tensors)
+            if self.lora_alpha is not None:
+                self.base.update(tensors)
             if lora:  # onto the base weights (never onto an earlier merge)
                 if self.lora_alpha is None:
                     raise ValueError(
@@ -253,10 +269,12 @@ class RingserveRollout(base_rollout.BaseRollout):  # type: ignore[misc]
         if not tensors:
             raise ValueError(f"update_params: none of the {len(flat)} leaves maps to a served tensor "
                              f"(e.g. {list(flat)[:3]})")  # fmt: skip
-        out = self.engine.update_weights_from_tensor(tensors)
+        with jax.transfer_guard("allow"):
+            out = self.engine.update_weights_from_tensor(tensors)
         if not out.get("success"):
             raise RuntimeError(f"ringserve refused the weights: {out.get('message')}")
-        self.served.update(tensors)
+        if self.lora_alpha is not None:
+            self.served.update(tensors)
 
     def pad_id(self) -> int:
         return int(self._tokenizer.pad_id())

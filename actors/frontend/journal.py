@@ -11,6 +11,9 @@ tells it each reply, also one whose caller stopped waiting).
     weight version   the update's reply                    the scheduler's start (version, count)
     LoRA adapters    LoraReq replies (loaded_adapters)     LoraReq unloads / loads (from lora_paths')
 
+Weights handed over in-process (a trainer's JAX arrays, device to device,
+actors/frontend/weight_local.py) are not kept: after one, `why_not` says so until a checkpoint
+is loaded whole.
 Weights pushed from tensors are kept as a host copy of each name's latest value (at most one
 model's weights: a full push replaces the previous one), taken while the caller's segment still
 exists (before its reply is handed over). A delta (mode "add", or `Rows` of a tensor) is folded
@@ -109,6 +112,9 @@ class Journal:
             assert msg.group is not None
             self.lost = (f"the tensors received over update group {msg.group.group_name!r} reached the runner only "
                          "(a restart can rebuild weights from disk or pushed tensors)")  # fmt: skip
+        elif msg.source == "local":  # a trainer's JAX arrays, lent to a runner in this process: no copy here
+            self.lost = (f"weight version {json.loads(reply.payload)['weight_version']} came from JAX arrays "
+                         "handed over in-process (device to device), which are not kept for restarts")  # fmt: skip
         else:
             if msg.part == 0:
                 self._staged.clear()

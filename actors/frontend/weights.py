@@ -31,9 +31,11 @@ from typing import Any, Protocol
 
 from ringserve.actors.frontend import protocol as p
 from ringserve.actors.frontend.weight_buckets import BUCKET_BYTES, buckets, check_bucket_bytes, write_next
+from ringserve.actors.frontend.weight_local import device_arrays, renamed, update_id
 from ringserve.actors.frontend.weight_push import BodyReader, Push, check_push_args, serve_body, serve_client
 from ringserve.actors.transport import messages as m
 from ringserve.model.weights.delta import check_mode
+from ringserve.model.weights.handoff import lend
 
 MEMORY_TAGS = ("kv_cache", "weights")
 GROUP_NAME = "weight_update_group"  # SGLang's default
@@ -45,7 +47,7 @@ class Frontend(Protocol):
     """What these verbs use of the TokenizerManager."""
 
     dp_size: int
-    args: Any  # ServerArgs
+    args: Any  # its ServerArgs (runner_in_process, nnodes)
     held: asyncio.Event | None
 
     async def control(self, msg: Any, kind: str) -> m.ControlReply: ...
@@ -152,20 +154,43 @@ class WeightsAPI:
     async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                                          weight_version: str | None = None, flush_cache: bool = True,
                                          bucket_bytes: int = BUCKET_BYTES, abort_all_requests: bool = False,
-                                         mode: str = "replace", base_weight_version: str | None = None) -> dict[str, Any]:  # fmt: skip
+                                         mode: str = "replace", base_weight_version: str | None = None,
+                                         name_map: Callable[[str], str | None] | None = None) -> dict[str, Any]:  # fmt: skip
         """HF-named NumPy, JAX or torch arrays (a dict, or (name, array) pairs, or a generator of
-        them), all of the weights or a subset, a value `Rows(start, array)` for some rows of one
-        (a list of them for several blocks), each replacing the served value or, with
-        mode="add", added to it; refused unless the engine serves `base_weight_version` (if
-        given). From this process: bucket k + 1 is written into one of the push's two segments
-        (off the loop) while the runner stages bucket k from the other."""
+        them; `name_map`: the given names -> HF names, None to leave one out), all of the
+        weights or a subset, a value `Rows(start, array)` for some rows of one (a list of them
+        for several blocks), each replacing the served value or, with mode="add", added to it;
+        refused unless the engine serves `base_weight_version` (if given). From this process:
+        bucket k + 1 is written into one of the push's two segments (off the loop) while the
+        runner stages bucket k from the other. JAX arrays replacing weights of a runner in this
+        process go device to device instead (actors/frontend/weight_local.py)."""
         check_mode(mode)
+        named_tensors = renamed(named_tensors, name_map)
+        if self.tm.args.runner_in_process and mode == "replace":
+            arrays, named_tensors = device_arrays(named_tensors)
+            if arrays is not None:
+                return await self._from_device(arrays, weight_version, abort_all_requests, flush_cache,
+                                               base_weight_version)  # fmt: skip
         it = iter(buckets(named_tensors, bucket_bytes))
         try:
             return await self._from_tensor(it, bucket_bytes, weight_version, abort_all_requests, flush_cache, mode,
                                            base_weight_version)  # fmt: skip
         except PushRefused as e:
             return e.out
+
+    async def _from_device(self, arrays: dict[str, Any], weight_version: str | None, abort_all_requests: bool,
+                           flush_cache: bool, base_weight_version: str | None) -> dict[str, Any]:  # fmt: skip
+        """JAX arrays lent to the runner in this process for the update's one control call."""
+        _check_version(weight_version)
+        _check_version(base_weight_version, "base_weight_version")
+        async with self._exclusive(abort_all_requests, base_weight_version) as refused:
+            if refused is not None:
+                return refused
+            update = update_id()
+            with lend(update, arrays):
+                out = await self._update(m.UpdateWeightsReq("local", weight_version=weight_version, update=update,
+                                                            base_weight_version=base_weight_version))  # fmt: skip
+            return await self._after(out, flush_cache)
 
     async def _from_tensor(self, it: Any, bucket_bytes: int, weight_version: str | None, abort_all_requests: bool,
                            flush_cache: bool, mode: str, base_weight_version: str | None) -> dict[str, Any]:  # fmt: skip
@@ -245,13 +270,17 @@ class WeightsAPI:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str = GROUP_NAME, flush_cache: bool = True,
                                               abort_all_requests: bool = False, weight_version: str | None = None,
-                                              load_format: str | None = None) -> dict[str, Any]:  # fmt: skip
+                                              load_format: str | None = None, mode: str = "replace",
+                                              base_weight_version: str | None = None) -> dict[str, Any]:  # fmt: skip
         """The tensors the trainer's rank 0 broadcasts over `group_name`, in this order (HF names,
         dtype names as torch's without "torch.", shapes): staged, checked and swapped in all or
-        nothing as any update. Refused (busy), the runners still receive them (the trainer's
-        broadcast must complete) and drop them."""
+        nothing as any update; a delta as `update_weights_from_tensor`'s (a subset, mode="add",
+        base_weight_version). Refused (busy, another base), the runners still receive them (the
+        trainer's broadcast must complete) and drop them."""
         _check_group_name(group_name)
         _check_version(weight_version)
+        _check_version(base_weight_version, "base_weight_version")
+        check_mode(mode)
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format={load_format!r}: only None (one broadcast per tensor)")
         for field, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
@@ -270,11 +299,12 @@ class WeightsAPI:
                 raise ValueError(f"shapes: tensor {name!r} has shape {shape!r}; a list of integers >= 0")
         g = m.WeightGroup(group_name, names=list(names), dtypes=[d.removeprefix("torch.") for d in dtypes],
                           shapes=[list(s) for s in shapes])  # fmt: skip
-        async with self._exclusive(abort_all_requests) as refused:
+        async with self._exclusive(abort_all_requests, base_weight_version) as refused:
             if refused is not None:  # a group would not take it: every runner takes part and drops it
                 await self.tm.control(m.UpdateWeightsReq("group_drain", group=g), "update_weights")
                 return refused
-            out = await self._update(m.UpdateWeightsReq("group", weight_version=weight_version, group=g))
+            out = await self._update(m.UpdateWeightsReq("group", weight_version=weight_version, group=g, mode=mode,
+                                                        base_weight_version=base_weight_version))  # fmt: skip
             return await self._after(out, flush_cache)
 
     async def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> dict[str, Any]:

@@ -130,6 +130,8 @@ class RunnerCore:
                     text = self.weights.load_disk(u.model_path)
                 elif u.source.startswith("group"):
                     text = self.update_group(u)
+                elif u.source == "local":  # arrays handed over in this process (runner_in_process)
+                    text = self.weights.load_local(u.update)
                 elif u.source == "abandon":
                     self.weights.abandon(u.update)
                     text = f"abandoned {u.update}"
@@ -161,7 +163,7 @@ class RunnerCore:
         if u.source == "group_drain":
             self.groups.receive(g, keep=False)
             return f"received and dropped {len(g.names)} tensors"
-        n = self.weights.apply(lambda: self.groups.receive(g))
+        n = self.weights.apply(lambda: self.groups.receive(g), u.mode)
         return f"updated {n} tensors from update group {g.group_name!r}"
 
     def dispatch(self, msg: m.StepMsg) -> Pending:

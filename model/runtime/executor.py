@@ -10,7 +10,8 @@ copies of it, model/weights/memory.py), the KV cache and the FutureMap on device
     ex.plan, ex.family                                how it computes (model/compute/plan.py), what it serves
     out, rows, accepted = ex.run(device_rows)         one step (model/compute/step_inputs.py DeviceRows)
     so = ex.run_step(device_rows)                     the same, with the prompt positions' logprobs
-    ex.build_params / swap_params / drop_params       weights while serving (model/runtime/weight_sync.py)
+    ex.build_params / swap_params / drop_params       weights while serving (model/runtime/weight_sync.py;
+    ex.build_params_on_device                         from JAX arrays: model/weights/device_state.py)
     ex.kv_pool.new / drop                             device memory (release / resume)
     ex.lora                                           the LoRA adapter pool (model/weights/lora.py), or None
 
@@ -138,6 +139,7 @@ class ModelExecutor:
         # what every compiled program takes first (the Decoder's state, model/weights/state.py; updates
         # must match it) and the KV cache's arrays: the programs compile against these
         self.params_avals = self.model.state_avals(self.mesh)
+        self._device_builder: Any = None  # build_params_on_device's jitted walk, made at its first use
         if plan.packs_weights:
             weight_memory.reserve_pairs(self.params_avals)
         self.kv_avals = self._kv_avals()
@@ -230,6 +232,21 @@ class ModelExecutor:
         """A new state beside the served one (same structure, avals and shardings)."""
         params = self._build(tensors)
         if not self._fits(params):
+            raise ValueError("the new weights do not fit the compiled programs (structure, shapes or shardings)")
+        return params
+
+    def build_params_on_device(self, tensors: dict[str, Any]) -> Any:
+        """`build_params` from HF-named JAX arrays on any of this process's devices (and host
+        arrays: the served ones a partial update keeps), built on the device straight onto the
+        served shardings (model/weights/device_state.py); the jitted walk is made once."""
+        if self._device_builder is None:
+            from ringserve.model.weights.device_state import DeviceStateBuilder
+
+            self._device_builder = DeviceStateBuilder(self.family, self.model_config, self.plan.jnp_dtype,
+                                                      self.plan.layer_loop == "scan", self.plan.quant, self.params_avals)  # fmt: skip
+        params = jax.block_until_ready(self._device_builder(tensors))
+        if not self._fits(params):
+            self.discard_params(params)
             raise ValueError("the new weights do not fit the compiled programs (structure, shapes or shardings)")
         return params
 

@@ -22,6 +22,10 @@ copied out of their shared-memory segment into host arrays (`Staging`) as they a
 reaches the device until the last part, and then only if every tensor begun is complete. A part
 of another update than the one staged, an abandoned update, or any error drops what was staged.
 
+An update from JAX arrays in the engine's own process (a trainer's, `runner_in_process`) is
+handed over by id (model/weights/handoff.py, source "local"), checked the same way and built on
+the device (`load_local`: model/weights/device_state.py), never through the host or shared memory.
+
 Many hosts (one runner each, model/runtime/distributed.py): an update (its last part) and a resume
 commit only if every runner's succeeded. Each runner builds, then `agree(ok)` gathers every
 runner's ok at that same point of the message stream; one failure anywhere and every runner
@@ -43,6 +47,7 @@ import numpy as np
 from ringserve.model.checkpoints.load import load_checkpoint
 from ringserve.model.config import NOT_ARCHITECTURE, ModelConfig
 from ringserve.model.weights.delta import MODES, Rows, check_rows, updated
+from ringserve.model.weights.handoff import take
 from ringserve.model.weights.segments import WeightError, read_segments
 
 if TYPE_CHECKING:
@@ -203,26 +208,58 @@ class WeightSync:
         finally:
             self.staging = None
 
-    def apply(self, read: Callable[[], dict[str, Any]]) -> int:
-        """Tensors `read` delivers (HF names; host arrays; a subset is fine), all or nothing:
-        every host reads and agrees before any swaps (an update group's broadcast)."""
-        return self._commit(read, full=False)
+    def apply(self, read: Callable[[], dict[str, Any]], mode: str = "replace") -> int:
+        """Tensors `read` delivers (HF names; host arrays; a subset is fine), applied in `mode`,
+        all or nothing: every host reads and agrees before any swaps (an update group's broadcast)."""
+        return self._commit(read, full=False, mode=mode)
+
+    def load_local(self, update: str) -> str:
+        """Update `update`'s JAX arrays, handed over inside this process (a runner in the
+        engine's process: model/weights/handoff.py), all or a subset: the same checks, built on
+        the device straight onto the served shardings (`ex.build_params_on_device`), swapped
+        only if all of it built and fits. Nothing goes through the host on the way."""
+        arrays = take(update)
+
+        def build(merged: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            for a in arrays.values():  # host copies (below) on their way while the state builds
+                a.copy_to_host_async()
+            new = self.ex.build_params_on_device(merged)
+            try:
+                host = {name: np.asarray(a) for name, a in arrays.items()}
+            except BaseException:
+                self.ex.discard_params(new)
+                raise
+            # `host_tensors` stays the served values' host copy, as after a push: a later subset
+            # update merges over it, get_weights_by_name, resume and LoRA read it. The trainer's
+            # arrays themselves are not kept: it may donate or delete them once this returns,
+            # and holding them (or our own device copy in the HF layout) would keep a second
+            # model in device memory. np.asarray: on CPU a view that keeps the trainer's
+            # buffer (a donation of it then copies instead; no second host copy), elsewhere
+            # one device-to-host copy per tensor, overlapped with the build.
+            return new, {**merged, **host}
+
+        return f"updated {self._commit(lambda: arrays, full=False, build=build)} tensors device-to-device"
 
     def abandon(self, update: str | None = None) -> None:
         """Drop the staged update (`update`'s only, if given)."""
         if self.staging is not None and update in (None, self.staging.update):
             self.staging = None
 
-    def _commit(self, read: Callable[[], dict[str, Any]], full: bool, mode: str = "replace") -> int:
+    def _commit(self, read: Callable[[], dict[str, Any]], full: bool, mode: str = "replace",
+                build: Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]] | None = None) -> int:  # fmt: skip
         """Read and check the new tensors (each a whole array or a list of `Rows`, applied in
         `mode`: model/weights/delta.py) and build the new state beside the served one; swap only
         if `agree` says every host did so too (called exactly once, whatever failed: on many
-        hosts every runner agrees at this point of the message stream)."""
+        hosts every runner agrees at this point of the message stream). `build(merged)` -> (new
+        state, the host tensors it serves); default: from host arrays (`ex.build_params`)."""
         new, err = None, None
         try:
             tensors = read()
             merged = self._check(tensors, full, mode)
-            new = self.ex.build_params(merged)  # raises before anything changes
+            if build is None:
+                new = self.ex.build_params(merged)  # raises before anything changes
+            else:
+                new, merged = build(merged)
         except Exception as e:  # noqa: BLE001 -- every host must reach the agreement
             err = e
         if not self.agree(err is None):

@@ -71,12 +71,13 @@ def check_rows(name: str, served_shape: tuple[int, ...], rows: list[Rows]) -> li
     return out
 
 
-def updated(served: Any, new: np.ndarray | list[Rows], mode: str) -> np.ndarray:
-    """The host tensor to serve after the update (`new` checked: shapes, dtypes, rows)."""
-    if isinstance(new, np.ndarray):
+def updated(served: Any, new: Any, mode: str) -> Any:
+    """The tensor to serve after the update (`new` checked: shapes, dtypes, rows): a whole array
+    replacing the served one is kept as given (a JAX array handed over in-process stays one)."""
+    if not isinstance(new, list):
         if mode == "replace":
             return new
-        return _add(served, new)
+        return _add(served, np.asarray(new))
     out = np.array(served, copy=True)  # (a checkpoint's tensor is memory-mapped: never written)
     for r in new:
         rows = np.asarray(r.array)

@@ -50,6 +50,25 @@ def quantize_int8(a: np.ndarray, axis: int, round_to=None) -> tuple[np.ndarray, 
     return t.astype(np.int8), scale
 
 
+def quantize_int8_jnp(a, round_to, qmax) -> tuple:
+    """`quantize_int8(a, -1, round_to)` in jnp, for a state built on the device (model/weights/
+    device_state.py): the same steps, so the same values (every op is exact or correctly
+    rounded: max, division, round half to even, clip). XLA turns a division by a constant or
+    a broadcast into a multiplication by its (inexact) reciprocal, one ulp off NumPy's, which
+    moves a value at a rounding tie (common: amax / 2 of bf16 inputs is one): so 127 comes as
+    `qmax`, a traced f32 scalar (an argument of the program), and the scales' broadcast goes
+    behind an optimization barrier."""
+    import jax
+    import jax.numpy as jnp
+
+    f = a.astype(round_to).astype(jnp.float32)
+    amax = jnp.maximum(f.max(axis=-1), -f.min(axis=-1))
+    scale = jnp.where(amax > 0, amax / qmax, jnp.float32(1)).astype(jnp.float32)
+    den = jax.lax.optimization_barrier(jnp.broadcast_to(scale[..., None], f.shape))
+    q = jnp.clip(jnp.round(f / den), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
 def quant_transposed(module: str) -> bool:
     """Whether the int8 weight of `module` is stored [out, in] (every projection; the embedding
     is [V, H] either way)."""
@@ -61,4 +80,4 @@ def out_in(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(q, -1, -2))
 
 
-__all__ = ["QUANT_MODES", "quant_axis", "quant_transposed", "quantize_int8"]
+__all__ = ["QUANT_MODES", "quant_axis", "quant_transposed", "quantize_int8", "quantize_int8_jnp"]

@@ -73,8 +73,9 @@ class CheckedRollout(RingserveRollout):
                 if not any(k.endswith("_lora_a") for k in flat_state(params))
                 else {}
             )
-        want = want or self.served  # (LoRA: the merged tensors the rollout computed)
-        CheckedRollout.syncs.append(max(float(np.abs(self.served_tensor(n) - w.astype(np.float32)).max())
+            want = want or self.served  # (LoRA: the merged tensors the rollout computed)
+            want = {n: np.asarray(w, np.float32) for n, w in want.items()}  # (JAX arrays, on the trainer's devices)
+        CheckedRollout.syncs.append(max(float(np.abs(self.served_tensor(n) - w).max())
                                         for n, w in want.items()))  # fmt: skip
 
 

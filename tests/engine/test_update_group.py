@@ -215,7 +215,30 @@ def test_bad_group_arguments_name_the_field(engine, kw, message):
     assert message in str(e.value)
 
 
+def test_a_delta_over_the_group_checks_its_base(engine, checkpoints, want):
+    """base_weight_version: another base is refused (still received and dropped, so the trainer's
+    broadcast completes); the right one applies."""
+    r = engine.update_weights_from_disk(str(checkpoints[0]), weight_version="base-0")
+    assert r["success"], r
+    t = Trainer(2, "g5", checkpoints[1])
+    try:
+        assert t.join(engine.init_weights_update_group)["success"]
+        r = t.send(lambda **kw: engine.update_weights_from_distributed(**kw, base_weight_version="other"))
+        assert not r["success"] and "base_weight_version='other' but the engine serves 'base-0'" in r["message"], r
+        assert t.proc.stdout.readline().startswith("sent")  # type: ignore[union-attr]
+        assert greedy(engine) == want[0]
+        r = t.send(lambda **kw: engine.update_weights_from_distributed(**kw, base_weight_version="base-0"))
+        assert r["success"], r
+        assert greedy(engine) == want[1]
+    finally:
+        engine.destroy_weights_update_group("g5")
+        t.quit()
+    with pytest.raises(ValueError, match=r"mode='sub'"):
+        engine.update_weights_from_distributed(["a"], ["float32"], [[2]], mode="sub")
+
+
 def test_bad_update_arguments_and_http(engine):
+    """(Last: stopping the Servers stops the engine taking requests.)"""
     with pytest.raises(ValueError, match=r"dtypes: tensor 'a' has dtype 'int8'"):
         engine.update_weights_from_distributed(["a"], ["int8"], [[2]])
     with pytest.raises(ValueError, match=r"names, dtypes and shapes must have one entry per tensor \(got 2, 1, 1\)"):

@@ -190,6 +190,20 @@ def test_the_journal_folds_deltas_into_what_a_restart_serves(tmp_path):
     np.testing.assert_array_equal(got[E], want)
 
 
+def test_arrays_handed_over_in_process_refuse_restarts_until_a_full_load(tmp_path):
+    """A trainer's JAX arrays lent to a runner in its process (source "local") leave no copy the
+    journal could give a restarted runner: it says so instead of serving other weights."""
+    j = Journal(str(tmp_path))
+    j.confirmed(m.UpdateWeightsReq("local", update="local-1-0"), m.ControlReply("update_weights", False, "refused",
+                json.dumps({"weight_version": "0"}).encode()))  # fmt: skip
+    assert j.why_not() is None  # refused: nothing changed
+    j.confirmed(m.UpdateWeightsReq("local", update="local-1-1"), ok("update_weights", "3"))
+    assert "weight version 3 came from JAX arrays handed over in-process" in (j.why_not() or "")
+    assert (j.version, j.updates) == ("3", 1)
+    j.confirmed(m.UpdateWeightsReq("disk", str(tmp_path)), ok("update_weights", "4"))
+    assert j.why_not() is None
+
+
 def test_a_resubmission_carries_what_the_caller_already_has():
     core = FrontendCore(Tok())
     st = core.add(spec("A", stream=True), now=0.0)
