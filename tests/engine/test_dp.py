@@ -232,7 +232,7 @@ def test_weights_pushed_from_tensors_reach_both_groups(engine, tiny_dir, tmp_pat
 
 
 def test_an_update_group_reaches_both_groups(engine, shared_engine, tiny_dir, tmp_path):
-    """A trainer's update group (tests/engine/group_trainer.py): each group's runner joins as rank
+    """A trainer's update group (bench/group_trainer.py): each group's runner joins as rank
     rank_offset + its dp rank; one broadcast reaches both; each then serves as a fresh engine
     on that checkpoint."""
     pytest.importorskip("torch")

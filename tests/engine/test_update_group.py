@@ -1,5 +1,5 @@
 """SGLang's weight-update groups (actors/runner/weight_group.py): a trainer in another process
-(tests/engine/group_trainer.py: rank 0 as slime's and AReaL's update code makes it, over gloo)
+(bench/group_trainer.py: rank 0 as slime's and AReaL's update code makes it, over gloo)
 broadcasts another checkpoint; afterwards greedy outputs equal a fresh engine's on it. A trainer
 killed mid-broadcast leaves the old weights serving and the group left; a new group's update
 then works. Bad arguments are ValueErrors naming the field, over the Engine and HTTP."""
@@ -18,7 +18,6 @@ from tests.engine.conftest import SMALL, assert_no_leak, random_prompts
 
 pytest.importorskip("torch")
 
-TRAINER = Path(__file__).with_name("group_trainer.py")
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 10}
 PROMPTS = random_prompts(3, seed=61, lo=5, hi=30)
 
@@ -38,11 +37,10 @@ class Trainer:
 
     def __init__(self, world_size: int, group: str, checkpoint: Path, *extra: str, dtype: str = "float32"):
         self.port, self.group, self.checkpoint = free_port(), group, checkpoint
-        self.proc = subprocess.Popen([sys.executable, str(TRAINER), str(self.port), str(world_size), group,
-                                      str(checkpoint), "--dtype", dtype, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)  # fmt: skip
-        sys.path.insert(0, str(TRAINER.parent))
-        from group_trainer import specs
+        self.proc = subprocess.Popen([sys.executable, "-m", "ringserve.bench.group_trainer", str(self.port),
+                                      str(world_size), group, str(checkpoint), "--dtype", dtype, *extra],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        from ringserve.bench.group_trainer import specs
 
         self.names, self.dtypes, self.shapes = specs(str(checkpoint), dtype)
 
@@ -56,7 +54,7 @@ class Trainer:
 
     @property
     def world_size(self) -> int:
-        return int(self.proc.args[3])  # type: ignore[index]
+        return int(self.proc.args[4])  # type: ignore[index]
 
     def send(self, update) -> dict:
         assert self.proc.stdin is not None

@@ -2,13 +2,15 @@
 it (AReaL `areal/engine/core/distributed.py` init_custom_process_group, slime's
 `init_process_group`): a TCP rendezvous on its own address as rank 0, the store prefixed by the
 group's name, a process group on it without a default group; then each tensor broadcast from
-rank 0 in the order the engine was told. Run as its own process:
+rank 0 in the order the engine was told. Run as its own process
+(tests/engine/test_update_group.py, bench/weight_updates.py's "group" path):
 
-    python group_trainer.py PORT WORLD_SIZE GROUP CHECKPOINT [--die-after K] [--dtype bfloat16]
+    python -m ringserve.bench.group_trainer PORT WORLD_SIZE GROUP CHECKPOINT [--die-after K] [--dtype bfloat16]
 
 It prints "joined" once the group is made, then for each line "go" on stdin broadcasts every
-tensor of CHECKPOINT (safetensors, sorted by name) and prints "sent N"; "--die-after K" kills
-itself (SIGKILL) after K tensors of the first update; "quit" destroys the group and exits.
+tensor of CHECKPOINT (safetensors, sorted by name; in `--dtype`, default as stored) and prints
+"sent N"; "--die-after K" kills itself (SIGKILL) after K tensors of the first update; "quit"
+destroys the group and exits. Needs torch.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import signal
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 
 def init_custom_process_group(init_method: str, world_size: int, rank: int, group_name: str, backend: str,
@@ -39,18 +40,17 @@ def init_custom_process_group(init_method: str, world_size: int, rank: int, grou
     return pg
 
 
-def tensors(checkpoint: str, dtype: str) -> list[tuple[str, torch.Tensor]]:
-    out = {}
+def tensors(checkpoint: str, dtype: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    out: dict[str, torch.Tensor] = {}
     for f in sorted(Path(checkpoint).glob("*.safetensors")):
         out.update(load_file(f))
-    tdt = getattr(torch, dtype)
-    return [(name, torch.from_numpy(np.ascontiguousarray(out[name], np.float32)).to(tdt)) for name in sorted(out)]
+    return [(name, out[name] if dtype is None else out[name].to(getattr(torch, dtype))) for name in sorted(out)]
 
 
-def specs(checkpoint: str, dtype: str) -> tuple[list[str], list[str], list[list[int]]]:
+def specs(checkpoint: str, dtype: str | None = None) -> tuple[list[str], list[str], list[list[int]]]:
     """What the engine is told (names, dtypes, shapes), in broadcast order."""
     ts = tensors(checkpoint, dtype)
-    return [n for n, _ in ts], [dtype] * len(ts), [list(t.shape) for _, t in ts]
+    return [n for n, _ in ts], [str(t.dtype).removeprefix("torch.") for _, t in ts], [list(t.shape) for _, t in ts]
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("group")
     ap.add_argument("checkpoint")
     ap.add_argument("--die-after", type=int, default=-1)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as stored)")
     a = ap.parse_args()
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # as AReaL: never torchrun's store
     pg = init_custom_process_group(f"tcp://127.0.0.1:{a.port}", a.world_size, 0, a.group, "gloo",
