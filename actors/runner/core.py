@@ -163,7 +163,7 @@ class RunnerCore:
         if u.source == "group_drain":
             self.groups.receive(g, keep=False)
             return f"received and dropped {len(g.names)} tensors"
-        n = self.weights.apply(lambda: self.groups.receive(g), u.mode)
+        n = self.weights.apply(lambda: self.groups.receive(g), u.mode, on_device=self.groups.on_device(g.group_name))
         return f"updated {n} tensors from update group {g.group_name!r}"
 
     def dispatch(self, msg: m.StepMsg) -> Pending:

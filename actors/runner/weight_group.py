@@ -138,6 +138,11 @@ class UpdateGroups:
                               f"(init a new group): {type(e).__name__}: {e}") from None  # fmt: skip
         return out
 
+    def on_device(self, name: str) -> bool:
+        """Whether group `name` receives onto the device (NCCL: JAX arrays through DLPack)."""
+        joined = self.groups.get(name)
+        return joined is not None and joined.backend == "nccl"
+
     def leave(self, name: str, quiet: bool = False) -> str:
         joined = self.groups.pop(name, None)
         if joined is None:

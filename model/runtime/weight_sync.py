@@ -41,6 +41,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -208,10 +209,12 @@ class WeightSync:
         finally:
             self.staging = None
 
-    def apply(self, read: Callable[[], dict[str, Any]], mode: str = "replace") -> int:
-        """Tensors `read` delivers (HF names; host arrays; a subset is fine), applied in `mode`,
-        all or nothing: every host reads and agrees before any swaps (an update group's broadcast)."""
-        return self._commit(read, full=False, mode=mode)
+    def apply(self, read: Callable[[], dict[str, Any]], mode: str = "replace", on_device: bool = False) -> int:
+        """Tensors `read` delivers (HF names; a subset is fine), applied in `mode`, all or
+        nothing: every host reads and agrees before any swaps (an update group's broadcast).
+        `on_device`: they are JAX arrays on this runner's devices (NCCL's, through DLPack),
+        built there as `load_local`'s (a delta other than a whole replace is applied on the host)."""
+        return self._commit(read, full=False, mode=mode, build=self._build_on_device if on_device else None)
 
     def load_local(self, update: str) -> str:
         """Update `update`'s JAX arrays, handed over inside this process (a runner in the
@@ -219,26 +222,28 @@ class WeightSync:
         the device straight onto the served shardings (`ex.build_params_on_device`), swapped
         only if all of it built and fits. Nothing goes through the host on the way."""
         arrays = take(update)
+        return f"updated {self._commit(lambda: arrays, full=False, build=self._build_on_device)} tensors device-to-device"
 
-        def build(merged: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            for a in arrays.values():  # host copies (below) on their way while the state builds
-                a.copy_to_host_async()
-            new = self.ex.build_params_on_device(merged)
-            try:
-                host = {name: np.asarray(a) for name, a in arrays.items()}
-            except BaseException:
-                self.ex.discard_params(new)
-                raise
-            # `host_tensors` stays the served values' host copy, as after a push: a later subset
-            # update merges over it, get_weights_by_name, resume and LoRA read it. The trainer's
-            # arrays themselves are not kept: it may donate or delete them once this returns,
-            # and holding them (or our own device copy in the HF layout) would keep a second
-            # model in device memory. np.asarray: on CPU a view that keeps the trainer's
-            # buffer (a donation of it then copies instead; no second host copy), elsewhere
-            # one device-to-host copy per tensor, overlapped with the build.
-            return new, {**merged, **host}
-
-        return f"updated {self._commit(lambda: arrays, full=False, build=build)} tensors device-to-device"
+    def _build_on_device(self, merged: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The new state from `merged`, whose JAX arrays (the update's) stay on the device, and
+        the host tensors it serves."""
+        arrays = {name: a for name, a in merged.items() if isinstance(a, jax.Array)}
+        for a in arrays.values():  # host copies (below) on their way while the state builds
+            a.copy_to_host_async()
+        new = self.ex.build_params_on_device(merged)
+        try:
+            host = {name: np.asarray(a) for name, a in arrays.items()}
+        except BaseException:
+            self.ex.discard_params(new)
+            raise
+        # `host_tensors` stays the served values' host copy, as after a push: a later subset
+        # update merges over it, get_weights_by_name, resume and LoRA read it. The trainer's
+        # arrays themselves are not kept: it may donate or delete them once this returns,
+        # and holding them (or our own device copy in the HF layout) would keep a second
+        # model in device memory. np.asarray: on CPU a view that keeps the trainer's
+        # buffer (a donation of it then copies instead; no second host copy), elsewhere
+        # one device-to-host copy per tensor, overlapped with the build.
+        return new, {**merged, **host}
 
     def abandon(self, update: str | None = None) -> None:
         """Drop the staged update (`update`'s only, if given)."""
