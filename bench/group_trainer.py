@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("group")
     ap.add_argument("checkpoint")
     ap.add_argument("--die-after", type=int, default=-1)
+    ap.add_argument("--stall-after", type=int, default=-1, help="stop sending (alive) after K tensors of the first update")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as stored)")
     a = ap.parse_args()
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # as AReaL: never torchrun's store
@@ -74,6 +75,10 @@ def main() -> None:
         for k, (_, t) in enumerate(ts):
             if k == a.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if k == a.stall_after:
+                print("stalled", flush=True)
+                sys.stdin.readline()  # until told to quit: the group is never finished
+                os._exit(0)
             handles.append(dist.broadcast(t, src=0, group=pg, async_op=True))  # AReaL's bucket: async, then wait
         for h in handles:
             h.wait()

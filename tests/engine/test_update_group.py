@@ -150,6 +150,24 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(engine, checkpoin
     assert_no_leak(engine)
 
 
+def test_a_trainer_that_stalls_past_the_timeout_leaves_the_old_weights(checkpoints, want):
+    """A trainer alive but silent mid-broadcast: after --weight-group-timeout the runner leaves
+    the group with a clear error; the old weights serve on."""
+    from ringserve import Engine
+
+    with Engine(str(checkpoints[0]), page_size=16, weight_group_timeout=3, precompile=False, **SMALL) as e:
+        t = Trainer(2, "slow", checkpoints[1], "--stall-after", "2")
+        try:
+            assert t.join(e.init_weights_update_group)["success"]
+            r = t.send(e.update_weights_from_distributed)
+            assert not r["success"] and "the old weights keep serving" in r["message"], r
+            assert greedy(e) == want[0]
+            assert not e.destroy_weights_update_group("slow")["success"]  # left already
+        finally:
+            t.quit()
+        assert_no_leak(e)
+
+
 def test_a_refused_update_is_still_received_and_dropped(engine, checkpoints, want):
     """Busy (a request running, not paused): refused, yet the runner takes part in every
     broadcast (the trainer finishes) and the group stays usable."""
