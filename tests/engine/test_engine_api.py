@@ -52,12 +52,12 @@ def test_bad_input_names_field_and_limit_and_engine_keeps_serving(engine, kwargs
     stream = engine.generate(
         input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 24}, stream=True
     )
-    next(stream)
+    first = next(stream)
     with pytest.raises(ValueError) as err:
         engine.generate(**kwargs)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
-    *_, last = stream
+    *_, last = [first, *stream]  # (on a busy machine the first chunk may already be the whole answer)
     assert last["output_ids"] == want["output_ids"]
 
 
