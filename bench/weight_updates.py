@@ -147,7 +147,7 @@ PATHS: dict[str, Update] = {"disk": _disk, "host": _host, "client": _client, "ht
                             "device": _device, "delta1": _delta(0.01), "delta10": _delta(0.10)}  # fmt: skip
 
 
-def run(model: str, paths: list[str], repeat: int, dtype: str | None = None,
+def run(model: str, paths: list[str], repeat: int, send_dtype: str | None = None,
         **engine_options: Any) -> dict[str, list[tuple[float, int]]]:  # fmt: skip
     """Every path's `repeat` times (the runs in order: a first run compiles what it needs):
     (seconds, bytes) each."""
@@ -164,8 +164,8 @@ def run(model: str, paths: list[str], repeat: int, dtype: str | None = None,
                    max_prefill_tokens=512, log_level="warning", precompile=False) | engine_options  # fmt: skip
     with Engine(_model_dir(model), **options) as engine, tempfile.TemporaryDirectory() as tmp:
         tensors = {k: np.array(v) for k, v in load_checkpoint(engine.model_dir)[1].items()}
-        if dtype is not None:
-            want = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        if send_dtype is not None:
+            want = np.dtype(ml_dtypes.bfloat16) if send_dtype == "bfloat16" else np.dtype(send_dtype)
             tensors = {k: v.astype(want) for k, v in tensors.items()}
         checkpoint = Path(tmp)
         for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -208,7 +208,19 @@ def _model_dir(name: str) -> str:
         return str(tiny_model_path("llama"))
     from ringserve.model.checkpoints.random_shapes import SHAPES, random_model
 
-    return str(random_model(name)) if name in SHAPES else name
+    if name not in SHAPES:
+        return name
+    # the random weights of that shape with a tokenizer (the tiny model's: the engine's
+    # detokenizer needs one; no text is made here)
+    from ringserve.model.checkpoints.tiny import tiny_model_path
+
+    weights, tiny = random_model(name), tiny_model_path("llama")
+    served = weights.with_name(weights.name + "-with-tokenizer")
+    served.mkdir(exist_ok=True)
+    for src in [*weights.iterdir(), *(f for f in tiny.iterdir() if f.name.startswith("tokenizer"))]:
+        if not (served / src.name).exists():
+            (served / src.name).symlink_to(src)
+    return str(served)
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, int]]]:
