@@ -8,8 +8,9 @@ hits each alike):
     disk     update_weights_from_disk of a checkpoint holding the tensors (written once, before)
     host     Engine.update_weights_from_tensor of NumPy arrays: the shared-memory push
              (actors/frontend/weight_push.py), staged on the host, the state built there and placed
-    client   the same push from a Client over the IPC socket (the trainer's process's door)
-    http     POST /update_weights_from_tensor, safetensors blobs in the body (another host's door)
+    client   the same push from a Client over the IPC socket, in a trainer's process of its own
+    http     POST /update_weights_from_tensor, safetensors blobs in the body (another host's
+             door), from a process of its own
     group    SGLang's update group: a trainer process (bench/group_trainer.py) broadcasts every
              tensor over gloo to the runner (actors/runner/weight_group.py)
     device   the tensors as JAX arrays on this process's devices (a trainer's, held before the
@@ -82,22 +83,44 @@ def _host(b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
     return (*_timed(lambda: b.engine.update_weights_from_tensor(tensors)), _nbytes(tensors))
 
 
-def _client(b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
+# The trainer's side of the Client and HTTP doors runs in a process of its own (as a trainer's
+# does): in this one it would share the GIL with the server's loop and the runner.
+_PUSHER = """
+import json, sys, time
+from safetensors.numpy import load_file
+door, where, checkpoint = sys.argv[1:4]
+tensors = load_file(checkpoint)
+if door == "client":
     from ringserve import Client
+    with Client(where) as c:
+        t0 = time.perf_counter()
+        r = c.update_weights_from_tensor(tensors)
+else:
+    import httpx
+    from ringserve.actors.frontend.weight_buckets import safetensors_stream
+    t0 = time.perf_counter()
+    r = httpx.post(where + "/update_weights_from_tensor", content=safetensors_stream(tensors.items()), timeout=3600,
+                   headers={"content-type": "application/octet-stream"}).json()
+print(json.dumps({"seconds": time.perf_counter() - t0, "reply": r}))
+"""
 
-    with Client(b.servers.socket_path) as c:
-        return (*_timed(lambda: c.update_weights_from_tensor(tensors)), _nbytes(tensors))
+
+def _pushed(door: str, where: str, b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _PUSHER, door, where, str(b.checkpoint / "model.safetensors")],
+                         capture_output=True, text=True, timeout=3600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return r["seconds"], r["reply"], _nbytes(tensors)
+
+
+def _client(b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
+    return _pushed("client", b.servers.socket_path, b, tensors)
 
 
 def _http(b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
-    import httpx
-
-    from ringserve.actors.frontend.weight_buckets import safetensors_stream
-
-    url = f"http://127.0.0.1:{b.servers.port}/update_weights_from_tensor"
-    post = lambda: httpx.post(url, content=safetensors_stream(tensors.items()), timeout=3600,  # noqa: E731
-                              headers={"content-type": "application/octet-stream"}).json()  # fmt: skip
-    return (*_timed(post), _nbytes(tensors))
+    return _pushed("http", f"http://127.0.0.1:{b.servers.port}", b, tensors)
 
 
 def _group(b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
