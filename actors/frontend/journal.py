@@ -98,7 +98,7 @@ class Journal:
             log.exception("supervisor journal: %s", self.lost)
 
     def _weights(self, msg: m.UpdateWeightsReq, reply: m.ControlReply) -> None:
-        if msg.source in ("check", "group_init", "group_destroy"):  # nothing served changed
+        if msg.source in ("check", "group_init", "group_destroy", "group_drain"):  # nothing served changed
             return
         if not reply.ok or msg.source == "abandon":  # refused, or a push dropped half way: nothing of it serves
             self._staged.clear()

@@ -256,7 +256,9 @@ class WeightsAPI:
             raise ValueError(f"master_address={master_address!r} must be a non-empty host name or address")
         _check_int("rank_offset", rank_offset, 1)
         n = self._runners()
-        _check_int("world_size", world_size, rank_offset + n)
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < rank_offset + n:
+            raise ValueError(f"world_size={world_size!r} must be at least rank_offset + the engine's {n} runner(s) "
+                             f"= {rank_offset + n} (the trainer's rank 0 and every runner)")  # fmt: skip
         _check_group_name(group_name)
         if backend not in (None, *GROUP_BACKENDS):
             raise ValueError(f"backend={backend!r}: choose one of {list(GROUP_BACKENDS)} (None: by platform)")

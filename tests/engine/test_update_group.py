@@ -219,7 +219,7 @@ def test_bf16_over_the_wire(engine, checkpoints):
         (dict(master_port=0), "master_port=0 must be a port in [1, 65535]"),
         (dict(master_port="x"), "master_port='x' must be a port in [1, 65535]"),
         (dict(rank_offset=0), "rank_offset=0 must be an integer >= 1"),
-        (dict(world_size=1), "world_size=1 must be an integer >= 2"),
+        (dict(world_size=1), "world_size=1 must be at least rank_offset + the engine's 1 runner(s) = 2"),
         (dict(backend="mpi"), "backend='mpi': choose one of ['gloo', 'nccl']"),
         (dict(group_name=""), "group_name='' must be a non-empty string"),
     ],

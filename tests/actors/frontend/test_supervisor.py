@@ -510,3 +510,18 @@ def test_the_journal_assembles_a_tensor_pushed_in_row_pieces(tmp_path):
     assert list(got) == ["z"] and (got["z"] == z).all()
     j.confirmed(m.UpdateWeightsReq("abandon"), ok("update_weights"))  # a dropped push changes nothing
     assert (j.version, j.updates, list(j.tensors)) == ("2", 1, ["z"])
+
+
+def test_update_groups_in_the_journal(tmp_path):
+    """Joining, leaving or draining a group changes nothing served; an update received over one
+    reached the runner only, so a restart says it cannot rebuild it until a full load."""
+    j = Journal(str(tmp_path))
+    g = m.WeightGroup("g", names=["a"], dtypes=["float32"], shapes=[[2]])
+    for source in ("group_init", "group_drain", "group_destroy"):
+        j.confirmed(m.UpdateWeightsReq(source, group=g), ok("update_weights", "0"))
+    assert (j.version, j.updates, j.why_not()) == ("0", 0, None)
+    j.confirmed(m.UpdateWeightsReq("group", group=g), ok("update_weights", "5"))
+    assert (j.version, j.updates) == ("5", 1)
+    assert "received over update group 'g' reached the runner only" in (j.why_not() or "")
+    j.confirmed(m.UpdateWeightsReq("disk", str(tmp_path)), ok("update_weights", "6"))
+    assert j.why_not() is None
