@@ -81,7 +81,7 @@ class UpdateGroups:
         if not 0 < rank < g.world_size:
             raise WeightError(f"update group {g.group_name!r}: rank {rank} (rank_offset {g.rank_offset} + this "
                               f"runner's index {self.index}) is outside [1, world_size={g.world_size})")  # fmt: skip
-        torch = import_torch()
+        import_torch()
         from torch.distributed import distributed_c10d as c10d
 
         backend = g.backend or self.backend
@@ -99,7 +99,6 @@ class UpdateGroups:
         except Exception as e:  # noqa: BLE001 -- any failure to join is the caller's refusal
             raise WeightError(f"update group {g.group_name!r}: joining {g.master_address}:{g.master_port} as rank "
                               f"{rank} of {g.world_size} failed: {type(e).__name__}: {e}") from None  # fmt: skip
-        del torch
         self.groups[g.group_name] = Joined(pg, rank, g.world_size, backend)
         return f"joined update group {g.group_name!r} as rank {rank} of {g.world_size} ({backend})"
 
