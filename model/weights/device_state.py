@@ -75,7 +75,7 @@ class DeviceStateBuilder:
     def _hf_sharding(self, place: Placement) -> NamedSharding:
         """The sharding of the served leaf `place` lands in, in the HF tensor's layout: where a
         host array (a served tensor a partial update keeps) goes first, each device its part."""
-        leaf = self.avals
+        leaf: Any = self.avals
         for k in place.state_path(self.stacked):
             leaf = leaf[k]
         spec = (*leaf.sharding.spec, *(None,) * (len(leaf.shape) - len(leaf.sharding.spec)))

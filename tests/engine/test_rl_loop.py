@@ -184,29 +184,6 @@ def test_release_and_resume_memory(engine):
         engine.release_memory_occupation(["gpu"])
 
 
-def test_the_same_verbs_over_http_and_the_client(engine, checkpoints):
-    import httpx
-
-    from ringserve import Client, Servers
-
-    with Servers(engine, port=0) as s:
-        assert engine.pause_generation("retract")["success"]
-        r = httpx.post(s.url + "/update_weights_from_disk", json={"model_path": str(checkpoints[2]), "weight_version": "h"})
-        assert r.status_code == 200 and r.json()["weight_version"] == "h"
-        assert httpx.get(s.url + "/get_weight_version").json() == {"weight_version": "h"}
-        r = httpx.post(s.url + "/update_weights_from_disk", json={"model_path": "/no/such/dir"})
-        assert r.status_code == 400 and r.json()["success"] is False
-        w = httpx.post(s.url + "/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 4}).json()
-        assert len(w) == 4
-        assert httpx.post(s.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).json()["success"]
-        assert httpx.post(s.url + "/resume_memory_occupation", json={}).json()["success"]
-        with Client(s.socket_path) as c:
-            assert c.update_weights_from_disk(str(checkpoints[0]))["success"]
-            assert json.dumps(c.get_weights_by_name("model.norm.weight", 2))
-        engine.flush_cache()
-        engine.continue_generation()
-
-
 def test_deltas_equal_the_full_update_on_their_base_and_are_refused_on_another(engine, checkpoints):
     """Four deltas in a row, each made against the version before it (a subset; mode "add";
     Rows of tensors; "add" of Rows and a whole tensor): each serves what the equivalent full
@@ -263,3 +240,26 @@ def test_deltas_equal_the_full_update_on_their_base_and_are_refused_on_another(e
     assert engine.get_server_info()["weight_version"] == "d4" and engine.get_weights_by_name(N, truncate_size=256) == before
     assert engine.flush_cache()["success"] and outputs(engine) == seen[-1]
     assert engine.update_weights_from_disk(str(checkpoints[0]))["success"]
+
+
+def test_the_same_verbs_over_http_and_the_client(engine, checkpoints):
+    import httpx
+
+    from ringserve import Client, Servers
+
+    with Servers(engine, port=0) as s:
+        assert engine.pause_generation("retract")["success"]
+        r = httpx.post(s.url + "/update_weights_from_disk", json={"model_path": str(checkpoints[2]), "weight_version": "h"})
+        assert r.status_code == 200 and r.json()["weight_version"] == "h"
+        assert httpx.get(s.url + "/get_weight_version").json() == {"weight_version": "h"}
+        r = httpx.post(s.url + "/update_weights_from_disk", json={"model_path": "/no/such/dir"})
+        assert r.status_code == 400 and r.json()["success"] is False
+        w = httpx.post(s.url + "/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 4}).json()
+        assert len(w) == 4
+        assert httpx.post(s.url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).json()["success"]
+        assert httpx.post(s.url + "/resume_memory_occupation", json={}).json()["success"]
+        with Client(s.socket_path) as c:
+            assert c.update_weights_from_disk(str(checkpoints[0]))["success"]
+            assert json.dumps(c.get_weights_by_name("model.norm.weight", 2))
+        engine.flush_cache()
+        engine.continue_generation()
