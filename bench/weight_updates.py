@@ -87,9 +87,9 @@ def _host(b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
 # does): in this one it would share the GIL with the server's loop and the runner.
 _PUSHER = """
 import json, sys, time
-from safetensors.numpy import load_file
+from ringserve.model.checkpoints.load import load_checkpoint
 door, where, checkpoint = sys.argv[1:4]
-tensors = load_file(checkpoint)
+tensors = load_checkpoint(checkpoint)[1]  # (memory-mapped; bf16 as ml_dtypes')
 if door == "client":
     from ringserve import Client
     with Client(where) as c:
@@ -108,7 +108,7 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "reply": r}))
 def _pushed(door: str, where: str, b: Bench, tensors: dict[str, np.ndarray]) -> tuple[float, dict, int]:
     import json
 
-    out = subprocess.run([sys.executable, "-c", _PUSHER, door, where, str(b.checkpoint / "model.safetensors")],
+    out = subprocess.run([sys.executable, "-c", _PUSHER, door, where, str(b.checkpoint)],
                          capture_output=True, text=True, timeout=3600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
