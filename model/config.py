@@ -42,7 +42,12 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2 always; Llama where config.json asks)
-    sliding_window: int | None = None  # keys a query sees (Mistral); None = full attention
+    sliding_window: int | None = None  # keys a query sees (Mistral, Gemma's local layers); None = full attention
+    sliding_layers: tuple[bool, ...] | None = None  # per layer: whether it slides (Gemma); None: all do
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -0.5 power (Gemma); None: head_dim's
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
+    local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it is not `rope`'s (Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -54,6 +59,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each layer's sliding window (0: that layer attends to every key); None: no layer has one."""
+        if self.sliding_window is None:
+            return None
+        slides = self.sliding_layers or (True,) * self.num_layers
+        return tuple(self.sliding_window if s else 0 for s in slides)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

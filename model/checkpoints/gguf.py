@@ -13,7 +13,10 @@ What a GGUF does differently from an HF checkpoint, and how it is undone here:
 - config comes from metadata (`llama.embedding_length`, ...); llama3 RoPE scaling is stored
   only as a `rope_freqs` tensor of per-frequency divisors, from which the llama3 parameters are
   recovered (and checked to reproduce every frequency) or the file is refused;
-- no output.weight means the LM head is tied to token_embd.
+- no output.weight means the LM head is tied to token_embd;
+- Gemma's norms (weight w, scaled by 1 + w) are stored as 1 + w (`GGUFNames.norms_plus_one`),
+  and its window, layer pattern, soft caps and query scale come from metadata and llama.cpp's
+  own rules (model/families/gemma.py).
 
 `load_checkpoint(path.gguf)` converts in memory on each load (weights never touch disk): the
 user's file stays the single source, and a dequantized f32 cache would be ~5x its size.
@@ -154,6 +157,8 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             a = unpermute_rope_rows(a, heads)
         elif fam.gguf.permuted_qk and ".k_proj." in hf:
             a = unpermute_rope_rows(a, kv_heads)
+        elif fam.gguf.norms_plus_one and hf.endswith("norm.weight"):
+            a = a - np.float32(1.0)  # stored as Gemma's (1 + w)
         tensors[hf] = a
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"{path}: no token_embd.weight tensor")
@@ -189,6 +194,8 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos),
         "dtype": "float32",
     }
+    if fam.gguf.read_config is not None:
+        config |= fam.gguf.read_config(meta.get, config)
     return config | fam.gguf.config, tensors
 
 

@@ -16,6 +16,8 @@ input. The init is scaled for both (measured on 3 prompts x 32 greedy tokens wit
   the final norm weight is scaled by 10 instead. Either way logits have std ~sqrt(hidden) = 16,
   and the median top-2 gap is ~3-4 with the smallest ~0.1 over those 96 steps: four orders of
   magnitude above the ~1e-5 float32 difference between two implementations.
+Gemma's own scales (its embedding times sqrt(hidden), its norms by 1 + w) are undone in the
+draws (`Tiny.gemma_scales`), so its checkpoints compute at the same scales.
 """
 
 from __future__ import annotations
@@ -118,7 +120,21 @@ def _weights(fam: Family, cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
             w[name] = lin(shape[0], shape[1], gain=3.0 if module in RESIDUAL_OUT else 1.0)
         else:  # a norm's weight
             w[name] = norm(shape[0])
+        if fam.tiny.gemma_scales:  # the model scales them: drawn so that it gets the scales above
+            w[name] = _undo_gemma_scales(name, w[name], cfg)
     return w
+
+
+def _undo_gemma_scales(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Gemma multiplies its embedding by sqrt(hidden) and scales by (1 + w) in its norms: the
+    embedding is drawn sqrt(hidden) smaller (the residual stream starts as the others'), the
+    tied head's final norm sqrt(hidden) larger (so are the logits), each norm 1 lower."""
+    root = np.float32(np.sqrt(cfg.hidden_size))
+    if name == "model.embed_tokens.weight":
+        return w / root
+    if name == "model.norm.weight" and cfg.tie_word_embeddings:
+        w = w * root
+    return w - np.float32(1.0) if name.endswith("norm.weight") else w
 
 
 # the projections that write a residual branch's output (their init 3x: the module docstring)

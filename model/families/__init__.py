@@ -13,11 +13,12 @@ from typing import Any
 
 from ringserve.model.config import ModelConfig
 from ringserve.model.families.base import Family
+from ringserve.model.families.gemma import GEMMA2, GEMMA3
 from ringserve.model.families.llama import LLAMA, MISTRAL
 from ringserve.model.families.qwen2 import QWEN2
 from ringserve.model.families.qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3)}
 ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES.values() for a in f.architectures}
 
 

@@ -50,12 +50,16 @@ class GGUFNames:
     """How llama.cpp writes a family: `general.architecture`, the layer tensors' names (after
     "blk.N.") as HF names (after "model.layers.N."), whether q/k rows are permuted for
     adjacent-pair RoPE (model/checkpoints/gguf.py undoes it), and config.json fields its
-    converter sets."""
+    converter sets: fixed (`config`), or read from the file's metadata (`read_config`: given
+    `get(key)` and the config read so far, the family's own fields). `norms_plus_one`: its
+    converter stores every norm's weight plus 1 (Gemma's (1 + w) norms), which loading undoes."""
 
     arch: str
     layer: dict[str, str]
     permuted_qk: bool = False
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    read_config: Callable[[Callable[[str], Any], dict[str, Any]], dict[str, Any]] | None = None
+    norms_plus_one: bool = False
 
 
 # llama.cpp's names of the tensors outside the layers (every family so far)
@@ -67,10 +71,13 @@ GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weigh
 class Tiny:
     """`make-tiny-model`'s random checkpoint of a family: transformers' config class (config.json
     is written through it, so HF loads the directory) and the fields it sets beyond the shared
-    dimensions."""
+    dimensions. `gemma_scales`: the family scales its norms by (1 + w) and its embedding by
+    sqrt(hidden) (Gemma), so its draws undo both: the same scales as the others'
+    (model/checkpoints/tiny.py)."""
 
     config_class: str
     fields: dict[str, Any]
+    gemma_scales: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,17 +21,19 @@ from ringserve.model.layers.rope import apply_rope
 class Attention(nnx.Module):
     """`plan`: the compute plan (model/compute/plan.py: dot, norms, dtype, quantization, tp);
     `backend`: the attention backend; `bias`: q/k/v biases; `qk_norm`: RMSNorm over head_dim on
-    q and k before RoPE."""
+    q and k before RoPE (`unit_offset`: Gemma's, by 1 + weight). The scores' scale, soft cap and
+    each layer's sliding window are the backend's (its geometry, model/compute/attention/base.py)."""
 
-    def __init__(self, cfg: ModelConfig, plan: Any, backend: Any, *, bias: bool = False, qk_norm: bool = False):
+    def __init__(self, cfg: ModelConfig, plan: Any, backend: Any, *, bias: bool = False, qk_norm: bool = False,
+                 unit_offset: bool = False):  # fmt: skip
         h, q, kv, tp, dt = cfg.hidden_size, cfg.q_size, cfg.kv_size, plan.tp, plan.jnp_dtype
         col_q, col_kv = tp_split(2, 1, cfg.num_heads, tp), tp_split(2, 1, cfg.num_kv_heads, tp)
         self.q_proj = Linear(h, q, dt, col_q, bias, plan.dot, plan.quant)
         self.k_proj = Linear(h, kv, dt, col_kv, bias, plan.dot, plan.quant)
         self.v_proj = Linear(h, kv, dt, col_kv, bias, plan.dot, plan.quant)
         self.o_proj = Linear(q, h, dt, tp_split(2, 0, q, tp), dot=plan.dot, quant=plan.quant)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, plan.norm) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, plan.norm) if qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, plan.norm, unit_offset) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, plan.norm, unit_offset) if qk_norm else None
         self.cfg = cfg
         self.backend = backend
 

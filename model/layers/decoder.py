@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -47,7 +48,12 @@ class Decoder(nnx.Module):
     """The whole model: token embedding, the decoder layers (either layout) made by `block`,
     final norm, LM head (vocab-parallel; tied checkpoints reuse the embedding instead)."""
 
-    def __init__(self, cfg: ModelConfig, plan: Any, block: Block):
+    def __init__(self, cfg: ModelConfig, plan: Any, block: Block, *, embed_scale: bool = False,
+                 unit_offset_norm: bool = False):  # fmt: skip
+        """What a family may choose beyond its `block` (Gemma both): `embed_scale`, the embedding
+        times sqrt(hidden) rounded to the compute dtype first (as HF's scaled embeddings);
+        `unit_offset_norm`: the final norm by (1 + weight). From `cfg` besides: the final logits'
+        soft cap and the sliding layers' own RoPE (`local_rope`)."""
         dt, quant = plan.jnp_dtype, plan.quant
         # quant="int8": every projection, the LM head and the embedding are weight-only int8
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt, quant)
@@ -58,7 +64,11 @@ class Decoder(nnx.Module):
             stack = nnx.vmap(block, in_axes=None, out_axes=0, axis_size=cfg.num_layers,
                              transform_metadata={nnx.PARTITION_NAME: None})  # fmt: skip
             self.layers = stack()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, plan.norm)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, plan.norm, unit_offset_norm)
+        self.embed_scale = float(np.float32(cfg.hidden_size**0.5)) if embed_scale else None
+        windows = cfg.layer_windows or (0,) * cfg.num_layers
+        # each layer's RoPE table: 1 = `local_rope`'s (a sliding layer of Gemma 3), 0 = `rope`'s
+        self.rope_kinds = None if cfg.local_rope is None else tuple(int(w > 0) for w in windows)
         v, h = cfg.vocab_size, cfg.hidden_size
         self.lm_head = None if cfg.tie_word_embeddings else Linear(h, v, dt, tp_split(2, 1, v, plan.tp), quant=quant)
         self.cfg = cfg
@@ -71,9 +81,10 @@ class Decoder(nnx.Module):
     def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache. `lora`:
         each row's adapter slot and the adapter pool (model/layers/lora.py), when adapters are served."""
-        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
-        cos, sin = rope_tables(fb.positions, inv_freq, self.rope_table_positions)
+        cs = self._rope(fb.positions)
         x = self.embed_tokens(ids)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, jnp.float32).astype(x.dtype)
         tok_slot = token_slots(lora.row_slot, fb.row_start, fb.num_rows, ids.shape[0]) if lora is not None else None
 
         def layer_lora(pool_layer: Any) -> LayerLora | None:
@@ -83,6 +94,7 @@ class Decoder(nnx.Module):
 
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
+                cos, sin = self._layer_rope(cs, i)
                 x, kv = layer(x, cos, sin, kv, i, fb, layer_lora(lora.weights["layers"][i] if lora is not None else None))
         else:
             # With CPU's custom-call dots (ringserve's kernel, oneDNN) the projections' weights
@@ -96,14 +108,38 @@ class Decoder(nnx.Module):
             def body(carry, xs):
                 x, kv, i = carry
                 state, pool_layer = xs
+                cos, sin = self._layer_rope(cs, i)
                 x, kv = nnx.merge(graphdef, whole, state)(x, cos, sin, kv, i, fb, layer_lora(pool_layer))
                 return (x, kv, i + 1), None
 
             (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), (stacked, pool), unroll=self.layer_unroll)
         return self.norm(x), kv
 
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(cos, sin) of the step's positions, [T, 1, D/2]; with `local_rope`, both tables
+        stacked [2, T, 1, D/2] (`_layer_rope` picks a layer's)."""
+        cfg = self.cfg
+        cos, sin = rope_tables(positions, rope_inv_freq(cfg.rope, cfg.head_dim), self.rope_table_positions)
+        if cfg.local_rope is None:
+            return cos, sin
+        lc, ls = rope_tables(positions, rope_inv_freq(cfg.local_rope, cfg.head_dim), self.rope_table_positions)
+        return jnp.stack([cos, lc]), jnp.stack([sin, ls])
+
+    def _layer_rope(self, cs: tuple[jax.Array, jax.Array], layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s (cos, sin) (a Python int unrolled, a traced one scanned)."""
+        if self.rope_kinds is None:
+            return cs
+        kind = self.rope_kinds[layer] if isinstance(layer, int) else jnp.asarray(self.rope_kinds, jnp.int32)[layer]
+        return cs[0][kind], cs[1][kind]
+
     def logits(self, h: jax.Array) -> jax.Array:
-        """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
+        """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding),
+        soft-capped where the model caps them (Gemma 2: cap * tanh(logits / cap))."""
+        out = self._logits(h)
+        cap = self.cfg.final_logit_softcap
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    def _logits(self, h: jax.Array) -> jax.Array:
         head: Linear | Embedding = self.embed_tokens if self.lm_head is None else self.lm_head
         transpose = self.lm_head is None or self.lm_head.transposed  # the embedding, an int8 head: [V, H]
         w, scale = head.weight[...], None if head.scale is None else head.scale[...]

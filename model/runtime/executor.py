@@ -122,7 +122,9 @@ class ModelExecutor:
         geo = AttnGeometry(
             num_layers=mc.num_layers, num_pages=shapes.num_pages, page_size=shapes.page_size,
             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            max_pages=shapes.max_pages, dtype=plan.jnp_dtype, sliding_window=mc.sliding_window,
+            max_pages=shapes.max_pages, dtype=plan.jnp_dtype, windows=mc.layer_windows,
+            softcap=mc.attn_logit_softcap,
+            query_scale=None if mc.query_pre_attn_scalar is None else mc.query_pre_attn_scalar**-0.5,
             deterministic=plan.deterministic,
         )  # fmt: skip
         self.attn: AttentionBackend = plan.make_backend(geo, self.mesh)

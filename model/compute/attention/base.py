@@ -25,12 +25,16 @@ Per-step inputs every backend sees (ForwardBatch, built in model/compute/step_in
 tokens packed densely (row r owns flat tokens row_start[r]:row_start[r+1]), their positions and
 token locations, and per row its kv_len (= committed_len + extend_len: KV valid after this
 step's writes) and page table. Query i of row r sits at position `kv_len[r] - extend_len + i`
-and sees keys j <= its position (and j > position - sliding_window when the model has one).
+and sees keys j <= its position (and j > position - window where its layer has a sliding window:
+`AttnGeometry.windows`, per layer, Gemma's alternating local and global layers). A score is
+q.k * `scale`, then cap * tanh(score / cap) where the model soft-caps them (Gemma 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -41,6 +45,7 @@ from jax.sharding import PartitionSpec
 from ringserve.model.compute.step_inputs import StepShape  # noqa: F401 -- re-exported: the backends' shape type
 
 NEG_INF = -1e30  # additive mask value (finite: a fully masked row gives 0, not NaN)
+NO_WINDOW = 1 << 30  # the window of a layer that has none, in a traced per-layer lookup: no context reaches it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,12 +60,43 @@ class AttnGeometry:
     head_dim: int
     max_pages: int  # page-table width (pages of the longest context)
     dtype: Any  # KV dtype (the compute dtype)
-    sliding_window: int | None = None
+    windows: tuple[int, ...] | None = None  # each layer's sliding window (0: none); None: no layer has one
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    query_scale: float | None = None  # the scores' scale where it is not head_dim ** -0.5 (Gemma)
     deterministic: bool = False  # contractions as products and sums whose order no shape changes
 
     @property
     def scale(self) -> float:
-        return float(self.head_dim) ** -0.5
+        return self.query_scale if self.query_scale is not None else float(self.head_dim) ** -0.5
+
+    @property
+    def causal_only(self) -> bool:
+        """No window and no soft cap: the kernels that have neither may serve it."""
+        return self.windows is None and self.softcap is None
+
+    def window(self, layer: jax.Array | int) -> jax.Array | int | None:
+        """Layer `layer`'s sliding window in the graph: None where it has none that needs a mask;
+        an int for a Python layer (the unrolled loop), else a traced int32 (the scanned loop's
+        layer), NO_WINDOW for a layer without one."""
+        if self.windows is None:
+            return None
+        if isinstance(layer, int):
+            return self.windows[layer] or None
+        return jnp.asarray([w or NO_WINDOW for w in self.windows], jnp.int32)[layer]
+
+    def by_window(self, layer: jax.Array | int, attend: Callable[[int | None], jax.Array]) -> jax.Array:
+        """attend(w) with layer `layer`'s window as a Python int (None: none), for kernels that
+        take it static (jax's TPU kernel): the layer's own for a Python layer, else one branch per
+        distinct window, switched on the traced layer."""
+        if self.windows is None:
+            return attend(None)
+        if isinstance(layer, int):
+            return attend(self.windows[layer] or None)
+        distinct = sorted(set(self.windows))
+        if len(distinct) == 1:
+            return attend(distinct[0] or None)
+        branch = jnp.asarray([distinct.index(w) for w in self.windows], jnp.int32)[layer]
+        return jax.lax.switch(branch, [functools.partial(attend, w or None) for w in distinct])
 
     @property
     def group(self) -> int:

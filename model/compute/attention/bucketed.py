@@ -89,12 +89,13 @@ def attend_static(q, kv, layer, pages, plan, geo: AttnGeometry, block: int, chun
     tables = tables[plan["tile_row"]]  # [NT, n_chunks * cp]
     pos = plan["tile_pos"]
     key_off = jnp.arange(cp * ps, dtype=jnp.int32)
+    window = geo.window(layer)
 
     def body(c, state):
         pg = jax.lax.dynamic_slice_in_dim(tables, c * cp, cp, axis=1)
         k, v = tiles.gather_pages(kv[0], pg), tiles.gather_pages(kv[1], pg)
         key_pos = jnp.broadcast_to(c * cp * ps + key_off, (nt, cp * ps))
-        return tiles.online_update(state, qt, k, v, key_pos, pos, geo)
+        return tiles.online_update(state, qt, k, v, key_pos, pos, geo, window=window)
 
     state = jax.lax.fori_loop(0, n_chunks, body, tiles.init_state(nt, geo, block), unroll=n_chunks <= unroll_up_to)
     out = tiles.normalize(state[1], state[2])

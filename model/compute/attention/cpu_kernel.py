@@ -3,7 +3,7 @@
 The cache is the native backend's (K key-major within a page, 16-bit floats stored as bits),
 and so is the write; `attend` hands the step's queries, both caches, the page tables, row
 bounds, key counts and positions to the kernel, which needs no host plan: each query token sees
-keys 0..its position (and the sliding window) of its row's pages, so verify steps (positions
+keys 0..its position (and its layer's sliding window, an operand) of its row's pages, so verify steps (positions
 moved in the graph, model/runtime/step.py) need nothing of their own. A query's sums run page by page
 in key order whatever the batch, so the deterministic mode is served as it is.
 
@@ -80,9 +80,10 @@ class CpuKernelAttention(NativeAttention):
         qk = q if q.dtype == jnp.bfloat16 else q.astype(jnp.float32)  # bf16: vdpbf16ps in prefill (AVX512-BF16)
         # a bf16 model's output comes back in bf16, rounded as astype rounds (one pass less)
         od = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+        window = g.window(layer)  # an operand: the scanned loop's layer is traced
         out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, od))(
             qk, kv[0], kv[1], fb.pages, fb.row_start, fb.kv_len, fb.positions,
-            jnp.asarray(layer, jnp.int32),
-            num_pages=np.int64(g.num_pages), window=np.int64(g.sliding_window or 0), scale=np.float32(g.scale),
+            jnp.asarray(layer, jnp.int32), jnp.asarray(0 if window is None else window, jnp.int32),
+            num_pages=np.int64(g.num_pages), scale=np.float32(g.scale), softcap=np.float32(g.softcap or 0),
         )  # fmt: skip
         return out.astype(q.dtype)

@@ -167,6 +167,7 @@ class NativeAttention(AttentionBackend):
         tables = jnp.pad(tables, ((0, 1), (0, width - tables.shape[1])), constant_values=layer * g.num_pages)
         tile_row = jnp.concatenate([p["tile_row"], jnp.full((1,), tables.shape[0] - 1, jnp.int32)])
         key_off = jnp.arange(self.chunk, dtype=jnp.int32)
+        window = g.window(layer)
 
         ns = p["seg_tile"].shape[0] - 1
 
@@ -177,7 +178,7 @@ class NativeAttention(AttentionBackend):
             k, v = tiles.gather_pages_t(kv[0], pages, g.dtype), tiles.gather_pages(kv[1], pages, g.dtype)
             key_pos = chunk[:, None] * self.chunk + key_off[None, :]
             state = tiles.online_update(state, qt[tile], k, v, key_pos, pos[tile], g, reset=p["item_first"][s],
-                                        k_major=True)  # fmt: skip
+                                        k_major=True, window=window)  # fmt: skip
             dest = jnp.where(p["item_last"][s], p["item_seg"][s], ns)  # unfinished segments write the sink
             return state, tuple(buf.at[dest].set(x) for buf, x in zip(part, state, strict=True))
 

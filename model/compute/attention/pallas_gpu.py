@@ -7,8 +7,8 @@ row's pages with a log-sum-exp combine. Programs keep the bucketed backend's con
 a decode program's page tables are C / page_size wide (rounded up to a power of two, as the
 kernel's split sizes need), so pages past a row's kv_len are masked by `lengths`, not read.
 
-It has no sm_scale (queries are pre-scaled) and no sliding window (a model with one decodes on
-the bucketed path too). `interpret=True` runs it in Pallas's interpreter (tests on CPU). On a
+It has no sm_scale (queries are pre-scaled), no sliding window and no soft cap (a model with
+either decodes on the bucketed path too: `AttnGeometry.causal_only`). `interpret=True` runs it in Pallas's interpreter (tests on CPU). On a
 `tp` mesh it runs per device under shard_map, over that device's KV heads.
 """
 
@@ -50,12 +50,12 @@ class PallasGPUAttention(BucketedAttention):
         return _pow2_at_least(cdiv(shape.context, self.geo.page_size))
 
     def plan_avals(self, shape: StepShape) -> dict[str, jax.ShapeDtypeStruct]:
-        if shape.block != 1 or self.geo.sliding_window is not None:
+        if shape.block != 1 or not self.geo.causal_only:
             return super().plan_avals(shape)
         return {"tables": jax.ShapeDtypeStruct((shape.rows, self._decode_pages(shape)), jnp.int32)}
 
     def plan(self, fb, shape: StepShape) -> dict[str, np.ndarray]:
-        if shape.block != 1 or self.geo.sliding_window is not None:
+        if shape.block != 1 or not self.geo.causal_only:
             return super().plan(fb, shape)
         n = self._decode_pages(shape)
         tables = np.zeros((shape.rows, n), np.int32)  # page 0 past a row's pages: masked by lengths

@@ -145,16 +145,20 @@ class PallasTPUAttention(AttentionBackend):
         t = q.shape[0]
         qp = self._pad_heads(q, g.group)
         tables = fb.pages + layer * g.num_pages
-        call = functools.partial(ragged_paged_attention, sm_scale=g.scale, sliding_window=g.sliding_window)
-        if self.interpret:
-            call = functools.partial(_interpret_call, call)
         args = (qp, kv[0], fb.kv_len, tables, fb.row_start, fb.num_rows)
-        if self.tp > 1:
-            call = jax.shard_map(
-                call, mesh=self.mesh, in_specs=(P(None, "tp", None), P(None, None, "tp", None), P(), P(), P(), P()),
-                out_specs=P(None, "tp", None), check_vma=False,
-            )  # fmt: skip
-        out = call(*args)
+
+        def run(window: int | None) -> jax.Array:  # the kernel takes the layer's window static
+            call = functools.partial(ragged_paged_attention, sm_scale=g.scale, sliding_window=window, soft_cap=g.softcap)
+            if self.interpret:
+                call = functools.partial(_interpret_call, call)
+            if self.tp > 1:
+                call = jax.shard_map(
+                    call, mesh=self.mesh, in_specs=(P(None, "tp", None), P(None, None, "tp", None), P(), P(), P(), P()),
+                    out_specs=P(None, "tp", None), check_vma=False,
+                )  # fmt: skip
+            return call(*args)
+
+        out = g.by_window(layer, run)
         real = jnp.arange(t) < fb.row_start[fb.num_rows[0]]
         out = jnp.where(real[:, None, None], out, 0)  # rows past the last real token are undefined
         out = out.reshape(t, self.tp, self.local_kv_pad, g.group, self.d_pad)[:, :, : self.local_kv, :, : g.head_dim]

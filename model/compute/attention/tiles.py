@@ -87,12 +87,14 @@ def init_state(n: int, geo: AttnGeometry, block: int) -> tuple[jax.Array, jax.Ar
     )
 
 
-def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None, k_major: bool = False):
+def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None, k_major: bool = False,
+                  window: jax.Array | int | None = None):  # fmt: skip
     """One key chunk into n tiles' softmax states.
 
     q [n, block, Hkv, G, D] (scaled f32), v [Hkv, n, chunk, D] (f32) and k the same, or with
     k_major [Hkv, n, D, chunk] (`gather_pages_t`); key_pos [n, chunk], q_pos [n, block]; reset [n]
-    bool starts a tile afresh (its first chunk).
+    bool starts a tile afresh (its first chunk); `window`: the layer's sliding window
+    (`AttnGeometry.window`), the scores soft-capped as `geo` says.
 
     Both products are batched over (Hkv, n) in the order the gathered keys and values come in,
     so only the small operands (queries, scores) are ever transposed, never a chunk of K or V
@@ -109,9 +111,11 @@ def online_update(state, q, k, v, key_pos, q_pos, geo: AttnGeometry, reset=None,
         contract = (3,), ((2,) if k_major else (3,))
         sc = jax.lax.dot_general(qh, k, (contract, ((0, 1), (0, 1))))  # [Hkv, n, G*block, chunk]
         sc = jnp.transpose(sc.reshape(kvh, n, g, b, -1), (1, 0, 2, 3, 4))  # [n, Hkv, G, block, chunk]
+    if geo.softcap is not None:
+        sc = geo.softcap * jnp.tanh(sc / geo.softcap)
     vis = key_pos[:, None, :] <= q_pos[:, :, None]  # [n, block, chunk]; padding queries (-1) see none
-    if geo.sliding_window is not None:
-        vis &= key_pos[:, None, :] > q_pos[:, :, None] - geo.sliding_window
+    if window is not None:
+        vis &= key_pos[:, None, :] > q_pos[:, :, None] - window
     vis = vis[:, None, None]
     sc = jnp.where(vis, sc, NEG_INF)
     if reset is not None:

@@ -12,8 +12,11 @@
 //   kv_len   [R] i32                  keys valid after this step's writes (0: a padding row)
 //   positions[T] i32                  each token's position: it sees keys 0..position
 //   layer    [] i32                   layer l's pages are page id + l * num_pages
+//   window   [] i32                   the layer's sliding window: a query sees keys > position - window
+//                                     (0 = none; an operand, as the scanned loop's layer is traced)
 //   out      [T, H, D] f32|bf16       (tokens of padding rows: zeros; bf16: rounded to nearest even)
-//   attributes: num_pages (per layer), window (sliding window, 0 = none), scale
+//   attributes: num_pages (per layer), scale, softcap (scores -> softcap * tanh(scores / softcap)
+//               after scaling, Gemma 2's; 0 = none)
 //
 // Work items are (row, KV head, block of up to 8 query tokens); each walks its row's pages in
 // order with an online softmax, so a query's sums are the same whatever else is in the batch.
@@ -73,6 +76,7 @@ struct Args {
   int64_t pages_per_head;  // L * P: the caches' second axis
   int64_t window;
   float scale;
+  float softcap;  // 0: none
   bool pairs = false;  // the pair layouts (bf16 bits; pages of 16, D a multiple of 32)
 };
 
@@ -384,6 +388,8 @@ void run_item(const Args& a, const Item& it, std::vector<float>& scratch) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t qi = int64_t(t - it.t0) * G + g;
         float* sc = s + qi * S;
+        if (a.softcap > 0.f)
+          for (int64_t j = 0; j < S; ++j) sc[j] = a.softcap * std::tanh(sc[j] / a.softcap);
         float pmax = kNegInf;
         if (key0 + S - 1 <= pos && key0 >= lo && key0 + S <= kv_len) {  // the whole page is visible
 #pragma omp simd reduction(max : pmax)
@@ -726,12 +732,16 @@ void pairs_item(const Args& a, const Item& it) {
     std::memset(p + std::max(k0, k1), 0, size_t(ldp - std::max(k0, k1)) * 2);
     if (k1 <= k0) continue;  // none: zeros
     float* s = sc.data() + qi * ld;
+    if (a.softcap > 0.f)
+      for (int64_t j = k0; j < k1; ++j) s[j] = a.softcap * std::tanh(s[j] * a.scale / a.softcap);
+    else
+      for (int64_t j = k0; j < k1; ++j) s[j] *= a.scale;
     float m = kNegInf;
-    for (int64_t j = k0; j < k1; ++j) m = std::max(m, s[j] * a.scale);
+    for (int64_t j = k0; j < k1; ++j) m = std::max(m, s[j]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = k0; j < k1; ++j) {
-      const float e = std::exp(s[j] * a.scale - m);
+      const float e = std::exp(s[j] - m);
       s[j] = e;
       sum += e;
     }
@@ -769,21 +779,22 @@ void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
 
 XLA_FFI_Error* attend(const ringserve::Call& call) {
   using ringserve::Buffer;
-  if (call.args() != 8 || call.rets() != 1)
-    return call.error("cpu_attention: q, k_cache, v_cache, pages, row_start, kv_len, positions, layer -> out");
+  if (call.args() != 9 || call.rets() != 1)
+    return call.error("cpu_attention: q, k_cache, v_cache, pages, row_start, kv_len, positions, layer, window -> out");
   const Buffer q = call.arg(0), k = call.arg(1), v = call.arg(2), pages = call.arg(3), row_start = call.arg(4),
-               kv_len = call.arg(5), positions = call.arg(6), layer = call.arg(7), out = call.ret(0);
-  for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, layer, out})
+               kv_len = call.arg(5), positions = call.arg(6), layer = call.arg(7), win = call.arg(8), out = call.ret(0);
+  for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, layer, win, out})
     if (!b.ok()) return call.error("cpu_attention: buffers expected");
   if ((q.element_type() != DataType::F32 && q.element_type() != DataType::BF16) ||
       (out.element_type() != DataType::F32 && out.element_type() != DataType::BF16))
     return call.error("cpu_attention: q must be f32 or bf16, out f32 or bf16");
-  for (const Buffer& b : {pages, row_start, kv_len, positions, layer})
-    if (b.element_type() != DataType::S32) return call.error("cpu_attention: pages, row_start, kv_len, positions and layer must be s32");
-  int64_t num_pages = 0, window = 0;
-  float scale = 0.f;
-  if (!call.attr("num_pages", &num_pages) || !call.attr("window", &window) || !call.attr("scale", &scale))
-    return call.error("cpu_attention: attributes num_pages (i64), window (i64), scale (f32)");
+  for (const Buffer& b : {pages, row_start, kv_len, positions, layer, win})
+    if (b.element_type() != DataType::S32)
+      return call.error("cpu_attention: pages, row_start, kv_len, positions, layer and window must be s32");
+  int64_t num_pages = 0;
+  float scale = 0.f, softcap = 0.f;
+  if (!call.attr("num_pages", &num_pages) || !call.attr("scale", &scale) || !call.attr("softcap", &softcap))
+    return call.error("cpu_attention: attributes num_pages (i64), scale (f32), softcap (f32)");
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pages.dimensions();
   const bool pairs = kd.size() == 5;  // the pair layouts: k [Hkv, L*P, D/2, 16, 2], v [Hkv, L*P, 8, D, 2]
   if (qd.size() != 3 || (kd.size() != 4 && !pairs) || vd.size() != kd.size() || pd.size() != 2)
@@ -816,8 +827,9 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   a.pairs = pairs;
   a.MP = pd[1], a.R = pd[0];
   a.layer_offset = int64_t(layer.typed_data<const int32_t>()[0]) * num_pages;
-  a.window = window;
+  a.window = std::max<int64_t>(0, win.typed_data<const int32_t>()[0]);
   a.scale = scale;
+  a.softcap = softcap;
   if ((pairs ? 2 * kd[2] : kd[2]) != a.D || a.H % a.Hkv != 0)
     return call.error("cpu_attention: head_dim or head counts disagree");
   const int64_t block = pairs ? kPairQueries / (a.H / a.Hkv) : kBlock;  // query tokens an item
