@@ -175,15 +175,22 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []
     jobs = max(1, min(args.jobs, len(picked)))
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_init, initargs=(job,)
-    ) as pool_:
-        futures = {pool_.submit(_compile, i): i for i in picked}
-        for fut in concurrent.futures.as_completed(futures):
-            p = fut.result()
-            results.append(p | {"index": futures[fut]})
-            print(_line(p), flush=True)
+
+    def landed(p: dict[str, Any], index: int) -> None:
+        results.append(p | {"index": index})
+        print(_line(p), flush=True)
+
+    if jobs == 1:  # here, with the executor already built
+        for i in picked:
+            landed(_compile(i), i)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=ctx, initializer=_init, initargs=(job,)
+        ) as pool_:
+            futures = {pool_.submit(_compile, i): i for i in picked}
+            for fut in concurrent.futures.as_completed(futures):
+                landed(fut.result(), futures[fut])
     results.sort(key=lambda p: p["index"])
     ok = sum(p["ok"] for p in results)
     print(

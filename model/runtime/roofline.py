@@ -81,7 +81,9 @@ def estimate(
     terms = {"HBM": total / chip.hbm_bandwidth, "MXU": flops / chip.bf16_flops,
              "ICI": ici_bytes / (chip.ici_bandwidth / 2) + ici_count * LATENCY_S}  # fmt: skip
     step = max(terms["HBM"], terms["MXU"]) + terms["ICI"]
-    out_tokens = r * shape.verify if shape.multistep else (sampled if shape.block == 1 or shape.verify else 0)
+    # tokens out per step: multi-step rows `verify` each, verify rows at least one (drafts accepted
+    # are the workload's), decode rows one; an extend step's are the prompts' (not counted)
+    out_tokens = r * shape.verify if shape.multistep else (r if shape.block == 1 or shape.verify else 0)
     return {
         "context": context,
         "bytes_per_chip": int(total), "weight_bytes_per_chip": int(weight_bytes), "kv_read_bytes_per_chip": int(kv_read),
