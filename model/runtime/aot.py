@@ -225,14 +225,16 @@ def _ops(body: str) -> list[tuple[str, int]]:
 
 def count_collectives(hlo: str, scanned: bool) -> dict[str, dict[str, int]]:
     """Per collective: how many the layer loop's body holds (per layer; scanned layers only, else
-    0) and how many the rest of the program does, with their result bytes. The layer loop is
-    the while body holding the most collectives (the sampler's loops hold none or few)."""
+    0) and how many the rest of the program does, with their result bytes (a collective in
+    another loop is counted once)."""
     comps = _computations(hlo)
     per = {name: _ops(text) for name, text in comps.items()}
     bodies = set(_WHILE_BODY.findall(hlo))
-    layer = max((b for b in bodies if b in per), key=lambda b: len(per[b]), default=None) if scanned else None
-    if layer is not None and not per[layer]:
-        layer = None
+    # the layer's body is the largest (the sampler's loops are a few ops each); its trip count is
+    # not in the text
+    layer = (
+        max((b for b in bodies if b in comps), key=lambda b: len(comps[b]), default=None) if scanned else None
+    )
     out = {c: {"per_layer": 0, "outside": 0, "bytes_per_layer": 0, "bytes_outside": 0} for c in COLLECTIVES}
     for name, ops in per.items():
         where = "per_layer" if name == layer else "outside"
