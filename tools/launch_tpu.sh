@@ -64,7 +64,6 @@ cmd=("$bin" serve
   --attention-backend pallas          # jax's ragged paged attention kernel
   --page-size 64                      # the kernel reads whole pages per block: bigger pages, fewer DMAs
   --max-running-requests 256
-  --max-total-tokens 1048576
   --max-prefill-tokens 8192
   --chunked-prefill-size 4096
   --extend-block 64

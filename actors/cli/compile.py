@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--families", default=None,
                     help="only these program families, comma-separated: decode, extend, verify, multistep")  # fmt: skip
     ap.add_argument("--ends", action="store_true", help="only each family's smallest and largest program")
+    ap.add_argument("--programs", default=None,
+                    help="only these, comma-separated FAMILY:min or FAMILY:max (e.g. decode:max,extend:min)")  # fmt: skip
     ap.add_argument("--estimate-context", type=int, default=None,
                     help="tokens cached per row in the step estimates (default: context_length / 2)")  # fmt: skip
     ServerArgs.add_cli_args(ap, skip=("model_path",))
@@ -98,25 +100,48 @@ def _compile(index: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def select(ex: Any, families: str | None, ends: bool) -> list[int]:
+def select(ex: Any, families: str | None, ends: bool, programs: str | None = None) -> list[int]:
     """Indices into `ex.order` of the programs asked for, in compile order."""
     from ringserve.model.runtime.aot import family_name
 
     order = ex.order
     known = {family_name(s) for s, _ in order}
-    want = set(families.split(",")) if families else known
-    if unknown := want - {"decode", "extend", "verify", "multistep"}:
+    ends_of: dict[str, set[str]] = {}
+    for spec in programs.split(",") if programs else ():
+        fam, _, end = spec.partition(":")
+        if end not in ("min", "max"):
+            raise ValueError(f"--programs: {spec!r} must be FAMILY:min or FAMILY:max")
+        ends_of.setdefault(fam, set()).add(end)
+    want = set(families.split(",")) if families else set(ends_of) or known
+    if unknown := (want | set(ends_of)) - {"decode", "extend", "verify", "multistep"}:
         raise ValueError(
             f"--families: {sorted(unknown)} unknown; the families are decode, extend, verify, multistep"
         )
     picked = [i for i, (s, _) in enumerate(order) if family_name(s) in want]
-    if ends:
+    if ends or ends_of:
         by: dict[str, list[int]] = {}
         for i in picked:
             by.setdefault(family_name(order[i][0]), []).append(i)
         size = lambda i: (order[i][0].tokens, order[i][0].context)  # noqa: E731
-        picked = sorted({f(ix, key=size) for ix in by.values() for f in (min, max)})
+        pick = {"min": min, "max": max}
+        picked = sorted(
+            {pick[e](ix, key=size) for fam, ix in by.items() for e in ends_of.get(fam, ("min", "max"))}
+        )
     return picked
+
+
+class LayoutFootprint:
+    """A Footprint whose KV bytes a token are the attention layout's (padded heads and lanes)."""
+
+    def __init__(self, fp: Any, kv_bytes_per_token: int):
+        self._fp, self._kv = fp, kv_bytes_per_token
+        self.num_layers, self.num_kv_heads, self.head_dim = fp.num_layers, fp.num_kv_heads, fp.head_dim
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return self._kv
+
+    def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
+        return self._fp.weight_bytes(dtype, quantization)
 
 
 def _line(p: dict[str, Any]) -> str:
@@ -157,7 +182,14 @@ def main(argv: list[str]) -> int:
         need = server.replace(max_total_tokens=server.min_pages * server.page_size)
         ex = AbstractExecutor(mc, executor_config(need), topo.devices)
         fp = Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, ex.num_params())
-        pool = size_pool(server, fp, "tpu", chip.hbm_bytes * server.tp_size)
+        hbm = chip.hbm_bytes * server.tp_size
+        pool = size_pool(server, LayoutFootprint(fp, ex.kv_layout_bytes_per_token()), "tpu", hbm)
+        served = size_pool(server, fp, "tpu", hbm)
+        if served.max_total_tokens > pool.max_total_tokens:
+            print(f"ringserve compile: the server would size its KV pool at {served.max_total_tokens:,} tokens "
+                  f"({served.kv_bytes_per_token:,} B a token, actors/transport/memory.py), but the {ex.plan.attention} "
+                  f"layout holds {pool.kv_bytes_per_token:,} B a token: compiled with {pool.max_total_tokens:,}, what "
+                  f"fits", file=sys.stderr, flush=True)  # fmt: skip
         server = server.replace(
             max_total_tokens=pool.max_total_tokens, mem_fraction_static=pool.mem_fraction_static
         )
@@ -166,7 +198,7 @@ def main(argv: list[str]) -> int:
               args.estimate_context or server.context_length // 2)  # fmt: skip
     _init(job)
     ex = _worker["ex"]
-    picked = select(ex, args.families, args.ends)
+    picked = select(ex, args.families, args.ends, args.programs)
     print(f"ringserve compile: {mc.family} from {source} ({mc.num_layers} layers) on {args.topology} "
           f"({topo.chips} chips, tp {server.tp_size}), {ex.plan.attention} attention, {ex.plan.layer_loop} layers, "
           f"{server.dtype}; {len(picked)} of {len(ex.order)} programs, {args.jobs} at a time; KV pool "

@@ -121,6 +121,12 @@ class AbstractExecutor(ModelExecutor):
         """Bytes of the state on one chip (each leaf's shard)."""
         return sum(_shard_bytes(a) for a in jax.tree.leaves(self.params_avals))
 
+    def kv_layout_bytes_per_token(self) -> int:
+        """KV bytes one token holds on all chips together, in the backend's layout (padding included)."""
+        kv, _ = self.kv_avals
+        tokens = self.cfg.shapes.num_pages * self.cfg.shapes.page_size
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in kv) // tokens
+
     def kv_bytes_per_token(self) -> float:
         """KV bytes one token holds on one chip, in the backend's layout (padding included)."""
         kv, _ = self.kv_avals
