@@ -197,16 +197,17 @@ def test_llama3_8b_tensor_parallel_never_gathers_the_full_logits(llama_tp):
 @pytest.mark.tpu_aot
 def test_the_launchers_own_flags_compile(libtpu, tmp_path):
     """tools/launch_tpu.sh --dry-run on a host without TPU runs `ringserve compile` for its own
-    flags (page size 64, 256 running requests, bf16, pallas) on a v5e chip: SmolLM2's smallest
-    decode program."""
+    flags (page size 64, 256 running requests, bf16, pallas, the pool sized by HBM) on a v5e
+    chip: the tiny model's smallest decode program."""
     out = tmp_path / "launcher.json"
     env = dict(os.environ, RINGSERVE_BIN=str(Path(sys.executable).parent / "ringserve"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               RINGSERVE_COMPILE_ARGS=f"--families decode --ends --jobs 2 --json {out}")  # fmt: skip
+               RINGSERVE_COMPILE_ARGS=f"--programs decode:min --jobs 1 --json {out}")  # fmt: skip
     r = subprocess.run(["bash", str(ROOT / "tools" / "launch_tpu.sh"), "--dry-run", "--topology", "v5e:1x1", "--model",
-                        "smollm2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "tiny"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert "--page-size 64" in r.stdout, r.stdout + r.stderr
+    assert out.is_file(), r.stdout + r.stderr
     report = json.loads(out.read_text())
-    assert report[0]["page_size"] == 64 and report[0]["tp_size"] == 1
+    assert [(p["family"], p["rows"], p["page_size"], p["tp_size"]) for p in report] == [("decode", 2, 64, 1)]
     _all_ok(report)
     assert r.returncode == 0
