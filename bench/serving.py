@@ -108,6 +108,7 @@ class Target:
     socket: str | None = None
     url: str | None = None
     model_name: str = ""
+    startup: dict | None = None  # seconds to serving, to every program compiled; programs
 
     def call(self, verb: str) -> Any:
         """A control verb (get_server_info, flush_cache) through whichever door exists."""
@@ -266,7 +267,7 @@ def _bench_model(a: argparse.Namespace) -> list[dict]:
                     label = backend + ("-overlap-off" if overlap is False else "")
                     label += f"@{rate:g}" if len(a.request_rate) > 1 else ""
                     m, records = run_ringserve(t, backend, reqs, rate, a, label, outdir, stem)
-                    m.update(model=a.model, dataset=a.dataset, overlap=overlap)
+                    m.update(model=a.model, dataset=a.dataset, overlap=overlap, startup=t.startup)
                     runs.append(m)
                     recs[label] = records
                     if ours_ids is None and math.isinf(rate) and backend != "http":
@@ -327,9 +328,17 @@ def _start(a: argparse.Namespace, model_dir: Any, server: dict, overlap: bool | 
     if a.jax_profile:
         extra["jax_profile_dir"] = a.jax_profile
     print(f"starting the engine (overlap {'on' if overlap else 'off'}) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     engine = Engine(str(model_dir), **server, disable_overlap_schedule=not overlap, **extra)
+    ready = time.perf_counter() - t0
     engine.wait_compiled()  # every step program, before anything is timed
-    t = Target(engine=engine, model_name=engine.served_model_name)
+    info = engine.runner_info
+    startup = {"ready_s": round(ready, 2), "all_compiled_s": round(time.perf_counter() - t0, 2),
+               "programs": info.get("programs_total"), "programs_at_ready": info.get("num_programs")}  # fmt: skip
+    print(f"engine start-up: serving in {startup['ready_s']} s ({startup['programs_at_ready']} of "
+          f"{startup['programs']} step programs compiled), all compiled in {startup['all_compiled_s']} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    t = Target(engine=engine, model_name=engine.served_model_name, startup=startup)
     if {"client", "http"} & set(a.backend):
         t.servers = Servers(engine, port=0, http="http" in a.backend).start()
         t.socket, t.url = t.servers.socket_path, t.servers.url

@@ -13,7 +13,8 @@
 # The model is SmolLM2-135M's shape with random weights (model/checkpoints/random_shapes.py, made
 # there) and its real config and tokenizer: the weights (540 MB) do not fit the 64 MiB a call
 # carries, and a step costs the same whatever the weights. Each stage has its own deadline, so
-# the call returns what it finished (first seen, 2026-11-29: a server compiles 19 shapes x 4
+# the call returns what it finished; each serving stage prints the engine's start-up: seconds to
+# serving and to every program compiled, and the program count (2026-11-29: a server compiled 19 shapes x 4
 # context buckets at context 4096 on a GPU, minutes; the serving stages use context 1024).
 set -uo pipefail
 

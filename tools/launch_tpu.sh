@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serve a model on one TPU host: `ringserve serve` over every local chip (the `tp` mesh axis).
 #
-#   tools/launch_tpu.sh [--dry-run] [--model M] [any `ringserve serve` flag ...]
+#   tools/launch_tpu.sh [--dry-run [--topology T]] [--model M] [any `ringserve serve` flag ...]
 #
 # Installs nothing: install ringserve first (README command 1, with `jax[tpu]` on the host).
 # It finds the chips through JAX and runs `ringserve serve` with --tp-size = chips, bf16, and
@@ -16,13 +16,17 @@
 set -euo pipefail
 
 dry_run=0
+topology=""
 extra=()
-for a in "$@"; do
-  case "$a" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) extra+=("$a") ;;
+    --topology) topology="$2"; shift ;;
+    --topology=*) topology="${1#*=}" ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) extra+=("$1") ;;
   esac
+  shift
 done
 
 bin="${RINGSERVE_BIN:-$(command -v ringserve || true)}"
@@ -60,7 +64,6 @@ cmd=("$bin" serve
   --attention-backend pallas          # jax's ragged paged attention kernel
   --page-size 64                      # the kernel reads whole pages per block: bigger pages, fewer DMAs
   --max-running-requests 256
-  --max-total-tokens 1048576
   --max-prefill-tokens 8192
   --chunked-prefill-size 4096
   --extend-block 64
@@ -80,6 +83,31 @@ if [ "$dry_run" -eq 1 ]; then
   printf ' %q' "${env_vars[@]}"
   printf ' %q' "${cmd[@]}"
   printf '\n'
-  exit 0
+  libtpu_dir="${RINGSERVE_LIBTPU_DIR:-$HOME/.cache/ringserve/libtpu}"
+  if ! "$py" -c 'import libtpu' 2>/dev/null && [ ! -d "$libtpu_dir/libtpu" ]; then
+    echo "# launch_tpu.sh: no libtpu here (tools/install_libtpu.sh installs it): the programs are not compiled" >&2
+    exit 0
+  fi
+  if [ -z "$topology" ]; then  # this host's chips, as libtpu names them; else the smallest slice
+    topology=$("$py" - "$platform" "$chips" <<'PY' 2>/dev/null || echo "v5e:1x1"
+import sys, jax
+if sys.argv[1] != "tpu":
+    raise SystemExit(1)
+kind = jax.local_devices()[0].device_kind.lower()  # "tpu v5 lite", "tpu v6 lite", "tpu v5", "tpu v4"
+gen = "v5e" if "v5 lite" in kind else "v6e" if "v6" in kind else "v5p" if "v5" in kind else "v4"
+n = int(sys.argv[2])
+print(f"{gen}:{ {1: '1x1', 4: '2x2', 8: '2x4'}.get(n, f'{n}x1') if gen in ('v5e', 'v6e') else {4: '2x2x1', 8: '2x2x2'}.get(n, f'{n}x1x1')}")
+PY
+)
+  fi
+  topo_chips=$(IFS=x; n=1; for d in ${topology#*:}; do n=$((n * d)); done; echo "$n")
+  [ "${#multi[@]}" -eq 0 ] || echo "# launch_tpu.sh: compiling this host's share only is not done: the whole slice is $topology" >&2
+  compile=("$bin" compile --topology "$topology" "${cmd[@]:2}" --tp-size "$topo_chips")
+  # shellcheck disable=SC2206
+  compile+=(${RINGSERVE_COMPILE_ARGS:-})
+  echo "# launch_tpu.sh: compiling its step programs for $topology (libtpu, ahead of time):" >&2
+  printf '%q ' "${compile[@]}" >&2
+  echo >&2
+  exec env PYTHONUNBUFFERED=1 "${compile[@]}"
 fi
 exec env "${env_vars[@]}" "${cmd[@]}"

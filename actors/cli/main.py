@@ -64,6 +64,12 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+def _compile(argv: list[str]) -> int:
+    from ringserve.actors.cli.compile import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from ringserve.actors.cli.bench import main
 
@@ -73,6 +79,7 @@ def _bench(argv: list[str]) -> int:
 COMMANDS = {
     "serve": (_serve, "serve a model over the IPC socket and HTTP (OpenAI + SGLang APIs) until SIGINT/SIGTERM"),
     "bench": (_bench, "benchmark serving: throughput, TTFT/TPOT/ITL/E2E, vs transformers, step profile (bench/serving.py)"),
+    "compile": (_compile, "compile a server's step programs ahead of time for a TPU topology, with their costs"),
     "generate": (_generate, "generate text through the engine (every actor) and report throughput"),
     "generate-static": (_generate_static, "generate in-process with the model runtime alone (static batch, no actors)"),
     "make-tiny-model": (_make_tiny_model, "write a tiny random-weight HF-format model directory"),

@@ -11,6 +11,11 @@ query heads to Hkv' * G (padded query heads attend to the zero heads; their outp
 dropped). On a `tp` mesh the kernel runs per device under shard_map, each device padding its
 own Hkv / tp heads.
 
+Block sizes and the scoped VMEM limit come from model/compute/attention/tpu_fit.py for the chip
+the programs compile for (the mesh's device kind): the kernel's own choice reads jax.devices()[0]
+and, off its tuned table, takes the whole page table as one KV block, which overflowed Mosaic's
+default 16 MiB at page 64 and context 4096.
+
 The kernel reads the cache but does not write it: the step's new K/V are scattered first.
 Per step it takes what ForwardBatch already has: cu_q_lens = row_start, kv_lens = kv_len,
 page_indices = the page tables (+ layer offset), num_seqs = num_rows. Output rows past the last
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ringserve.kvmem.allocator import cdiv
+from ringserve.model.compute.attention import tpu_fit
 from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry
 
 
@@ -94,17 +100,26 @@ def _interpret_call(kernel, q, cache, kv_len, tables, cu_q_lens, num_seqs):
     return jnp.concatenate(outs, axis=1)
 
 
+def device_kind(mesh) -> str | None:
+    """The device kind a backend's programs run on: its mesh's (when compiling ahead of time
+    for a topology, that topology's chips), else this process's first device."""
+    return mesh.devices.flat[0].device_kind if mesh is not None else jax.devices()[0].device_kind
+
+
 class PallasTPUAttention(AttentionBackend):
     name: ClassVar[str] = "pallas"
 
     @classmethod
     def make(cls, geo: AttnGeometry, plan, mesh=None):
-        return cls(geo, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh)
+        return cls(geo, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh, chip=device_kind(mesh))
 
-    def __init__(self, geo: AttnGeometry, interpret: bool = False, tp: int = 1, mesh=None):
+    def __init__(self, geo: AttnGeometry, interpret: bool = False, tp: int = 1, mesh=None, chip: str | None = None):
+        """`chip`: the device kind the programs compile for (tpu_fit.CHIPS); needed unless
+        `interpret`."""
         super().__init__(geo)
         self.interpret = interpret
         self.mesh = mesh
+        self.chip = None if interpret else tpu_fit.chip_of(chip or "")
         # Heads are split over `tp` only when it divides them; otherwise every device runs all.
         self.tp = tp if geo.num_kv_heads % tp == 0 else 1
         self.local_kv = geo.num_kv_heads // self.tp
@@ -120,6 +135,21 @@ class PallasTPUAttention(AttentionBackend):
 
     def kv_specs(self, tp: int):
         return (P(None, None, "tp", None) if self.tp > 1 else P(),)
+
+    def kernel_shape(self, tokens: int) -> tpu_fit.KernelShape:
+        """What one heads block of the kernel holds in a program of `tokens` query tokens."""
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
+
+        g = self.geo
+        hq, hc = get_min_heads_per_blk(self.local_kv_pad * g.group, 2 * self.local_kv_pad, g.dtype, g.dtype)
+        size = jnp.dtype(g.dtype).itemsize
+        return tpu_fit.KernelShape(hq, hc // 2, self.d_pad, g.page_size, g.max_pages, tokens, size, size)
+
+    def blocks(self, tokens: int) -> tpu_fit.Blocks:
+        """Block sizes and VMEM limit of a program of `tokens` query tokens on this chip;
+        ValueError naming the budget when none fits (tpu_fit.choose)."""
+        assert self.chip is not None, "interpreted: no chip"
+        return tpu_fit.choose(self.chip, self.kernel_shape(tokens))
 
     # ---- head layout ---------------------------------------------------------------------------
     def _pad_heads(self, x: jax.Array, per_kv: int) -> jax.Array:
@@ -151,6 +181,10 @@ class PallasTPUAttention(AttentionBackend):
             call = functools.partial(ragged_paged_attention, sm_scale=g.scale, sliding_window=window, soft_cap=g.softcap)
             if self.interpret:
                 call = functools.partial(_interpret_call, call)
+            else:
+                b = self.blocks(t)
+                call = functools.partial(call, num_kv_pages_per_block=b.kv_pages, num_queries_per_block=b.queries,
+                                         vmem_limit_bytes=b.vmem_limit)  # fmt: skip
             if self.tp > 1:
                 call = jax.shard_map(
                     call, mesh=self.mesh, in_specs=(P(None, "tp", None), P(None, None, "tp", None), P(), P(), P(), P()),

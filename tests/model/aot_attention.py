@@ -1,0 +1,68 @@
+"""Compile one TPU attention backend's write + attend for a TPU topology, ahead of time, with
+libtpu (run in a subprocess by tests/model/test_tpu_aot.py, so the test process's JAX stays on
+CPU). Prints one JSON line per program: {"tokens", "rows", "ok", "error", "seconds", "blocks"}.
+
+    python -m tests.model.aot_attention '{"topology": "v5e:1x1", "backend": "pallas", "heads": 9,
+        "kv_heads": 3, "head_dim": 64, "page": 64, "context": 4096, "programs": [[256, 256], [4096, 256]]}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ringserve.model.compute.attention import REGISTRY
+from ringserve.model.compute.attention.base import AttnGeometry
+from ringserve.model.compute.options import ComputeOptions
+from ringserve.model.compute.plan import ComputePlan
+from ringserve.model.compute.step_inputs import StepShape
+from ringserve.model.runtime.programs import step_avals
+
+
+def compile_programs(a: dict) -> list[dict]:
+    name = a["topology"]
+    bounds = {"chips_per_host_bounds": (1, 1, 1)} if name.endswith("1x1") else {}
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name, **bounds)
+    tp = a.get("tp", 1)
+    mesh = Mesh(np.array(topo.devices[:tp]), ("tp",), axis_types=(AxisType.Auto,))
+    plan = ComputePlan.resolve(ComputeOptions(dtype="bfloat16", attention_backend=a["backend"]), "tpu", tp, tp)
+    geo = AttnGeometry(num_layers=2, num_pages=a.get("num_pages", 1025), page_size=a["page"], num_heads=a["heads"],
+                       num_kv_heads=a["kv_heads"], head_dim=a["head_dim"], max_pages=a["context"] // a["page"],
+                       dtype=jnp.bfloat16, sliding_window=a.get("sliding_window"), **a.get("geometry", {}))  # fmt: skip
+    rep = NamedSharding(mesh, PartitionSpec())
+    out = []
+    with jax.default_device(topo.devices[0]):
+        attn = REGISTRY[plan.attention].load().make(geo, plan, mesh)
+        kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+                   for x, s in zip(attn.kv_avals(), attn.kv_specs(tp), strict=True))  # fmt: skip
+
+        def layer(kv, q, k, v, fb):
+            kv = attn.write(kv, jnp.int32(1), k, v, fb)
+            return kv, attn.attend(q, kv, jnp.int32(1), fb)
+
+        for tokens, rows in a["programs"]:
+            shape = StepShape(1 if tokens == rows else 64, tokens, rows)
+            fb = step_avals(shape, attn.plan_avals(shape), geo.max_pages, rep, 1)[0]
+            q, k = (jax.ShapeDtypeStruct((tokens, h, geo.head_dim), jnp.bfloat16, sharding=rep)
+                    for h in (geo.num_heads, geo.num_kv_heads))  # fmt: skip
+            t0 = time.time()
+            rec = {"tokens": tokens, "rows": rows, "ok": True, "error": None}
+            try:
+                jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb).compile()
+            except Exception as e:  # noqa: BLE001 -- the compiler's error is the report
+                rec.update(ok=False, error=str(e)[:2000])
+            rec["seconds"] = round(time.time() - t0, 1)
+            out.append(rec)
+    return out
+
+
+if __name__ == "__main__":
+    for rec in compile_programs(json.loads(sys.argv[1])):
+        print(json.dumps(rec), flush=True)
