@@ -164,8 +164,8 @@ class ModelExecutor:
                                  plan.layer_loop == "scan", plan.jnp_dtype, replicated(self.mesh))  # fmt: skip
             self.lora_avals = _avals(self.lora.weights)
         self.trace_count = 0
-        # extend programs sample their (few real) rows in groups, in a loop, where loops are cheap;
-        # prompt positions' logprobs likewise (the plan's groups)
+        # extend programs sample their producing rows (few: a prefill's) in groups, in a device
+        # loop; prompt positions' logprobs likewise (the plan's groups)
         step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
                          shapes.hidden_states, self.vocab)  # fmt: skip
 
