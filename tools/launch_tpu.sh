@@ -56,9 +56,11 @@ if [ "${#multi[@]}" -eq 0 ]; then
   [ "$platform" = "tpu" ] || { planned="${RINGSERVE_CHIPS:-4}"; chip=(--chip "${RINGSERVE_CHIP:-v5e}"); }
   plan=$("$bin" launch-plan --chips "$planned" "${chip[@]}" -- "${extra[@]}") || exit 2
   read -r -a layout <<< "$plan"
+  sized=()
 else
-  layout=(--tp-size "$tp" --page-size 64 --max-running-requests 256 --decode-bucket-step 0
-          --max-prefill-tokens 8192 --chunked-prefill-size 4096 --extend-block 64)
+  layout=(--tp-size "$tp")
+  sized=(--page-size 64 --max-running-requests 256 --decode-bucket-step 0 --max-prefill-tokens 8192
+         --chunked-prefill-size 4096 --extend-block 64)
 fi
 
 env_vars=(
@@ -69,6 +71,7 @@ env_vars=(
 cmd=("$bin" serve
   "${layout[@]}"
   "${multi[@]}"
+  "${sized[@]}"
   --dtype bfloat16
   --attention-backend pallas          # jax's ragged paged attention kernel: one program per shape
   "${extra[@]}")

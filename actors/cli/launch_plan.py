@@ -72,12 +72,13 @@ class LaunchPlan:
 
 def weight_bytes(cfg: ModelConfig, itemsize: int = 2) -> int:
     """The served weights' bytes from the config alone (dense decoder: embedding, LM head unless
-    tied, attention and MLP projections; norms left out)."""
+    tied, attention and MLP projections, the norms; no biases)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     attn = h * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * h * cfg.intermediate_size
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return itemsize * (cfg.vocab_size * h + head + cfg.num_layers * (attn + mlp))
+    norms = (2 * cfg.num_layers + 1) * h
+    return itemsize * (cfg.vocab_size * h + head + cfg.num_layers * (attn + mlp) + norms)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
@@ -165,10 +166,26 @@ def main(argv: list[str]) -> int:
 
 
 def _config(model: str | None) -> ModelConfig:
-    """The ModelConfig of a model directory, or of a known model by name (None: serve's
-    default), fetched once as serve would."""
-    from ringserve.model.checkpoints.resolve import resolve_model
-    from ringserve.model.families import read_config
+    """The ModelConfig of a model directory, or of a model serve knows by name (None: its
+    default, smollm2): the named shapes from their configs alone (nothing fetched: a dry run on
+    any host), others as serve resolves them."""
+    from ringserve.model.families import parse_config, read_config
 
     p = Path(model).expanduser() if model else None
-    return read_config(p if p is not None and p.is_dir() else resolve_model(model)[1])
+    if p is not None and p.is_dir():
+        return read_config(p)
+    name = model or "smollm2"
+    if name == "tiny":
+        from ringserve.model.checkpoints.tiny import DEFAULT_DIMS, _hf_config
+        from ringserve.model.families import FAMILIES
+
+        return parse_config(_hf_config(FAMILIES["llama"], dict(DEFAULT_DIMS), 0), source="tiny")
+    if name == "smollm2":
+        from ringserve.model.checkpoints.random_shapes import SHAPES
+
+        d = dict(SHAPES["smollm2-135m"], model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                 rms_norm_eps=1e-5)  # fmt: skip
+        return parse_config(d, source="smollm2")
+    from ringserve.model.checkpoints.resolve import resolve_model
+
+    return read_config(resolve_model(name)[1])
