@@ -190,6 +190,8 @@ class ModelExecutor:
         order, lead = compile_order(self.buckets, contexts, shapes.verify_tokens, shapes.top_logprobs_num,
                                     plan.lead_small_programs, shapes.decode_steps, shapes.decode_steps_rows)  # fmt: skip
         self.programs = ProgramSet(self._compile, order, lead, contexts)
+        log.info("%d step programs: %d shapes x %d context bucket(s) (attention %s)", len(order),
+                 len(order) // len(contexts), len(contexts), plan.attention)  # fmt: skip
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
             self.params = building.result()

@@ -55,6 +55,12 @@ within the finite logits for a drawn row, the chosen token alone for a greedy on
 
 A grammar's mask is an input of every program ([S, W] int32 packed bits, bit t % 32 of word
 t // 32 allows token t), applied under `lax.cond(any_mask)`, so unconstrained steps skip it.
+
+Over a `tp` mesh whose LM head splits the vocabulary (model/runtime/vocab.py `VocabSplit`) every
+[S, V] step above runs on each device's columns under `shard_map` (the functions take the
+`VocabAxis` they reduce over); what crosses is per-row: maxima, sums, the argmax's and top-k's
+merges, the tie counts before a shard. The noise is drawn by global token id, so a seed draws
+the same token from the same logits on any split; `kept` comes back split by its words.
 """
 
 from __future__ import annotations
@@ -64,7 +70,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from ringserve.model.compute.step_inputs import SamplingBatch

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve.actors.cli.launch_plan import HBM_BYTES, choose, chip_of, weight_bytes
+from ringserve.actors.cli.launch_plan import HBM_BYTES, chip_of, choose, weight_bytes
 from ringserve.model.checkpoints.random_shapes import SHAPES
 from ringserve.model.compute.step_inputs import Buckets
 from ringserve.model.families import parse_config
