@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Serve a model on one TPU host: `ringserve serve` over every local chip (the `tp` mesh axis).
+# Serve a model on one TPU host: `ringserve serve` over every local chip, dp x tp of them.
 #
 #   tools/launch_tpu.sh [--dry-run [--topology T]] [--model M] [any `ringserve serve` flag ...]
 #
 # Installs nothing: install ringserve first (README command 1, with `jax[tpu]` on the host).
-# It finds the chips through JAX and runs `ringserve serve` with --tp-size = chips, bf16, and
-# the page size, buckets and attention backend suited to TPU; flags given here come last, so
-# they win. --dry-run prints the exact command and environment and runs nothing (it works on
+# It finds the chips through JAX, asks `ringserve launch-plan` (actors/cli/launch_plan.py) for
+# dp x tp = chips (data parallel where the model is small or its heads do not split), the page
+# size, running requests and buckets from the model and the HBM (printed, with why), and runs
+# `ringserve serve` with them, bf16 and the ragged kernel; flags given here win (a --tp-size
+# given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache). --dry-run prints the exact command and environment and runs nothing (it works on
 # a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 # A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
@@ -38,7 +40,7 @@ py="$(dirname "$bin")/python"
 [ -x "$py" ] || py=python3
 
 # The chips, as JAX sees them on this host (JAX_PLATFORMS is left to the environment).
-read -r platform chips < <("$py" -c 'import jax; d = jax.local_devices(); print(d[0].platform, len(d))' 2>/dev/null || echo "none 0")
+read -r platform chips kind < <("$py" -c 'import jax; d = jax.local_devices(); print(d[0].platform, len(d), d[0].device_kind)' 2>/dev/null || echo "none 0")
 
 # Many hosts: one runner per worker, one jax.distributed program (README "Many hosts").
 multi=()
@@ -52,21 +54,30 @@ if [ "${#workers[@]}" -gt 1 ]; then
   [ -n "${RINGSERVE_DIST_TOKEN:-}" ] || echo "# launch_tpu.sh: export the same RINGSERVE_DIST_TOKEN on every worker" >&2
 fi
 
+# dp x tp, page size, running requests and buckets (one host; many hosts: tp over every chip)
+if [ "${#multi[@]}" -eq 0 ]; then
+  planned="$chips" chip=(--device-kind "$kind")
+  [ "$platform" = "tpu" ] || { planned="${RINGSERVE_CHIPS:-4}"; chip=(--chip "${RINGSERVE_CHIP:-v5e}"); }
+  plan=$("$bin" launch-plan --chips "$planned" "${chip[@]}" -- "${extra[@]}") || exit 2
+  read -r -a layout <<< "$plan"
+  sized=()
+else
+  layout=(--tp-size "$tp")
+  sized=(--page-size 64 --max-running-requests 256 --decode-bucket-step 0 --max-prefill-tokens 8192
+         --chunked-prefill-size 4096 --extend-block 64)
+fi
+
 env_vars=(
   "JAX_PLATFORMS=tpu"                 # fail fast rather than fall back to CPU
   "XLA_PYTHON_CLIENT_PREALLOCATE=false"
   "TPU_MIN_LOG_LEVEL=1"
 )
 cmd=("$bin" serve
-  --tp-size "$tp"
+  "${layout[@]}"
   "${multi[@]}"
+  "${sized[@]}"
   --dtype bfloat16
-  --attention-backend pallas          # jax's ragged paged attention kernel
-  --page-size 64                      # the kernel reads whole pages per block: bigger pages, fewer DMAs
-  --max-running-requests 256
-  --max-prefill-tokens 8192
-  --chunked-prefill-size 4096
-  --extend-block 64
+  --attention-backend pallas          # jax's ragged paged attention kernel: one program per shape
   "${extra[@]}")
 
 if [ "$platform" != "tpu" ]; then
@@ -75,7 +86,7 @@ if [ "$platform" != "tpu" ]; then
     echo "$msg; run this on a TPU host (or pass --dry-run to see the command)" >&2
     exit 2
   fi
-  echo "# $msg: the command below would fail here" >&2
+  echo "# $msg: the command below would fail here (planned for ${planned:-$tp} x ${RINGSERVE_CHIP:-v5e}: RINGSERVE_CHIPS, RINGSERVE_CHIP)" >&2
 fi
 
 if [ "$dry_run" -eq 1 ]; then

@@ -70,6 +70,12 @@ def _compile(argv: list[str]) -> int:
     return main(argv)
 
 
+def _launch_plan(argv: list[str]) -> int:
+    from ringserve.actors.cli.launch_plan import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from ringserve.actors.cli.bench import main
 
@@ -84,6 +90,7 @@ COMMANDS = {
     "generate-static": (_generate_static, "generate in-process with the model runtime alone (static batch, no actors)"),
     "make-tiny-model": (_make_tiny_model, "write a tiny random-weight HF-format model directory"),
     "fetch-model": (_fetch_model, "build a local HF-format copy of a known model (e.g. smollm2)"),
+    "launch-plan": (_launch_plan, "dp x tp, page size and buckets for a model on one TPU host (tools/launch_tpu.sh)"),
     "models": (_models, "list the model families served, by HF architecture, with what each supports"),
     "cleanup": (_cleanup, "remove shared-memory segments left behind by dead ringserve processes"),
 }

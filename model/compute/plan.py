@@ -50,7 +50,7 @@ class ComputePlan:
     layer_loop: str = "scan"
     vocab_major_logits: bool = False  # logits as [V, H] x [H, S] (XLA:CPU's faster form for a few rows)
     rope_table_positions: int | None = None  # RoPE's cos and sin gathered from host-made tables of this span
-    sample_group: int | None = None  # extend programs sample their rows this many at a time (None: all)
+    sample_group: int | None = None  # extend programs sample their producing rows this many at a time (None: all)
     position_group: int = 128  # prompt positions' logprobs this many at a time
     kernels: tuple[str, ...] = ()  # CPU custom calls the programs may call (model/compute/kernels/)
     host_buffers: bool = False  # one CPU device: device buffers alias the host arrays (huge pages, packed copies)
@@ -136,7 +136,10 @@ class ComputePlan:
             layer_loop=resolve_layer_loop(opts.layer_loop, platform, name),
             vocab_major_logits=cpu and name in ("xla", "kernel") and opts.quantization is None,
             rope_table_positions=rope_positions if cpu else None,
-            sample_group=16 if cpu else None,
+            # extend programs sample their producing rows in groups (model/runtime/step.py
+            # producing_first): a device loop of ceil(rows / group) trips, not max_batch rows
+            # (TPU: a while loop on the device; not measured on an accelerator yet)
+            sample_group=16 if cpu else 32,
             # prompt positions' logprobs in groups: 64 on CPU (SmolLM2, 255 positions: +0.23 s over
             # a 0.74 s step; groups of 16: +0.37 s, of 256: +2.8 s), 128 on accelerators, where each
             # iteration of a runtime-count loop costs a host round trip (not measured there yet)

@@ -64,6 +64,7 @@ from ringserve.model.runtime.programs import Key, ProgramSet, compile_order, ste
 from ringserve.model.runtime.sampler import PROMPT_BIT, PositionLogprobs, SampleOut
 from ringserve.model.runtime.step import make_logits, make_step
 from ringserve.model.runtime.step_constants import StepConstants
+from ringserve.model.runtime.vocab import VocabSplit
 from ringserve.model.weights import memory as weight_memory
 from ringserve.model.weights.lora import LoraPool
 from ringserve.model.weights.state import build_host_state, build_lazy_state, checked_layout
@@ -132,6 +133,8 @@ class ModelExecutor:
             raise ValueError(f"decode_steps={shapes.decode_steps}: multi-step decode runs its steps' attention without "
                              f"a host plan, which the {plan.attention} backend needs (cpu_kernel has none)")  # fmt: skip
         self.model: CausalLM = self.family.causal_lm(mc, plan, self.attn)
+        # the logits and the penalties' token counts split by vocabulary over `tp` (None: whole)
+        self.vocab = VocabSplit.of(self.mesh, mc.vocab_size)
         opts = cfg.compute
         self.buckets = Buckets.make(shapes.max_batch, shapes.max_extend_tokens, opts.extend_block, opts.decode_bucket_step)
         self.constants = StepConstants(replicated(self.mesh), self.mask_words, shapes.token_ids_logprob_num, self.buckets)
@@ -163,10 +166,10 @@ class ModelExecutor:
                                  plan.layer_loop == "scan", plan.jnp_dtype, replicated(self.mesh))  # fmt: skip
             self.lora_avals = _avals(self.lora.weights)
         self.trace_count = 0
-        # extend programs sample their (few real) rows in groups, in a loop, where loops are cheap;
-        # prompt positions' logprobs likewise (the plan's groups)
+        # extend programs sample their producing rows (few: a prefill's) in groups, in a device
+        # loop; prompt positions' logprobs likewise (the plan's groups)
         step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
-                         shapes.hidden_states)  # fmt: skip
+                         shapes.hidden_states, self.vocab)  # fmt: skip
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -182,13 +185,15 @@ class ModelExecutor:
         self._logits_fn = jax.jit(make_logits(self.model), donate_argnums=(1,))
         counts_aval = self.kv_avals[1][2]
         rep = replicated(self.mesh)
-        self._set_counts = jax.jit(_set_row, donate_argnums=(0,)).lower(
+        self._set_counts = jax.jit(_set_row, donate_argnums=(0,), out_shardings=counts_aval.sharding).lower(
             counts_aval, jax.ShapeDtypeStruct((), np.int32, sharding=rep),
             jax.ShapeDtypeStruct(counts_aval.shape[1:], np.int32, sharding=rep)).compile()  # fmt: skip
         contexts = self.attn.context_buckets()
         order, lead = compile_order(self.buckets, contexts, shapes.verify_tokens, shapes.top_logprobs_num,
                                     plan.lead_small_programs, shapes.decode_steps, shapes.decode_steps_rows)  # fmt: skip
         self.programs = ProgramSet(self._compile, order, lead, contexts)
+        log.info("%d step programs: %d shapes x %d context bucket(s) (attention %s)", len(order),
+                 len(order) // len(contexts), len(contexts), plan.attention)  # fmt: skip
 
         def loaded() -> None:  # the weights and the KV pool, before any other program compiles
             self.params = building.result()
@@ -291,7 +296,8 @@ class ModelExecutor:
                    for a, s in zip(self.attn.kv_avals(), self.attn.kv_specs(self.cfg.tp_size), strict=True))  # fmt: skip
         rep = replicated(self.mesh)
         future = jax.ShapeDtypeStruct((self.max_slots + 1,), np.int32, sharding=rep)
-        counts = jax.ShapeDtypeStruct((self.max_slots + 1, self.model_config.vocab_size), np.int32, sharding=rep)
+        by_token = rep if self.vocab is None else self.vocab.sharding(2)  # split as the logits are
+        counts = jax.ShapeDtypeStruct((self.max_slots + 1, self.model_config.vocab_size), np.int32, sharding=by_token)
         return kv, (future, future, counts)
 
     # ---- programs -----------------------------------------------------------------------------

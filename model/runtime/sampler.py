@@ -55,6 +55,12 @@ within the finite logits for a drawn row, the chosen token alone for a greedy on
 
 A grammar's mask is an input of every program ([S, W] int32 packed bits, bit t % 32 of word
 t // 32 allows token t), applied under `lax.cond(any_mask)`, so unconstrained steps skip it.
+
+Over a `tp` mesh whose LM head splits the vocabulary (model/runtime/vocab.py `VocabSplit`) every
+[S, V] step above runs on each device's columns under `shard_map` (the functions take the
+`VocabAxis` they reduce over); what crosses is per-row: maxima, sums, the argmax's and top-k's
+merges, the tie counts before a shard. The noise is drawn by global token id, so a seed draws
+the same token from the same logits on any split; `kept` comes back split by its words.
 """
 
 from __future__ import annotations
@@ -64,8 +70,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ringserve.model.compute.step_inputs import SamplingBatch
+from ringserve.model.runtime.vocab import VocabAxis, VocabSplit
 
 Arr = Any  # jax.Array on device; np.ndarray while the host builds it
 
@@ -108,18 +116,20 @@ def _bisect_bits(pred: Callable[[jax.Array], jax.Array], shape: tuple[int, ...])
     return jax.lax.fori_loop(0, 31, body, (lo, hi))[0]
 
 
-def _from_candidates(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+def _from_candidates(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                     va: VocabAxis | None = None):  # fmt: skip
     """(c, tau, resolved, c_m, tau_m) per row, from the CANDIDATES largest probabilities: the
     prefix length and its last value where `resolved`, and min-p's own (exact) count and value.
     A row is resolved when its prefix ends inside the candidates, or when min-p ends it and
     top-p is known not to end it sooner (top-p off, or reached inside the candidates); a row
     with no filter at all is resolved (c = its whole row) beside filtered ones."""
-    s, v = probs.shape
-    thr = (min_p * probs.max(-1))[:, None]
-    c_m = jnp.maximum((probs >= thr).sum(-1), 1)  # the top token always passes
-    tau_m = jnp.min(jnp.where(probs >= thr, probs, jnp.inf), axis=-1)
+    va = va or VocabAxis.whole(probs.shape[1])
+    v = va.size
+    thr = (min_p * va.max(probs))[:, None]
+    c_m = jnp.maximum(va.sum(probs >= thr), 1)  # the top token always passes
+    tau_m = va.min(jnp.where(probs >= thr, probs, jnp.inf))
     nc = min(CANDIDATES, v)
-    cand = jax.lax.top_k(probs, nc)[0]  # [S, nc] descending
+    cand = va.top_k(probs, nc)[0]  # [S, nc] descending
     upper = jnp.triu(jnp.ones((nc, nc), jnp.float32))  # prefix sums as one product
     cum = jnp.matmul(cand, upper, precision=jax.lax.Precision.HIGHEST)
     reached = cum >= top_p[:, None]  # cum(r) >= top_p: r is the last kept
@@ -131,27 +141,29 @@ def _from_candidates(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: ja
     return c, tau, resolved, c_m, tau_m
 
 
-def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+def _prefix_len_and_value(probs: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                          va: VocabAxis | None = None):  # fmt: skip
     """(c, tau) per row: length of the kept prefix of the descending order and the value of its
     last token (see the module docstring). c = min(c_k, c_p, c_m), one per filter: min-p is a
     value threshold (a count and a min); top-k and top-p come from the CANDIDATES largest
     probabilities when every row is resolved by them (`_from_candidates`), else from one
     bisection loop over the whole rows that finds the k-th largest value and top-p's value
     together."""
-    s, v = probs.shape
-    c_fast, tau_fast, resolved, c_m, tau_m = _from_candidates(probs, k, top_p, min_p)
+    va = va or VocabAxis.whole(probs.shape[1])
+    s, v = probs.shape[0], va.size
+    c_fast, tau_fast, resolved, c_m, tau_m = _from_candidates(probs, k, top_p, min_p, va)
 
     def by_bisection():
         bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
 
         def pred(b):  # [2, S]: at least k tokens at or above b; their mass at least top_p
             at_or_above = bits[None] >= b[:, :, None]
-            return jnp.stack([at_or_above[0].sum(-1) >= k, jnp.where(at_or_above[1], probs, 0).sum(-1) >= top_p])
+            return jnp.stack([va.sum(at_or_above[0]) >= k, va.sum(jnp.where(at_or_above[1], probs, 0)) >= top_p])
 
         tau_k, tau_p = jax.lax.bitcast_convert_type(_bisect_bits(pred, (2, s)), jnp.float32)
         above = probs > tau_p[:, None]
-        mass_above = jnp.where(above, probs, 0).sum(-1)
-        n_above, n_tied = above.sum(-1), (probs == tau_p[:, None]).sum(-1)
+        mass_above = va.sum(jnp.where(above, probs, 0))
+        n_above, n_tied = va.sum(above), va.sum(probs == tau_p[:, None])
         # tied tokens enter in id order until the mass reaches top_p
         more = jnp.where(tau_p > 0, jnp.ceil((top_p - mass_above) / jnp.where(tau_p > 0, tau_p, 1)), n_tied)
         c_p = jnp.where(top_p < 1, n_above + jnp.clip(more.astype(jnp.int32), 1, n_tied), v)
@@ -171,25 +183,26 @@ def _temperature(sp: SamplingBatch) -> jax.Array:
 
 def keep_mask(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """Boolean [S, V] mask of the tokens each row may sample (see the module docstring)."""
-    return _keep_mask_scaled(logits / _temperature(sp), sp)
+    return _keep_mask_scaled(logits / _temperature(sp), sp, VocabAxis.whole(logits.shape[1]))
 
 
-def _keep_mask_scaled(scaled: jax.Array, sp: SamplingBatch) -> jax.Array:
-    """keep_mask of logits already divided by the temperature."""
-    v = scaled.shape[1]
-    probs = jax.nn.softmax(scaled, axis=-1)
+def _keep_mask_scaled(scaled: jax.Array, sp: SamplingBatch, va: VocabAxis) -> jax.Array:
+    """keep_mask of logits already divided by the temperature (this device's columns of them)."""
+    v = va.size
+    probs = va.softmax(scaled)
     k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
     top_p = jnp.where(sp.top_p < 1, sp.top_p, 2.0)  # 1 = off (a float sum may fall short of 1)
-    c, tau = _prefix_len_and_value(probs, k, top_p, sp.min_p)
+    c, tau = _prefix_len_and_value(probs, k, top_p, sp.min_p, va)
     above = probs > tau[:, None]
     tied = probs == tau[:, None]
-    room = c - above.sum(-1)  # tied tokens the prefix takes, lowest ids first
+    room = c - va.sum(above)  # tied tokens the prefix takes, lowest ids first
 
     def some_tied():
-        tie_rank = jnp.cumsum(tied, axis=-1) - tied  # tied tokens before this one (11 ms at [32, 49152])
+        # tied tokens before this one (11 ms at [32, 49152]), the shards before this one's included
+        tie_rank = jnp.cumsum(tied, axis=-1) - tied + va.before(tied.sum(-1))[:, None]
         return above | (tied & (tie_rank < room[:, None]))
 
-    return jax.lax.cond(jnp.all(room >= tied.sum(-1)), lambda: above | tied, some_tied)
+    return jax.lax.cond(jnp.all(room >= va.sum(tied)), lambda: above | tied, some_tied)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -201,8 +214,10 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: jax.Array, position: jax.Array, v: int) -> jax.Array:
-    """Gumbel(0, 1) noise [S, V]: element (row, token) is a hash of (seed, position, token).
+def gumbel_noise(seed: jax.Array, position: jax.Array, v: int, first: jax.Array | int = 0) -> jax.Array:
+    """Gumbel(0, 1) noise [S, v] of tokens first..first + v - 1: element (row, token) is a hash
+    of (seed, position, token), so a device holding a shard of the vocabulary draws its
+    tokens' noise as one device holding all of it does.
 
     A counter-based generator like Philox or threefry, cut to what sampling needs: a per-row
     64-bit key (hashed seed, hashed position; distinct positions of one seed never share a
@@ -211,7 +226,7 @@ def gumbel_noise(seed: jax.Array, position: jax.Array, v: int) -> jax.Array:
     to compile; this takes 6 ms and 0.1 s."""
     k0 = _mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))[:, None]
     k1 = _mix32(position.astype(jnp.uint32) ^ jnp.uint32(0x85EBCA6B))[:, None]
-    tok = jnp.arange(v, dtype=jnp.uint32)[None, :]
+    tok = (jnp.arange(v, dtype=jnp.uint32) + jnp.asarray(first).astype(jnp.uint32))[None, :]
     x = _mix32(_mix32(_mix32(tok ^ k0) + k1) ^ k0)
     return -jnp.log(-jnp.log(_uniform(x)))
 
@@ -244,14 +259,17 @@ def _first_max(x: jax.Array) -> jax.Array:
 _MAX_BLOCK = 256
 
 
-def allowed_only(logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """logits [S, V] with every token a row's mask [S, W] does not allow at -inf. A row allowing
-    nothing (never sent: a matcher with nothing left finishes its request) is left as it is."""
+def allowed_only(logits: jax.Array, mask: jax.Array, va: VocabAxis | None = None) -> jax.Array:
+    """logits [S, V] (`va`: this device's columns of them) with every token a row's mask [S, W]
+    does not allow at -inf. A row allowing nothing (never sent: a matcher with nothing left
+    finishes its request) is left as it is."""
     s, v = logits.shape
-    assert mask.shape[1] * 32 >= v, f"mask of {mask.shape[1]} words for a vocabulary of {v}"
+    va = va or VocabAxis.whole(v)
+    assert mask.shape[1] * 32 >= va.size, f"mask of {mask.shape[1]} words for a vocabulary of {va.size}"
+    mask = va.mask_words(mask)
     bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32], token w * 32 + b
     allowed = bits.reshape(s, -1)[:, :v].astype(bool)
-    allowed = allowed | ~allowed.any(axis=-1, keepdims=True)
+    allowed = allowed | ~va.any(allowed, keepdims=True)
     return jnp.where(allowed, logits, -jnp.inf)
 
 
@@ -265,31 +283,32 @@ def pack_bits(mask: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
-def adjusted(logits: jax.Array, sp: SamplingBatch, counts: jax.Array | None) -> jax.Array:
+def adjusted(logits: jax.Array, sp: SamplingBatch, counts: jax.Array | None, va: VocabAxis | None = None) -> jax.Array:
     """The logits after min_new_tokens' held-back stop ids, logit_bias and the penalties (the
     module docstring), each skipped when no sample uses it; `counts`: the slots' token counts
-    [slots, V] (None: a program without them, tests)."""
+    [slots, V] (None: a program without them, tests); `va`: the columns held here (ids are
+    global: each device adjusts those of its own columns)."""
+    va = va or VocabAxis.whole(logits.shape[1])
     if sp.ban is not None:
-        logits = jax.lax.cond(sp.any_adjust, lambda: _held_back_and_biased(logits, sp), lambda: logits)
+        logits = jax.lax.cond(sp.any_adjust, lambda: _held_back_and_biased(logits, sp, va), lambda: logits)
     if counts is not None and sp.repetition is not None:
-        logits = jax.lax.cond(sp.any_penalty, lambda: _penalized(logits, sp, counts), lambda: logits)
+        logits = jax.lax.cond(sp.any_penalty, lambda: _penalized(logits, sp, counts, va), lambda: logits)
     return logits
 
 
-def _held_back_and_biased(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
-    s, v = logits.shape
-    rows = jnp.arange(s)[:, None]
+def _held_back_and_biased(logits: jax.Array, sp: SamplingBatch, va: VocabAxis) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
     held = (sp.position < sp.min_until)[:, None] & (sp.ban >= 0)
-    out = logits.at[rows, jnp.where(held, sp.ban, v)].set(-jnp.inf, mode="drop")  # (v: out of range, dropped)
-    out = jnp.where(jnp.any(out > -jnp.inf, axis=-1, keepdims=True), out, logits)  # nothing left: not held back
-    return out.at[rows, jnp.where(sp.bias_ids >= 0, sp.bias_ids, v)].add(sp.bias, mode="drop")
+    out = logits.at[rows, va.local_ids(sp.ban, held)].set(-jnp.inf, mode="drop")  # (out of range: dropped)
+    out = jnp.where(va.any(out > -jnp.inf, keepdims=True), out, logits)  # nothing left: not held back
+    return out.at[rows, va.local_ids(sp.bias_ids, sp.bias_ids >= 0)].add(sp.bias, mode="drop")
 
 
-def _penalized(logits: jax.Array, sp: SamplingBatch, counts: jax.Array) -> jax.Array:
-    s, v = logits.shape
-    c = counts[sp.slot]  # [S, V]
+def _penalized(logits: jax.Array, sp: SamplingBatch, counts: jax.Array, va: VocabAxis) -> jax.Array:
+    s = logits.shape[0]
+    c = counts[sp.slot]  # [S, V] (this device's columns)
     if sp.prior is not None:  # a verify round's drafts before the sample count as its output
-        c = c.at[jnp.arange(s)[:, None], jnp.where(sp.prior >= 0, sp.prior, v)].add(1, mode="drop")
+        c = c.at[jnp.arange(s)[:, None], va.local_ids(sp.prior, sp.prior >= 0)].add(1, mode="drop")
     n = (c & COUNT_BITS).astype(jnp.float32)
     rp = jnp.where(sp.repetition > 0, sp.repetition, 1.0)[:, None]  # (padding rows: 0)
     x = jnp.where(c != 0, jnp.where(logits > 0, logits / rp, logits * rp), logits)
@@ -297,28 +316,40 @@ def _penalized(logits: jax.Array, sp: SamplingBatch, counts: jax.Array) -> jax.A
 
 
 def sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array | None = None,
-           processed: bool = False) -> SampleOut:  # fmt: skip
+           processed: bool = False, vocab: VocabSplit | None = None) -> SampleOut:  # fmt: skip
     """Sample one token per row of logits [S, V] (f32), within each row's mask, after the
     adjustments (`counts`: the slots' token counts the penalties read); `processed`: the
-    logprobs are of the distribution drawn from (else the model's)."""
+    logprobs are of the distribution drawn from (else the model's). `vocab`: the logits' and
+    counts' columns split over the devices (model/runtime/vocab.py): each device samples its
+    own and only [S] or [S, k] values cross between them; `kept` comes back split likewise."""
+    if vocab is None:
+        return _sample(logits, sp, top_n, counts, processed, VocabAxis.whole(logits.shape[1]))
+    out_specs = SampleOut(P(), P(), P(), P(), P(), vocab.spec(2))
+    return vocab.run(lambda lg, c, sp: _sample(lg, sp, top_n, c, processed, vocab.axis), (logits, counts), (sp,),
+                     out_specs)  # fmt: skip
+
+
+def _sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array | None, processed: bool,
+            va: VocabAxis) -> SampleOut:  # fmt: skip
+    """`sample` over the columns `va` holds (all of them, or this device's)."""
     s, v = logits.shape
     if sp.mask is not None:
-        logits = jax.lax.cond(sp.any_mask, lambda: allowed_only(logits, sp.mask), lambda: logits)
-    raw, logits = logits, adjusted(logits, sp, counts)
-    greedy = _first_max(logits)
+        logits = jax.lax.cond(sp.any_mask, lambda: allowed_only(logits, sp.mask, va), lambda: logits)
+    raw, logits = logits, adjusted(logits, sp, counts, va)
+    greedy = va.first_max(logits, _first_max)
     w = -(-v // 32)
 
     def kept_bits(kept: Callable[[], jax.Array]) -> jax.Array:
         return jax.lax.cond(sp.any_kept, lambda: pack_bits(kept()), lambda: jnp.zeros((s, w), jnp.int32))
 
     def one_hot() -> jax.Array:
-        return jnp.arange(v, dtype=jnp.int32)[None, :] == greedy[:, None]
+        return va.ids() == greedy[:, None]
 
     def draw(_):
         scaled = logits / _temperature(sp)
-        mask = jax.lax.cond(sp.any_filter, lambda: _keep_mask_scaled(scaled, sp), lambda: jnp.ones((s, v), bool))
-        scores = jnp.where(mask, scaled + gumbel_noise(sp.seed, sp.position, v), -jnp.inf)
-        drawn = _first_max(scores)
+        mask = jax.lax.cond(sp.any_filter, lambda: _keep_mask_scaled(scaled, sp, va), lambda: jnp.ones((s, v), bool))
+        scores = jnp.where(mask, scaled + gumbel_noise(sp.seed, sp.position, v, va.offset()), -jnp.inf)
+        drawn = va.first_max(scores, _first_max)
         random = (sp.temperature > 0)[:, None]
         kept = kept_bits(lambda: jnp.where(random, mask & (scaled > -jnp.inf), one_hot()))
         dist = jnp.where(random, jnp.where(mask, scaled, -jnp.inf), logits) if processed else None
@@ -328,11 +359,11 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array |
         return greedy, kept_bits(one_hot), logits if processed else None
 
     tokens, kept, dist = jax.lax.cond(sp.any_random, draw, plain, None)
-    chosen, top_ids, top_lp, ids_lp = _wanted_logprobs(dist if processed else raw, tokens, top_n, sp)
+    chosen, top_ids, top_lp, ids_lp = _wanted_logprobs(dist if processed else raw, tokens, top_n, sp, va)
     return SampleOut(tokens, chosen, top_ids, top_lp, ids_lp, kept)
 
 
-def _wanted_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, sp: SamplingBatch):
+def _wanted_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, sp: SamplingBatch, va: VocabAxis):
     """`_read_logprobs` for the samples whose logprobs are read: with no sample's logprobs
     wanted (`any_logprobs`, `any_top` False) they are zeros, not computed (their log-sum-exp
     and top-k passes over [S, V]: SmolLM2, top_n 5, 64 rows, 13.5 -> 1.4 ms alone; the decode
@@ -341,50 +372,61 @@ def _wanted_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, sp: Sampl
     k = 0 if sp.logprob_ids is None else sp.logprob_ids.shape[1]
     zeros = (jnp.zeros((s,), jnp.float32), jnp.zeros((s, top_n), jnp.int32), jnp.zeros((s, top_n), jnp.float32),
              jnp.zeros((s, k), jnp.float32))  # fmt: skip
-    every = lambda: _read_logprobs(logits, tokens, top_n, sp.logprob_ids)  # noqa: E731
+    every = lambda: _read_logprobs(logits, tokens, top_n, sp.logprob_ids, va)  # noqa: E731
     if top_n == 0:
         return jax.lax.cond(sp.any_logprobs, every, lambda: zeros)
 
     def no_top():
-        chosen, _, _, ids_lp = _read_logprobs(logits, tokens, 0, sp.logprob_ids)
+        chosen, _, _, ids_lp = _read_logprobs(logits, tokens, 0, sp.logprob_ids, va)
         return chosen, zeros[1], zeros[2], ids_lp
 
     which = jnp.where(sp.any_top, 2, jnp.where(sp.any_logprobs, 1, 0))
     return jax.lax.switch(which, [lambda: zeros, no_top, every])
 
 
-def _read_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Array | None):
-    """(logprob of `tokens`, top-n ids, top-n logprobs, logprobs of `ids`) of logits rows [S, V].
+def _read_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Array | None, va: VocabAxis):
+    """(logprob of `tokens`, top-n ids, top-n logprobs, logprobs of `ids`) of logits rows [S, V]
+    (`va`: the columns held here; a split row's log-sum-exp sums the shards' sums).
     Only the entries read are turned into logprobs, each as
     `jax.nn.log_softmax` computes it ((x - max) - log(sum(exp(x - max))): the same bits), so
     no [S, V] array of logprobs is written and read back (SmolLM2, 64 rows: ~2.5 ms a step)."""
-    s, v = logits.shape
-    top = logits.max(-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+    s = logits.shape[0]
+    top = va.max(logits, keepdims=True)
+    log_sum = jnp.log(va.sum(jnp.exp(logits - top), keepdims=True))
 
     def logprob(x: jax.Array) -> jax.Array:  # x: entries of each row's logits [S, n]
         return jnp.maximum((x - top) - log_sum, _LOGPROB_FLOOR)  # (-inf: the float32 minimum)
 
-    chosen = logprob(jnp.take_along_axis(logits, tokens[:, None], axis=-1))[:, 0]
+    chosen = logprob(va.take(logits, tokens[:, None]))[:, 0]
     if top_n > 0:
-        top_x, top_ids = jax.lax.top_k(logits, top_n)
+        top_x, top_ids = va.top_k(logits, top_n)
         top_lp = logprob(top_x)
     else:
         top_lp, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
     if ids is None:
         ids_lp = jnp.zeros((s, 0), jnp.float32)
     else:
-        ids_lp = logprob(jnp.take_along_axis(logits, jnp.clip(ids, 0, v - 1), axis=-1))
+        ids_lp = logprob(va.take(logits, jnp.clip(ids, 0, va.size - 1)))
     return chosen, top_ids.astype(jnp.int32), top_lp, ids_lp
 
 
+def read_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, ids: jax.Array | None,
+                  vocab: VocabSplit | None = None):  # fmt: skip
+    """`_read_logprobs` of logits [S, V], on each device's columns where `vocab` splits them."""
+    if vocab is None:
+        return _read_logprobs(logits, tokens, top_n, ids, VocabAxis.whole(logits.shape[1]))
+    return vocab.run(lambda lg, t, i: _read_logprobs(lg, t, top_n, i, vocab.axis), (logits,), (tokens, ids),
+                     (P(), P(), P(), P()))  # fmt: skip
+
+
 def position_logprobs(logits_fn: Callable[[jax.Array], jax.Array], h: jax.Array, lb: Any, top_n: int,
-                      group: int, fixed: bool = False) -> PositionLogprobs:  # fmt: skip
+                      group: int, fixed: bool = False, vocab: VocabSplit | None = None) -> PositionLogprobs:  # fmt: skip
     """Logprobs at the wanted positions of hidden states h [T, H] (`lb`: model/compute/step_inputs.py
     LogprobBatch): `group` positions (at most P, unless `fixed`) per iteration of a loop that
     runs ceil(count / group) times, so a step that wants none computes nothing. `fixed`: always
     `group` (padded), so every position goes through one shape whatever the program and its
-    bits do not depend on the others (the deterministic mode, whose LM head is batch-invariant)."""
+    bits do not depend on the others (the deterministic mode, whose LM head is batch-invariant).
+    `vocab`: the logits' columns split over the devices (`sample`'s)."""
     k = lb.ids.shape[1]
     if lb.index is None:  # a program that takes no prompt positions
         return PositionLogprobs(jnp.zeros((0,), jnp.float32), jnp.zeros((0, top_n), jnp.int32),
@@ -397,7 +439,7 @@ def position_logprobs(logits_fn: Callable[[jax.Array], jax.Array], h: jax.Array,
     def body(i, outs):
         lo = i * group
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, group)  # noqa: E731
-        o = _read_logprobs(logits_fn(h[cut(index)]), cut(target), top_n, lb.ids[cut(row)] if k else None)
+        o = read_logprobs(logits_fn(h[cut(index)]), cut(target), top_n, lb.ids[cut(row)] if k else None, vocab)
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True))
 
     n = p + pad
@@ -421,6 +463,7 @@ def sample_rows(
     fixed: int | None = None,
     counts: jax.Array | None = None,
     processed: bool = False,
+    vocab: VocabSplit | None = None,
 ) -> SampleOut:
     """Sample rows of hidden states hs [R, H] (logits_fn: [S, H] -> f32 [S, V]; `counts` and
     `processed` as `sample`'s).
@@ -431,23 +474,25 @@ def sample_rows(
     rows past the last group read as token 0.
 
     fixed: rows padded to a multiple of it and sampled `fixed` at a time, so that every row is
-    computed by one program shape whatever the step (the deterministic mode)."""
+    computed by one program shape whatever the step (the deterministic mode).
+
+    vocab: the logits' columns split over the devices (`sample`'s)."""
     r = hs.shape[0]
     if fixed is not None:
         pad = -r % fixed
         hs = jnp.pad(hs, ((0, pad), (0, 0)))
         sp = SamplingBatch(*(_pad_rows(x, pad) for x in sp))
-        out = sample_rows(logits_fn, hs, sp, top_n, n_rows, fixed, None, counts, processed)
+        out = sample_rows(logits_fn, hs, sp, top_n, n_rows, fixed, None, counts, processed, vocab)
         return SampleOut(*(a[:r] for a in out))
     if group is None or r <= group or r % group:
-        return sample(logits_fn(hs), sp, top_n, counts, processed)
+        return sample(logits_fn(hs), sp, top_n, counts, processed, vocab)
 
     def cut(x, lo):
         return x if x is None or jnp.ndim(x) == 0 else jax.lax.dynamic_slice_in_dim(x, lo, group)
 
     def body(i, outs):
         lo = i * group
-        o = sample(logits_fn(cut(hs, lo)), SamplingBatch(*(cut(x, lo) for x in sp)), top_n, counts, processed)
+        o = sample(logits_fn(cut(hs, lo)), SamplingBatch(*(cut(x, lo) for x in sp)), top_n, counts, processed, vocab)
         return SampleOut(*(jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, o, strict=True)))
 
     v = jax.eval_shape(logits_fn, hs[:1]).shape[1]  # (the LM head traced for its shape alone)
@@ -456,6 +501,8 @@ def sample_rows(
         jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, top_n), jnp.int32),
         jnp.zeros((r, top_n), jnp.float32), jnp.zeros((r, k), jnp.float32), jnp.zeros((r, -(-v // 32)), jnp.int32),
     )  # fmt: skip
+    if vocab is not None:  # the kept bits stay split, as each group's come
+        init = init._replace(kept=jax.lax.with_sharding_constraint(init.kept, vocab.sharding(2)))
     return jax.lax.fori_loop(0, (n_rows + group - 1) // group, body, init)
 
 

@@ -39,18 +39,20 @@ from ringserve.model.compute.step_inputs import ForwardBatch, LogprobBatch, RowS
 from ringserve.model.layers.decoder import CausalLM
 from ringserve.model.layers.lora import LoraBatch
 from ringserve.model.runtime.sampler import position_logprobs, sample_rows
+from ringserve.model.runtime.vocab import VocabSplit
 
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any, jax.Array]]
 
 
 def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 64,
-              processed: bool = False, hidden: bool = False) -> StepFn:  # fmt: skip
+              processed: bool = False, hidden: bool = False, vocab: VocabSplit | None = None) -> StepFn:  # fmt: skip
     """The step function of `model`. Extend programs sample their (few real) rows `sample_group`
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
     deterministic mode). Prompt positions' logprobs are computed `position_group` at a time
     (in the deterministic mode always that many, padded: one shape whatever the program).
     `processed`: the samples' logprobs are of the distribution drawn from (model/runtime/sampler.py);
-    `hidden`: the programs return their tokens' last hidden states."""
+    `hidden`: the programs return their tokens' last hidden states; `vocab`: the logits' columns
+    split over the devices as the LM head computes them, never gathered (model/runtime/vocab.py)."""
 
     def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
              top_n: int, verify: int, multistep: bool = False):  # fmt: skip
@@ -71,8 +73,14 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         # each token's seed at its position; a verify round's drafts count before the samples after them
         sp = per_sample(rs, lb.ids, fb.positions[fb.sample_idx] + 1, k1, fb.sample_slot, drafts)
         group = sample_group if fb.input_ids.shape[0] != r else None  # not a decode program
-        out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx], sp, top_n, n * k1, group,
-                          fixed_rows, counts, processed)  # fmt: skip
+        if group is not None and k1 == 1 and fixed_rows is None:  # an extend program: its producing rows alone
+            order, producing = producing_first(fb, n, tok.shape[0] - 1)
+            out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx[order]], _rows(sp, order), top_n,
+                              producing, group, None, counts, processed, vocab)  # fmt: skip
+            out = _rows(out, jnp.argsort(order))  # back in row order (the rest: zeros)
+        else:
+            out = sample_rows(lambda x: model.logits(params, x), h[fb.sample_idx], sp, top_n, n * k1, group,
+                              fixed_rows, counts, processed, vocab)  # fmt: skip
         targets = out.tokens.reshape(r, k1)
         match = (drafts >= 0) & (drafts == targets[:, :-1])
         real = jnp.arange(r) < n
@@ -81,7 +89,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         pos = pos.at[fb.sample_slot].set(fb.kv_len - (k1 - 1) + accepted)
         counts = counted(counts, fb.sample_slot, targets, real[:, None] & (jnp.arange(k1)[None, :] <= accepted[:, None]))
         prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, position_group,
-                                   fixed=fixed_rows is not None)  # fmt: skip
+                                   fixed=fixed_rows is not None, vocab=vocab)  # fmt: skip
         return kv, (tok, pos, counts), out, accepted, prompt, h.astype(jnp.float32) if hidden else jnp.zeros((0, 0), jnp.float32)
 
     def multi_step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
@@ -108,7 +116,8 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
             h, kv = model.forward(params, ids, dfb, kv, lora)
             sp = per_sample(rs._replace(mask=None if mask is None else mask[:, j]), lb.ids, dfb.positions + 1, 1,
                             fb.sample_slot)  # fmt: skip
-            o = sample_rows(lambda x: model.logits(params, x), h, sp, top_n, n, None, fixed_rows, counts, processed)
+            o = sample_rows(lambda x: model.logits(params, x), h, sp, top_n, n, None, fixed_rows, counts, processed,
+                            vocab)  # fmt: skip
             counts = counted(counts, fb.sample_slot, o.tokens[:, None], real[:, None])
             return (params, kv, counts, o.tokens), (o, h.astype(jnp.float32) if hidden else None)
 
@@ -144,6 +153,23 @@ def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> For
         positions=positions, out_loc=jnp.where(real_tok, loc, fb.out_loc), kv_len=fb.kv_len - shift,
         attn=model.attn.shift_plan(fb.attn, shift),
     )  # fmt: skip
+
+
+def producing_first(fb: ForwardBatch, n: jax.Array, sink: int) -> tuple[jax.Array, jax.Array]:
+    """The rows in the order an extend program samples them, and how many produce a token: the
+    real rows whose sample goes to a slot (a chunked prefill's middle chunk goes to the `sink`:
+    its sample is never read) first, each kind in row order. The sampler's loop then runs over
+    the producing rows alone (model/runtime/sampler.py `sample_rows`): an extend program has
+    max_batch rows, of which a step's prefill uses a few (256 rows of a 49,152 vocabulary:
+    top_k(256) over [256, V] alone ~1.8 ms on v5e)."""
+    r = fb.kv_len.shape[0]
+    producing = (jnp.arange(r) < n) & (fb.sample_slot != sink)
+    return jnp.argsort(~producing, stable=True), producing.sum().astype(jnp.int32)
+
+
+def _rows(tree: Any, order: jax.Array) -> Any:
+    """Every per-row array of `tree` (leading axis R) in `order`; scalars and None as they are."""
+    return type(tree)(*(x if x is None or jnp.ndim(x) == 0 else x[order] for x in tree))
 
 
 def per_sample(rs: RowSampling, ids: jax.Array, position: jax.Array, k1: int, slot: jax.Array,

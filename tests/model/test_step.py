@@ -221,6 +221,37 @@ def test_future_index_reads_previous_sample_on_device(tiny_dir):
     assert generate(True) == generate(False)
 
 
+def test_extend_programs_sample_only_the_rows_that_produce_a_token(tiny_dir):
+    """A chunked prefill's middle chunk (its sample goes to the sink) counts for nothing: the
+    producing rows go first and the loop of 16-row groups (CPU's) runs over them alone, so
+    17 middle chunks before the one producing row make one group, not two (the group's 15
+    other rows are middle chunks, sampled; the last two are not: zeros), and the producing
+    row draws what it draws when every row produces."""
+    from ringserve.model.compute.step_inputs import DeviceSampling
+
+    cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=32, max_extend_tokens=512,
+                         extend_block=16, precompile=False, top_logprobs_num=2)  # fmt: skip
+    ex = ModelExecutor(tiny_dir("llama"), cfg)
+    assert ex.plan.sample_group == 16
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 2000, 3 if i < 17 else 12).astype(np.int32) for i in range(18)]
+    sampling = DeviceSampling(temperature=0.8, seed=11)
+
+    def step(keep_all: bool):
+        rows = [DeviceRow(p, 0, np.array([1 + i], np.int32), sampling, future_slot=i if keep_all or i == 17 else -1)
+                for i, p in enumerate(prompts)]  # fmt: skip
+        so = ex.run_step(rows)
+        assert so.num_samples == 18 and ex.prepare(rows).shape.rows == 32  # an extend program of 32 rows
+        return np.asarray(so.out.tokens)[:18], np.asarray(so.out.logprobs)[:18], np.asarray(so.out.top_logprobs)[:18]
+
+    tokens, logprobs, top = step(keep_all=False)
+    assert top[:15].any(axis=1).all() and not tokens[15:17].any() and not logprobs[15:17].any() and not top[15:17].any()
+    assert logprobs[17] < 0 and top[17, 0] < 0
+    all_tokens, all_logprobs, all_top = step(keep_all=True)
+    assert all_top.any(axis=1).all()  # two groups: every row sampled
+    assert tokens[17] == all_tokens[17] and logprobs[17] == all_logprobs[17] and (top[17] == all_top[17]).all()
+
+
 TP_SCRIPT = r"""
 import json, sys
 import numpy as np
