@@ -142,6 +142,9 @@ class Family:
             block, _, rest = suffix.partition(".")
             if rest == f"{module}.weight":
                 return block, shape[1], shape[0]
+        if self.moe_tensors is not None:
+            raise ValueError(f"lora_target_modules: {module!r} of a {self.name} model is its experts', which take no "
+                             f"adapters; LoRA serves {list(self.lora_modules)} (lora_target_modules)")  # fmt: skip
         raise ValueError(f"the {self.name} family has no projection {module!r}")
 
     @property
