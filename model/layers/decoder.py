@@ -144,9 +144,9 @@ class Decoder(nnx.Module):
 
 
 def _stack_read_in_place(path: tuple, _value: Any) -> bool:
-    """A projection's weight or int8 scale (a Linear's: q/k/v/o, gate/up/down `_proj`; not the
-    experts' of a MoE layer, whose grouped matmul multiplies the scan's slice)."""
-    return len(path) >= 2 and str(path[-2]).endswith("_proj") and path[-1] in ("weight", "scale") and "experts" not in path
+    """A projection's weight or int8 scale (a Linear's: q/k/v/o, gate/up/down `_proj`; a MoE
+    layer's experts' too, model/layers/moe.py)."""
+    return len(path) >= 2 and str(path[-2]).endswith("_proj") and path[-1] in ("weight", "scale")
 
 
 class CausalLM:

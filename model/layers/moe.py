@@ -16,7 +16,9 @@ Expert weights are one leaf per projection, [E, in, out] ([L, E, in, out] stacke
 in] + scale [E, out], model/weights/quant.py), loaded from HF's per-expert tensors
 (model/families/base.py `MoeTensor`). With expert parallelism the expert axis is split over the
 mesh's `tp` devices (model/compute/mesh.py `ep_split`): each device multiplies its own experts'
-groups and XLA's partitioner sums the devices' parts. `MoeBlock.__call__` returns the expert ids
+groups and XLA's partitioner sums the devices' parts.
+On CPU the grouped product runs the plan's dot per group tile (model/compute/grouped.py "tiles"),
+reading an expert's weight in place from the stack, as the dense projections do. `MoeBlock.__call__` returns the expert ids
 [T, k] for routing replay (model/layers/decoder.py).
 """
 
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ringserve.model.compute.dots import Dot
 from ringserve.model.compute.grouped import GroupedDot
 from ringserve.model.compute.mesh import ep_split, tp_split
 from ringserve.model.config import ModelConfig
@@ -41,19 +44,24 @@ from ringserve.model.layers.norm import RMSNorm
 class ExpertProj(nnx.Module):
     """E experts' projections: weight [E, in, out]; int8: [E, out, in] (HF's layout) + scale [E, out]."""
 
-    def __init__(self, experts: int, n_in: int, n_out: int, dtype, sharding: Sharding, quant: str | None):
+    def __init__(self, experts: int, n_in: int, n_out: int, dtype, sharding: Sharding, dot: Dot, quant: str | None):
         self.transposed = quant is not None
         self.weight = param((experts, n_out, n_in) if quant else (experts, n_in, n_out), jnp.int8 if quant else dtype,
                             sharding)  # fmt: skip
         self.scale = param((experts, n_out), jnp.float32, sharding[:1] + (None,) * bool(sharding)) if quant else None
+        self.dot = dot
 
-    def __call__(self, xs: jax.Array, sizes: jax.Array, row_expert: jax.Array, grouped: GroupedDot) -> jax.Array:
-        """xs [P, in] (rows grouped by expert, `sizes` [E] of them each) -> [P, out]."""
-        w = self.weight[...]
-        if self.scale is None:
-            return grouped(xs, w, sizes)
-        y = grouped(xs, jnp.swapaxes(w, 1, 2).astype(xs.dtype), sizes, out_dtype=jnp.float32)
-        return (y * jnp.take(self.scale[...], row_expert, axis=0)).astype(xs.dtype)
+    def __call__(self, xs: jax.Array, sizes: jax.Array, grouped: GroupedDot, layer: Any = None) -> jax.Array:
+        """xs [P, in] (rows grouped by expert, `sizes` [E] of them each) -> [P, out]. Where the
+        scan hands the whole stack over ([L, E, ...]: the plan's dot reads it in place,
+        model/layers/decoder.py), layer `layer`'s experts multiply."""
+        w, scale = self.weight[...], None if self.scale is None else self.scale[...]
+        base: Any = 0
+        if w.ndim == 4:  # [L, E, ...] -> [L * E, ...] (a view): expert e of layer l is l * E + e
+            e = w.shape[1]
+            w, base = w.reshape(-1, *w.shape[2:]), layer * e
+            scale = None if scale is None else scale.reshape(-1, scale.shape[-1])
+        return grouped(xs, w, sizes, self.dot, self.transposed, scale, base)
 
 
 class Experts(nnx.Module):
@@ -61,10 +69,10 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, plan: Any):
         e, h, i, dt, q = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, plan.jnp_dtype, plan.quant
-        split = ep_split(3, e, plan.ep)
-        self.gate_proj = ExpertProj(e, h, i, dt, split, q)
-        self.up_proj = ExpertProj(e, h, i, dt, split, q)
-        self.down_proj = ExpertProj(e, i, h, dt, split, q)
+        split, dot = ep_split(3, e, plan.ep), plan.dot
+        self.gate_proj = ExpertProj(e, h, i, dt, split, dot, q)
+        self.up_proj = ExpertProj(e, h, i, dt, split, dot, q)
+        self.down_proj = ExpertProj(e, i, h, dt, split, dot, q)
 
 
 class SparseMoe(nnx.Module):
@@ -91,12 +99,11 @@ class SparseMoe(nnx.Module):
             top_p = top_p / top_p.sum(axis=-1, keepdims=True)
         pair_expert = top_i.reshape(-1)  # pair p = t * k + j
         order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert
-        row_expert = pair_expert[order]
         sizes = jnp.bincount(pair_expert, length=e).astype(jnp.int32)
         xs = jnp.take(x, order // k, axis=0)  # [T * k, H]
-        ex = self.experts
-        hidden = silu(ex.gate_proj(xs, sizes, row_expert, self.grouped)) * ex.up_proj(xs, sizes, row_expert, self.grouped)
-        ys = ex.down_proj(hidden, sizes, row_expert, self.grouped)  # [T * k, H], grouped
+        ex, grouped = self.experts, self.grouped
+        hidden = silu(ex.gate_proj(xs, sizes, grouped, layer)) * ex.up_proj(xs, sizes, grouped, layer)
+        ys = ex.down_proj(hidden, sizes, grouped, layer)  # [T * k, H], grouped
         back = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # token order
         out = jnp.einsum("tkh,tk->th", back.astype(jnp.float32), top_p)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
