@@ -112,7 +112,9 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, targets: tup
     served = family(cfg.family).lora_modules
     for mod in wanted:
         if mod not in served:
-            raise ValueError(f"{where}: target module {mod!r} is unknown; LoRA serves {list(served)} of a {cfg.family} model")
+            moe = " (a mixture-of-experts model's MLP is its experts: they take no adapters)" if cfg.num_experts else ""
+            raise ValueError(f"{where}: target module {mod!r} is unknown; LoRA serves {list(served)} of a {cfg.family} "
+                             f"model{moe}")  # fmt: skip
         if mod not in targets:
             raise ValueError(f"{where}: target module {mod!r} is not among the server's lora_target_modules {list(targets)}")
     weights = p / "adapter_model.safetensors"

@@ -1,0 +1,192 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral; model/layers/moe.py) against
+Hugging Face transformers on tiny random checkpoints: prefill logits, greedy tokens with a cached
+prefix, prompt logprobs chunked and not, the routed expert ids (routing replay) against the top-k
+of HF's router logits, tensor and expert parallelism over forced CPU devices, int8 experts, and
+what is refused (dense layers among sparse ones, adapters on expert weights)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.runtime.executor import ModelExecutor
+from tests.hf_ref import hf_greedy, hf_logits, hf_model
+from tests.model.test_hf_parity import (
+    CFG,
+    check_prompt_logprobs,
+    greedy_with_cached_prefix,
+    prompts_with_shared_prefix,
+)
+
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def executors(tiny_dir):
+    """One executor per (family, layer loop), shared by the tests below (each writes fresh pages)."""
+    made: dict = {}
+
+    def get(family: str, loop: str = "unrolled") -> ModelExecutor:
+        if (family, loop) not in made:
+            cfg = dataclasses.replace(CFG, layer_loop=loop, top_logprobs_num=3, token_ids_logprob_num=4)
+            made[family, loop] = ModelExecutor(tiny_dir(family), cfg)
+        return made[family, loop]
+
+    return get
+
+
+def routed_ids(ex: ModelExecutor, prompt: list[int]) -> np.ndarray:
+    """The decoder's routed expert ids [len(prompt), M, k] of one prompt's prefill
+    (model/layers/decoder.py: `forward(routed=True)`)."""
+    hb = ex.prepare([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 5, dtype=np.int32))])
+    fb = jax.device_put(hb.forward)
+
+    @jax.jit
+    def run(params, kv, fb):
+        return ex.model.forward(params, fb.input_ids, fb, kv, routed=True)[2]
+
+    out = np.asarray(run(ex.params, ex.kv_pool.kv, fb))
+    assert out.shape[1:] == ex.model.routed_shape and out.dtype == np.int32
+    return out[: len(prompt)]
+
+
+def hf_routed(path, prompt: list[int], k: int) -> np.ndarray:
+    """The top-k of HF's router logits [len(prompt), L, k] (`output_router_logits=True`),
+    largest first (softmax preserves the order)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(str(path))(torch.tensor([prompt]), output_router_logits=True)
+    return np.stack([torch.topk(r, k, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
+
+
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+@pytest.mark.parametrize("family", MOE)
+def test_prefill_logits_and_routed_experts_match_hf(tiny_dir, executors, family, loop):
+    """Last-token logits within f32 error of HF's (1e-5 of the logit scale), and every token's
+    routed experts at every layer equal the top-k of HF's router logits, in its order."""
+    path, ex = tiny_dir(family), executors(family, loop)
+    assert (list(ex.params["layers"]) == list(range(4))) == (loop == "unrolled")
+    prompt = np.random.default_rng(7).integers(3, 2000, 45).tolist()
+    got = routed_ids(ex, prompt)
+    ours, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(5, 9, dtype=np.int32))])
+    ref = hf_logits(path, prompt)[-1]
+    assert np.abs(ours[0] - ref).max() <= 1e-5 * np.abs(ref).max()
+    want = hf_routed(path, prompt, ex.model_config.num_experts_per_tok)
+    assert got.shape == want.shape == (45, 4, 2)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) == ex.model_config.num_experts, "the router should use every expert"
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_greedy_matches_hf_with_cached_prefix(tiny_dir, executors, family):
+    path, ex = tiny_dir(family), executors(family)
+    prompts = prompts_with_shared_prefix(32, [1, 7, 40, 90])
+    ours = greedy_with_cached_prefix(ex, prompts, 32, 24)
+    ref = hf_greedy(path, prompts, 24)
+    assert ours == ref
+    assert all(len(set(r)) > 3 for r in ref), "degenerate reference: the test would prove little"
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_prompt_logprobs_match_hf_chunked_and_not(tiny_dir, executors, family):
+    path, ex = tiny_dir(family), executors(family, "scan")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (45, 70)]
+    for chunk in (16, None):
+        check_prompt_logprobs(path, ex, prompts, chunk)
+
+
+def test_dense_families_route_nothing(tiny_dir):
+    """A dense family's `routed=True` ids are [T, 0, 0] (the decoder's contract)."""
+    ex = ModelExecutor(tiny_dir("qwen3"), CFG)
+    assert ex.model.routed_shape == (0, 0)
+    assert routed_ids(ex, [5, 6, 7]).shape == (3, 0, 0)
+
+
+def test_int8_experts(tiny_dir, executors):
+    """quantization="int8": the experts' weights int8 [E, out, in] with a scale [E, out] (as a
+    dense projection's), the router left in float; logits within int8's error of f32's."""
+    path = tiny_dir("qwen3_moe")
+    ex = ModelExecutor(path, dataclasses.replace(CFG, quantization="int8", layer_loop="scan"))
+    experts = ex.params["layers"]["mlp"]["experts"]  # stacked: [L, E, ...]
+    assert experts["gate_proj"]["weight"].dtype == np.int8
+    assert experts["gate_proj"]["weight"].shape == (4, 8, 128, 256)
+    assert experts["down_proj"]["scale"].shape == (4, 8, 256)
+    assert ex.params["layers"]["mlp"]["gate"]["weight"].dtype == np.float32
+    prompt = np.random.default_rng(7).integers(3, 2000, 30).tolist()
+    ours, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 3, dtype=np.int32))])
+    ref = hf_logits(path, prompt)[-1]
+    assert 0 < np.abs(ours[0] - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_dense_layers_among_sparse_ones_are_refused():
+    from ringserve.model.families import parse_config
+
+    base = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16)  # fmt: skip
+    assert parse_config(base).moe_layers == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match=r"layers \[1\] have dense MLPs"):
+        parse_config(base | {"mlp_only_layers": [1]})
+    with pytest.raises(ValueError, match=r"layers \[0, 2\] have dense MLPs .*decoder_sparse_step=2"):
+        parse_config(base | {"decoder_sparse_step": 2})
+    with pytest.raises(ValueError, match="num_experts_per_tok <= num_experts"):
+        parse_config(base | {"num_experts_per_tok": 5})
+
+
+def test_adapters_on_expert_weights_are_refused(tiny_dir, tmp_path):
+    """LoRA on a MoE family: attention projections only; an adapter (or a server's targets)
+    naming the MLP's projections is refused, saying the experts take none."""
+    from ringserve.model.checkpoints.peft import read_adapter
+    from ringserve.model.families import FAMILIES, read_config
+
+    cfg = read_config(tiny_dir("mixtral"))
+    with pytest.raises(ValueError, match="its experts', which take no adapters"):
+        FAMILIES["mixtral"].module_dims(cfg, "gate_proj")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "up_proj"]}))  # fmt: skip
+    with pytest.raises(ValueError, match="target module 'up_proj' is unknown.*experts: they take no adapters"):
+        read_adapter(tmp_path, cfg, 8, ("q_proj", "up_proj"))
+
+
+PARALLEL_SCRIPT = r"""
+import json, sys
+import jax
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
+path, tp, ep, loop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,
+                     ep_size=ep, precompile=False, layer_loop=loop)
+ex = ModelExecutor(path, cfg)
+prompts = prompts_with_shared_prefix(32, [3, 20, 50])
+layers = ex.params["layers"] if loop == "scan" else ex.params["layers"][0]
+spec = repr(tuple(layers["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec))
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 12), "experts": spec}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_tensor_and_expert_parallel_match_hf(tiny_dir, family):
+    """tp 2 (experts on every device) and ep 2 (the experts split over the two devices, attention
+    tensor-parallel), scanned and unrolled, give HF's greedy tokens."""
+    path = str(tiny_dir(family))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    want = hf_greedy(path, prompts_with_shared_prefix(32, [3, 20, 50]), 12)
+    for tp, ep, loop in ((2, 1, "unrolled"), (2, 2, "unrolled"), (2, 2, "scan")):
+        r = subprocess.run([sys.executable, "-c", PARALLEL_SCRIPT, path, str(tp), str(ep), loop], env=env,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["tokens"] == want, (tp, ep, loop)
+        split = "('tp', None, None)" if loop == "unrolled" else "(None, 'tp', None, None)"
+        assert got["experts"] == (split if ep == 2 else "()"), (tp, ep, loop, got["experts"])
