@@ -202,6 +202,10 @@ class ParallelOptions(_Section):
     """Parallelism: tensor, data, many hosts (SGLang's names; every host runs the same command but --node-rank)."""
 
     tp_size: int = _opt(1, "tensor-parallel devices (the `tp` mesh axis); with nnodes > 1, of every host together")
+    ep_size: int = _opt(
+        1, "expert-parallel devices of mixture-of-experts models: 1 (every device holds every expert) or tp_size "
+        "(the experts split over the tp devices, attention still tensor-parallel)"
+    )
     dp_size: int = _opt(
         1, "data-parallel groups on this host: independent scheduler + runner + detokenizer each, on tp_size devices "
         "of its own (dp_size * tp_size devices in all)"
@@ -312,6 +316,7 @@ class ServerArgs:
                 if choices is not None:
                     need(v in choices, f"{f.name}={v!r}: choose one of {list(choices)}")
         need(self.tp_size >= 1, f"tp_size={self.tp_size}: must be >= 1")
+        need(self.ep_size in (1, self.tp_size), f"ep_size={self.ep_size}: must be 1 or tp_size={self.tp_size}")
         need(1 <= self.dp_size <= 64, f"dp_size={self.dp_size}: must be in [1, 64]")
         need(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,

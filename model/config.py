@@ -46,6 +46,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # dtype the checkpoint was saved in
+    # mixture of experts (model/layers/moe.py; 0 experts: dense MLPs). Every layer's MLP is sparse
+    # where num_experts > 0 (a family refuses a config.json mixing dense layers in)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # the top-k probabilities renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     @property
     def q_size(self) -> int:
@@ -54,6 +61,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose MLP is a mixture of experts (model/layers/moe.py), in order:
+        the layers whose routed expert ids `Decoder.__call__(routed=True)` returns."""
+        return tuple(range(self.num_layers)) if self.num_experts else ()
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

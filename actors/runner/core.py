@@ -35,6 +35,7 @@ def executor_config(args) -> ExecutorConfig:
         compute=args.compute,
         shapes=args.program_shapes,
         tp_size=args.tp_size,
+        ep_size=args.ep_size,
         precompile=args.precompile,
         background_compile=args.background_compile,
         lora_slots=lora.max_loras_per_batch + 1 if lora.enable_lora else 0,

@@ -11,6 +11,7 @@ which a plain jit of sharded matmuls fails to type-check). Megatron-style layout
     lm_head                    weight [H, V]     vocab-parallel   (None, "tp")
     embed_tokens, norms                          replicated       ()
     stacked layers (scan)      [L, ...]          the same, after a None: the layer axis is never split
+    experts (ep_size = tp)     [E, ...]          split by expert  ("tp", None, None)  (ep_split)
     KV cache                   split by KV head (model/compute/attention/base.py)
 
 A dimension that `tp` does not divide (e.g. 2 KV heads on 4 devices) stays replicated: the
@@ -61,6 +62,15 @@ def tp_split(ndim: int, axis: int, units: int, tp: int) -> tuple[str | None, ...
     if tp == 1 or units % tp:
         return ()
     return tuple("tp" if i == axis else None for i in range(ndim))
+
+
+def ep_split(ndim: int, experts: int, ep: int) -> tuple[str | None, ...]:
+    """The `out_sharding` of an expert weight [E, ...] split over the `tp` devices by expert
+    (expert parallelism, `ep_size`: each device holds E / ep experts whole) when ep divides E;
+    otherwise () -- every device holds every expert."""
+    if ep == 1 or experts % ep:
+        return ()
+    return ("tp",) + (None,) * (ndim - 1)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -11,6 +11,8 @@ counts them):
     norm, block_norm     how RMSNorm computes (model/compute/norm.py): the blocks' residual norms
                          through cpu_norm's kernel where bf16 runs on the kernel dots
     layer_loop           one scan over stacked weights, or unrolled
+    grouped, ep          mixture-of-experts layers' grouped matmul (model/compute/grouped.py:
+                         ragged_dot, megablox on TPU) and the devices the experts are split over
     kernels              the CPU custom calls its programs may call (built side by side at
                          start-up, registered before a program is read back from disk)
     the rest             logits' product order, RoPE tables, the sampler's and prompt logprobs'
@@ -29,6 +31,7 @@ from typing import Any
 
 from ringserve.model.compute.attention import DETERMINISTIC, REGISTRY
 from ringserve.model.compute.dots import INVARIANT_ROWS, Dot, kernel_rows
+from ringserve.model.compute.grouped import GroupedDot, resolve_grouped
 from ringserve.model.compute.norm import Norm
 from ringserve.model.compute.options import ComputeOptions
 from ringserve.model.compute.platform import platform_of
@@ -43,11 +46,13 @@ class ComputePlan:
     options: ComputeOptions = ComputeOptions()
     platform: str = "cpu"
     tp: int = 1
+    ep: int = 1  # devices the experts are split over (1 or tp; model/compute/mesh.py ep_split)
     attention: str = "native"
     dot: Dot = Dot()
     norm: Norm = Norm()  # every RMSNorm but the blocks' residual ones (final, q/k)
     block_norm: Norm = Norm()  # a block's input and post-attention norms
     layer_loop: str = "scan"
+    grouped: GroupedDot = GroupedDot()  # the experts' grouped matmul (model/compute/grouped.py)
     vocab_major_logits: bool = False  # logits as [V, H] x [H, S] (XLA:CPU's faster form for a few rows)
     rope_table_positions: int | None = None  # RoPE's cos and sin gathered from host-made tables of this span
     sample_group: int | None = None  # extend programs sample their rows this many at a time (None: all)
@@ -112,12 +117,14 @@ class ComputePlan:
     # ---- resolution -------------------------------------------------------------------------
     @classmethod
     def resolve(cls, opts: ComputeOptions, platform: str, tp: int = 1, devices: int = 1,
-                rope_positions: int | None = None) -> ComputePlan:  # fmt: skip
+                rope_positions: int | None = None, ep: int = 1) -> ComputePlan:  # fmt: skip
         """The plan for `opts` on `platform` (a JAX platform name) over `tp` devices of `devices`
         in this process; `rope_positions`: the KV pages' whole span. Raises ValueError naming an
         option this platform cannot honour."""
         platform = platform_of(platform)
         cpu = platform == "cpu"
+        if ep not in (1, tp):
+            raise ValueError(f"ep_size={ep}: must be 1 or tp_size={tp} (the experts split over the tp devices)")
         if cpu:
             prebuild_kernels(opts, tp)
         attention = resolve_backend(opts.attention_backend, platform, opts.attention_interpret, tp)
@@ -132,8 +139,9 @@ class ComputePlan:
         norm = Norm(invariant=opts.deterministic)
         block_norm = dataclasses.replace(norm, kernel=norm_kernel(opts, tp, dot))
         return cls(
-            options=opts, platform=platform, tp=tp, attention=attention, dot=dot, norm=norm, block_norm=block_norm,
+            options=opts, platform=platform, tp=tp, ep=ep, attention=attention, dot=dot, norm=norm, block_norm=block_norm,
             layer_loop=resolve_layer_loop(opts.layer_loop, platform, name),
+            grouped=resolve_grouped(platform),
             vocab_major_logits=cpu and name in ("xla", "kernel") and opts.quantization is None,
             rope_table_positions=rope_positions if cpu else None,
             sample_group=16 if cpu else None,

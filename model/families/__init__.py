@@ -14,10 +14,13 @@ from typing import Any
 from ringserve.model.config import ModelConfig
 from ringserve.model.families.base import Family
 from ringserve.model.families.llama import LLAMA, MISTRAL
+from ringserve.model.families.mixtral import MIXTRAL
 from ringserve.model.families.qwen2 import QWEN2
+from ringserve.model.families.qwen2_moe import QWEN2_MOE
 from ringserve.model.families.qwen3 import QWEN3
+from ringserve.model.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL)}
 ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES.values() for a in f.architectures}
 
 

@@ -33,6 +33,8 @@ class Placement:
     layer: int | None  # decoder layer (None: not a layer's); see `state_path`
     transpose: bool  # HF [out, in] -> ours [in, out]
     hf_shape: tuple[int, ...]  # the shape the checkpoint must have (from config.json)
+    expert: int | None = None  # one expert's tensor: index `expert` of the leaf's expert axis [.., E, ...]
+    experts: int = 0  # E, the length of that axis (the leaf's expert axis follows the layer's)
 
     def state_path(self, stacked: bool) -> tuple[Any, ...]:
         """Keys from the root of the state: per-layer layout ("layers", l, ...); the stacked one
@@ -43,6 +45,17 @@ class Placement:
 
 
 LayerTensors = dict[str, tuple[bool, tuple[int, ...]]]  # HF name after "model.layers.N." -> (transpose, HF shape)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoeTensor:
+    """A mixture-of-experts layer's HF tensor (after "model.layers.N."; "{e}" in a per-expert
+    name is the expert's index) and its place in the layer's modules (model/layers/moe.py): the
+    E per-expert tensors of a name are one leaf [E, ...] (stacked: [L, E, ...])."""
+
+    path: tuple[str, ...]  # e.g. ("mlp", "experts", "gate_proj", "weight")
+    transpose: bool
+    hf_shape: tuple[int, ...]  # one expert's, for a per-expert name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +97,7 @@ class Family:
     layer_tensors: Callable[[ModelConfig], LayerTensors]  # in init order (make-tiny-model draws them so)
     tiny: Tiny
     gguf: GGUFNames | None = None
+    moe_tensors: Callable[[ModelConfig], dict[str, MoeTensor]] | None = None  # a MoE family's own tensors
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     quantized: frozenset[str] = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                            "down_proj", "lm_head", "embed_tokens"})  # fmt: skip
@@ -111,6 +125,11 @@ class Family:
         for layer in range(cfg.num_layers):
             for suffix, (transpose, shape) in self.layer_tensors(cfg).items():
                 out[f"model.layers.{layer}.{suffix}"] = Placement(("layers", *suffix.split(".")), layer, transpose, shape)
+            for name, t in (self.moe_tensors(cfg) if self.moe_tensors else {}).items():
+                experts = range(cfg.num_experts) if "{e}" in name else [None]
+                for e in experts:
+                    out[f"model.layers.{layer}.{name.format(e=e)}"] = Placement(
+                        ("layers", *t.path), layer, t.transpose, t.hf_shape, e, cfg.num_experts if e is not None else 0)
         out["model.norm.weight"] = Placement(("norm", "weight"), None, False, (h,))
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = Placement(("lm_head", "weight"), None, True, (v, h))
@@ -129,7 +148,8 @@ class Family:
     def capabilities(self) -> dict[str, Any]:
         """What `ringserve models` prints of it."""
         return {"tp": self.tp, "lora": bool(self.lora_modules), "int8": bool(self.quantized),
-                "gguf": self.gguf.arch if self.gguf else None, "attention": list(self.attention)}  # fmt: skip
+                "gguf": self.gguf.arch if self.gguf else None, "attention": list(self.attention),
+                "moe": self.moe_tensors is not None}  # fmt: skip
 
 
 def llama_layer_tensors(cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False) -> LayerTensors:
@@ -180,3 +200,63 @@ GGUF_LLAMA_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+
+# ---- mixture of experts (model/layers/moe.py): what Qwen3-MoE, Qwen2-MoE and Mixtral share ----
+def moe_options(d: dict[str, Any], source: str, *, experts: str = "num_experts", size: str = "moe_intermediate_size",
+                norm_topk: bool | None = None) -> dict[str, Any]:  # fmt: skip
+    """The ModelConfig fields of a MoE config.json (`experts`, `size`: its field names of the
+    expert count and each expert's intermediate size; `norm_topk`: fixed by the family, else
+    `norm_topk_prob`). Every layer's MLP must be sparse: `mlp_only_layers` and a
+    `decoder_sparse_step` leaving dense layers among them are refused (ValueError)."""
+    # transformers 5 writes either name (its configs map num_experts to num_local_experts)
+    e = int(d.get(experts) or d.get("num_local_experts") or d.get("num_experts") or 0)
+    k = int(d.get("num_experts_per_tok") or 0)
+    if e < 1 or not 1 <= k <= e:
+        raise ValueError(f"{source}: {experts}={e}, num_experts_per_tok={k}: need 1 <= num_experts_per_tok <= {experts}")
+    layers = int(d.get("num_hidden_layers") or 0)
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = sorted(set(d.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
+    if dense:
+        raise ValueError(f"{source}: layers {dense[:8]} have dense MLPs (mlp_only_layers / decoder_sparse_step="
+                         f"{step}); ringserve serves MoE models whose every layer is sparse")  # fmt: skip
+    if size not in d:
+        raise ValueError(f"{source}: missing required field {size!r}")
+    return {"num_experts": e, "num_experts_per_tok": k, "moe_intermediate_size": int(d[size]),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)) if norm_topk is None else norm_topk,
+            "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 0)}  # fmt: skip
+
+
+def moe_layer_tensors(cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False) -> LayerTensors:
+    """A MoE layer's dense tensors: a PreNormBlock's less its MLP (the MLP's: `moe_tensors`)."""
+    return {k: v for k, v in llama_layer_tensors(cfg, bias=bias, qk_norm=qk_norm).items() if not k.startswith("mlp.")}
+
+
+def moe_tensors(cfg: ModelConfig, *, prefix: str = "mlp", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                shared: bool = False) -> dict[str, MoeTensor]:  # fmt: skip
+    """The router and expert tensors of a MoE layer (model/layers/moe.py `SparseMoe`) under HF's
+    `prefix` ("mlp"; Mixtral's "block_sparse_moe") with HF's names of the experts' gate, up and
+    down projections (Mixtral's w1, w3, w2); `shared`: Qwen2-MoE's shared expert and its gate."""
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    out = {f"{prefix}.gate.weight": MoeTensor(("mlp", "gate", "weight"), True, (e, h))}
+    for hf, ours, shape in zip(names, ("gate_proj", "up_proj", "down_proj"), ((i, h), (i, h), (h, i)), strict=True):
+        out[f"{prefix}.experts.{{e}}.{hf}.weight"] = MoeTensor(("mlp", "experts", ours, "weight"), True, shape)
+    if shared:
+        s = cfg.shared_expert_intermediate_size
+        for name, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+            out[f"mlp.shared_expert.{name}.weight"] = MoeTensor(("mlp", "shared_expert", name, "weight"), True, shape)
+        out["mlp.shared_expert_gate.weight"] = MoeTensor(("mlp", "shared_expert_gate", "weight"), True, (1, h))
+    return out
+
+
+def moe_decoder(cfg: ModelConfig, plan: Any, backend: Any, *, bias: bool = False, qk_norm: bool = False,
+                shared: bool = False) -> Any:  # fmt: skip
+    """The Decoder of MoeBlocks (model/layers/moe.py) with the attention options given."""
+    from ringserve.model.layers.decoder import Decoder
+    from ringserve.model.layers.moe import MoeBlock
+
+    return Decoder(cfg, plan, lambda: MoeBlock(cfg, plan, backend, bias=bias, qk_norm=qk_norm, shared=shared))
+
+
+# adapters train attention alone on MoE families (experts' adapters are refused: model/checkpoints/peft.py)
+MOE_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")

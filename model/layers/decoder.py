@@ -18,6 +18,20 @@ attention module holds). Two layouts of the layers (the plan's `layer_loop`, mod
     "unrolled"  an nnx.List of L blocks, each layer's weights in buffers of their own,
                 traced one after another (CPU with XLA's dot alone)
 
+Routing replay (mixture-of-experts families, model/layers/moe.py): `Decoder.__call__(...,
+routed=True)` (and `CausalLM.forward`) returns a third value, the expert ids each MoE layer routed
+each token to, as the forward used them:
+
+    routed   int32 [T, M, k]   T: the step's tokens (the rows of h), in h's order
+                               M: the MoE layers, `cfg.moe_layers` in order (M = 0: a dense family)
+                               k: `cfg.num_experts_per_tok`, in the router's order (largest
+                                  probability first, as torch.topk orders them)
+    `CausalLM.routed_shape` is (M, k) without tracing. Padded tokens carry ids too (ignore them).
+
+A block whose MLP routes (model/layers/moe.py `MoeBlock`) returns (x, kv, ids [T, k]); every
+other block returns (x, kv). The scanned loop stacks the ids as the scan's ys; unrolled, they are
+stacked after the loop; routed=False leaves them to XLA's dead-code elimination.
+
 Every compiled program takes the Decoder's state (model/weights/state.py) as its first argument
 and rebuilds the module inside the trace (`CausalLM.forward` / `logits`: `nnx.merge`), so jit
 sees pytrees of arrays and new weights of the same shapes and shardings never recompile.
@@ -40,7 +54,7 @@ from ringserve.model.layers.lora import LayerLora, LoraBatch, token_slots
 from ringserve.model.layers.norm import RMSNorm
 from ringserve.model.layers.rope import rope_tables
 
-Block = Callable[[], nnx.Module]  # one decoder layer: (x, cos, sin, kv, layer, fb, lora) -> (x, kv)
+Block = Callable[[], nnx.Module]  # one decoder layer: (x, cos, sin, kv, layer, fb, lora) -> (x, kv[, routed ids])
 
 
 class Decoder(nnx.Module):
@@ -68,9 +82,11 @@ class Decoder(nnx.Module):
         self.lora_gather = plan.lora_gather  # the adapters' product in its gather form (model/layers/lora.py)
         self.rope_table_positions = plan.rope_table_positions  # RoPE from host-made tables (rope.py rope_tables)
 
-    def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
+    def __call__(self, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None,
+                 routed: bool = False) -> tuple[Any, ...]:  # fmt: skip
         """Final hidden states [T, H] of the step's tokens, and the updated KV cache. `lora`:
-        each row's adapter slot and the adapter pool (model/layers/lora.py), when adapters are served."""
+        each row's adapter slot and the adapter pool (model/layers/lora.py), when adapters are served.
+        `routed`: also each MoE layer's expert ids, int32 [T, M, k] (the module docstring)."""
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
         cos, sin = rope_tables(fb.positions, inv_freq, self.rope_table_positions)
         x = self.embed_tokens(ids)
@@ -81,9 +97,12 @@ class Decoder(nnx.Module):
                 return None
             return LayerLora(pool_layer, tok_slot, lora.weights["scale"], self.lora_gather)
 
+        routes: list[jax.Array] = []  # each MoE layer's ids [T, k], in layer order
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):  # i: a Python int, static in each layer's graph
-                x, kv = layer(x, cos, sin, kv, i, fb, layer_lora(lora.weights["layers"][i] if lora is not None else None))
+                x, kv, *r = layer(x, cos, sin, kv, i, fb, layer_lora(lora.weights["layers"][i] if lora is not None else None))
+                routes += r
+            stacked_routes = jnp.stack(routes, axis=1) if routes else None
         else:
             # With CPU's custom-call dots (ringserve's kernel, oneDNN) the projections' weights
             # stay whole: the call reads layer i's in place from the stack (dots.py `Dot`),
@@ -96,11 +115,18 @@ class Decoder(nnx.Module):
             def body(carry, xs):
                 x, kv, i = carry
                 state, pool_layer = xs
-                x, kv = nnx.merge(graphdef, whole, state)(x, cos, sin, kv, i, fb, layer_lora(pool_layer))
-                return (x, kv, i + 1), None
+                x, kv, *r = nnx.merge(graphdef, whole, state)(x, cos, sin, kv, i, fb, layer_lora(pool_layer))
+                return (x, kv, i + 1), (r[0] if r else None)
 
-            (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), (stacked, pool), unroll=self.layer_unroll)
-        return self.norm(x), kv
+            (x, kv, _), ys = jax.lax.scan(body, (x, kv, jnp.int32(0)), (stacked, pool), unroll=self.layer_unroll)
+            stacked_routes = None if ys is None else jnp.swapaxes(ys, 0, 1)  # [L, T, k] -> [T, L, k]
+        if not routed:
+            return self.norm(x), kv
+        m, k = len(self.cfg.moe_layers), self.cfg.num_experts_per_tok if self.cfg.moe_layers else 0
+        if stacked_routes is None:
+            stacked_routes = jnp.zeros((ids.shape[0], m, k), jnp.int32)
+        assert stacked_routes.shape == (ids.shape[0], m, k), "a block routed other than cfg.moe_layers says"
+        return self.norm(x), kv, stacked_routes
 
     def logits(self, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H] (tied checkpoints reuse the embedding)."""
@@ -118,8 +144,9 @@ class Decoder(nnx.Module):
 
 
 def _stack_read_in_place(path: tuple, _value: Any) -> bool:
-    """A projection's weight or int8 scale (a Linear's: q/k/v/o, gate/up/down `_proj`)."""
-    return len(path) >= 2 and str(path[-2]).endswith("_proj") and path[-1] in ("weight", "scale")
+    """A projection's weight or int8 scale (a Linear's: q/k/v/o, gate/up/down `_proj`; not the
+    experts' of a MoE layer, whose grouped matmul multiplies the scan's slice)."""
+    return len(path) >= 2 and str(path[-2]).endswith("_proj") and path[-1] in ("weight", "scale") and "experts" not in path
 
 
 class CausalLM:
@@ -147,9 +174,18 @@ class CausalLM:
         """The Decoder over `params` (inside a trace: over its tracers)."""
         return nnx.merge(self.graphdef, params)
 
-    def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
-        """Final hidden states [T, H] of the step's tokens, and the updated KV cache."""
-        return self.bind(params)(ids, fb, kv, lora)
+    def forward(self, params: dict, ids: jax.Array, fb: Any, kv: Any, lora: LoraBatch | None = None,
+                routed: bool = False) -> tuple[Any, ...]:  # fmt: skip
+        """Final hidden states [T, H] of the step's tokens, and the updated KV cache; `routed`:
+        also the MoE layers' expert ids, int32 [T, M, k] (the module docstring)."""
+        return self.bind(params)(ids, fb, kv, lora, routed)
+
+    @property
+    def routed_shape(self) -> tuple[int, int]:
+        """(M, k) of `forward(routed=True)`'s ids [T, M, k]: MoE layers, experts per token
+        ((0, 0) for a dense family)."""
+        m = len(self.cfg.moe_layers)
+        return m, self.cfg.num_experts_per_tok if m else 0
 
     def logits(self, params: dict, h: jax.Array) -> jax.Array:
         """f32 logits [S, V] of hidden states h [S, H]."""

@@ -80,6 +80,7 @@ class ExecutorConfig:
     compute: ComputeOptions = ComputeOptions()
     shapes: ProgramShapes = ProgramShapes()
     tp_size: int = 1
+    ep_size: int = 1  # mixture-of-experts: the experts split over the tp devices (1 or tp_size)
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # serve once a covering set is compiled; the rest on a thread
     lora_slots: int = 0  # LoRA adapter pool slots incl. the empty slot 0 (max_loras_per_batch + 1); 0 = off
@@ -112,7 +113,7 @@ class ModelExecutor:
         # how this platform computes, decided once (model/compute/plan.py): on CPU its kernels start
         # building side by side as it resolves, while the checkpoint below is memory-mapped
         self.plan = ComputePlan.resolve(cfg.compute, jax.devices()[0].platform, cfg.tp_size, self.mesh.size,
-                                        rope_positions=shapes.max_pages * shapes.page_size)  # fmt: skip
+                                        rope_positions=shapes.max_pages * shapes.page_size, ep=cfg.ep_size)  # fmt: skip
         plan = self.plan
         self.model_config, tensors = load_checkpoint(model_path)
         mc = self.model_config

@@ -81,6 +81,8 @@ class DeviceStateBuilder:
         spec = (*leaf.sharding.spec, *(None,) * (len(leaf.shape) - len(leaf.sharding.spec)))
         if place.layer is not None and self.stacked:
             spec = spec[1:]  # the layer axis (never split)
+        if place.expert is not None:
+            spec = spec[1:]  # the expert axis (one expert's tensor)
         if place.transpose and not self._quantized(place):  # (int8 is kept in the HF layout)
             spec = spec[::-1]
         return NamedSharding(self.mesh, PartitionSpec(*spec))
@@ -89,6 +91,7 @@ class DeviceStateBuilder:
         """The walk, traced: `build_host_state`'s values, in jnp."""
         tree: Tree = {}
         stacks: dict[tuple[Any, ...], dict[int, jax.Array]] = {}
+        experts: dict[tuple[Any, ...], dict[int, jax.Array]] = {}  # (leaf path, layer) -> expert -> tensor
         for name, place in self.layout.items():
             *parents, key = place.path
             src = inputs[name]
@@ -99,12 +102,20 @@ class DeviceStateBuilder:
                 leaves = {key: (src.T if place.transpose else src).astype(self.dtype)}
             for k, a in leaves.items():
                 path = (*parents, k)
-                if place.layer is None:
+                if place.expert is not None:
+                    experts.setdefault((path, place.layer), {})[place.expert] = a
+                elif place.layer is None:
                     _put(tree, path, a)
                 elif self.stacked:
                     stacks.setdefault(path, {})[place.layer] = a
                 else:
                     _put(tree, (path[0], place.layer, *path[1:]), a)
+        for (path, layer), per_expert in experts.items():  # a layer's experts: one [E, ...] leaf
+            whole = jnp.stack([per_expert[e] for e in range(len(per_expert))])
+            if self.stacked:
+                stacks.setdefault(path, {})[layer] = whole
+            else:
+                _put(tree, (path[0], layer, *path[1:]), whole)
         for path, per_layer in stacks.items():
             _put(tree, path, jnp.stack([per_layer[layer] for layer in range(self.cfg.num_layers)]))
         return tree

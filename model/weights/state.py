@@ -100,8 +100,12 @@ def build_lazy_state(family: Family, cfg: ModelConfig, tensors: dict[str, np.nda
     dtype = np.dtype(dtype)
     tree: Tree = {}
     stacks: dict[tuple[str, ...], list[tuple[Placement, np.ndarray]]] = {}
+    experts: dict[tuple[Any, ...], list[tuple[Placement, np.ndarray]]] = {}  # one leaf's experts, in order
     for name, place in layout.items():
         shape = place.hf_shape[::-1] if place.transpose else place.hf_shape
+        if place.expert is not None:
+            experts.setdefault(place.state_path(stacked), []).append((place, tensors[name]))
+            continue
         if place.layer is not None and stacked:
             stacks.setdefault(place.path, []).append((place, tensors[name]))
             continue
@@ -128,6 +132,22 @@ def build_lazy_state(family: Family, cfg: ModelConfig, tensors: dict[str, np.nda
         for k in parents:
             node = node.setdefault(k, {})
         node[key] = LazyLeaf(shape, dtype, read)
+    for path, items in experts.items():
+        p0 = items[0][0]
+        e = p0.experts
+        grid = [items[i : i + e] for i in range(0, len(items), e)]  # [layers][experts] (stacked), else one row
+        shape = (*((len(grid),) if stacked else ()), e, *(p0.hf_shape[::-1] if p0.transpose else p0.hf_shape))
+
+        def read_experts(idx: tuple[slice, ...], grid=grid) -> np.ndarray:
+            if stacked:
+                return np.stack([np.stack([_read_one(p, a, idx[2:], dtype) for p, a in row[idx[1]]]) for row in grid[idx[0]]])
+            return np.stack([_read_one(p, a, idx[1:], dtype) for p, a in grid[0][idx[0]]])
+
+        *parents, key = path
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[key] = LazyLeaf(shape, dtype, read_experts)
     if quant:
         _quantize_lazy(tree, family.quantized)
     return tree
@@ -180,15 +200,13 @@ def build_host_state(family: Family, cfg: ModelConfig, tensors: dict[str, np.nda
     dtype = np.dtype(dtype)
     tree: Tree = {}
 
-    def put(node: Tree, key: str, layer: int | None, a: np.ndarray, dt) -> None:
-        if layer is None:
-            node[key] = scratch(a.shape, dt)
-            dst = node[key]
-        else:
-            if key not in node:
-                node[key] = scratch((cfg.num_layers, *a.shape), dt)
-            dst = node[key][layer]
-        np.copyto(dst, a, casting="unsafe")
+    def put(node: Tree, key: str, place: Placement, a: np.ndarray, dt) -> None:
+        # a layer's tensor is index `layer` of an [L, ...] stack; an expert's, [L, E, ...]
+        lead = (() if place.layer is None else (cfg.num_layers,)) + (() if place.expert is None else (place.experts,))
+        if key not in node:
+            node[key] = scratch((*lead, *a.shape), dt)
+        at = tuple(i for i in (place.layer, place.expert) if i is not None)
+        np.copyto(node[key][at], a, casting="unsafe")
 
     for name, place in layout.items():
         *parents, key = place.path
@@ -198,10 +216,10 @@ def build_host_state(family: Family, cfg: ModelConfig, tensors: dict[str, np.nda
         src = np.asarray(tensors[name])
         if quant and key == "weight" and parents and parents[-1] in family.quantized:
             q, scale = quantize_int8(src, -1, dtype)
-            put(node, "weight", place.layer, q, np.int8)
-            put(node, "scale", place.layer, scale, np.float32)
+            put(node, "weight", place, q, np.int8)
+            put(node, "scale", place, scale, np.float32)
         else:
-            put(node, key, place.layer, src.T if place.transpose else src, dtype)
+            put(node, key, place, src.T if place.transpose else src, dtype)
     if not stacked:
         # per layer as views of the stacked arrays: one host allocation per weight name. Freed
         # per-layer arrays of a few MB stay in the process's heap (SmolLM2: 311 MB more RSS

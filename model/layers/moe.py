@@ -1,0 +1,125 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) and its decoder layer.
+
+    router   logits = x @ gate [H, E] (in the model's dtype), softmax in f32, top-k
+             (`norm_topk_prob`: the k probabilities renormalized to sum to 1), as HF's routers
+    experts  each token's k (token, expert) pairs sorted by expert, so each expert's rows are one
+             contiguous group; gate/up/down multiply as ragged groups (the plan's `grouped`,
+             model/compute/grouped.py: `jax.lax.ragged_dot`, megablox on TPU), never a dense
+             product over every expert; outputs put back in token order, weighted, summed over k
+    shared   Qwen2-MoE: a dense gated MLP beside them, scaled by sigmoid(x @ shared_expert_gate)
+
+    rows of the grouped product (T tokens, k = 2, sorted by expert id):
+        pair p = t * k + j  (token t's j-th choice)  --argsort(expert of p)-->  [e0 e0 e0 e1 e2 e2 ...]
+        group_sizes [E] = how many pairs chose each expert;  inverse permutation puts them back
+
+Expert weights are one leaf per projection, [E, in, out] ([L, E, in, out] stacked; int8: [E, out,
+in] + scale [E, out], model/weights/quant.py), loaded from HF's per-expert tensors
+(model/families/base.py `MoeTensor`). With expert parallelism the expert axis is split over the
+mesh's `tp` devices (model/compute/mesh.py `ep_split`): each device multiplies its own experts'
+groups and XLA's partitioner sums the devices' parts. `MoeBlock.__call__` returns the expert ids
+[T, k] for routing replay (model/layers/decoder.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ringserve.model.compute.grouped import GroupedDot
+from ringserve.model.compute.mesh import ep_split, tp_split
+from ringserve.model.config import ModelConfig
+from ringserve.model.layers.attention import Attention
+from ringserve.model.layers.linear import Linear, Sharding, param
+from ringserve.model.layers.lora import LayerLora
+from ringserve.model.layers.mlp import GatedMLP, silu
+from ringserve.model.layers.norm import RMSNorm
+
+
+class ExpertProj(nnx.Module):
+    """E experts' projections: weight [E, in, out]; int8: [E, out, in] (HF's layout) + scale [E, out]."""
+
+    def __init__(self, experts: int, n_in: int, n_out: int, dtype, sharding: Sharding, quant: str | None):
+        self.transposed = quant is not None
+        self.weight = param((experts, n_out, n_in) if quant else (experts, n_in, n_out), jnp.int8 if quant else dtype,
+                            sharding)  # fmt: skip
+        self.scale = param((experts, n_out), jnp.float32, sharding[:1] + (None,) * bool(sharding)) if quant else None
+
+    def __call__(self, xs: jax.Array, sizes: jax.Array, row_expert: jax.Array, grouped: GroupedDot) -> jax.Array:
+        """xs [P, in] (rows grouped by expert, `sizes` [E] of them each) -> [P, out]."""
+        w = self.weight[...]
+        if self.scale is None:
+            return grouped(xs, w, sizes)
+        y = grouped(xs, jnp.swapaxes(w, 1, 2).astype(xs.dtype), sizes, out_dtype=jnp.float32)
+        return (y * jnp.take(self.scale[...], row_expert, axis=0)).astype(xs.dtype)
+
+
+class Experts(nnx.Module):
+    """gate_proj, up_proj, down_proj of every expert (SwiGLU each)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Any):
+        e, h, i, dt, q = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, plan.jnp_dtype, plan.quant
+        split = ep_split(3, e, plan.ep)
+        self.gate_proj = ExpertProj(e, h, i, dt, split, q)
+        self.up_proj = ExpertProj(e, h, i, dt, split, q)
+        self.down_proj = ExpertProj(e, i, h, dt, split, q)
+
+
+class SparseMoe(nnx.Module):
+    """The router (`gate`), the experts and, where `shared`, Qwen2-MoE's shared expert and its gate."""
+
+    def __init__(self, cfg: ModelConfig, plan: Any, *, shared: bool = False):
+        h, e, dt, tp = cfg.hidden_size, cfg.num_experts, plan.jnp_dtype, plan.tp
+        self.gate = Linear(h, e, dt)  # the router: replicated, never int8 (HF's routing to the bit)
+        self.experts = Experts(cfg, plan)
+        i = cfg.shared_expert_intermediate_size
+        self.shared_expert = nnx.data(
+            GatedMLP(h, i, dt, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), plan.dot, plan.quant) if shared else None)
+        self.shared_expert_gate = nnx.data(Linear(h, 1, dt) if shared else None)
+        self.k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.grouped = plan.grouped
+
+    def __call__(self, x: jax.Array, layer: Any = None) -> tuple[jax.Array, jax.Array]:
+        """x [T, H] -> (the MoE output [T, H], each token's expert ids [T, k] int32)."""
+        t, k = x.shape[0], self.k
+        e = self.gate.weight.shape[-1]
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, k)  # [T, k], largest first (torch.topk's order)
+        if self.norm_topk:
+            top_p = top_p / top_p.sum(axis=-1, keepdims=True)
+        pair_expert = top_i.reshape(-1)  # pair p = t * k + j
+        order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert
+        row_expert = pair_expert[order]
+        sizes = jnp.bincount(pair_expert, length=e).astype(jnp.int32)
+        xs = jnp.take(x, order // k, axis=0)  # [T * k, H]
+        ex = self.experts
+        hidden = silu(ex.gate_proj(xs, sizes, row_expert, self.grouped)) * ex.up_proj(xs, sizes, row_expert, self.grouped)
+        ys = ex.down_proj(hidden, sizes, row_expert, self.grouped)  # [T * k, H], grouped
+        back = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # token order
+        out = jnp.einsum("tkh,tk->th", back.astype(jnp.float32), top_p)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            g = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+            out = out + g * self.shared_expert(x, None, layer).astype(jnp.float32)
+        return out.astype(x.dtype), top_i.astype(jnp.int32)
+
+
+class MoeBlock(nnx.Module):
+    """input_layernorm -> self_attn -> + residual -> post_attention_layernorm -> mlp (SparseMoe)
+    -> + residual: the Llama lineage's layer (model/layers/block.py) with a routed MLP. Returns
+    (x, kv, expert ids [T, k]) (model/layers/decoder.py, routing replay)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Any, backend: Any, *, bias: bool = False, qk_norm: bool = False,
+                 shared: bool = False):  # fmt: skip
+        h, eps, dt = cfg.hidden_size, cfg.rms_norm_eps, plan.jnp_dtype
+        self.input_layernorm = RMSNorm(h, eps, dt, plan.block_norm)
+        self.self_attn = Attention(cfg, plan, backend, bias=bias, qk_norm=qk_norm)
+        self.post_attention_layernorm = RMSNorm(h, eps, dt, plan.block_norm)
+        self.mlp = SparseMoe(cfg, plan, shared=shared)
+
+    def __call__(self, x, cos, sin, kv, layer, fb, lora: LayerLora | None = None) -> tuple[jax.Array, Any, jax.Array]:
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, fb, lora)
+        x, h = self.post_attention_layernorm.add(x, a)
+        y, ids = self.mlp(h, layer)
+        return x + y, kv, ids
