@@ -142,6 +142,11 @@ class OutputOptions(_Section):
         False, "requests may ask for return_hidden_states (the last layer's state at each position; every step "
         "program returns its tokens' states: compiled in)"
     )
+    enable_return_routed_experts: bool = _opt(
+        False, "requests may ask for return_routed_experts (routing replay: the expert ids each MoE layer routed "
+        "each position to, SGLang's meta_info['routed_experts']; every step program returns its tokens' ids: "
+        "compiled in; a model without MoE layers is refused)"
+    )
     stream_interval: int = _opt(1, "tokens between streamed chunks")
     incremental_streaming_output: bool = _opt(
         False, "streamed chunks of /generate, the Engine and the Client hold only what is new since the last "
@@ -488,6 +493,7 @@ class ServerArgs:
             verify_tokens=self.speculative_num_draft_tokens + 1 if self.speculative else 0,
             decode_steps=self.decode_steps, decode_steps_rows=self.decode_steps_max_batch,
             processed_logprobs=self.logprobs_mode == "processed_logprobs", hidden_states=self.enable_return_hidden_states,
+            routed_experts=self.enable_return_routed_experts,
         )  # fmt: skip
 
     @property

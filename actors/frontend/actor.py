@@ -92,7 +92,8 @@ class TokenizerManager:
         self.send_lock = threading.Lock()
         self.core = FrontendCore(tokenizer, num_draft_tokens=args.speculative_num_draft_tokens)
         self.limits = Limits(vocab_size, args.context_length, args.max_top_logprobs_num, bytes_per_token(tokenizer),
-                             args.max_token_ids_logprob, args.dp_size, args.enable_return_hidden_states)  # fmt: skip
+                             args.max_token_ids_logprob, args.dp_size, args.enable_return_hidden_states,
+                             args.enable_return_routed_experts)  # fmt: skip
         self.dispatcher = Dispatcher(args.dp_size, args.load_balance_method, args.page_size, args.num_pages)
         self.replies: list[collections.deque[Call]] = [collections.deque() for _ in range(args.dp_size)]
         self.held: asyncio.Event | None = None  # set while a weight update holds new requests (dp_size > 1)

@@ -192,6 +192,7 @@ class AsyncClient:
                        lora_path: str | list[str | None] | None = None,
                        data_parallel_rank: int | list[int | None] | None = None,
                  return_hidden_states: bool | list[bool] = False,
+                 return_routed_experts: bool | list[bool] = False, routed_experts_start_len: int | list[int] = 0,
                  cache_salt: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """As `Engine.generate`: a result (or a list), or with stream=True an async iterator of
         chunks (returned once the server accepted the requests)."""
@@ -200,6 +201,7 @@ class AsyncClient:
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
                             data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states,
+                            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
                             cache_salt=cache_salt)  # fmt: skip
         return await self._generate(args)
 
@@ -390,12 +392,14 @@ class Client:
                  lora_path: str | list[str | None] | None = None,
                  data_parallel_rank: int | list[int | None] | None = None,
                  return_hidden_states: bool | list[bool] = False,
+                 return_routed_experts: bool | list[bool] = False, routed_experts_start_len: int | list[int] = 0,
                  cache_salt: str | list[str | None] | None = None) -> Any:  # fmt: skip
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
                             data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states,
+                            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
                             cache_salt=cache_salt)  # fmt: skip
         out = self._lt.run(self._ac._generate(args))
         return self._iterate(out) if stream else out

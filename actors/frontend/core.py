@@ -24,7 +24,8 @@ speculative decoding SGLang's spec_* counters, and on the finish what the reques
 read back: "top_p_token_ids" / "top_p_token_offsets" (custom_params.return_top_p_token_ids:
 slime's fields, base64 of int32; token i drew from ids[offsets[i]:offsets[i + 1]]) and
 "hidden_states" (return_hidden_states: SGLang's, the prompt positions' as one list, then one
-per output token but the last). Times are the caller's `now` (seconds of
+per output token but the last) and "routed_experts" (return_routed_experts: SGLang's, base64
+of int32 [positions, MoE layers, top-k], actors/transport/routed.py). Times are the caller's `now` (seconds of
 time.perf_counter()), so the table is driven by hand in tests.
 """
 
@@ -36,11 +37,14 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
+
 from ringserve.actors.frontend.errors import EngineDead
 from ringserve.actors.frontend.inputs import RequestSpec
 from ringserve.actors.frontend.metrics import FrontendMetrics
 from ringserve.actors.frontend.sessions import Sessions
 from ringserve.actors.transport import messages as m
+from ringserve.actors.transport import routed
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -81,6 +85,7 @@ def generate_req(spec: RequestSpec, resume: m.Resume | None = None) -> m.Generat
         session_id=plan.session.id if plan is not None else None, logprob_start_len=spec.logprob_start_len,
         token_ids_logprob=m.i32(spec.token_ids_logprob) if spec.token_ids_logprob else b"", resume=resume,
         lora_path=spec.lora_path, return_hidden_states=spec.return_hidden_states, cache_salt=spec.cache_salt,
+        return_routed_experts=spec.return_routed_experts, routed_experts_start_len=spec.routed_experts_start_len,
     )  # fmt: skip
 
 
@@ -187,6 +192,9 @@ class FrontendCore:
         if o.hidden_dim:  # SGLang's: the prompt's positions as one list, then each output position's
             h = m.as_f32(o.hidden).reshape(-1, o.hidden_dim)
             st.meta["hidden_states"] = [h[: o.hidden_prompt].tolist(), *h[o.hidden_prompt :].tolist()]
+        if o.finished and st.spec.return_routed_experts:  # SGLang's: base64 of int32 [positions, M, k]
+            ids = np.frombuffer(o.routed, routed.dtype_of(o.routed_itemsize)) if o.routed_itemsize else np.zeros(0)
+            st.meta["routed_experts"] = routed.encode(ids)
         if o.spec_verify_ct:  # SGLang's names (slime reads them)
             k = self.num_draft_tokens
             st.meta.update(spec_verify_ct=o.spec_verify_ct, spec_accept_token_num=o.spec_accepted,

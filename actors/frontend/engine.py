@@ -128,6 +128,7 @@ class Engine:
                  lora_path: str | list[str | None] | None = None,
                  data_parallel_rank: int | list[int | None] | None = None,
                  return_hidden_states: bool | list[bool] = False,
+                 return_routed_experts: bool | list[bool] = False, routed_experts_start_len: int | list[int] = 0,
                  cache_salt: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """Generate for one prompt (a result dict) or many (a list, in order). stream=True returns
         an iterator of chunks with the text and ids so far (each with "index" when several
@@ -143,13 +144,18 @@ class Engine:
         `data_parallel_rank` (dp_size > 1) runs the request(s) in that group instead of the
         dispatcher's pick. `return_hidden_states` (a server started with
         enable_return_hidden_states): meta_info["hidden_states"], SGLang's: the last layer's state
-        at each prompt position (one list), then at each output token's but the last. `cache_salt`
+        at each prompt position (one list), then at each output token's but the last.
+        `return_routed_experts` (a MoE model served with enable_return_routed_experts):
+        meta_info["routed_experts"], SGLang's routing replay: base64 of int32 [positions, MoE
+        layers, top-k], the expert ids the forward routed positions [routed_experts_start_len,
+        prompt + output - 1) to (`ringserve.actors.transport.routed.decode`). `cache_salt`
         (vLLM's): the prefix cache is shared only among requests of equal salts."""
         args = GenerateArgs(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
                             data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states,
+                            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
                             cache_salt=cache_salt)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)
@@ -166,6 +172,7 @@ class Engine:
                              lora_path: str | list[str | None] | None = None,
                              data_parallel_rank: int | list[int | None] | None = None,
                  return_hidden_states: bool | list[bool] = False,
+                 return_routed_experts: bool | list[bool] = False, routed_experts_start_len: int | list[int] = 0,
                  cache_salt: str | list[str | None] | None = None) -> Any:  # fmt: skip
         """Like `generate`, on the caller's event loop: a result (or list), or with stream=True an
         async iterator of chunks. Cancelling the caller's task aborts its requests."""
@@ -174,6 +181,7 @@ class Engine:
                             session_params=session_params, logprob_start_len=logprob_start_len,
                             token_ids_logprob=token_ids_logprob, lora_path=lora_path,
                             data_parallel_rank=data_parallel_rank, return_hidden_states=return_hidden_states,
+                            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
                             cache_salt=cache_salt)  # fmt: skip
         fe = self.frontend
         specs, batched = fe.specs(args)

@@ -56,7 +56,7 @@ MAX_REQUEST_BYTES = 64 << 20
 MAX_PUSH_BUCKET_BYTES = 1 << 30  # data of one safetensors blob of a weight push (the server's one segment)
 _NOT_SUPPORTED = {  # SGLang /generate fields ringserve accepts only at their default
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
-    "custom_logit_processor": None, "return_routed_experts": False,
+    "custom_logit_processor": None,
     "background": False, "return_bytes": False, "return_entropy": False,
 }  # fmt: skip
 
@@ -78,7 +78,6 @@ class GenerateBody(GenerateArgs, forbid_unknown_fields=True):
     audio_data: Any = None
     input_embeds: Any = None
     custom_logit_processor: Any = None
-    return_routed_experts: bool = False
     # what SGLang's router always serializes (sgl-router's GenerateRequest): accepted and ignored as
     # SGLang ignores them, or served only at their default
     model: str | None = None

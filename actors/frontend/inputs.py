@@ -49,6 +49,10 @@ class GenerateArgs(msgspec.Struct, omit_defaults=True):
     lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (or one per prompt); None: base
     data_parallel_rank: int | list[int | None] | None = None  # the group to run in (dp_size > 1; None: dispatched)
     return_hidden_states: bool | list[bool] = False  # the last layer's states (needs enable_return_hidden_states)
+    # SGLang's routing replay (needs enable_return_routed_experts): meta_info["routed_experts"],
+    # the expert ids of positions [routed_experts_start_len, prompt + output - 1) (actors/transport/routed.py)
+    return_routed_experts: bool | list[bool] = False
+    routed_experts_start_len: int | list[int] = 0
     cache_salt: str | list[str | None] | None = None  # vLLM's: the prefix cache is shared only among equal salts
 
 
@@ -66,6 +70,7 @@ class Limits:
     max_token_ids_logprob: int = 16
     dp_size: int = 1  # data-parallel groups (a data_parallel_rank is checked against it)
     hidden_states: bool = False  # requests may ask for return_hidden_states (enable_return_hidden_states)
+    routed_experts: bool = False  # requests may ask for return_routed_experts (enable_return_routed_experts)
 
     def check_text(self, where: str, text: str) -> None:
         """ValueError if `text` certainly cannot fit the context, before it is tokenized: it is
@@ -97,12 +102,29 @@ class RequestSpec:
     data_parallel_rank: int | None = None  # the caller's group for it (None: the dispatcher picks)
     sample_of: str | None = None  # one of n > 1 samples of this request id (they share one group)
     return_hidden_states: bool = False  # the last layer's states at its positions are read back
+    return_routed_experts: bool = False  # its positions' routed experts are read back
+    routed_experts_start_len: int = 0  # from this position
     cache_salt: str | None = None  # its prefix cache namespace's salt (None: the common one)
 
     @property
     def seed(self) -> int:
         assert self.sampling.sampling_seed is not None
         return self.sampling.sampling_seed
+
+
+def _routed_experts(args: GenerateArgs, n: int, limits: Limits, session: bool) -> tuple[list[bool], list[int]]:
+    """return_routed_experts and routed_experts_start_len, one per prompt, checked."""
+    routed = _per_prompt(args.return_routed_experts, n)
+    if len(routed) != n or not all(isinstance(r, bool) for r in routed):
+        raise ValueError(f"return_routed_experts: a boolean, or one per prompt ({n})")
+    starts = _per_prompt(args.routed_experts_start_len, n)
+    if len(starts) != n or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in starts):
+        raise ValueError(f"routed_experts_start_len: a position >= 0, or one per prompt ({n})")
+    if any(routed) and not limits.routed_experts:
+        raise ValueError("return_routed_experts: this server returns none (start it with enable_return_routed_experts)")
+    if any(routed) and session:
+        raise ValueError("return_routed_experts: not with session_params (a turn's earlier turns' KV is reused)")
+    return routed, starts
 
 
 def _per_prompt(value: Any, n: int) -> list:
@@ -271,6 +293,7 @@ def normalize_generate(
         raise ValueError("return_hidden_states: this server returns none (start it with enable_return_hidden_states)")
     if any(hidden) and session_params is not None:
         raise ValueError("return_hidden_states: not with session_params (a turn's earlier turns' KV is reused)")
+    routed, routed_starts = _routed_experts(args, n_prompts, limits, session_params is not None)
     salts = _per_prompt(args.cache_salt, n_prompts)
     if len(salts) != n_prompts:
         raise ValueError(f"cache_salt: {len(salts)} given for {n_prompts} prompts")
@@ -297,6 +320,9 @@ def normalize_generate(
         if plan is not None and sp.n > 1:
             raise ValueError("session_params: n > 1 samples cannot share one session turn")
         start = _logprob_start(starts[i], len(ids), bool(lp[i]))
+        if not routed_starts[i] <= len(ids):
+            where = "routed_experts_start_len" + (f"[{i}]" if isinstance(args.routed_experts_start_len, list) else "")
+            raise ValueError(f"{where}={routed_starts[i]}: past the prompt's {len(ids)} tokens")
         if plan is not None and 0 <= start < len(ids) - 1:
             raise ValueError("logprob_start_len: prompt logprobs of a session turn are not supported "
                              "(its earlier turns' KV is reused)")  # fmt: skip
@@ -311,7 +337,8 @@ def normalize_generate(
                 stream=args.stream, session=plan, logprob_start_len=start, token_ids_logprob=ids_lp[i],
                 lora_path=loras[i],
                 data_parallel_rank=dp_ranks[i], sample_of=base_rid if sp.n > 1 else None,
-                return_hidden_states=hidden[i], cache_salt=salts[i],
+                return_hidden_states=hidden[i], return_routed_experts=routed[i],
+                routed_experts_start_len=routed_starts[i], cache_salt=salts[i],
             ))  # fmt: skip
     if len({s.rid for s in specs}) != len(specs):
         raise ValueError("rid: duplicate request ids in one call")

@@ -18,6 +18,7 @@ import numpy as np
 from ringserve.actors.runner.slot_mirrors import SlotMirrors
 from ringserve.actors.runner.weight_group import UpdateGroups
 from ringserve.actors.transport import messages as m
+from ringserve.actors.transport import routed
 from ringserve.actors.transport.trace import RunnerStamps
 from ringserve.model.checkpoints.peft import parse_target_modules, read_adapter
 from ringserve.model.compute.step_inputs import DeviceRow
@@ -220,6 +221,8 @@ class RunnerCore:
             self._kept(p, n, res)
         if any(r.sampling.hidden for r in p.dev_rows):
             self._hidden(p, res)
+        if any(r.sampling.routed for r in p.dev_rows):
+            self._routed(p, res)
         res.forward_s = time.perf_counter() - p.t0
         res.trace_count = self.ex.trace_count
         res.programs_compiled, res.programs_pending = self.ex.num_programs, self.ex.programs.pending
@@ -252,4 +255,18 @@ class RunnerCore:
         res.hidden_rows = m.i32([n if t else 0 for n, t in zip(lens, take, strict=True)])
         res.hidden = m.f32(np.concatenate([h[starts[i] : starts[i + 1]] for i, t in enumerate(take) if t]))
         res.hidden_dim = h.shape[1]
+
+    def _routed(self, p: Pending, res: m.StepResultMsg) -> None:
+        """The routed expert ids of every token of the rows that asked, into `res`, in the
+        narrowest integer their expert count allows (actors/transport/routed.py)."""
+        if p.so.routed is None or not p.so.routed.shape[1]:
+            raise ValueError("a row asks for routed experts, but the programs return none (enable_return_routed_experts)")
+        ids = np.asarray(p.so.routed)
+        lens = [r.extend_len for r in p.dev_rows]
+        starts = np.concatenate([[0], np.cumsum(lens)]).astype(int)
+        take = [r.sampling.routed for r in p.dev_rows]
+        wire = routed.wire_dtype(self.ex.model_config.num_experts)
+        res.routed_rows = m.i32([n if t else 0 for n, t in zip(lens, take, strict=True)])
+        res.routed = np.concatenate([ids[starts[i] : starts[i + 1]] for i, t in enumerate(take) if t]).astype(wire).tobytes()
+        res.routed_shape, res.routed_itemsize = (ids.shape[1], ids.shape[2]), wire.itemsize
 

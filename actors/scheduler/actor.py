@@ -36,8 +36,10 @@ from ringserve.actors.scheduler.logprobs import PromptLogprobs
 from ringserve.actors.scheduler.output import step_msg, token_out
 from ringserve.actors.scheduler.report import group_load, load, server_info
 from ringserve.actors.scheduler.req import Req
+from ringserve.actors.scheduler.tape import PositionTape
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport import messages as m
+from ringserve.actors.transport import routed
 from ringserve.actors.transport.loads import LoadBoard
 from ringserve.actors.transport.trace import StepTrace
 from ringserve.kvmem import KVCache
@@ -52,8 +54,9 @@ def to_req(g: m.GenerateReq, eos_ids: frozenset[int]) -> Req:
     ids = m.as_i32(g.input_ids).copy()
     req = Req(g.rid, ids, g.sampling, eos_ids, g.return_logprob, g.top_logprobs_num,
               m.as_i32(g.token_ids_logprob).copy() if g.token_ids_logprob else None,
-              stream=g.stream, session_id=g.session_id, return_hidden_states=g.return_hidden_states,
-              cache_salt=g.cache_salt)  # fmt: skip
+              stream=g.stream, session_id=g.session_id, cache_salt=g.cache_salt,
+              hidden=PositionTape() if g.return_hidden_states else None,
+              routed=PositionTape(g.routed_experts_start_len) if g.return_routed_experts else None)  # fmt: skip
     if g.return_logprob and 0 <= g.logprob_start_len < len(ids) - 1:  # some prompt position to compute
         req.prompt_lp = PromptLogprobs(g.logprob_start_len, len(ids))
     if g.resume is None:
@@ -78,6 +81,10 @@ def step_result(res: m.StepResultMsg) -> StepResult:
     if res.hidden_rows:
         result.hidden_starts = np.concatenate([[0], np.cumsum(m.as_i32(res.hidden_rows))]).astype(np.int32)
         result.hidden = m.as_f32(res.hidden).reshape(-1, res.hidden_dim)
+    if res.routed_rows:
+        result.routed_starts = np.concatenate([[0], np.cumsum(m.as_i32(res.routed_rows))]).astype(np.int32)
+        dt = routed.dtype_of(res.routed_itemsize)
+        result.routed = np.frombuffer(res.routed, dt).reshape(-1, *res.routed_shape)
     more = res.more
     if more is None:
         return result

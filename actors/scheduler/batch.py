@@ -130,3 +130,5 @@ class StepResult:
     kept_ids: np.ndarray | None = None  # int32 (return_top_p_token_ids)
     hidden_starts: np.ndarray | None = None  # int32 [rows + 1]: row r's tokens' states hidden[hs[r] : hs[r + 1]]
     hidden: np.ndarray | None = None  # f32 [n, H] (return_hidden_states; rows that did not ask: none)
+    routed_starts: np.ndarray | None = None  # int32 [rows + 1]: row r's tokens' ids routed[rs[r] : rs[r + 1]]
+    routed: np.ndarray | None = None  # uint8 / int16 [n, M, k] (return_routed_experts; likewise)

@@ -126,6 +126,14 @@ class SchedulerCore:
                 raise ValueError("return_hidden_states: this server returns none (start it with enable_return_hidden_states)")
             if req.session_id is not None:
                 raise ValueError("return_hidden_states: not with a session turn (its earlier turns' KV is reused)")
+        if req.routed is not None:
+            if not self.args.enable_return_routed_experts:
+                raise ValueError("return_routed_experts: this server returns none (start it with enable_return_routed_experts)")
+            if req.session_id is not None:
+                raise ValueError("return_routed_experts: not with a session turn (its earlier turns' KV is reused)")
+            if not 0 <= req.routed.first <= req.origin_len:
+                raise ValueError(f"routed_experts_start_len={req.routed.first}: must be in [0, {req.origin_len}] "
+                                 "(the prompt's length)")  # fmt: skip
         if req.sampling.min_new_tokens and len(req.sampling.held_back(req.eos_ids)) > BAN_IDS:
             raise ValueError(f"min_new_tokens: EOS ids and stop_token_ids together are more than the {BAN_IDS} the "
                              "programs hold back")  # fmt: skip
@@ -450,8 +458,8 @@ class SchedulerCore:
                 if current and not req.finished:
                     self._record_prompt_logprobs(req, row.logprob_span, at, result)
                 at += row.logprob_span[1]
-            if req.return_hidden_states and current and not req.finished and result.hidden is not None:
-                self._record_hidden(req, row, i, accepted if row.drafts and not batch.multistep else None, result)
+            if current and not req.finished:
+                self._record_tapes(req, row, i, accepted if row.drafts and not batch.multistep else None, result)
             if row.sample and current and req.spec is not None:
                 req.spec.resolved(accepted + 1)  # this step is no longer in flight
             if req.finished or not current or not row.sample:
@@ -495,17 +503,22 @@ class SchedulerCore:
         req.prompt_lp.record(first, result.input_logprobs[at : at + n], top, ids_lp)
 
     @staticmethod
-    def _record_hidden(req: Req, row: Row, i: int, accepted: int | None, result: StepResult) -> None:
-        """Row i's tokens' hidden states into its request: an extend or decode row's at its
-        positions; a verify round's (`accepted` drafts) its input token's and the accepted
-        drafts', from its true position (its committed length is a bound): its request's last
-        token's (the results come in order: the round's input token is booked)."""
-        assert result.hidden is not None and result.hidden_starts is not None
-        h = result.hidden[result.hidden_starts[i] : result.hidden_starts[i + 1]]
-        if accepted is not None:
-            req.record_hidden(req.fill_len - 1, h[: accepted + 1])
-        else:
-            req.record_hidden(row.committed_len, h)
+    def _record_tapes(req: Req, row: Row, i: int, accepted: int | None, result: StepResult) -> None:
+        """Row i's tokens' hidden states and routed experts into its request, when it asked: an
+        extend or decode row's at its positions; a verify round's (`accepted` drafts) its input
+        token's and the accepted drafts', from its true position (its committed length is a
+        bound): its request's last token's (the results come in order: the round's input token
+        is booked)."""
+        for tape, values, starts in ((req.hidden, result.hidden, result.hidden_starts),
+                                     (req.routed, result.routed, result.routed_starts)):  # fmt: skip
+            if tape is None or values is None:
+                continue
+            assert starts is not None
+            v = values[starts[i] : starts[i + 1]]
+            if accepted is not None:
+                tape.record(req.fill_len - 1, v[: accepted + 1])
+            else:
+                tape.record(row.committed_len, v)
 
     def _append(self, req: Req, token: int, j: int, result: StepResult) -> FinishReason | None:
         """One output token (result index j for its logprobs); why the request finishes now."""

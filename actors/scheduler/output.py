@@ -38,9 +38,10 @@ from ringserve.model.compute.step_inputs import DeviceSampling
 
 def _device_sampling(req: Req) -> DeviceSampling:
     """How the device samples `req`, and which of its logprobs are read (`token_out`: none
-    without return_logprob; the top-n only with top_logprobs_num), whether its hidden states are."""
+    without return_logprob; the top-n only with top_logprobs_num), whether its hidden states
+    and its routed experts are."""
     return req.sampling.device(req.return_logprob, req.return_logprob and req.top_logprobs_num > 0, req.origin_len,
-                               req.eos_ids, req.return_hidden_states)  # fmt: skip
+                               req.eos_ids, req.return_hidden_states, req.return_routed_experts)  # fmt: skip
 
 
 def _slot_start(r: Row) -> SlotStart:
@@ -135,15 +136,18 @@ def token_out(o: ReqOutput) -> TokenOut:
 
 def _read_back(req: Req, out: TokenOut) -> None:
     """On the finish: the set each output token was drawn from (an empty one for the tokens a
-    resumed request had before: those were drawn in an earlier run), and the hidden states of
-    every position but the last, when the request asked."""
+    resumed request had before: those were drawn in an earlier run), and the hidden states and
+    routed experts of every position but the last, when the request asked."""
     if req.sampling.return_top_p_token_ids:
         sets = [np.zeros(0, np.int32)] * (len(req.output_ids) - len(req.kept)) + req.kept
         out.kept_ids = i32(np.concatenate(sets)) if sets else b""
         out.kept_offsets = i32(np.concatenate([[0], np.cumsum([len(k) for k in sets])]))
-    if req.return_hidden_states and req.hidden:
-        h = np.concatenate(req.hidden)[: req.fill_len - 1]
+    h = req.hidden.values(req.fill_len - 1) if req.hidden is not None else None
+    if h is not None:
         out.hidden, out.hidden_dim, out.hidden_prompt = f32(h), h.shape[1], min(req.origin_len, len(h))
+    ids = req.routed.values(req.fill_len - 1) if req.routed is not None else None
+    if ids is not None:
+        out.routed, out.routed_shape, out.routed_itemsize = ids.tobytes(), (ids.shape[1], ids.shape[2]), ids.itemsize
 
 
 def _more(o: ReqOutput, n: int, done: int) -> MoreLogprobs | None:

@@ -28,6 +28,7 @@ from ringserve.actors.scheduler.grammar import ReqGrammar
 from ringserve.actors.scheduler.logprobs import PromptLogprobs
 from ringserve.actors.scheduler.lora import LoadedLora
 from ringserve.actors.scheduler.spec import SpecState
+from ringserve.actors.scheduler.tape import PositionTape
 from ringserve.actors.transport.messages import Resume
 from ringserve.actors.transport.sampling import SamplingParams, find_stop
 from ringserve.kvmem import ReqKV
@@ -88,10 +89,12 @@ class Req:
     grammar: ReqGrammar | None = None  # its output constraint's matcher (actors/scheduler/grammar.py)
     resumed: Resume | None = None  # resubmitted after a restart: output_ids began as resumed.output_ids
     lora: LoadedLora | None = None  # its LoRA adapter (actors/scheduler/lora.py); None: the base model
-    return_hidden_states: bool = False  # the last hidden states of its positions are read back
     cache_salt: str | None = None  # its prefix cache namespace's salt (vLLM's; None: the common one)
-    hidden: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32 [n, H] chunks, positions 0, 1, ...
-    hidden_len: int = 0  # positions whose hidden states are in `hidden`
+    # what its steps read back per position (actors/scheduler/tape.py), when asked: the last
+    # hidden states (f32 [n, H]) from position 0; the routed experts ([n, M, k]) from
+    # routed_experts_start_len
+    hidden: PositionTape | None = None
+    routed: PositionTape | None = None
     kept: list[np.ndarray] = dataclasses.field(default_factory=list)  # return_top_p_token_ids: each output's set
 
     def continuing(self, resume: Resume) -> Req:
@@ -156,25 +159,26 @@ class Req:
         """The weights that produced the newest output token ("" before the first)."""
         return self.weight_spans[-1][0] if self.weight_spans else ""
 
+    @property
+    def return_hidden_states(self) -> bool:
+        return self.hidden is not None
+
+    @property
+    def return_routed_experts(self) -> bool:
+        return self.routed is not None
+
     def prefix_ids(self) -> np.ndarray:
         """What the prefix cache may grant: every token but the last (one is always computed),
-        and none of the prompt positions whose logprobs or hidden states are still wanted."""
+        and none of the prompt positions whose logprobs, hidden states or routed experts are
+        still wanted."""
         cap = self.fill_len - 1
         lp_cap = self.prompt_lp.cap() if self.prompt_lp is not None else None
         if lp_cap is not None:
             cap = min(cap, lp_cap)
-        if self.return_hidden_states:
-            cap = min(cap, self.hidden_len)
+        for tape in (self.hidden, self.routed):
+            if tape is not None:
+                cap = min(cap, tape.end)
         return self.fill_ids(0, cap)
-
-    def record_hidden(self, first: int, h: np.ndarray) -> None:
-        """Hidden states of positions [first, first + len(h)): those past what is recorded
-        (a prefill again after a retraction repeats the earlier ones)."""
-        skip = self.hidden_len - first
-        assert skip >= 0, f"{self.rid}: hidden states from position {first}, {self.hidden_len} recorded"
-        if skip < len(h):
-            self.hidden.append(h[skip:])
-            self.hidden_len += len(h) - skip
 
     def stop_reason(self, decode_tail: Callable[[list[int]], str]) -> FinishReason | None:
         """Why the request finishes after its newest token (EOS, stop ids, its grammar stopped

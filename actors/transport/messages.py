@@ -120,6 +120,8 @@ class GenerateReq(msgspec.Struct, tag="gen", **_S):
     resume: Resume | None = None  # resubmitted after a restart: the output its caller already has
     lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
     return_hidden_states: bool = False  # the tokens' last hidden states (needs enable_return_hidden_states)
+    return_routed_experts: bool = False  # the tokens' routed experts (needs enable_return_routed_experts)
+    routed_experts_start_len: int = 0  # the first prompt position whose routed experts are returned
     cache_salt: str | None = None  # the prefix cache is shared only among requests of equal salts
 
 
@@ -369,6 +371,12 @@ class StepResultMsg(msgspec.Struct, tag="result", **_S):
     hidden_rows: bytes = b""  # int32 [R]
     hidden: bytes = b""  # f32 [sum of hidden_rows, hidden_dim]
     hidden_dim: int = 0
+    # likewise their routed expert ids (return_routed_experts, actors/transport/routed.py):
+    # routed_rows[r] tokens' [M, k] ids for row r, as uint8 (itemsize 1) or int16 (2)
+    routed_rows: bytes = b""  # int32 [R]
+    routed: bytes = b""  # [sum of routed_rows, M, k]
+    routed_shape: tuple[int, int] = (0, 0)  # (M, k): MoE layers, experts per token
+    routed_itemsize: int = 0
 
 
 class RunnerReply(msgspec.Struct, tag="reply", **_S):
@@ -413,6 +421,10 @@ class TokenOut(msgspec.Struct, **_S):
     hidden: bytes = b""  # f32 [positions, hidden_dim]
     hidden_dim: int = 0
     hidden_prompt: int = 0  # the first this many are the prompt's positions
+    # and the expert ids its positions [routed_experts_start_len, fill_len - 1) were routed to
+    routed: bytes = b""  # [positions, M, k] as uint8 (itemsize 1) or int16 (2)
+    routed_shape: tuple[int, int] = (0, 0)  # (M, k)
+    routed_itemsize: int = 0
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", **_S):

@@ -239,10 +239,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
         return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))))
 
     def device(self, logprobs: bool = True, top_logprobs: bool = True, origin_len: int = 0,
-               eos_ids: Iterable[int] = (), hidden: bool = False) -> DeviceSampling:  # fmt: skip
+               eos_ids: Iterable[int] = (), hidden: bool = False, routed: bool = False) -> DeviceSampling:  # fmt: skip
         """The fields the device samples with (the seed must be set), and whether the request
         reads its samples' logprobs and top-n logprobs (the device skips them when no row does),
-        its hidden states; `origin_len` (its prompt's) and `eos_ids` place min_new_tokens."""
+        its hidden states, its routed experts; `origin_len` (its prompt's) and `eos_ids` place min_new_tokens."""
         assert self.sampling_seed is not None, "the frontend sets every request's seed"
         ban = self.held_back(eos_ids) if self.min_new_tokens else ()
         bias = sorted(self.logit_bias.items()) if self.logit_bias else []
@@ -250,7 +250,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
             self.temperature, self.top_k, self.top_p, self.min_p, self.sampling_seed, logprobs, top_logprobs,
             self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
             origin_len + self.min_new_tokens if ban else 0, ban, tuple(t for t, _ in bias),
-            tuple(float(b) for _, b in bias), self.return_top_p_token_ids, hidden,
+            tuple(float(b) for _, b in bias), self.return_top_p_token_ids, hidden, routed,
         )  # fmt: skip
 
 

@@ -85,6 +85,7 @@ class ProgramShapes:
     decode_steps_rows: int = 4  # multi-step decode programs for decode batches of up to this many rows
     processed_logprobs: bool = False  # logprobs of the distribution sampled from (else the model's: raw)
     hidden_states: bool = False  # every program returns its tokens' last hidden states (return_hidden_states)
+    routed_experts: bool = False  # every program returns its tokens' routed expert ids (return_routed_experts)
 
     @property
     def max_pages(self) -> int:
@@ -127,6 +128,7 @@ class DeviceSampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     bias: tuple[float, ...] = ()  # and what is added to their logits
     kept: bool = False  # the set each token was drawn from is read back (return_top_p_token_ids)
     hidden: bool = False  # the tokens' last hidden states are read back (return_hidden_states)
+    routed: bool = False  # the tokens' routed expert ids are read back (return_routed_experts)
 
     @property
     def penalized(self) -> bool:

@@ -103,6 +103,7 @@ class StepOut(NamedTuple):
     num_samples: int
     num_positions: int
     hidden: jax.Array | None = None  # [T, H] f32 the step's tokens' last hidden states (return_hidden_states)
+    routed: jax.Array | None = None  # [T, L_moe, k] int32 the step's tokens' routed experts (return_routed_experts)
 
 
 class ModelExecutor:
@@ -136,6 +137,9 @@ class ModelExecutor:
         self.model: CausalLM = self.family.causal_lm(mc, plan, self.attn)
         # the logits and the penalties' token counts split by vocabulary over `tp` (None: whole)
         self.vocab = VocabSplit.of(self.mesh, mc.vocab_size)
+        if shapes.routed_experts and not self.model.routed_shape[0]:
+            raise ValueError(f"enable_return_routed_experts: {mc.family} has no mixture-of-experts layers to report "
+                             "(routing replay is for MoE models)")  # fmt: skip
         opts = cfg.compute
         self.buckets = Buckets.make(shapes.max_batch, shapes.max_extend_tokens, opts.extend_block, opts.decode_bucket_step)
         self.constants = StepConstants(replicated(self.mesh), self.mask_words, shapes.token_ids_logprob_num, self.buckets)
@@ -170,7 +174,7 @@ class ModelExecutor:
         # extend programs sample their producing rows (few: a prefill's) in groups, in a device
         # loop; prompt positions' logprobs likewise (the plan's groups)
         step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
-                         shapes.hidden_states, self.vocab)  # fmt: skip
+                         shapes.hidden_states, shapes.routed_experts, self.vocab)  # fmt: skip
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -345,9 +349,10 @@ class ModelExecutor:
 
     def _out_tree(self) -> Any:
         """The structure every step program returns (model/runtime/step.py): kv, the slots' state,
-        the samples, the accepted drafts, the prompt positions' logprobs, the hidden states."""
+        the samples, the accepted drafts, the prompt positions' logprobs, the hidden states, the
+        routed experts."""
         kv, future = self.kv_avals
-        return jax.tree.structure((kv, future, SampleOut(*range(6)), 0, PositionLogprobs(*range(4)), 0))
+        return jax.tree.structure((kv, future, SampleOut(*range(6)), 0, PositionLogprobs(*range(4)), 0, 0))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True once every program is compiled."""
@@ -418,10 +423,10 @@ class ModelExecutor:
         """`run`, with the logprobs at the rows' wanted prompt positions (`StepOut`); with
         `multistep`, `verify` decode steps in one program (each row yields that many tokens)."""
         hb = self.prepare(rows, verify, multistep)
-        out, accepted, prompt, hidden = self.run_host_batch(hb)
-        return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions, hidden)
+        out, accepted, prompt, hidden, routed = self.run_host_batch(hb)
+        return StepOut(out, accepted, prompt, hb.num_samples, hb.num_positions, hidden, routed)
 
-    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs, jax.Array]:
+    def run_host_batch(self, hb: HostBatch) -> tuple[SampleOut, jax.Array, PositionLogprobs, jax.Array, jax.Array]:
         key = (hb.shape, self.cfg.shapes.top_logprobs_num)
         if key not in self.programs.compiled and self.cfg.precompile:
             raise RuntimeError(f"program {key} was not compiled at start-up")
@@ -437,11 +442,11 @@ class ModelExecutor:
         elif hb.lora_slot is not None and hb.lora_slot.any():
             raise ValueError("a row names a LoRA adapter slot, but this executor serves no adapters")
         kvp = self.kv_pool
-        kvp.kv, kvp.future, out, accepted, prompt, hidden = prog(self.params, kvp.kv, kvp.future, hb.forward,
+        kvp.kv, kvp.future, out, accepted, prompt, hidden, routed = prog(self.params, kvp.kv, kvp.future, hb.forward,
                                                                    self.constants.sampling(hb), self.constants.logprob(hb),
                                                                    lora)  # fmt: skip
         self.kv_pool.stepped(out.tokens)  # (its first step lets the pool's pages in)
-        return out, accepted, prompt, hidden
+        return out, accepted, prompt, hidden, routed
 
     def start_counts(self, slot: int, origin: np.ndarray, output: np.ndarray) -> None:
         """Set `slot`'s token counts (the penalties', model/runtime/sampler.py) to a request's

@@ -1,6 +1,7 @@
 """The traced step: forward + sample over the paged KV cache, as pure functions of their inputs.
 
-    step(params, kv, future, fb, rs, lb, lora, top_n, verify, multistep) -> kv, future, SampleOut, accepted, PositionLogprobs
+    step(params, kv, future, fb, rs, lb, lora, top_n, verify, multistep)
+        -> kv, future, SampleOut, accepted, PositionLogprobs, hidden states, routed experts
 
 `params` is the parameter tree, `kv` the attention backend's cache arrays and `future` the
 FutureMap, all three passed in and (kv, future) returned updated: the executor donates them, so
@@ -41,25 +42,37 @@ from ringserve.model.layers.lora import LoraBatch
 from ringserve.model.runtime.sampler import position_logprobs, sample_rows
 from ringserve.model.runtime.vocab import VocabSplit
 
-StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any, jax.Array]]
+StepFn = Callable[..., tuple[Any, Any, Any, jax.Array, Any, jax.Array, jax.Array]]
 
 
 def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None, position_group: int = 64,
-              processed: bool = False, hidden: bool = False, vocab: VocabSplit | None = None) -> StepFn:  # fmt: skip
+              processed: bool = False, hidden: bool = False, routed: bool = False,
+              vocab: VocabSplit | None = None) -> StepFn:  # fmt: skip
     """The step function of `model`. Extend programs sample their (few real) rows `sample_group`
     at a time (None: all at once); `fixed_rows` pads the sampler to one tile shape (the
     deterministic mode). Prompt positions' logprobs are computed `position_group` at a time
     (in the deterministic mode always that many, padded: one shape whatever the program).
     `processed`: the samples' logprobs are of the distribution drawn from (model/runtime/sampler.py);
     `hidden`: the programs return their tokens' last hidden states; `vocab`: the logits' columns
-    split over the devices as the LM head computes them, never gathered (model/runtime/vocab.py)."""
+    split over the devices as the LM head computes them, never gathered (model/runtime/vocab.py);
+    `routed`: the expert ids each token's MoE layers routed it to (the forward's own choice,
+    model/layers/decoder.py)."""
+
+    def forward(params, ids, fb: ForwardBatch, kv, lora: LoraBatch | None):
+        """h [T, H], kv, and with `routed` the tokens' routed expert ids (int32 [T, L_moe, k];
+        else [0, 0, 0])."""
+        if routed:
+            return model.forward(params, ids, fb, kv, lora, routed=True)
+        h, kv = model.forward(params, ids, fb, kv, lora)
+        return h, kv, jnp.zeros((0, 0, 0), jnp.int32)
 
     def step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
              top_n: int, verify: int, multistep: bool = False):  # fmt: skip
         """kv and the slots' state (the FutureMap's token and position, the token counts) in,
         updated, out, with the samples ([R * k1], row after row), the drafts each row accepted
         ([R] int32), the logprobs at the wanted prompt positions ([P]) and, with `hidden`, the
-        tokens' last hidden states ([T, H]; else [0, 0])."""
+        tokens' last hidden states ([T, H]; else [0, 0]) and, with `routed`, their routed
+        experts ([T, L_moe, k]; else [0, 0, 0])."""
         k1 = max(1, verify)
         if multistep:
             return multi_step(params, kv, future, fb, rs, lb, lora, top_n, k1)
@@ -67,7 +80,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         ids = jnp.where(fb.input_ids < 0, tok[jnp.maximum(-fb.input_ids - 1, 0)], fb.input_ids)
         if k1 > 1:  # verify rounds were planned at bounds on their slots' lengths
             fb = at_true_positions(model, fb, pos)
-        h, kv = model.forward(params, ids, fb, kv, lora)
+        h, kv, experts = forward(params, ids, fb, kv, lora)
         r, n = fb.kv_len.shape[0], fb.num_rows[0]
         drafts = fb.input_ids[fb.sample_idx.reshape(r, k1)[:, 1:]]  # raw ids: NO_DRAFT (-1) never matches
         # each token's seed at its position; a verify round's drafts count before the samples after them
@@ -90,7 +103,8 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         counts = counted(counts, fb.sample_slot, targets, real[:, None] & (jnp.arange(k1)[None, :] <= accepted[:, None]))
         prompt = position_logprobs(lambda x: model.logits(params, x), h, lb, top_n, position_group,
                                    fixed=fixed_rows is not None, vocab=vocab)  # fmt: skip
-        return kv, (tok, pos, counts), out, accepted, prompt, h.astype(jnp.float32) if hidden else jnp.zeros((0, 0), jnp.float32)
+        hs = h.astype(jnp.float32) if hidden else jnp.zeros((0, 0), jnp.float32)
+        return kv, (tok, pos, counts), out, accepted, prompt, hs, experts
 
     def multi_step(params, kv, future, fb: ForwardBatch, rs: RowSampling, lb: LogprobBatch, lora: LoraBatch | None,
                    top_n: int, k1: int):  # fmt: skip
@@ -113,23 +127,26 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
             dfb = fb._replace(input_ids=ids, positions=fb.positions[at], out_loc=fb.out_loc[at],
                               row_start=jnp.minimum(jnp.arange(r + 1), n).astype(jnp.int32),
                               kv_len=jnp.where(real, fb.kv_len - (k1 - 1) + j, 0), sample_idx=jnp.arange(r, dtype=jnp.int32))  # fmt: skip
-            h, kv = model.forward(params, ids, dfb, kv, lora)
+            h, kv, experts = forward(params, ids, dfb, kv, lora)
             sp = per_sample(rs._replace(mask=None if mask is None else mask[:, j]), lb.ids, dfb.positions + 1, 1,
                             fb.sample_slot)  # fmt: skip
             o = sample_rows(lambda x: model.logits(params, x), h, sp, top_n, n, None, fixed_rows, counts, processed,
                             vocab)  # fmt: skip
             counts = counted(counts, fb.sample_slot, o.tokens[:, None], real[:, None])
-            return (params, kv, counts, o.tokens), (o, h.astype(jnp.float32) if hidden else None)
+            return (params, kv, counts, o.tokens), (o, h.astype(jnp.float32) if hidden else None,
+                                                    experts if routed else None)  # fmt: skip
 
-        (_, kv, counts, last), (outs, hs) = jax.lax.scan(one, (params, kv, counts, ids), jnp.arange(k1))
+        (_, kv, counts, last), (outs, hs, experts) = jax.lax.scan(one, (params, kv, counts, ids), jnp.arange(k1))
         # [k1, R, ...] -> row after row: step j's sample of row r at r * k1 + j (as its input token)
-        out, hs = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((r * k1,) + a.shape[2:]), (outs, hs))
+        out, hs, experts = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((r * k1,) + a.shape[2:]),
+                                        (outs, hs, experts))  # fmt: skip
         tok = tok.at[fb.sample_slot].set(last)
         pos = pos.at[fb.sample_slot].set(fb.kv_len)
         accepted = jnp.where(real, k1 - 1, 0).astype(jnp.int32)
         assert lb.index is None  # (a decode program takes no prompt positions: empty logprobs, h unread)
         prompt = position_logprobs(lambda x: model.logits(params, x), jnp.zeros((0, 1)), lb, top_n, position_group)
-        return kv, (tok, pos, counts), out, accepted, prompt, hs if hidden else jnp.zeros((0, 0), jnp.float32)
+        hs = hs if hidden else jnp.zeros((0, 0), jnp.float32)
+        return kv, (tok, pos, counts), out, accepted, prompt, hs, experts if routed else jnp.zeros((0, 0, 0), jnp.int32)
 
     return step
 

@@ -65,7 +65,7 @@ def test_multistep_rounds_equal_plain_decoding(ex, rows):
                            future_slot=s) for p, s, sp in zip(prompts, slots, sps, strict=True)]  # fmt: skip
         hb = ex.prepare(batch, K, multistep=True)
         shape = hb.shape
-        out, accepted, _, _ = ex.run_host_batch(hb)
+        out, accepted, _, _, _ = ex.run_host_batch(hb)
         toks = np.asarray(out.tokens)[: rows * K].reshape(rows, K)
         lps = np.asarray(out.logprobs)[: rows * K].reshape(rows, K)
         assert np.asarray(accepted)[:rows].tolist() == [K - 1] * rows

@@ -152,3 +152,26 @@ def test_bad_session_turns_name_the_field(kw, message):
     with pytest.raises(ValueError) as e:
         session_norm(sessions, **kw)
     assert message in str(e.value)
+
+
+def test_routed_experts_are_checked():
+    """return_routed_experts (SGLang's routing replay) needs the server flag; its start position
+    routed_experts_start_len is a prompt position, one per prompt or one for all."""
+    seeds = iter(range(7, 1000))
+    on = Limits(vocab_size=100, context_length=64, max_top_logprobs_num=5, routed_experts=True)
+
+    def with_limits(limits: Limits, **kw):
+        return normalize_generate(GenerateArgs(**kw), limits, encode=lambda s: [1], next_seed=lambda: next(seeds))
+
+    with pytest.raises(ValueError, match="enable_return_routed_experts"):
+        norm(input_ids=[1, 2, 3], return_routed_experts=True)
+    specs, _ = with_limits(on, input_ids=[[1, 2, 3], [4, 5]], return_routed_experts=[True, False],
+                           routed_experts_start_len=[2, 0])  # fmt: skip
+    assert [(s.return_routed_experts, s.routed_experts_start_len) for s in specs] == [(True, 2), (False, 0)]
+    with pytest.raises(ValueError, match=r"routed_experts_start_len\[1\]=3: past the prompt's 2 tokens"):
+        with_limits(on, input_ids=[[1, 2, 3], [4, 5]], return_routed_experts=True, routed_experts_start_len=[0, 3])
+    for bad in (-1, True, "2", [0]):
+        with pytest.raises(ValueError, match="routed_experts_start_len: a position >= 0"):
+            with_limits(on, input_ids=[[1, 2, 3], [4, 5]], return_routed_experts=True, routed_experts_start_len=bad)
+    with pytest.raises(ValueError, match="return_routed_experts: a boolean"):
+        with_limits(on, input_ids=[1, 2], return_routed_experts=1)
