@@ -35,7 +35,7 @@ def test_a_family_is_found_by_its_architecture_and_reads_its_own_fields(tiny_dir
 
 
 def test_an_architecture_no_family_serves_is_refused_naming_the_supported():
-    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: \['LlamaForCausalLM'"):
+    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: \['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'Llama"):
         family_of({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="model family 'gpt2' is not served"):
         family("gpt2")
@@ -65,7 +65,34 @@ def test_ringserve_models_lists_every_architecture_with_its_capabilities():
         assert row["family"] == fam.name and row["summary"] == fam.summary
         assert {k: row[k] for k in ("tp", "lora", "int8", "gguf", "attention")} == fam.capabilities
     assert rows["Qwen3ForCausalLM"]["gguf"] == "qwen3" and rows["MistralForCausalLM"]["gguf"] is None
+    assert rows["Gemma2ForCausalLM"]["gguf"] == "gemma2" and rows["Gemma3ForCausalLM"]["gguf"] == "gemma3"
     table = subprocess.run([sys.executable, "-m", "ringserve.actors.cli.main", "models"], capture_output=True, text=True,
                            timeout=120).stdout  # fmt: skip
     assert table.splitlines()[0].split() == ["architecture", "family", "tp", "LoRA", "int8", "GGUF", "attention"]
     assert all(arch in table for arch in ARCHITECTURES)
+
+
+def test_gemmas_own_fields_and_refusals():
+    """Gemma reads its layer pattern (transformers 5's layer_types, else HF's default: Gemma 2
+    every other layer local, Gemma 3 every sixth global), soft caps (HF's defaults where left
+    out; Gemma 3's attention cap ignored, as HF's Gemma3Attention ignores it) and local RoPE;
+    what it does not serve is refused naming the field."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 32,
+            "intermediate_size": 128, "num_hidden_layers": 7, "sliding_window": 8}  # fmt: skip
+    g2 = parse_config(base | {"architectures": ["Gemma2ForCausalLM"]})
+    assert g2.layer_windows == (8, 0, 8, 0, 8, 0, 8)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    g3 = parse_config(base | {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0, "rope_theta": 1e6,
+                              "rope_local_base_freq": 5000.0})  # fmt: skip
+    assert g3.layer_windows == (8, 8, 8, 8, 8, 0, 8) and g3.attn_logit_softcap is None and g3.final_logit_softcap is None
+    assert g3.local_rope is not None and g3.local_rope.theta == 5000.0 and g3.rope.theta == 1e6
+    types = ["full_attention"] * 6 + ["sliding_attention"]
+    assert parse_config(base | {"model_type": "gemma3_text", "layer_types": types}).layer_windows == (0,) * 6 + (8,)
+    with pytest.raises(ValueError, match=r"config.json: layer_types must give each of the 7 layers"):
+        parse_config(base | {"model_type": "gemma2", "layer_types": types[:3]})
+    with pytest.raises(ValueError, match=r"hidden_activation 'gelu' is not served; Gemma's is 'gelu_pytorch_tanh'"):
+        parse_config(base | {"model_type": "gemma2", "hidden_activation": "gelu"})
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=true"):
+        parse_config(base | {"model_type": "gemma3_text", "use_bidirectional_attention": True})
+    gguf = FAMILIES["gemma2"].gguf
+    assert gguf is not None and gguf.norms_plus_one and gguf.layer["post_ffw_norm.weight"] == "post_feedforward_layernorm.weight"

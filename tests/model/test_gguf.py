@@ -42,13 +42,17 @@ LAYER = {
     "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
     "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
 }  # fmt: skip
+# Gemma's sandwich layer (llama.cpp's gemma2 / gemma3 names)
+GEMMA_LAYER = LAYER | {"post_attention_layernorm.weight": "post_attention_norm", "pre_feedforward_layernorm.weight": "ffn_norm",
+                       "post_feedforward_layernorm.weight": "post_ffw_norm"}  # fmt: skip
+GEMMA = ("gemma2", "gemma3")
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in TOP:
         return TOP[hf]
     _, _, i, rest = hf.split(".", 3)
-    name = LAYER[rest]
+    name = (GEMMA_LAYER if arch in GEMMA else LAYER)[rest]
     return f"blk.{i}.{name}" + ("" if name.endswith(".bias") else ".weight")
 
 
@@ -107,6 +111,17 @@ def write_gguf(
         w.add_bos_token_id(vocab["<|im_start|>"])
     w.add_add_bos_token(add_bos)
     w.add_chat_template(json.loads((src / "tokenizer_config.json").read_text())["chat_template"])
+    if arch in GEMMA:  # llama.cpp's Gemma converter: the window, the caps, the global RoPE's scaling
+        w.add_sliding_window(mc.sliding_window)
+        if mc.attn_logit_softcap:
+            w.add_attn_logit_softcapping(mc.attn_logit_softcap)
+        if mc.final_logit_softcap:
+            w.add_final_logit_softcapping(mc.final_logit_softcap)
+        if mc.rope.rope_type == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(mc.rope.factor)
+        if arch == "gemma3" and mc.sliding_layers is not None:  # (else llama.cpp's fixed pattern)
+            w.add_sliding_window_pattern(list(mc.sliding_layers))
     if mc.rope.rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_divisors(cfg["rope_parameters"], mc.head_dim))
     for name, a in tensors.items():
@@ -115,17 +130,19 @@ def write_gguf(
             a = permute_rope_rows(a, mc.num_heads)
         elif arch == "llama" and ".k_proj." in name:
             a = permute_rope_rows(a, mc.num_kv_heads)
+        elif arch in GEMMA and name.endswith("norm.weight"):
+            a = a + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
         if tensor_type is not None and a.ndim == 2:  # raw bytes of that type (content irrelevant)
             block, size = gguf.GGML_QUANT_SIZES[tensor_type]
             w.add_tensor(
-                gguf_name(name),
+                gguf_name(name, arch),
                 np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
                 raw_dtype=tensor_type,
             )
         elif qtype is not None and a.ndim == 2:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), a)
+            w.add_tensor(gguf_name(name, arch), a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

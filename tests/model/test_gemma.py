@@ -1,0 +1,160 @@
+"""Gemma 2 and Gemma 3 (model/families/gemma.py) against Hugging Face transformers on their tiny
+random checkpoints (model/checkpoints/tiny.py): a sliding window of 24 keys (not a page
+multiple) on alternating (Gemma 2) or 3-in-4 (Gemma 3) layers, Gemma 2's attention soft cap of 4
+(scores of a few units: it bites) and final soft cap of 30, a query scale that is not head_dim's,
+Gemma 3's per-layer-type RoPE (local theta 1e4, global 1e6 linearly scaled by 8).
+
+Prompts run past the window several times; prefill chunks (16) are smaller than the window, so
+a chunk's queries see keys of earlier chunks only partly. Both attention paths CPU serves
+(native: pure JAX; cpu_kernel: the C++ kernel, the window an operand per layer) and both layer
+loops (unrolled: the layer a Python int; scan: traced, the windows a table it indexes).
+Tolerance as tests/model/test_hf_parity.py: 1e-5 of the logit scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.families import read_config
+from ringserve.model.runtime.executor import ModelExecutor
+from tests.engine.test_inprocess import run_engine
+from tests.hf_ref import hf_greedy, hf_logits
+from tests.model import test_hf_parity as parity
+
+FAMILIES = ["gemma2", "gemma3"]
+WINDOW = 24
+
+
+def kernel_builds() -> bool:
+    from ringserve.model.compute.kernels import cpu_attention
+
+    return cpu_attention.reason() is None
+
+
+# both loops and both backends, in two executors per family (each compile counts in CI)
+PATHS = [("unrolled", "native"), ("scan", "cpu_kernel")]
+CFG = dataclasses.replace(parity.CFG, top_logprobs_num=3, token_ids_logprob_num=4)
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_dir):
+    """executor(family, layer_loop, backend): one per module and arguments."""
+    made: dict[tuple[str, str, str], ModelExecutor] = {}
+
+    def get(family: str, layer_loop: str, backend: str) -> ModelExecutor:
+        if backend == "cpu_kernel" and not kernel_builds():
+            pytest.skip("the C++ attention kernel does not build here")
+        key = (family, layer_loop, backend)
+        if key not in made:
+            made[key] = ModelExecutor(tiny_dir(family), dataclasses.replace(CFG, layer_loop=layer_loop,
+                                                                           attention_backend=backend))  # fmt: skip
+        return made[key]
+
+    return get
+
+
+def test_the_tiny_checkpoints_have_what_the_tests_rely_on(tiny_dir):
+    g2, g3 = read_config(tiny_dir("gemma2")), read_config(tiny_dir("gemma3"))
+    assert g2.layer_windows == (WINDOW, 0, WINDOW, 0) and g3.layer_windows == (WINDOW, WINDOW, 0, WINDOW)
+    assert g2.attn_logit_softcap == 4.0 and g2.final_logit_softcap == 30.0 and g2.query_pre_attn_scalar == 16
+    assert g3.attn_logit_softcap is None and g3.local_rope is not None and g3.local_rope.theta == 1e4
+    assert g3.rope.theta == 1e6 and g3.rope.rope_type == "linear" and g3.rope.factor == 8.0
+    assert g2.tie_word_embeddings and g3.tie_word_embeddings
+
+
+@pytest.mark.parametrize("layer_loop, backend", PATHS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_hf(tiny_dir, executor, family, layer_loop, backend):
+    """The last logits of a 100-token prompt (the window crossed 4 times) in one step."""
+    path = tiny_dir(family)
+    ex = executor(family, layer_loop, backend)
+    prompt = np.random.default_rng(7).integers(3, 2000, 100).tolist()
+    ours, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 8, dtype=np.int32))])
+    ref = hf_logits(path, prompt)[-1]
+    scale = np.abs(ref).max()
+    assert np.abs(ours[0] - ref).max() <= 1e-5 * scale, (np.abs(ours[0] - ref).max(), scale)
+
+
+@pytest.fixture(scope="module")
+def long_prompts() -> list[list[int]]:
+    """Prompts of 1 to 150 tokens; the last two share their first 48 (a cached prefix)."""
+    rng = np.random.default_rng(5)
+    short = [rng.integers(3, 2000, n).tolist() for n in (1, 23, 57)]
+    prefix = rng.integers(3, 2000, 48).tolist()
+    return short + [prefix + rng.integers(3, 2000, n).tolist() for n in (52, 102)]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(tiny_dir, long_prompts) -> dict[str, list[list[int]]]:
+    out = {f: hf_greedy(tiny_dir(f), long_prompts, 24) for f in FAMILIES}
+    for ref in out.values():
+        assert all(len(set(r)) > 3 for r in ref), "degenerate reference: the test would prove little"
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_hf_chunked_under_the_window_with_overlap_on_and_off(tiny_dir, long_prompts, hf_refs, family,
+                                                                            overlap):  # fmt: skip
+    """The scheduler (chunks of 16 < the window of 24, overlap on and off) over the executor,
+    prompts of 1 to 150 tokens, 24 greedy tokens each: HF's tokens."""
+    got, _ = run_engine(tiny_dir(family), long_prompts, 24, page=16, chunk=16, num_pages=128, overlap=overlap)
+    assert got == hf_refs[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_a_cached_prefix_on_the_cpu_kernel(executor, long_prompts, hf_refs, family):
+    """A 48-token prefix cached, the remainders (52 and 102 tokens) extended in one batch, then
+    decoded together (tests/model/test_hf_parity.py's path) on the C++ kernel, scanned."""
+    ex = executor(family, "scan", "cpu_kernel")
+    assert parity.greedy_with_cached_prefix(ex, long_prompts[3:], 48, 24) == hf_refs[family][3:]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_match_hf_chunked_and_not(tiny_dir, executor, family):
+    """Prompt logprobs (with top-3 and token_ids_logprob) of two prompts of 45 and 70 tokens,
+    chunked at 16 or in one row, cold or after a cached prefix of 32: HF's log-softmax within
+    float32 error (on the kernel, scanned; natively unrolled where it does not build)."""
+    path = tiny_dir(family)
+    ex = executor(family, *(PATHS[1] if kernel_builds() else PATHS[0]))
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (45, 70)]
+    for chunk in (16, None):
+        for cached in (0, 32):
+            parity.check_prompt_logprobs(path, ex, prompts, chunk, cached)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_llama_cpp_gguf_loads_to_the_directorys_config_and_logits(tiny_dir, tmp_path, family):
+    """Written as llama.cpp's converter writes Gemma (tests/model/test_gguf.py `write_gguf`):
+    gemma2 / gemma3 tensor names (post_attention_norm, ffn_norm, post_ffw_norm), every norm
+    stored as 1 + w, the window and soft caps in metadata, Gemma 3's layer pattern as a bool per
+    layer and its global RoPE's linear scaling. The file holds no query_pre_attn_scalar: llama.cpp
+    scales by head_dim ** -0.5 (the 27B aside), so the directory compared is the tiny one with
+    that scale."""
+    import json
+    import shutil
+
+    from ringserve.model.checkpoints.load import load_checkpoint
+    from tests.model.test_gguf import first_logits, write_gguf
+
+    src = tiny_dir(family)
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(src, ref_dir)
+    d = json.loads((ref_dir / "config.json").read_text())
+    d["query_pre_attn_scalar"] = d["head_dim"]
+    (ref_dir / "config.json").write_text(json.dumps(d))
+    path = write_gguf(src, tmp_path / f"{family}.gguf")
+    config, tensors = load_checkpoint(path)
+    ref_config, ref_tensors = load_checkpoint(ref_dir)
+    assert config == ref_config
+    assert sorted(tensors) == sorted(ref_tensors)
+    for k in ref_tensors:  # norms: (1 + w) - 1 in f32
+        np.testing.assert_allclose(tensors[k], ref_tensors[k], rtol=0, atol=1e-7, err_msg=k)
+    prompt = np.random.default_rng(3).integers(3, 2000, 60).tolist()
+    got, want = first_logits(path, prompt), first_logits(ref_dir, prompt)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
