@@ -11,6 +11,7 @@ the frontend); an implementation is imported when a runner builds it.
     bucketed    GPU (auto)     pure JAX, static shapes: programs per context bucket, a loop
                                bound known at compile time (no device-to-host sync per layer)
     pallas      TPU (auto)     jax's Pallas ragged paged attention kernel, with its KV layout
+    pallas_ragged  TPU         ringserve's own Pallas kernel (tpu_ragged.py): K|V unpadded on the lanes
     pallas_gpu  GPU            jax's Pallas (Triton) paged decode kernel; extend steps bucketed
     none        benchmarks     writes K/V but attends to nothing: the step's floor
 
@@ -52,6 +53,7 @@ REGISTRY = {b.name: b for b in (
     Backend("native", "native:NativeAttention", ANY, auto=("cpu",)),
     Backend("bucketed", "bucketed:BucketedAttention", ANY, auto=("gpu",)),
     Backend("pallas", "pallas_tpu:PallasTPUAttention", ("tpu",), auto=("tpu",), interpretable=True, deterministic=False),
+    Backend("pallas_ragged", "pallas_ragged:PallasRaggedAttention", ("tpu",), interpretable=True, deterministic=False),
     Backend("pallas_gpu", "pallas_gpu:PallasGPUAttention", ("gpu",), interpretable=True, deterministic=False),
     Backend("none", "base:NoAttention", ANY),
 )}  # fmt: skip

@@ -24,6 +24,7 @@ not `jax.devices()[0]`, which is the host's CPU when compiling ahead of time for
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 MiB = 1 << 20
@@ -125,21 +126,23 @@ TUNED: dict[tuple[str, int, int], tuple[int, int]] = {
 }
 
 
-def choose(chip: Chip, s: KernelShape) -> Blocks:
+def choose(chip: Chip, s: KernelShape, estimate: Callable[[KernelShape, Blocks], int] = vmem_bytes,
+           tuned: dict[tuple[str, int, int], tuple[int, int]] | None = None) -> Blocks:  # fmt: skip
     """The blocks of a kernel of shape `s` on `chip` (the module docstring); ValueError naming
-    the budget when even the smallest do not fit."""
+    the budget when even the smallest do not fit. `estimate`: the kernel's VMEM at given blocks
+    (jax's kernel: `vmem_bytes`); `tuned`: its measured table (jax's kernel: TUNED)."""
     limit = chip.vmem_limit
     budget = int(FIT * limit)
-    tuned = TUNED.get((chip.name, s.page_size, s.pages_per_seq))
-    if tuned is not None:
-        b = Blocks(min(tuned[0], s.pages_per_seq), min(tuned[1], s.tokens), limit)
-        if vmem_bytes(s, b) <= budget:
+    hit = (TUNED if tuned is None else tuned).get((chip.name, s.page_size, s.pages_per_seq))
+    if hit is not None:
+        b = Blocks(min(hit[0], s.pages_per_seq), min(hit[1], s.tokens), limit)
+        if estimate(s, b) <= budget:
             return b
     pages = min(s.pages_per_seq, max(1, KV_KEYS // s.page_size))
     queries = min(s.tokens, QUERIES)
     while True:
         b = Blocks(pages, queries, limit)
-        if vmem_bytes(s, b) <= budget:
+        if estimate(s, b) <= budget:
             return b
         if pages > 1:
             pages //= 2
@@ -149,7 +152,7 @@ def choose(chip: Chip, s: KernelShape) -> Blocks:
             raise ValueError(
                 f"TPU attention does not fit {chip.name}'s VMEM: the smallest blocks ({b.kv_pages} page of "
                 f"{s.page_size} tokens x {b.queries} queries, {s.q_heads} query / {s.kv_heads} KV heads of "
-                f"{s.head_dim} lanes) need ~{vmem_bytes(s, b) / MiB:.1f} MiB, over {FIT:.0%} of the "
+                f"{s.head_dim} lanes) need ~{estimate(s, b) / MiB:.1f} MiB, over {FIT:.0%} of the "
                 f"{limit / MiB:.0f} MiB scoped limit ({budget / MiB:.1f} MiB); lower page_size"
             )
 
