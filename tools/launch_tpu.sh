@@ -8,7 +8,8 @@
 # dp x tp = chips (data parallel where the model is small or its heads do not split), the page
 # size, running requests and buckets from the model and the HBM (printed, with why), and runs
 # `ringserve serve` with them, bf16 and the ragged kernel; flags given here win (a --tp-size
-# given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache). --dry-run prints the exact command and environment and runs nothing (it works on
+# given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache).
+# --dry-run prints the exact command and environment and runs nothing (it works on
 # a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 # A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
@@ -22,7 +23,7 @@ extra=()
 for a in "$@"; do
   case "$a" in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$a") ;;
   esac
 done
