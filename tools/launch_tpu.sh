@@ -8,7 +8,9 @@
 # dp x tp = chips (data parallel where the model is small or its heads do not split), the page
 # size, running requests and buckets from the model and the HBM (printed, with why), and runs
 # `ringserve serve` with them, bf16 and the ragged kernel; flags given here win (a --tp-size
-# given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache). --dry-run prints the exact command and environment and runs nothing (it works on
+# given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache).
+# --dry-run prints the exact command and environment, then, where libtpu is, compiles its programs
+# ahead of time for the host's topology (or --topology: `ringserve compile`); it works on
 # a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 # A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
@@ -25,7 +27,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1 ;;
     --topology) topology="$2"; shift ;;
     --topology=*) topology="${1#*=}" ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift

@@ -324,9 +324,10 @@ def sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array |
     own and only [S] or [S, k] values cross between them; `kept` comes back split likewise."""
     if vocab is None:
         return _sample(logits, sp, top_n, counts, processed, VocabAxis.whole(logits.shape[1]))
-    out_specs = SampleOut(P(), P(), P(), P(), P(), vocab.spec(2))
-    return vocab.run(lambda lg, c, sp: _sample(lg, sp, top_n, c, processed, vocab.axis), (logits, counts), (sp,),
-                     out_specs)  # fmt: skip
+    out_specs = (P(), P(), P(), P(), P(), vocab.spec(2))  # SampleOut's fields: kept split by its words
+    out = vocab.run(lambda lg, c, sp: tuple(_sample(lg, sp, top_n, c, processed, vocab.axis)), (logits, counts), (sp,),
+                    out_specs)  # fmt: skip
+    return SampleOut(*out)
 
 
 def _sample(logits: jax.Array, sp: SamplingBatch, top_n: int, counts: jax.Array | None, processed: bool,

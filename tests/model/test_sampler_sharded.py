@@ -137,3 +137,40 @@ def test_no_step_program_gathers_the_logits(tiny_dir):
         for d in dims:
             sizes = [int(x) for x in d.split(",") if x]
             assert v not in sizes and v // 4 not in sizes, (shape, d)
+
+
+SEEDED_SCRIPT = r"""
+import json, sys
+import numpy as np
+from ringserve.model.compute.step_inputs import DeviceRow, DeviceSampling
+from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
+out = {}
+for tp in (1, 2):
+    ex = ModelExecutor(sys.argv[1], ExecutorConfig(page_size=16, num_pages=64, max_context_len=256, max_batch=4,
+                                                   max_extend_tokens=64, tp_size=tp, precompile=False))
+    prompt = np.arange(3, 23, dtype=np.int32)
+    sp = DeviceSampling(temperature=0.9, top_p=0.95, seed=3, repetition_penalty=1.5, frequency_penalty=0.4,
+                        bias_ids=(17,), bias=(2.0,))
+    ex.start_counts(1, prompt, np.zeros(0, np.int32))
+    pages = np.arange(1, 9, dtype=np.int32)
+    o, _, _ = ex.run([DeviceRow(prompt, 0, pages, sp, future_slot=1)])
+    toks = [int(o.tokens[0])]
+    for i in range(10):  # decode steps reading the FutureMap, the counts updated on device
+        o, _, _ = ex.run([DeviceRow(np.array([-2], np.int32), 20 + i, pages, sp, future_slot=1)])
+        toks.append(int(o.tokens[0]))
+    out[tp] = {"tokens": toks, "counts": repr(ex.kv_pool.future[2].sharding.spec)}
+print(json.dumps(out))
+"""
+
+
+def test_seeded_penalized_requests_draw_the_same_tokens_at_tp_2(tiny_dir):
+    """Through the executor: a seeded request with top-p, penalties and a logit bias draws the
+    same 11 tokens at tp 1 and tp 2 (the token counts split by vocabulary at tp 2)."""
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run([sys.executable, "-c", SEEDED_SCRIPT, str(tiny_dir("qwen2"))], env=env, capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["1"]["tokens"] == got["2"]["tokens"]
+    assert len(set(got["1"]["tokens"])) > 5  # drawn, not one token over and over
+    assert got["2"]["counts"] == "P(None, 'tp')" and got["1"]["counts"] == "P()"
