@@ -103,7 +103,7 @@ class StepOut(NamedTuple):
     num_samples: int
     num_positions: int
     hidden: jax.Array | None = None  # [T, H] f32 the step's tokens' last hidden states (return_hidden_states)
-    routed: jax.Array | None = None  # [T, L_moe, k] int32 the step's tokens' routed experts (return_routed_experts)
+    routed: jax.Array | None = None  # [T, M, k] int32 the step's tokens' routed experts (return_routed_experts)
 
 
 class ModelExecutor:

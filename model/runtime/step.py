@@ -59,7 +59,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
     model/layers/decoder.py)."""
 
     def forward(params, ids, fb: ForwardBatch, kv, lora: LoraBatch | None):
-        """h [T, H], kv, and with `routed` the tokens' routed expert ids (int32 [T, L_moe, k];
+        """h [T, H], kv, and with `routed` the tokens' routed expert ids (int32 [T, M, k];
         else [0, 0, 0])."""
         if routed:
             return model.forward(params, ids, fb, kv, lora, routed=True)
@@ -72,7 +72,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
         updated, out, with the samples ([R * k1], row after row), the drafts each row accepted
         ([R] int32), the logprobs at the wanted prompt positions ([P]) and, with `hidden`, the
         tokens' last hidden states ([T, H]; else [0, 0]) and, with `routed`, their routed
-        experts ([T, L_moe, k]; else [0, 0, 0])."""
+        experts ([T, M, k]; else [0, 0, 0])."""
         k1 = max(1, verify)
         if multistep:
             return multi_step(params, kv, future, fb, rs, lb, lora, top_n, k1)
