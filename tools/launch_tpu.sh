@@ -11,7 +11,7 @@
 # given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache).
 # --dry-run prints the exact command and environment, then, where libtpu is, compiles its programs
 # ahead of time for the host's topology (or --topology: `ringserve compile`); it works on
-# a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
+# a host without TPU, saying so. Without --dry-run, a host without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 # A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
 # one's index, as GKE and the TPU VM images set them): every worker runs this same command; it
