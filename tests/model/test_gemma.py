@@ -158,3 +158,25 @@ def test_a_llama_cpp_gguf_loads_to_the_directorys_config_and_logits(tiny_dir, tm
     prompt = np.random.default_rng(3).integers(3, 2000, 60).tolist()
     got, want = first_logits(path, prompt), first_logits(ref_dir, prompt)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.fixture(scope="module")
+def native_scenario(tiny_dir):
+    from tests.model.test_attention import executor as attention_executor
+    from tests.model.test_attention import run_scenario
+
+    return run_scenario(attention_executor(tiny_dir("gemma2"), "native"))
+
+
+@pytest.mark.parametrize("backend", ["bucketed", "pallas", "pallas_gpu"])
+def test_the_accelerator_backends_match_native_on_gemma2(tiny_dir, native_scenario, backend):
+    """tests/model/test_attention.py's mixed batch (a chunk over 300 cached tokens, decodes, a
+    fresh prefill) on Gemma 2's alternating windows and soft cap, the layers scanned: the
+    bucketed path (GPU's, the window a traced per-layer lookup), jax's TPU kernel in its
+    interpreter (its window static: one kernel per distinct window, switched on the layer) and
+    the GPU backend (no window or cap in its kernel: the bucketed path for every step)."""
+    from tests.model.test_attention import assert_close, run_scenario
+    from tests.model.test_attention import executor as attention_executor
+
+    ex = attention_executor(tiny_dir("gemma2"), backend, layer_loop="scan")
+    assert_close(run_scenario(ex), native_scenario)
