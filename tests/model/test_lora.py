@@ -182,10 +182,11 @@ def test_reader_refusals(base, tmp_path):
         read_adapter(wrong, cfg, 8, TARGET_MODULES)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "gemma2"])
 def test_other_families_equal_peft(tiny_dir, tmp_path, family):
-    """Qwen3 (q/k norms, head_dim 48: q_proj 256 -> 384, o_proj 384 -> 256) and Qwen2 (qkv
-    biases, untied head): an adapter's rows beside a base row equal HF + PEFT."""
+    """Qwen3 (q/k norms, head_dim 48: q_proj 256 -> 384, o_proj 384 -> 256), Qwen2 (qkv
+    biases, untied head) and Gemma 2 (the sandwich layer's GeGLU, a 25-token prompt past its
+    window of 24): an adapter's rows beside a base row equal HF + PEFT."""
     base = tiny_dir(family)
     cfg = ExecutorConfig(page_size=PAGE, num_pages=64, max_context_len=256, max_batch=4, max_extend_tokens=256,
                          extend_block=16, precompile=False, lora_slots=2, lora_rank=8, lora_targets=TARGET_MODULES)  # fmt: skip

@@ -108,7 +108,7 @@ def dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("family,layer_loop", [("llama", "unrolled"), ("llama", "scan"), ("qwen2", "unrolled")])
+@pytest.mark.parametrize("family,layer_loop", [("llama", "unrolled"), ("llama", "scan"), ("qwen2", "unrolled"), ("gemma3", "scan")])
 def test_int8_serves_the_tokens_of_its_dequantized_weights(tiny_dir, family, layer_loop):
     cfg = dataclasses.replace(CFG, layer_loop=layer_loop)
     ex = ModelExecutor(tiny_dir(family), dataclasses.replace(cfg, quantization="int8"))
