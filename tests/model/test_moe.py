@@ -96,9 +96,10 @@ def test_greedy_matches_hf_with_cached_prefix(tiny_dir, executors, family):
     assert all(len(set(r)) > 3 for r in ref), "degenerate reference: the test would prove little"
 
 
-@pytest.mark.parametrize("family", MOE)
-def test_prompt_logprobs_match_hf_chunked_and_not(tiny_dir, executors, family):
-    path, ex = tiny_dir(family), executors(family, "scan")
+def test_prompt_logprobs_match_hf_chunked_and_not(tiny_dir, executors):
+    """Within HF's f32 tolerance, chunked at 16 or in one row (one family: the logits each family
+    computes are checked above; the logprobs' path is the families' own)."""
+    path, ex = tiny_dir("qwen3_moe"), executors("qwen3_moe", "scan")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (45, 70)]
     for chunk in (16, None):
