@@ -98,7 +98,7 @@ def test_greedy_matches_hf_with_cached_prefix(tiny_dir, executors, family):
 
 def test_prompt_logprobs_match_hf_chunked_and_not(tiny_dir, executors):
     """Within HF's f32 tolerance, chunked at 16 or in one row (one family: the logits each family
-    computes are checked above; the logprobs' path is the families' own)."""
+    computes are checked above; the logprobs' path after them is every family's)."""
     path, ex = tiny_dir("qwen3_moe"), executors("qwen3_moe", "scan")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (45, 70)]
