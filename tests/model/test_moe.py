@@ -191,3 +191,30 @@ def test_tensor_and_expert_parallel_match_hf(tiny_dir):
         assert got["tokens"] == want, (tp, ep, loop)
         split = "('tp', None, None)" if loop == "unrolled" else "(None, 'tp', None, None)"
         assert got["experts"] == (split if ep == 2 else "()"), (tp, ep, loop, got["experts"])
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_host_lazy_and_device_states_agree(tiny_dir, stacked, quant):
+    """The experts' [E, ...] leaves (from HF's per-expert tensors) built three ways: on the host
+    (loading), lazily by shard (many hosts) and on the device (weights handed over in-process)."""
+    from ringserve.model.checkpoints.load import load_checkpoint
+    from ringserve.model.compute.mesh import make_mesh
+    from ringserve.model.compute.options import ComputeOptions
+    from ringserve.model.compute.plan import ComputePlan
+    from ringserve.model.families import family
+    from ringserve.model.weights.device_state import DeviceStateBuilder
+    from ringserve.model.weights.state import build_host_state, build_lazy_state
+
+    cfg, tensors = load_checkpoint(tiny_dir("qwen2_moe"))
+    fam = family(cfg.family)
+    plan = ComputePlan(ComputeOptions(quantization=quant), layer_loop="scan" if stacked else "unrolled")
+    avals = fam.causal_lm(cfg, plan, None).state_avals(make_mesh(1))
+    host = build_host_state(fam, cfg, tensors, np.float32, stacked, quant)
+    lazy = build_lazy_state(fam, cfg, tensors, np.float32, stacked, quant)
+    dev = DeviceStateBuilder(fam, cfg, np.float32, stacked, quant, avals)(tensors)
+    experts = (host["layers"] if stacked else host["layers"][0])["mlp"]["experts"]["up_proj"]["weight"]
+    assert experts.shape == (*((4,) if stacked else ()), 8, *((128, 256) if quant else (256, 128)))
+    same = jax.tree.map(lambda h, lz, d: np.array_equal(h, lz[(slice(None),) * h.ndim]) and np.array_equal(h, np.asarray(d)),
+                        host, lazy, dev, is_leaf=lambda x: hasattr(x, "shape"))  # fmt: skip
+    assert all(jax.tree.leaves(same))
