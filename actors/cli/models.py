@@ -24,8 +24,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
-    head = ("architecture", "family", "tp", "LoRA", "int8", "GGUF", "attention")
-    lines = [head] + [(r["architecture"], r["family"], _yes(r["tp"]), _yes(r["lora"]), _yes(r["int8"]),
+    head = ("architecture", "family", "tp", "MoE", "LoRA", "int8", "GGUF", "attention")
+    lines = [head] + [(r["architecture"], r["family"], _yes(r["tp"]), _yes(r["moe"]), _lora(r), _yes(r["int8"]),
                        r["gguf"] or "-", "/".join(p.upper() for p in r["attention"])) for r in table]  # fmt: skip
     width = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     for line in lines:
@@ -40,3 +40,8 @@ def main(argv: list[str]) -> int:
 
 def _yes(v: bool) -> str:
     return "yes" if v else "-"
+
+
+def _lora(r: dict) -> str:
+    """LoRA's column: "attn" where adapters train attention alone (a MoE family's experts take none)."""
+    return "attn" if r["lora"] and r["moe"] else _yes(r["lora"])

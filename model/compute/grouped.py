@@ -46,12 +46,16 @@ class GroupedDot:
         return min(m, max(self.tile, min(self.max_tile, 1 << (mean.bit_length() - 1))))
 
     def __call__(self, lhs: jax.Array, w: jax.Array, sizes: jax.Array, dot: Any, transposed: bool = False,
-                 scale: jax.Array | None = None, base: jax.Array | int = 0) -> jax.Array:  # fmt: skip
-        """lhs [M, K] (rows sorted by group, `sizes` [G] of them each) x w[base + g] for each group
-        g -> [M, N] in lhs's dtype. w: [S, K, N] ([S, N, K] `transposed`), S >= base + G (a
-        stack of layers' experts flattened: `base` = layer * G); `scale` [S, N]: int8 w."""
+                 scale: jax.Array | None = None, base: jax.Array | int = 0, row0: jax.Array | int = 0) -> jax.Array:  # fmt: skip
+        """lhs [M, K] (rows sorted by group, `sizes` [G] of them each from row `row0` on) x
+        w[base + g] for each group g -> [M, N] in lhs's dtype, zero outside the groups' rows (an
+        expert-parallel device's share: its experts' rows). w: [S, K, N] ([S, N, K]
+        `transposed`), S >= base + G (a stack of layers' experts flattened: `base` = layer * G);
+        `scale` [S, N]: int8 w."""
         if self.name == "tiles":
-            return _tiles(lhs, w, sizes, dot, transposed, scale, base, self.rows(lhs.shape[0], sizes.shape[0]))
+            return _tiles(lhs, w, sizes, dot, transposed, scale, base, row0, self.rows(lhs.shape[0], sizes.shape[0]))
+        m = lhs.shape[0]
+        lhs = jnp.roll(lhs, -row0, axis=0)  # the groups' rows first
         g = sizes.shape[0]
         if w.shape[0] != g:  # (only the tiles path reads a stack in place)
             w = jax.lax.dynamic_slice_in_dim(w, base, g)
@@ -64,24 +68,24 @@ class GroupedDot:
         if self.name == "megablox":
             from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-            m = lhs.shape[0]
             pad = -m % MEGABLOX_TILE  # padded rows join the last group and are dropped
             lhs_p = jnp.pad(lhs, ((0, pad), (0, 0)))
             y = gmm(lhs_p, w, sizes.at[-1].add(pad), preferred_element_type=out_dtype, interpret=self.interpret)[:m]
         else:
             y = jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=out_dtype)
         if scale is not None:
-            row_group = jnp.repeat(jnp.arange(g), sizes, total_repeat_length=lhs.shape[0])
+            row_group = jnp.repeat(jnp.arange(g), sizes, total_repeat_length=m)
             y = y * jnp.take(scale, row_group, axis=0)
-        return y.astype(lhs.dtype)
+        y = jnp.where(jnp.arange(m)[:, None] < sizes.sum(), y, 0)  # rows past the groups: zero
+        return jnp.roll(y.astype(lhs.dtype), row0, axis=0)
 
 
-def _tiles(lhs, w, sizes, dot, transposed, scale, base, b: int) -> jax.Array:
+def _tiles(lhs, w, sizes, dot, transposed, scale, base, row0, b: int) -> jax.Array:
     """The "tiles" path (the module docstring): a while loop over the work items, as many as the
     groups' ceil(n / b) tiles together."""
     m, k = lhs.shape
     n = w.shape[-2] if transposed else w.shape[-1]
-    ends = jnp.cumsum(sizes)
+    ends = row0 + jnp.cumsum(sizes)
     starts = ends - sizes
     per = (sizes + b - 1) // b  # items of each group
     item_ends = jnp.cumsum(per)
@@ -96,7 +100,7 @@ def _tiles(lhs, w, sizes, dot, transposed, scale, base, b: int) -> jax.Array:
         old = jax.lax.dynamic_slice(out, (r0, 0), (b, n))
         return jax.lax.dynamic_update_slice(out, jnp.where(rows < ends[g] - r0, y, old), (r0, 0))
 
-    out = jax.lax.fori_loop(0, item_ends[-1], item, jnp.zeros((m + b, n), lhs.dtype))
+    out = jax.lax.fori_loop(0, item_ends[-1], item, jnp.zeros((m + b, n), lhs.dtype))  # (no groups: none)
     return out[:m]
 
 

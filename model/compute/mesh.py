@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 
 def make_mesh(tp_size: int) -> Mesh:
@@ -71,6 +71,12 @@ def ep_split(ndim: int, experts: int, ep: int) -> tuple[str | None, ...]:
     if ep == 1 or experts % ep:
         return ()
     return ("tp",) + (None,) * (ndim - 1)
+
+
+def ep_mesh(ep: int) -> AbstractMesh:
+    """The `tp` axis of `ep` devices as an abstract mesh, for the experts' shard_map inside a
+    traced program (model/layers/moe.py): the devices are the arguments' own."""
+    return AbstractMesh((ep,), ("tp",), axis_types=(AxisType.Auto,))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

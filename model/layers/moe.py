@@ -29,10 +29,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ringserve.model.compute.dots import Dot
 from ringserve.model.compute.grouped import GroupedDot
-from ringserve.model.compute.mesh import ep_split, tp_split
+from ringserve.model.compute.mesh import ep_mesh, ep_split, tp_split
 from ringserve.model.config import ModelConfig
 from ringserve.model.layers.attention import Attention
 from ringserve.model.layers.linear import Linear, Sharding, param
@@ -51,17 +52,24 @@ class ExpertProj(nnx.Module):
         self.scale = param((experts, n_out), jnp.float32, sharding[:1] + (None,) * bool(sharding)) if quant else None
         self.dot = dot
 
-    def __call__(self, xs: jax.Array, sizes: jax.Array, grouped: GroupedDot, layer: Any = None) -> jax.Array:
-        """xs [P, in] (rows grouped by expert, `sizes` [E] of them each) -> [P, out]. Where the
-        scan hands the whole stack over ([L, E, ...]: the plan's dot reads it in place,
-        model/layers/decoder.py), layer `layer`'s experts multiply."""
-        w, scale = self.weight[...], None if self.scale is None else self.scale[...]
-        base: Any = 0
-        if w.ndim == 4:  # [L, E, ...] -> [L * E, ...] (a view): expert e of layer l is l * E + e
-            e = w.shape[1]
-            w, base = w.reshape(-1, *w.shape[2:]), layer * e
-            scale = None if scale is None else scale.reshape(-1, scale.shape[-1])
-        return grouped(xs, w, sizes, self.dot, self.transposed, scale, base)
+    @property
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return (self.weight[...],) if self.scale is None else (self.weight[...], self.scale[...])
+
+
+def expert_product(xs: jax.Array, sizes: jax.Array, row0: Any, w: tuple[jax.Array, ...], layer: Any,
+                   grouped: GroupedDot, dot: Dot, transposed: bool) -> jax.Array:  # fmt: skip
+    """xs [P, in] (rows grouped by expert, `sizes` [E] of them each from row `row0` on) times
+    each group's expert of `w` (an ExpertProj's `arrays`) -> [P, out], zero outside those rows.
+    Where the scan hands the whole stack over ([L, E, ...]: the plan's dot reads it in place,
+    model/layers/decoder.py), layer `layer`'s experts multiply."""
+    weight, scale = w[0], w[1] if len(w) > 1 else None
+    base: Any = 0
+    if weight.ndim == 4:  # [L, E, ...] -> [L * E, ...] (a view): expert e of layer l is l * E + e
+        base = layer * weight.shape[1]
+        weight = weight.reshape(-1, *weight.shape[2:])
+        scale = None if scale is None else scale.reshape(-1, scale.shape[-1])
+    return grouped(xs, weight, sizes, dot, transposed, scale, base, row0)
 
 
 class Experts(nnx.Module):
@@ -73,6 +81,36 @@ class Experts(nnx.Module):
         self.gate_proj = ExpertProj(e, h, i, dt, split, dot, q)
         self.up_proj = ExpertProj(e, h, i, dt, split, dot, q)
         self.down_proj = ExpertProj(e, i, h, dt, split, dot, q)
+        self.ep = plan.ep if split else 1  # devices the experts are split over
+
+    def __call__(self, xs: jax.Array, sizes: jax.Array, grouped: GroupedDot, layer: Any) -> jax.Array:
+        """down(silu(gate(xs)) * up(xs)) of each row's expert, xs [P, H] grouped by expert
+        (`sizes` [E]). Expert parallel (ep > 1): every device holds every row (the tokens are
+        replicated between the tensor-parallel layers) and E / ep experts; it multiplies its own
+        experts' rows (one contiguous run of the sorted rows), zeros elsewhere, and a psum over
+        the devices puts every row's result everywhere."""
+        p = self.gate_proj
+        arrays = (p.arrays, self.up_proj.arrays, self.down_proj.arrays)
+
+        def mlp(xs, sizes, row0, arrays, layer):
+            wg, wu, wd = arrays
+            h = silu(expert_product(xs, sizes, row0, wg, layer, grouped, p.dot, p.transposed))
+            h = h * expert_product(xs, sizes, row0, wu, layer, grouped, p.dot, p.transposed)
+            return expert_product(h, sizes, row0, wd, layer, grouped, p.dot, p.transposed)
+
+        if self.ep == 1:
+            return mlp(xs, sizes, 0, arrays, layer)
+
+        def local(xs, sizes, arrays, layer):
+            mine = sizes.shape[0] // self.ep
+            first = jax.lax.axis_index("tp") * mine
+            row0 = (jnp.cumsum(sizes) - sizes)[first]
+            return jax.lax.psum(mlp(xs, jax.lax.dynamic_slice(sizes, (first,), (mine,)), row0, arrays, layer), "tp")
+
+        # by expert: a weight [(L,) E, ..] and a scale [(L,) E, out] (the layer axis: a stack read in place)
+        specs = tuple(tuple(P(*(None,) * (a.ndim - (3 if j == 0 else 2)), "tp") for j, a in enumerate(t)) for t in arrays)
+        run = jax.shard_map(local, mesh=ep_mesh(self.ep), in_specs=(P(), P(), specs, P()), out_specs=P(), check_vma=False)
+        return run(xs, sizes, arrays, jnp.asarray(0 if layer is None else layer, jnp.int32))
 
 
 class SparseMoe(nnx.Module):
@@ -101,9 +139,7 @@ class SparseMoe(nnx.Module):
         order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert
         sizes = jnp.bincount(pair_expert, length=e).astype(jnp.int32)
         xs = jnp.take(x, order // k, axis=0)  # [T * k, H]
-        ex, grouped = self.experts, self.grouped
-        hidden = silu(ex.gate_proj(xs, sizes, grouped, layer)) * ex.up_proj(xs, sizes, grouped, layer)
-        ys = ex.down_proj(hidden, sizes, grouped, layer)  # [T * k, H], grouped
+        ys = self.experts(xs, sizes, self.grouped, layer)  # [T * k, H], grouped
         back = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # token order
         out = jnp.einsum("tkh,tk->th", back.astype(jnp.float32), top_p)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

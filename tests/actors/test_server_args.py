@@ -79,6 +79,7 @@ def test_frozen():
         (dict(dtype="int4"), "dtype='int4': choose one of"),
         (dict(chunked_prefill_size=0), "chunked_prefill_size=0: -1 (off) or >= 1"),
         (dict(decode_bucket_step=-8), "decode_bucket_step=-8: must be >= 0"),
+        (dict(ep_size=2), "ep_size=2: must be 1 or tp_size=1"),
         (dict(prefill_step_cost=-1), "prefill_step_cost=-1: must be >= 0"),
         (dict(max_total_tokens=16, page_size=16), "max_total_tokens=16: must hold at least 2 pages"),
         (dict(max_total_tokens=4096, context_length=4096, page_size=16),

@@ -30,7 +30,8 @@ def test_a_family_is_found_by_its_architecture_and_reads_its_own_fields(tiny_dir
     assert d["architectures"] == [fam.architectures[0]] and family_of(d) is fam
     cfg = read_config(tiny_dir(name))
     assert cfg.family == name and cfg == parse_config(d)
-    assert cfg.attention_bias == (name in ("qwen2", "qwen2_moe"))  # Qwen2's biases are the family's, not config.json's
+    assert cfg.attention_bias == (name in ("qwen2", "qwen2_moe"))  # Qwen2's biases are the family's (MoE: qkv_bias)
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == ((8, 2) if name.endswith("moe") or name == "mixtral" else (0, 0))
     assert family_of({"model_type": fam.model_types[0]}) is fam  # no `architectures`: by model_type
 
 
@@ -68,7 +69,10 @@ def test_ringserve_models_lists_every_architecture_with_its_capabilities():
     assert rows["Gemma2ForCausalLM"]["gguf"] == "gemma2" and rows["Gemma3ForCausalLM"]["gguf"] == "gemma3"
     table = subprocess.run([sys.executable, "-m", "ringserve.actors.cli.main", "models"], capture_output=True, text=True,
                            timeout=120).stdout  # fmt: skip
-    assert table.splitlines()[0].split() == ["architecture", "family", "tp", "LoRA", "int8", "GGUF", "attention"]
+    assert table.splitlines()[0].split() == ["architecture", "family", "tp", "MoE", "LoRA", "int8", "GGUF", "attention"]
+    assert rows["MixtralForCausalLM"]["moe"] and not rows["LlamaForCausalLM"]["moe"]
+    mixtral = next(line.split() for line in table.splitlines() if line.split()[:2] == ["MixtralForCausalLM", "mixtral"])
+    assert mixtral[2:6] == ["yes", "yes", "attn", "yes"]  # tp, MoE, LoRA on attention alone, int8
     assert all(arch in table for arch in ARCHITECTURES)
 
 
