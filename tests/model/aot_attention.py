@@ -55,7 +55,11 @@ def compile_programs(a: dict) -> list[dict]:
             t0 = time.time()
             rec = {"tokens": tokens, "rows": rows, "ok": True, "error": None}
             try:
-                jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb).compile()
+                c = jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb).compile()
+                mem = c.memory_analysis()
+                rec.update(temp_mib=round(mem.temp_size_in_bytes / 2**20, 1), kv_mib=round(kv[0].size * 2 / 2**20, 1))
+                if a.get("hlo"):
+                    rec["hlo"] = c.as_text()
             except Exception as e:  # noqa: BLE001 -- the compiler's error is the report
                 rec.update(ok=False, error=str(e)[:2000])
             rec["seconds"] = round(time.time() - t0, 1)

@@ -83,8 +83,15 @@ class PallasRaggedAttention(AttentionBackend):
         rows = jnp.concatenate([k, v], axis=-1).astype(cache.dtype)  # [T, Hkv, 2D]
         if self.copies > 1:
             rows = jnp.repeat(rows, self.copies, axis=1)  # KV head h on devices h * copies ...
+        # one row scatter into the cache seen as [L*P * Hkv'' * page, 2D] rows (a bitcast of its
+        # row-major layout): scattered as [L*P, Hkv'', page, 2D] with (page, offset) indices, XLA
+        # laid the scan's cache out heads-minor for the scatter and copied the whole cache to the
+        # kernel's layout and back every layer (tiny model: 1.5 GiB of temporaries a step)
+        t, h = rows.shape[:2]
         page = fb.out_loc // g.page_size + layer * g.num_pages
-        return (cache.at[page, :, fb.out_loc % g.page_size].set(rows),)
+        at = (page[:, None] * h + jnp.arange(h)[None, :]) * g.page_size + (fb.out_loc % g.page_size)[:, None]  # [T, h]
+        flat = cache.reshape(-1, self.lanes).at[at.reshape(-1)].set(rows.reshape(t * h, self.lanes))
+        return (flat.reshape(cache.shape),)
 
     # ---- per program ---------------------------------------------------------------------------
     def query_block(self, tokens: int, rows: int) -> int:
