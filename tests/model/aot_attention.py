@@ -1,6 +1,7 @@
 """Compile one TPU attention backend's write + attend for a TPU topology, ahead of time, with
 libtpu (run in a subprocess by tests/model/test_tpu_aot.py, so the test process's JAX stays on
-CPU). Prints one JSON line per program: {"tokens", "rows", "ok", "error", "seconds", "blocks"}.
+CPU). Prints one JSON line per program: {"tokens", "rows", "ok", "error", "seconds", "temp_mib", "kv_mib",
+"cache_copies"} (with "hlo": true, the compiled HLO too).
 
     python -m tests.model.aot_attention '{"topology": "v5e:1x1", "backend": "pallas", "heads": 9,
         "kv_heads": 3, "head_dim": 64, "page": 64, "context": 4096, "programs": [[256, 256], [4096, 256]]}'
@@ -55,7 +56,13 @@ def compile_programs(a: dict) -> list[dict]:
             t0 = time.time()
             rec = {"tokens": tokens, "rows": rows, "ok": True, "error": None}
             try:
-                jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb).compile()
+                c = jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb).compile()
+                mem = c.memory_analysis()
+                rec.update(temp_mib=round(mem.temp_size_in_bytes / 2**20, 1), kv_mib=round(kv[0].size * 2 / 2**20, 1))
+                cache = f"bf16[{','.join(map(str, kv[0].shape))}]"  # a copy of the whole cache (a layout change)
+                rec["cache_copies"] = sum(1 for ln in c.as_text().splitlines() if f"= {cache}" in ln and " copy(" in ln)
+                if a.get("hlo"):
+                    rec["hlo"] = c.as_text()
             except Exception as e:  # noqa: BLE001 -- the compiler's error is the report
                 rec.update(ok=False, error=str(e)[:2000])
             rec["seconds"] = round(time.time() - t0, 1)

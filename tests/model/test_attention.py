@@ -105,7 +105,7 @@ def test_native_matches_hf(tiny_dir, native):
     assert_close(native, ref)
 
 
-@pytest.mark.parametrize("backend", ["cpu_kernel", "bucketed", "pallas", "pallas_gpu"])
+@pytest.mark.parametrize("backend", ["cpu_kernel", "bucketed", "pallas", "pallas_ragged", "pallas_gpu"])
 def test_mixed_step_matches_native(tiny_dir, native, backend):
     if backend == "cpu_kernel":
         from ringserve.model.compute.kernels import cpu_attention

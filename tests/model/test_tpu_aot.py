@@ -44,7 +44,17 @@ def aot(args: dict) -> list[dict]:
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.parametrize("backend", ["pallas", "pallas_ragged"])
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1", "v5p:2x2x1", "v4:2x2x1"])
-def test_pallas_compiles_for_each_chip(topology):
-    recs = aot(SMOLLM2 | {"topology": topology, "backend": "pallas"})
+def test_kernel_compiles_for_each_chip(topology, backend):
+    recs = aot(SMOLLM2 | {"topology": topology, "backend": backend})
     assert [(r["tokens"], r["ok"]) for r in recs] == [(256, True), (4096, True)], [r["error"] for r in recs]
+    for r in recs:  # the write and the kernel work in place: no copy of the cache
+        assert r["cache_copies"] == 0 and r["temp_mib"] < 2 * r["kv_mib"], r
+
+
+def test_ragged_replicates_kv_heads_over_tp():
+    """2 KV heads over tp 4 (each stored on the 2 devices of its query heads), head_dim 128."""
+    args = {"topology": "v5e:2x2", "tp": 4, "backend": "pallas_ragged", "heads": 8, "kv_heads": 2, "head_dim": 128,
+            "page": 64, "context": 4096, "programs": [[256, 256], [4096, 256]]}  # fmt: skip
+    assert [(r["tokens"], r["ok"]) for r in aot(args)] == [(256, True), (4096, True)]

@@ -5,7 +5,11 @@ the native backend is tests/model/test_attention.py; compiled for each chip: tes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,7 @@ from ringserve.model.compute.attention.base import AttnGeometry
 from ringserve.model.compute.attention.pallas_ragged import PallasRaggedAttention, kv_layout
 
 PAGE, NUM_PAGES, MAX_PAGES = 16, 40, 12
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def batch(kv_len, new, rows_padded: int, tokens: int, seed: int = 0):
@@ -71,35 +76,62 @@ CASES = {  # (kv_len, new tokens) per row, padded rows, padded tokens
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (24, None), (None, 5.0)])
-def test_kernel_matches_dense(case, window, soft_cap):
+def check(case: str, window: int | None, soft_cap: float | None, heads: tuple[int, int] = (6, 3), tp: int = 1) -> None:
+    """The backend's write then attend on CASES[case] (`heads` = (query heads, KV heads), over a
+    `tp` mesh of this process's devices) against `reference`; rows past the last token 0."""
     kv_len, new, rows, tokens = CASES[case]
-    geo = AttnGeometry(num_layers=2, num_pages=NUM_PAGES, page_size=PAGE, num_heads=6, num_kv_heads=3, head_dim=64,
+    hq, hkv = heads
+    geo = AttnGeometry(num_layers=2, num_pages=NUM_PAGES, page_size=PAGE, num_heads=hq, num_kv_heads=hkv, head_dim=64,
                        max_pages=MAX_PAGES, dtype=jnp.float32, sliding_window=window)  # fmt: skip
-    attn = PallasRaggedAttention(geo, interpret=True, soft_cap=soft_cap)
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,)) if tp > 1 else None
+    attn = PallasRaggedAttention(geo, interpret=True, tp=tp, mesh=mesh, soft_cap=soft_cap)
     fb = batch(kv_len, new, rows, tokens)
     rng = np.random.default_rng(1)
-    # the rows' whole K/V: the earlier tokens written straight into layer 1's pages, the new ones by `write`
-    keys = [rng.normal(size=(max(kv_len), 3, 64)).astype(np.float32) for _ in kv_len]
-    vals = [rng.normal(size=(max(kv_len), 3, 64)).astype(np.float32) for _ in kv_len]
+    # the rows' whole K/V: the earlier tokens put straight into layer 1's pages, the new ones by `write`
+    keys = [rng.normal(size=(max(kv_len), hkv, 64)).astype(np.float32) for _ in kv_len]
+    vals = [rng.normal(size=(max(kv_len), hkv, 64)).astype(np.float32) for _ in kv_len]
     cache = np.full(attn.kv_avals()[0].shape, np.nan, np.float32)  # unwritten: NaN, which must never leak
     tables = np.asarray(fb.pages)
     for r, kl in enumerate(kv_len):
         for p in range(kl - new[r]):
-            cache[NUM_PAGES + tables[r, p // PAGE], :, p % PAGE] = np.concatenate([keys[r][p], vals[r][p]], -1)
+            kvp = np.concatenate([keys[r][p], vals[r][p]], -1)
+            cache[NUM_PAGES + tables[r, p // PAGE], :, p % PAGE] = np.repeat(kvp, attn.copies, axis=0)
     k_new = np.concatenate([keys[r][kl - n : kl] for r, (kl, n) in enumerate(zip(kv_len, new, strict=True))])
     v_new = np.concatenate([vals[r][kl - n : kl] for r, (kl, n) in enumerate(zip(kv_len, new, strict=True))])
     pad = tokens - len(k_new)
-    k_new, v_new = (np.concatenate([x, np.zeros((pad, 3, 64), np.float32)]) for x in (k_new, v_new))
-    q = rng.normal(size=(tokens, 6, 64)).astype(np.float32)
+    k_new, v_new = (np.concatenate([x, np.zeros((pad, hkv, 64), np.float32)]) for x in (k_new, v_new))
+    q = rng.normal(size=(tokens, hq, 64)).astype(np.float32)
     layer = jnp.int32(1)
-    kv = attn.write((jnp.asarray(cache),), layer, jnp.asarray(k_new), jnp.asarray(v_new), fb)
-    got = np.asarray(jax.jit(lambda q, kv: attn.attend(q, kv, layer, fb))(jnp.asarray(q), kv))
+
+    @jax.jit
+    def step(q, cache, k, v):
+        kv = attn.write((cache,), layer, k, v, fb)
+        return attn.attend(q, kv, layer, fb)
+
+    got = np.asarray(step(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(k_new), jnp.asarray(v_new)))
     want = reference(q, keys, vals, fb, geo, soft_cap)
     n = fb.real
     np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5)
     assert (got[n:] == 0).all()
+
+
+@pytest.mark.parametrize("case,window,soft_cap", [("decode", None, None), ("extend", None, None), ("extend", 24, None),
+                                                  ("extend", None, 5.0)])  # fmt: skip
+def test_kernel_matches_dense(case, window, soft_cap):
+    check(case, window, soft_cap)
+
+
+TP_SCRIPT = """
+from tests.model.test_tpu_ragged import check
+check("decode", 24, None, heads=(4, 2), tp=4)  # each KV head stored on the 2 devices of its query heads
+print("ok")
+"""
+
+
+def test_kv_heads_replicated_over_tp():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_kv_layout():

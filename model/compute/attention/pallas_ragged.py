@@ -48,7 +48,8 @@ class PallasRaggedAttention(AttentionBackend):
 
     @classmethod
     def make(cls, geo: AttnGeometry, plan, mesh=None):
-        return cls(geo, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh, chip=device_kind(mesh))
+        return cls(geo, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh, chip=device_kind(mesh),
+                   soft_cap=getattr(geo, "softcap", None))  # fmt: skip -- (a geometry field once Gemma's lands)
 
     def __init__(self, geo: AttnGeometry, interpret: bool = False, tp: int = 1, mesh=None, chip: str | None = None,
                  soft_cap: float | None = None):  # fmt: skip
@@ -82,8 +83,15 @@ class PallasRaggedAttention(AttentionBackend):
         rows = jnp.concatenate([k, v], axis=-1).astype(cache.dtype)  # [T, Hkv, 2D]
         if self.copies > 1:
             rows = jnp.repeat(rows, self.copies, axis=1)  # KV head h on devices h * copies ...
+        # one row scatter into the cache seen as [L*P * Hkv'' * page, 2D] rows (a bitcast of its
+        # row-major layout): scattered as [L*P, Hkv'', page, 2D] with (page, offset) indices, XLA
+        # laid the scan's cache out heads-minor for the scatter and copied the whole cache to the
+        # kernel's layout and back every layer (tiny model: 1.5 GiB of temporaries a step)
+        t, h = rows.shape[:2]
         page = fb.out_loc // g.page_size + layer * g.num_pages
-        return (cache.at[page, :, fb.out_loc % g.page_size].set(rows),)
+        at = (page[:, None] * h + jnp.arange(h)[None, :]) * g.page_size + (fb.out_loc % g.page_size)[:, None]  # [T, h]
+        flat = cache.reshape(-1, self.lanes).at[at.reshape(-1)].set(rows.reshape(t * h, self.lanes))
+        return (flat.reshape(cache.shape),)
 
     # ---- per program ---------------------------------------------------------------------------
     def query_block(self, tokens: int, rows: int) -> int:
@@ -107,6 +115,15 @@ class PallasRaggedAttention(AttentionBackend):
             return tpu_fit.Blocks(min(INTERPRET_KV_PAGES, self.geo.max_pages), block, 0)
         return tpu_fit.choose(self.chip, self.kernel_shape(block), tpu_ragged.vmem_bytes, tuned={})
 
+    def window(self, layer: jax.Array) -> jax.Array:
+        """Layer `layer`'s sliding window as the kernel takes it: int32 [1], traced (0: none; so
+        is base.NO_WINDOW, 1 << 30, in effect). Per layer where the geometry has `window(layer)`
+        (Gemma's alternating local and global layers), else the model's one window."""
+        g = self.geo
+        per_layer = getattr(g, "window", None)
+        w = per_layer(layer) if callable(per_layer) else getattr(g, "sliding_window", None)
+        return jnp.zeros((1,), jnp.int32) if w is None else jnp.reshape(jnp.asarray(w, jnp.int32), (1,))
+
     # ---- in the graph --------------------------------------------------------------------------
     def attend(self, q, kv, layer, fb):
         g = self.geo
@@ -115,7 +132,7 @@ class PallasRaggedAttention(AttentionBackend):
         tm = tpu_ragged.TileMap(fb.row_start, fb.kv_len, fb.num_rows, t, b.queries)
         qt = tpu_ragged.query_tiles(q, tm, self.heads, g.scale, self.lanes, g.dtype)
         tables = fb.pages + layer * g.num_pages
-        window = jnp.full((1,), g.sliding_window or 0, jnp.int32)
+        window = self.window(layer)
         call = functools.partial(tpu_ragged.paged_call, block=b.queries, soft_cap=self.soft_cap, kv_pages=b.kv_pages,
                                  vmem_limit=b.vmem_limit or None, interpret=self.interpret)  # fmt: skip
         if self.tp > 1:

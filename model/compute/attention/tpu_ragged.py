@@ -165,7 +165,7 @@ def paged_call(qt: jax.Array, kv: jax.Array, tables: jax.Array, row: jax.Array, 
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit),
         out_shape=jax.ShapeDtypeStruct(qt.shape, qt.dtype),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret,
         name="ringserve_ragged_paged_attention",
     )
     prefetch = (tables.reshape(-1).astype(jnp.int32), row, pos0, qn, window.astype(jnp.int32))
