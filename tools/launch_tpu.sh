@@ -6,8 +6,13 @@
 # Installs nothing: install ringserve first (README command 1, with `jax[tpu]` on the host).
 # It finds the chips through JAX and runs `ringserve serve` with --tp-size = chips, bf16, and
 # the page size, buckets and attention backend suited to TPU; flags given here come last, so
-# they win. --dry-run prints the exact command and environment and runs nothing (it works on
-# a host without TPU, saying so). Without --dry-run, a host without TPU is an error (exit 2).
+# they win. The KV pool is left to the server's sizing against HBM. --dry-run prints the exact
+# command and environment and serves nothing (it works on a host without TPU, saying so); where
+# libtpu is importable (tools/install_libtpu.sh) it then runs `ringserve compile` for the same
+# flags on --topology T (default: this host's chips, else v5e:1x1; --tp-size is its chip
+# count), compiling every step program ahead of time and reporting each (RINGSERVE_COMPILE_ARGS
+# adds compile flags: --programs decode:max, --json PATH, ...). Without --dry-run, a host
+# without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 # A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
 # one's index, as GKE and the TPU VM images set them): every worker runs this same command; it
@@ -23,7 +28,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1 ;;
     --topology) topology="$2"; shift ;;
     --topology=*) topology="${1#*=}" ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift
