@@ -9,9 +9,12 @@
 # size, running requests and buckets from the model and the HBM (printed, with why), and runs
 # `ringserve serve` with them, bf16 and the ragged kernel; flags given here win (a --tp-size
 # given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache).
-# --dry-run prints the exact command and environment, then, where libtpu is, compiles its programs
-# ahead of time for the host's topology (or --topology: `ringserve compile`); it works on
-# a host without TPU, saying so. Without --dry-run, a host without TPU is an error (exit 2).
+# --dry-run prints the exact command and environment and serves nothing (it works on a host
+# without TPU, saying so); where libtpu is importable (tools/install_libtpu.sh) it then runs
+# `ringserve compile` for the same flags on --topology T (default: this host's chips, else
+# v5e:1x1), compiling every step program ahead of time and reporting each
+# (RINGSERVE_COMPILE_ARGS adds compile flags: --programs decode:max, --json PATH, ...).
+# Without --dry-run, a host without TPU is an error (exit 2).
 # RINGSERVE_BIN picks the ringserve executable (default: the one on PATH).
 # A multi-host slice (TPU_WORKER_HOSTNAMES lists more than one host; TPU_WORKER_ID is this
 # one's index, as GKE and the TPU VM images set them): every worker runs this same command; it
@@ -27,7 +30,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1 ;;
     --topology) topology="$2"; shift ;;
     --topology=*) topology="${1#*=}" ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift
@@ -101,21 +104,20 @@ if [ "$dry_run" -eq 1 ]; then
     echo "# launch_tpu.sh: no libtpu here (tools/install_libtpu.sh installs it): the programs are not compiled" >&2
     exit 0
   fi
-  if [ -z "$topology" ]; then  # this host's chips, as libtpu names them; else the smallest slice
-    topology=$("$py" - "$platform" "$chips" <<'PY' 2>/dev/null || echo "v5e:1x1"
-import sys, jax
-if sys.argv[1] != "tpu":
-    raise SystemExit(1)
-kind = jax.local_devices()[0].device_kind.lower()  # "tpu v5 lite", "tpu v6 lite", "tpu v5", "tpu v4"
-gen = "v5e" if "v5 lite" in kind else "v6e" if "v6" in kind else "v5p" if "v5" in kind else "v4"
-n = int(sys.argv[2])
-print(f"{gen}:{ {1: '1x1', 4: '2x2', 8: '2x4'}.get(n, f'{n}x1') if gen in ('v5e', 'v6e') else {4: '2x2x1', 8: '2x2x2'}.get(n, f'{n}x1x1')}")
+  if [ -z "$topology" ]; then  # this host's chips as libtpu names them; off TPU, the planned ones
+    topology=$("$py" - "$platform" "${kind:-}" "${planned:-$tp}" "${RINGSERVE_CHIP:-v5e}" <<'PY' 2>/dev/null || echo "v5e:1x1"
+import sys
+platform, kind, n, chip = sys.argv[1], sys.argv[2].lower(), int(sys.argv[3]), sys.argv[4]
+if platform == "tpu":  # "tpu v5 lite", "tpu v6 lite", "tpu v5", "tpu v4"
+    chip = "v5e" if "v5 lite" in kind else "v6e" if "v6" in kind else "v5p" if "v5" in kind else "v4"
+flat = {1: "1x1", 4: "2x2", 8: "2x4"}.get(n, f"{n}x1")
+print(f"{chip}:{flat if chip in ('v5e', 'v6e') else {1: '1x1x1', 4: '2x2x1', 8: '2x2x2'}.get(n, f'{n}x1x1')}")
 PY
 )
   fi
-  topo_chips=$(IFS=x; n=1; for d in ${topology#*:}; do n=$((n * d)); done; echo "$n")
   [ "${#multi[@]}" -eq 0 ] || echo "# launch_tpu.sh: compiling this host's share only is not done: the whole slice is $topology" >&2
-  compile=("$bin" compile --topology "$topology" "${cmd[@]:2}" --tp-size "$topo_chips")
+  # one dp group's programs (every group compiles the same ones), on the plan's tp chips of it
+  compile=("$bin" compile --topology "$topology" "${cmd[@]:2}")
   # shellcheck disable=SC2206
   compile+=(${RINGSERVE_COMPILE_ARGS:-})
   echo "# launch_tpu.sh: compiling its step programs for $topology (libtpu, ahead of time):" >&2

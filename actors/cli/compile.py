@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from ringserve.model.checkpoints.config_shapes import NAMES
+from ringserve.model.checkpoints.footprint import Footprint
 
 
 def parser() -> argparse.ArgumentParser:
@@ -130,18 +131,14 @@ def select(ex: Any, families: str | None, ends: bool, programs: str | None = Non
     return picked
 
 
-class LayoutFootprint:
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayoutFootprint(Footprint):
     """A Footprint whose KV bytes a token are the attention layout's (padded heads and lanes)."""
 
-    def __init__(self, fp: Any, kv_bytes_per_token: int):
-        self._fp, self._kv = fp, kv_bytes_per_token
-        self.num_layers, self.num_kv_heads, self.head_dim = fp.num_layers, fp.num_kv_heads, fp.head_dim
+    layout_kv_bytes: int = 0
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return self._kv
-
-    def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
-        return self._fp.weight_bytes(dtype, quantization)
+        return self.layout_kv_bytes
 
 
 def _line(p: dict[str, Any]) -> str:
@@ -171,7 +168,6 @@ def main(argv: list[str]) -> int:
     from ringserve.actors.server_args import OPTIONS, ServerArgs
     from ringserve.actors.transport.memory import size_pool
     from ringserve.model.checkpoints.config_shapes import model_config
-    from ringserve.model.checkpoints.footprint import Footprint
     from ringserve.model.compute.tpu_topology import tpu_topology
     from ringserve.model.runtime.aot import AbstractExecutor
 
@@ -183,7 +179,12 @@ def main(argv: list[str]) -> int:
         ex = AbstractExecutor(mc, executor_config(need), topo.devices)
         fp = Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, ex.num_params())
         hbm = chip.hbm_bytes * server.tp_size
-        pool = size_pool(server, LayoutFootprint(fp, ex.kv_layout_bytes_per_token()), "tpu", hbm)
+        pool = size_pool(
+            server,
+            LayoutFootprint(**dataclasses.asdict(fp), layout_kv_bytes=ex.kv_layout_bytes_per_token()),
+            "tpu",
+            hbm,
+        )
         served = size_pool(server, fp, "tpu", hbm)
         if served.max_total_tokens > pool.max_total_tokens:
             print(f"ringserve compile: the server would size its KV pool at {served.max_total_tokens:,} tokens "

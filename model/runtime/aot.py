@@ -195,7 +195,8 @@ _ITEM = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "
 def _computations(hlo: str) -> dict[str, str]:
     """HLO text split into its computations by name."""
     out: dict[str, str] = {}
-    name, lines = None, []
+    name: str | None = None
+    lines: list[str] = []
     for line in hlo.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             m = _COMP.match(line)
