@@ -36,7 +36,7 @@ def compile_programs(a: dict) -> list[dict]:
     plan = ComputePlan.resolve(ComputeOptions(dtype="bfloat16", attention_backend=a["backend"]), "tpu", tp, tp)
     geo = AttnGeometry(num_layers=2, num_pages=a.get("num_pages", 1025), page_size=a["page"], num_heads=a["heads"],
                        num_kv_heads=a["kv_heads"], head_dim=a["head_dim"], max_pages=a["context"] // a["page"],
-                       dtype=jnp.bfloat16, sliding_window=a.get("sliding_window"), **a.get("geometry", {}))  # fmt: skip
+                       dtype=jnp.bfloat16, windows=(a["sliding_window"],) * 2 if a.get("sliding_window") else None, **a.get("geometry", {}))  # fmt: skip
     rep = NamedSharding(mesh, PartitionSpec())
     out = []
     with jax.default_device(topo.devices[0]):

@@ -62,8 +62,8 @@ def reference(q, keys, vals, fb, geo, soft_cap):
                     s = soft_cap * np.tanh(s / soft_cap)
                 j = np.arange(kl)
                 vis = j <= pos
-                if geo.sliding_window:
-                    vis &= j > pos - geo.sliding_window
+                if geo.windows:
+                    vis &= j > pos - geo.windows[0]
                 s = np.where(vis, s, -np.inf)
                 p = np.exp(s - s.max())
                 out[t, h] = (p / p.sum()) @ vals[r][:kl, kh]
@@ -82,7 +82,7 @@ def check(case: str, window: int | None, soft_cap: float | None, heads: tuple[in
     kv_len, new, rows, tokens = CASES[case]
     hq, hkv = heads
     geo = AttnGeometry(num_layers=2, num_pages=NUM_PAGES, page_size=PAGE, num_heads=hq, num_kv_heads=hkv, head_dim=64,
-                       max_pages=MAX_PAGES, dtype=jnp.float32, sliding_window=window)  # fmt: skip
+                       max_pages=MAX_PAGES, dtype=jnp.float32, windows=None if window is None else (window, window))  # fmt: skip
     mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,)) if tp > 1 else None
     attn = PallasRaggedAttention(geo, interpret=True, tp=tp, mesh=mesh, soft_cap=soft_cap)
     fb = batch(kv_len, new, rows, tokens)

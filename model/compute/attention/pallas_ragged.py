@@ -49,7 +49,7 @@ class PallasRaggedAttention(AttentionBackend):
     @classmethod
     def make(cls, geo: AttnGeometry, plan, mesh=None):
         return cls(geo, interpret=plan.options.attention_interpret, tp=plan.tp, mesh=mesh, chip=device_kind(mesh),
-                   soft_cap=getattr(geo, "softcap", None))  # fmt: skip -- (a geometry field once Gemma's lands)
+                   soft_cap=geo.softcap)  # fmt: skip
 
     def __init__(self, geo: AttnGeometry, interpret: bool = False, tp: int = 1, mesh=None, chip: str | None = None,
                  soft_cap: float | None = None):  # fmt: skip
@@ -117,11 +117,9 @@ class PallasRaggedAttention(AttentionBackend):
 
     def window(self, layer: jax.Array) -> jax.Array:
         """Layer `layer`'s sliding window as the kernel takes it: int32 [1], traced (0: none; so
-        is base.NO_WINDOW, 1 << 30, in effect). Per layer where the geometry has `window(layer)`
-        (Gemma's alternating local and global layers), else the model's one window."""
-        g = self.geo
-        per_layer = getattr(g, "window", None)
-        w = per_layer(layer) if callable(per_layer) else getattr(g, "sliding_window", None)
+        is base.NO_WINDOW, 1 << 30, in effect), per layer (Gemma's alternating local and global
+        layers: the geometry's `window`)."""
+        w = self.geo.window(layer)
         return jnp.zeros((1,), jnp.int32) if w is None else jnp.reshape(jnp.asarray(w, jnp.int32), (1,))
 
     # ---- in the graph --------------------------------------------------------------------------
