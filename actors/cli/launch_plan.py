@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -71,14 +72,11 @@ class LaunchPlan:
 
 
 def weight_bytes(cfg: ModelConfig, itemsize: int = 2) -> int:
-    """The served weights' bytes from the config alone (dense decoder: embedding, LM head unless
-    tied, attention and MLP projections, the norms; no biases)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    attn = h * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    mlp = 3 * h * cfg.intermediate_size
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    norms = (2 * cfg.num_layers + 1) * h
-    return itemsize * (cfg.vocab_size * h + head + cfg.num_layers * (attn + mlp) + norms)
+    """The served weights' bytes from the config alone: every tensor of the family's HF layout
+    (model/families/: experts, sandwich norms and biases included)."""
+    from ringserve.model.families import family
+
+    return itemsize * sum(math.prod(p.hf_shape) for p in family(cfg.family).layout(cfg).values())
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
