@@ -10,13 +10,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    """RINGSERVE_FAST=1 skips the tests marked slow (CI runs them all)."""
-    if os.environ.get("RINGSERVE_FAST") != "1":
-        return
-    skip = pytest.mark.skip(reason="slow (RINGSERVE_FAST=1)")
+    """RINGSERVE_FAST=1 skips the tests marked slow (CI runs them all); the tests marked sweep
+    (the same check over every other family, topology or split, CI running one of each) run
+    with RINGSERVE_SWEEP=1."""
+    fast, sweep = os.environ.get("RINGSERVE_FAST") == "1", os.environ.get("RINGSERVE_SWEEP") == "1"
     for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(skip)
+        if fast and item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.skip(reason="slow (RINGSERVE_FAST=1)"))
+        if not sweep and item.get_closest_marker("sweep") is not None:
+            item.add_marker(pytest.mark.skip(reason="a sweep case: RINGSERVE_SWEEP=1 runs it (CI runs one of its kind)"))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@
 # It finds the chips through JAX, asks `ringserve launch-plan` (actors/cli/launch_plan.py) for
 # dp x tp = chips (data parallel where the model is small or its heads do not split), the page
 # size, running requests and buckets from the model and the HBM (printed, with why), and runs
-# `ringserve serve` with them, bf16 and the ragged kernel; flags given here win (a --tp-size
+# `ringserve serve` with them, bf16 and the TPU attention kernel it picks (jax's, or ringserve's
+# where jax's would pad the KV); flags given here win (a --tp-size
 # given: dp is the rest). Compiled programs persist in $RINGSERVE_CACHE/xla (--xla-cache).
 # --dry-run prints the exact command and environment and serves nothing (it works on a host
 # without TPU, saying so); where libtpu is importable (tools/install_libtpu.sh) it then runs
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1 ;;
     --topology) topology="$2"; shift ;;
     --topology=*) topology="${1#*=}" ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift
@@ -69,7 +70,7 @@ if [ "${#multi[@]}" -eq 0 ]; then
 else
   layout=(--tp-size "$tp")
   sized=(--page-size 64 --max-running-requests 256 --decode-bucket-step 0 --max-prefill-tokens 8192
-         --chunked-prefill-size 4096 --extend-block 64)
+         --chunked-prefill-size 4096 --extend-block 64 --attention-backend pallas)
 fi
 
 env_vars=(
@@ -82,7 +83,6 @@ cmd=("$bin" serve
   "${multi[@]}"
   "${sized[@]}"
   --dtype bfloat16
-  --attention-backend pallas          # jax's ragged paged attention kernel: one program per shape
   "${extra[@]}")
 
 if [ "$platform" != "tpu" ]; then

@@ -30,12 +30,12 @@ from pathlib import Path
 
 from ringserve.actors.server_args import ServerArgs
 from ringserve.model.compute.step_inputs import Buckets
+from ringserve.model.compute.tpu_topology import CHIPS
 from ringserve.model.config import ModelConfig
 
-GB, GIB = 10**9, 1 << 30
-# HBM per chip, by generation (the published figures; model/compute/tpu_topology.py holds the same
-# chips' facts for compiling: one table once both are in)
-HBM_BYTES = {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "v4": 32 * GIB}
+GB = 10**9
+# HBM per chip, by generation (the published figures, model/compute/tpu_topology.py)
+HBM_BYTES = {name: chip.hbm_bytes for name, chip in CHIPS.items()}
 WEIGHT_SHARE = 0.4  # at most this share of a group's HBM for weights: the rest is KV and activations
 SERVER_FRACTION = 0.85  # mem_fraction_static's accelerator default (actors/transport/devices.py)
 PAGE_BYTES = 16 * 1024  # one KV head's K (or V) of one page
@@ -63,12 +63,14 @@ class LaunchPlan:
     programs: int  # step programs the server compiles (one context each: the ragged kernel)
     why: tuple[str, ...]
     serve: tuple[tuple[str, int], ...] = ()  # the prefill budget, chunk and extend block (SERVE_DEFAULTS or given)
+    attention: str = "pallas"  # the TPU attention backend (`attention_backend`, below)
 
     def flags(self) -> list[str]:
         chosen = [("dp_size", self.dp), ("tp_size", self.tp), ("page_size", self.page_size),
                   ("max_running_requests", self.max_running_requests), ("decode_bucket_step", self.decode_bucket_step),
                   *self.serve]  # fmt: skip
-        return [x for k, v in chosen for x in ("--" + k.replace("_", "-"), str(v))]
+        return [x for k, v in chosen for x in ("--" + k.replace("_", "-"), str(v))] + ["--attention-backend",
+                                                                                       self.attention]  # fmt: skip
 
 
 def weight_bytes(cfg: ModelConfig, itemsize: int = 2) -> int:
@@ -125,7 +127,29 @@ def choose(cfg: ModelConfig, chips: int, hbm_bytes: int, given: dict[str, int] |
     args = ServerArgs(max_running_requests=running, decode_bucket_step=step, **serve)
     programs = len(Buckets.make(running, args.max_extend_tokens, args.extend_block, step).shapes())
     why.append(f"{programs} step programs: decode and extend buckets, one context each (the ragged kernel)")
-    return LaunchPlan(dp, tp, page, running, step, programs, tuple(why), tuple(serve.items()))
+    attention, reason = attention_backend(cfg, tp)
+    why.append(f"{attention} attention: {reason}")
+    return LaunchPlan(dp, tp, page, running, step, programs, tuple(why), tuple(serve.items()), attention)
+
+
+def attention_backend(cfg: ModelConfig, tp: int) -> tuple[str, str]:
+    """jax's ragged paged attention kernel (`pallas`) where its layout stores the KV as it is,
+    else ringserve's (`pallas_ragged`, model/compute/attention/pallas_ragged.py: K|V unpadded on
+    the lanes), with why. jax's pads head_dim to 128 lanes and a device's KV heads to what it tiles
+    (SmolLM2, 3 heads of 64: 2.67x the KV bytes), and cannot split KV heads fewer than tp."""
+    from ringserve.model.compute.attention.pallas_tpu import padded_kv_heads
+
+    local = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 0
+    lanes = -(-cfg.head_dim // 128) * 128
+    if local and local == padded_kv_heads(local, "bfloat16") and lanes == cfg.head_dim:
+        return "pallas", "jax's kernel stores this model's KV unpadded"
+    if cfg.head_dim < 64:  # ringserve's lays such heads in 64 lanes and copies the cache each step
+        return "pallas", f"head_dim {cfg.head_dim}: ringserve's kernel is exact from 64 lanes up"
+    if not local:
+        return "pallas_ragged", f"{cfg.num_kv_heads} KV heads over tp {tp}: replicated, as jax's kernel cannot"
+    padded = padded_kv_heads(local, "bfloat16") * lanes
+    return "pallas_ragged", (f"jax's kernel would store {padded / (local * cfg.head_dim):.2f}x the KV bytes "
+                             f"(head_dim {cfg.head_dim}, {local} KV head(s) a chip)")  # fmt: skip
 
 
 def _pow2_floor(n: int) -> int:
@@ -164,26 +188,15 @@ def main(argv: list[str]) -> int:
 
 
 def _config(model: str | None) -> ModelConfig:
-    """The ModelConfig of a model directory, or of a model serve knows by name (None: its
-    default, smollm2): the named shapes from their configs alone (nothing fetched: a dry run on
-    any host), others as serve resolves them."""
-    from ringserve.model.families import parse_config, read_config
+    """The ModelConfig of a model directory, or of a named shape (model/checkpoints/config_shapes.py:
+    nothing fetched, so a dry run works on any host; None: smollm2, serve's default), else of a
+    model serve knows by name, as serve resolves it."""
+    from ringserve.model.checkpoints.config_shapes import NAMES, model_config
 
-    p = Path(model).expanduser() if model else None
-    if p is not None and p.is_dir():
-        return read_config(p)
     name = model or "smollm2"
-    if name == "tiny":
-        from ringserve.model.checkpoints.tiny import DEFAULT_DIMS, _hf_config
-        from ringserve.model.families import FAMILIES
-
-        return parse_config(_hf_config(FAMILIES["llama"], dict(DEFAULT_DIMS), 0), source="tiny")
-    if name == "smollm2":
-        from ringserve.model.checkpoints.random_shapes import SHAPES
-
-        d = dict(SHAPES["smollm2-135m"], model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
-                 rms_norm_eps=1e-5)  # fmt: skip
-        return parse_config(d, source="smollm2")
+    if Path(name).expanduser().is_dir() or name in NAMES:
+        return model_config(name)[0]
     from ringserve.model.checkpoints.resolve import resolve_model
+    from ringserve.model.families import read_config
 
     return read_config(resolve_model(name)[1])
