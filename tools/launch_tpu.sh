@@ -115,7 +115,10 @@ print(f"{chip}:{flat if chip in ('v5e', 'v6e') else {1: '1x1x1', 4: '2x2x1', 8: 
 PY
 )
   fi
-  [ "${#multi[@]}" -eq 0 ] || echo "# launch_tpu.sh: compiling this host's share only is not done: the whole slice is $topology" >&2
+  if [ "${#multi[@]}" -gt 0 ]; then
+    echo "# launch_tpu.sh: a multi-host slice's programs are not compiled here (ringserve compile --topology <the slice> --tp-size $tp does)" >&2
+    exit 0
+  fi
   # one dp group's programs (every group compiles the same ones), on the plan's tp chips of it
   compile=("$bin" compile --topology "$topology" "${cmd[@]:2}")
   # shellcheck disable=SC2206

@@ -25,14 +25,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ringserve.model.compute.attention.base import AttnGeometry
 from ringserve.model.compute.plan import ComputePlan
 from ringserve.model.compute.step_inputs import Buckets, StepShape
 from ringserve.model.config import ModelConfig
 from ringserve.model.families import family
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor, _statics
 from ringserve.model.runtime.programs import Key, compile_order
-from ringserve.model.runtime.step import make_step
 from ringserve.model.weights.lora import LoraPool
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -71,21 +69,10 @@ class AbstractExecutor(ModelExecutor):
             raise ValueError(f"tp_size={cfg.tp_size}: the topology has {len(devices)} chips")
         self.mesh = Mesh(np.array(devices[: cfg.tp_size]), ("tp",), axis_types=(AxisType.Auto,))
         self.plan = plan = ComputePlan.resolve(cfg.compute, devices[0].platform, cfg.tp_size, self.mesh.size,
-                                               rope_positions=shapes.max_pages * shapes.page_size)  # fmt: skip
+                                               rope_positions=shapes.max_pages * shapes.page_size, ep=cfg.ep_size)  # fmt: skip
         self.model_config = mc
         self.family = family(mc.family)
-        geo = AttnGeometry(
-            num_layers=mc.num_layers, num_pages=shapes.num_pages, page_size=shapes.page_size,
-            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            max_pages=shapes.max_pages, dtype=plan.jnp_dtype, sliding_window=mc.sliding_window,
-            deterministic=plan.deterministic,
-        )  # fmt: skip
-        self.attn = plan.make_backend(geo, self.mesh)
-        if shapes.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, shapes.decode_steps)):
-            raise ValueError(
-                f"decode_steps={shapes.decode_steps}: the {plan.attention} backend needs a host plan"
-            )
-        self.model = self.family.causal_lm(mc, plan, self.attn)
+        self._build_model(mc)
         opts = cfg.compute
         self.buckets = Buckets.make(
             shapes.max_batch, shapes.max_extend_tokens, opts.extend_block, opts.decode_bucket_step
@@ -99,9 +86,7 @@ class AbstractExecutor(ModelExecutor):
             pool = AbstractLoraPool(self.family, mc, cfg.lora_slots, cfg.lora_rank, cfg.lora_targets,
                                     plan.layer_loop == "scan", plan.jnp_dtype, rep)  # fmt: skip
             self.lora, self.lora_avals = pool, pool.avals()
-        step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
-                         shapes.hidden_states)  # fmt: skip
-        self._jitted = jax.jit(step, donate_argnums=(1, 2), static_argnums=(7, 8, 9))
+        self._jitted = jax.jit(self._step_fn(), donate_argnums=(1, 2), static_argnums=(7, 8, 9))
         self.contexts = self.attn.context_buckets()
         self.order, self.lead = compile_order(self.buckets, self.contexts, shapes.verify_tokens, shapes.top_logprobs_num,
                                               plan.lead_small_programs, shapes.decode_steps, shapes.decode_steps_rows)  # fmt: skip

@@ -54,6 +54,7 @@ from ringserve.model.compute.step_inputs import (
     StepShape,
     build_batch,
 )
+from ringserve.model.config import ModelConfig
 from ringserve.model.families import family
 from ringserve.model.layers.decoder import CausalLM
 from ringserve.model.layers.lora import LoraBatch
@@ -122,24 +123,7 @@ class ModelExecutor:
         if shapes.max_context_len > mc.max_position_embeddings:
             log.warning("max_context_len %d > model's max_position_embeddings %d",
                         shapes.max_context_len, mc.max_position_embeddings)  # fmt: skip
-        geo = AttnGeometry(
-            num_layers=mc.num_layers, num_pages=shapes.num_pages, page_size=shapes.page_size,
-            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            max_pages=shapes.max_pages, dtype=plan.jnp_dtype, windows=mc.layer_windows,
-            softcap=mc.attn_logit_softcap,
-            query_scale=None if mc.query_pre_attn_scalar is None else mc.query_pre_attn_scalar**-0.5,
-            deterministic=plan.deterministic,
-        )  # fmt: skip
-        self.attn: AttentionBackend = plan.make_backend(geo, self.mesh)
-        if shapes.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, shapes.decode_steps)):
-            raise ValueError(f"decode_steps={shapes.decode_steps}: multi-step decode runs its steps' attention without "
-                             f"a host plan, which the {plan.attention} backend needs (cpu_kernel has none)")  # fmt: skip
-        self.model: CausalLM = self.family.causal_lm(mc, plan, self.attn)
-        # the logits and the penalties' token counts split by vocabulary over `tp` (None: whole)
-        self.vocab = VocabSplit.of(self.mesh, mc.vocab_size)
-        if shapes.routed_experts and not self.model.routed_shape[0]:
-            raise ValueError(f"enable_return_routed_experts: {mc.family} has no mixture-of-experts layers to report "
-                             "(routing replay is for MoE models)")  # fmt: skip
+        self._build_model(mc)
         opts = cfg.compute
         self.buckets = Buckets.make(shapes.max_batch, shapes.max_extend_tokens, opts.extend_block, opts.decode_bucket_step)
         self.constants = StepConstants(replicated(self.mesh), self.mask_words, shapes.token_ids_logprob_num, self.buckets)
@@ -173,8 +157,7 @@ class ModelExecutor:
         self.trace_count = 0
         # extend programs sample their producing rows (few: a prefill's) in groups, in a device
         # loop; prompt positions' logprobs likewise (the plan's groups)
-        step = make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
-                         shapes.hidden_states, shapes.routed_experts, self.vocab)  # fmt: skip
+        step = self._step_fn()
 
         def traced(*args):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
@@ -217,6 +200,37 @@ class ModelExecutor:
             self._settled.set()
 
     # ---- weights ------------------------------------------------------------------------------
+
+    def _build_model(self, mc: ModelConfig) -> None:
+        """The attention backend, the model and the logits' vocabulary split of `mc` as the plan
+        says: the server's and `ringserve compile`'s alike (model/runtime/aot.py)."""
+        shapes, plan = self.cfg.shapes, self.plan
+        geo = AttnGeometry(
+            num_layers=mc.num_layers, num_pages=shapes.num_pages, page_size=shapes.page_size,
+            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            max_pages=shapes.max_pages, dtype=plan.jnp_dtype, windows=mc.layer_windows,
+            softcap=mc.attn_logit_softcap,
+            query_scale=None if mc.query_pre_attn_scalar is None else mc.query_pre_attn_scalar**-0.5,
+            deterministic=plan.deterministic,
+        )  # fmt: skip
+        self.attn: AttentionBackend = plan.make_backend(geo, self.mesh)
+        if shapes.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, shapes.decode_steps)):
+            raise ValueError(f"decode_steps={shapes.decode_steps}: multi-step decode runs its steps' attention without "
+                             f"a host plan, which the {plan.attention} backend needs (cpu_kernel has none)")  # fmt: skip
+        self.model: CausalLM = self.family.causal_lm(mc, plan, self.attn)
+        # the logits and the penalties' token counts split by vocabulary over `tp` (None: whole)
+        self.vocab = VocabSplit.of(self.mesh, mc.vocab_size)
+        if shapes.routed_experts and not self.model.routed_shape[0]:
+            raise ValueError(f"enable_return_routed_experts: {mc.family} has no mixture-of-experts layers to report "
+                             "(routing replay is for MoE models)")  # fmt: skip
+
+    def _step_fn(self) -> Any:
+        """The step function every program traces (model/runtime/step.py), as the plan and the
+        shapes say: the server's and `ringserve compile`'s alike."""
+        plan, shapes = self.plan, self.cfg.shapes
+        return make_step(self.model, plan.sample_group, plan.fixed_rows, plan.position_group, shapes.processed_logprobs,
+                         shapes.hidden_states, shapes.routed_experts, self.vocab)  # fmt: skip
+
     def _build(self, tensors: dict[str, np.ndarray]) -> Any:
         """The Decoder's state from HF-named host arrays (model/weights/state.py; per-layer weights when
         the layers run unrolled), each Param on its `tp` sharding. Raises ValueError naming a
