@@ -45,7 +45,8 @@ def aot(args: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("backend", ["pallas", "pallas_ragged"])
-@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1", "v5p:2x2x1", "v4:2x2x1"])
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1", pytest.param("v5p:2x2x1", marks=pytest.mark.sweep),
+                                      pytest.param("v4:2x2x1", marks=pytest.mark.sweep)])  # fmt: skip
 def test_kernel_compiles_for_each_chip(topology, backend):
     recs = aot(SMOLLM2 | {"topology": topology, "backend": backend})
     assert [(r["tokens"], r["ok"]) for r in recs] == [(256, True), (4096, True)], [r["error"] for r in recs]
