@@ -1,9 +1,10 @@
 """`ringserve launch-plan`: how one TPU host serves a model, chosen from its config.json and the
 host's chips (tools/launch_tpu.sh asks it, then runs `ringserve serve` with what it prints).
 
-    dp x tp = chips   tp: the fewest chips that split the model's heads evenly (query and KV
-                      heads both divisible by tp) and hold its weights within WEIGHT_SHARE of
-                      their HBM; dp: the rest of the chips, each group a replica of its own
+    dp x tp = chips   tp: the fewest chips that split the model's heads evenly (query heads
+                      divisible by tp; KV heads too, or tp a multiple of them: each replicated,
+                      as SGLang does) and hold its weights within WEIGHT_SHARE of their HBM
+                      (a mixture of experts: its experts split over the same chips, ep = tp); dp: the rest of the chips, each group a replica of its own
                       (actors/transport/devices.py gives each its chips). A small model runs
                       data parallel; SmolLM2's 9 query / 3 KV heads split over no 2, 4 or 8
                       chips, so it runs data parallel whatever its size.
@@ -64,9 +65,11 @@ class LaunchPlan:
     why: tuple[str, ...]
     serve: tuple[tuple[str, int], ...] = ()  # the prefill budget, chunk and extend block (SERVE_DEFAULTS or given)
     attention: str = "pallas"  # the TPU attention backend (`attention_backend`, below)
+    ep: int = 1  # expert parallelism (a mixture of experts over tp > 1 chips: its experts split over them)
 
     def flags(self) -> list[str]:
-        chosen = [("dp_size", self.dp), ("tp_size", self.tp), ("page_size", self.page_size),
+        chosen = [("dp_size", self.dp), ("tp_size", self.tp), *([("ep_size", self.ep)] if self.ep > 1 else []),
+                  ("page_size", self.page_size),
                   ("max_running_requests", self.max_running_requests), ("decode_bucket_step", self.decode_bucket_step),
                   *self.serve]  # fmt: skip
         return [x for k, v in chosen for x in ("--" + k.replace("_", "-"), str(v))] + ["--attention-backend",
@@ -97,7 +100,8 @@ def choose(cfg: ModelConfig, chips: int, hbm_bytes: int, given: dict[str, int] |
     weights = weight_bytes(cfg) if weights is None else weights
     why = []
     splits = [t for t in range(1, chips + 1) if chips % t == 0]
-    even = [t for t in splits if cfg.num_heads % t == 0 and cfg.num_kv_heads % t == 0]
+    # query heads split evenly; KV heads too, or each held by tp / KV heads chips (replicated, as SGLang does)
+    even = [t for t in splits if cfg.num_heads % t == 0 and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)]
     if "tp_size" in given:
         tp = given["tp_size"]
         why.append(f"tp {tp}: given")
@@ -129,20 +133,26 @@ def choose(cfg: ModelConfig, chips: int, hbm_bytes: int, given: dict[str, int] |
     why.append(f"{programs} step programs: decode and extend buckets, one context each (the ragged kernel)")
     attention, reason = attention_backend(cfg, tp)
     why.append(f"{attention} attention: {reason}")
-    return LaunchPlan(dp, tp, page, running, step, programs, tuple(why), tuple(serve.items()), attention)
+    ep = given.get("ep_size", tp if cfg.num_experts else 1)
+    if cfg.num_experts and tp > 1:
+        why.append(f"ep {ep}: {'given' if 'ep_size' in given else f'{cfg.num_experts} experts split over the {tp} chips'}")
+    return LaunchPlan(dp, tp, page, running, step, programs, tuple(why), tuple(serve.items()), attention, ep)
 
 
 def attention_backend(cfg: ModelConfig, tp: int) -> tuple[str, str]:
     """jax's ragged paged attention kernel (`pallas`) where its layout stores the KV as it is,
     else ringserve's (`pallas_ragged`, model/compute/attention/pallas_ragged.py: K|V unpadded on
     the lanes), with why. jax's pads head_dim to 128 lanes and a device's KV heads to what it tiles
-    (SmolLM2, 3 heads of 64: 2.67x the KV bytes), and cannot split KV heads fewer than tp."""
+    (SmolLM2, 3 heads of 64: 2.67x the KV bytes), cannot split KV heads fewer than tp, and
+    does not compile for head_dim 256 (Gemma 2) on libtpu 0.0.42."""
     from ringserve.model.compute.attention.pallas_tpu import padded_kv_heads
 
     local = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 0
     lanes = -(-cfg.head_dim // 128) * 128
-    if local and local == padded_kv_heads(local, "bfloat16") and lanes == cfg.head_dim:
+    if local and local == padded_kv_heads(local, "bfloat16") and cfg.head_dim == 128:
         return "pallas", "jax's kernel stores this model's KV unpadded"
+    if cfg.head_dim > 128:  # Mosaic: "The last dim size is not 128 in original base memref" (Gemma-2-2B, v5e)
+        return "pallas_ragged", f"head_dim {cfg.head_dim}: jax's kernel does not compile past 128 lanes"
     if cfg.head_dim < 64:  # ringserve's lays such heads in 64 lanes and copies the cache each step
         return "pallas", f"head_dim {cfg.head_dim}: ringserve's kernel is exact from 64 lanes up"
     if not local:
@@ -156,7 +166,7 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-GIVEN = ("tp_size", "dp_size", "page_size", "max_running_requests", "decode_bucket_step", "max_prefill_tokens",
+GIVEN = ("tp_size", "dp_size", "ep_size", "page_size", "max_running_requests", "decode_bucket_step", "max_prefill_tokens",
          "chunked_prefill_size", "extend_block", "context_length")  # fmt: skip
 
 

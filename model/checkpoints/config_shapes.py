@@ -6,6 +6,8 @@ Face configs, less the tokenizer's; nothing here reads or writes weights or toke
     smollm2       SmolLM2-135M-Instruct (model/checkpoints/random_shapes.py's shape)
     llama-3-8b    Meta-Llama-3-8B(-Instruct)
     qwen3-8b      Qwen3-8B
+    qwen3-30b-a3b Qwen3-30B-A3B (mixture of experts: 128 experts, 8 a token)
+    gemma-2-2b    Gemma-2-2B (local and global layers alternating, soft caps)
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
         max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645, sliding_window=None,
         use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu", attention_bias=False,
+        rms_norm_eps=1e-6, dtype="bfloat16", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_id=151645, sliding_window=None, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "gemma-2-2b": dict(
+        model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6, dtype="bfloat16", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256, tie_word_embeddings=True,
+        max_position_embeddings=8192, bos_token_id=2, eos_token_id=1, sliding_window=4096,
+        query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
 }  # fmt: skip
 

@@ -1,18 +1,39 @@
 #!/usr/bin/env bash
-# The compile reports below: tools/launch_tpu.sh --dry-run (the launcher's own flags, tp = the
-# topology's chips) for a topology and model shape, the programs the estimates need (the largest
-# decode batch, the smallest extend). From the repository root:
+# The compile reports below: tools/launch_tpu.sh --dry-run for a topology and a model, so the
+# launcher's own flags (what `ringserve launch-plan` chooses for that many chips of that
+# generation: dp x tp, ep, page size, running requests, buckets, the attention kernel) compile for
+# one dp group; the programs the estimates need (the largest decode batch, the smallest extend).
+# A model is a named shape (model/checkpoints/config_shapes.py) or tiny-<arch>, a tiny random
+# checkpoint of a family (made here, under $RINGSERVE_TINY, default /tmp/ringserve-tiny).
+# From the repository root:
 #   bash bench/results/compile/run.sh [TOPOLOGY:MODEL ...]    (default: all below, in this order)
 set -uo pipefail
 here=bench/results/compile
+tiny="${RINGSERVE_TINY:-/tmp/ringserve-tiny}"
 pairs=("$@")
-[ ${#pairs[@]} -gt 0 ] || pairs=(v5e:1x1:tiny v5e:1x1:smollm2 v5e:1x1:qwen3-8b v5e:1x1:llama-3-8b
-  v5e:2x2:tiny v5e:2x2:llama-3-8b v6e:2x4:llama-3-8b v6e:2x4:qwen3-8b v5e:2x2:qwen3-8b v5p:2x2x1:llama-3-8b
-  v5p:2x2x1:qwen3-8b v5e:2x2:smollm2 v6e:2x4:smollm2 v6e:2x4:tiny v5p:2x2x1:smollm2 v5p:2x2x1:tiny)
+if [ ${#pairs[@]} -eq 0 ]; then
+  for topo in v5e:1x1 v5e:2x2 v6e:2x4 v5p:2x2x1; do
+    for model in tiny smollm2 qwen3-8b llama-3-8b gemma-2-2b tiny-gemma2 tiny-gemma3 tiny-qwen3_moe tiny-qwen2_moe \
+                 tiny-mixtral; do
+      pairs+=("$topo:$model")
+    done
+  done
+  pairs+=(v5p:2x2x1:qwen3-30b-a3b v6e:2x4:qwen3-30b-a3b)
+fi
 for pair in "${pairs[@]}"; do
   topo=${pair%:*} model=${pair##*:}
+  chip=${topo%%:*} dims=${topo#*:} chips=1
+  for d in ${dims//x/ }; do chips=$((chips * d)); done
+  if [[ $model == tiny-* ]]; then
+    arch=${model#tiny-}
+    [ -f "$tiny/$arch/config.json" ] || ringserve make-tiny-model --arch "$arch" "$tiny/$arch" > /dev/null
+    path="$tiny/$arch"
+  else
+    path=$model
+  fi
   name="${topo/:/-}_${model}"
-  RINGSERVE_COMPILE_ARGS="--programs decode:max,extend:min --jobs 2 --json $here/$name.json" \
-    nice -n 10 bash tools/launch_tpu.sh --dry-run --topology "$topo" --model "$model" > "$here/$name.txt" 2>&1
-  grep -v "WARNING\|^E0000\|Source Location\|learning/" "$here/$name.txt" | tail -4
+  RINGSERVE_CHIPS=$chips RINGSERVE_CHIP=$chip \
+    RINGSERVE_COMPILE_ARGS="--programs decode:max,extend:min --jobs 1 --json $here/$name.json" \
+    nice -n 19 bash tools/launch_tpu.sh --dry-run --topology "$topo" --model "$path" > "$here/$name.txt" 2>&1
+  grep -v "WARNING\|^E0000\|Source Location\|learning/" "$here/$name.txt" | tail -3
 done
