@@ -105,3 +105,25 @@ def test_device_kinds():
     assert [chip_of(k) for k in ("TPU v5 lite", "TPU v6 lite", "TPU v5p", "TPU v4")] == ["v5e", "v6e", "v5p", "v4"]
     with pytest.raises(ValueError, match="not a TPU generation"):
         chip_of("NVIDIA H100")
+
+
+@pytest.mark.parametrize("model, host, attention, tp, ep", [
+    ("smollm2", "v5e-4", "pallas_ragged", 1, 1),  # jax's layout: 3 heads of 64 padded to 4 of 128 (2.67x)
+    ("tiny", "v5e-4", "pallas", 1, 1),  # head_dim 32: ringserve's kernel copies such a cache each step
+    ("llama-3-8b", "v6e-8", "pallas", 2, 1),  # 8 KV heads of 128: jax's layout is exact
+    ("gemma-2-2b", "v5e-4", "pallas_ragged", 1, 1),  # head_dim 256: jax's kernel does not compile
+    ("qwen3-30b-a3b", "v6e-8", "pallas_ragged", 8, 8),  # 4 KV heads over 8 chips: replicated; experts split
+])  # fmt: skip
+def test_the_kernel_and_the_expert_split_suit_the_model(model, host, attention, tp, ep):
+    """The TPU attention kernel that stores the model's KV unpadded and compiles for it, and a
+    mixture of experts' experts split over the tp chips (ep = tp, SGLang's --ep-size)."""
+    from ringserve.model.checkpoints.config_shapes import model_config
+
+    cfg = config(model) if model in ("tiny", "smollm2", "llama-3-8b") else model_config(model)[0]
+    chip, chips = HOSTS[host]
+    plan = choose(cfg, chips, HBM_BYTES[chip])
+    assert (plan.attention, plan.tp, plan.ep) == (attention, tp, ep), plan.why
+    flags = plan.flags()
+    assert flags[flags.index("--attention-backend") + 1] == attention
+    assert ("--ep-size" in flags) == (ep > 1)
+    assert weight_bytes(cfg) > 0 and any(attention in w for w in plan.why)
