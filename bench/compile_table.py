@@ -14,6 +14,14 @@ from pathlib import Path
 GIB = 1 << 30
 
 
+def _model(model: str) -> str:
+    """A named shape as it is; a checkpoint's config.json by its directory ("tiny gemma2")."""
+    if "/" not in model:
+        return model
+    path = Path(model.split()[-1])
+    return path.parent.name if path.name == "config.json" else path.name
+
+
 def rows(paths: list[str]) -> list[str]:
     out = [
         "| topology (tp) | model | program | compiled | s | args GiB/chip | temp GiB/chip | collectives/layer "
@@ -32,7 +40,7 @@ def rows(paths: list[str]) -> list[str]:
             ok = "ok" if p["ok"] else "FAIL: " + (p["error"] or "").splitlines()[0][:120].replace("|", "/")
             tps = f"{e['tokens_per_s']:,.0f}" if e.get("tokens_per_s") else "-"
             out.append(
-                f"| {p['topology']} ({p['tp_size']}) | {Path(p['model']).name if '/' in p['model'] else p['model']} "
+                f"| {p['topology']} ({p['tp_size']}) | {_model(p['model'])} "
                 f"| {name} | {ok} | {p['seconds']:.0f} | {m.get('argument', 0) / GIB:.2f} | {m.get('temp', 0) / GIB:.2f} "
                 f"| {coll} | {e['bytes_per_chip'] / 1e9:.2f} GB | {e['step_s'] * 1e3:.2f} ({e['hbm_s'] * 1e3:.2f} / "
                 f"{e['mxu_s'] * 1e3:.2f} / {e['ici_s'] * 1e3:.2f}) | {e['bound']} | {tps} |"
