@@ -39,16 +39,20 @@ def test_hf_layout_places_every_param_once_with_its_shape(tiny_dir, name, layer_
     placed: dict[tuple, list] = {}
     for place in family(cfg.family).layout(cfg).values():
         shape = place.hf_shape[::-1] if place.transpose else place.hf_shape
-        placed.setdefault(place.state_path(stacked), []).append((place.layer, shape))
+        placed.setdefault(place.state_path(stacked), []).append((place.layer, place.expert, place.experts, shape))
     assert set(placed) == set(state)
     for path, entries in placed.items():
-        layers = [layer for layer, _ in entries]
-        shape = {s for _, s in entries}.pop()
+        layers = sorted({layer for layer, *_ in entries}, key=lambda x: -1 if x is None else x)
+        (experts,) = {e for _, _, e, _ in entries}
+        shape = {s for *_, s in entries}.pop()
+        if experts:  # a mixture of experts' per-expert tensors: one leaf [E, ...], each expert once
+            assert sorted(e for _, e, _, _ in entries) == sorted(list(range(experts)) * len(layers)), path
+            shape = (experts, *shape)
         if stacked and layers != [None]:
             assert layers == list(range(cfg.num_layers)), path  # index l of the stack is layer l
             assert state[path].shape == (cfg.num_layers, *shape), path
         else:
-            assert len(entries) == 1 and state[path].shape == shape, path
+            assert len(entries) == max(experts, 1) and state[path].shape == shape, path
 
 
 def test_params_carry_their_tp_sharding(tiny_dir):
