@@ -162,6 +162,13 @@ class Family:
                 "moe": self.moe_tensors is not None}  # fmt: skip
 
 
+def qwen_window(d: dict[str, Any]) -> int | None:
+    """The Qwen lineage's sliding window: config.json's `sliding_window` where `use_sliding_window`
+    turns it on (Qwen2, Qwen3 and their MoE models), else None."""
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    return int(window) if window else None
+
+
 def llama_layer_tensors(cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False) -> LayerTensors:
     """A PreNormBlock's tensors (model/layers/block.py) in HF's names, in make-tiny-model's draw
     order: the layer of the Llama lineage, with the options its families choose."""

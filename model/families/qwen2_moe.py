@@ -14,12 +14,12 @@ from ringserve.model.families.base import (
     moe_layer_tensors,
     moe_options,
     moe_tensors,
+    qwen_window,
 )
 
 
 def _options(d: dict[str, Any], source: str) -> dict[str, Any]:
-    window = d.get("sliding_window") if d.get("use_sliding_window") else None
-    return {"attention_bias": bool(d.get("qkv_bias", True)), "sliding_window": int(window) if window else None,
+    return {"attention_bias": bool(d.get("qkv_bias", True)), "sliding_window": qwen_window(d),
             **moe_options(d, source)}  # fmt: skip
 
 

@@ -12,12 +12,12 @@ from ringserve.model.families.base import (
     Tiny,
     llama_decoder,
     llama_layer_tensors,
+    qwen_window,
 )
 
 
 def _options(d: dict[str, Any], source: str) -> dict[str, Any]:
-    window = d.get("sliding_window") if d.get("use_sliding_window") else None
-    return {"attention_bias": bool(d.get("attention_bias", False)), "sliding_window": int(window) if window else None}
+    return {"attention_bias": bool(d.get("attention_bias", False)), "sliding_window": qwen_window(d)}
 
 
 QWEN3 = Family(
