@@ -249,24 +249,24 @@ class RunnerCore:
         if p.so.hidden is None or not p.so.hidden.shape[0]:
             raise ValueError("a row asks for hidden states, but the programs return none (enable_return_hidden_states)")
         h = np.asarray(p.so.hidden)
-        lens = [r.extend_len for r in p.dev_rows]
-        starts = np.concatenate([[0], np.cumsum(lens)]).astype(int)
-        take = [r.sampling.hidden for r in p.dev_rows]
-        res.hidden_rows = m.i32([n if t else 0 for n, t in zip(lens, take, strict=True)])
-        res.hidden = m.f32(np.concatenate([h[starts[i] : starts[i + 1]] for i, t in enumerate(take) if t]))
-        res.hidden_dim = h.shape[1]
+        rows, res.hidden_rows = _asked(p, h, [r.sampling.hidden for r in p.dev_rows])
+        res.hidden, res.hidden_dim = m.f32(rows), h.shape[1]
 
     def _routed(self, p: Pending, res: m.StepResultMsg) -> None:
         """The routed expert ids of every token of the rows that asked, into `res`, in the
         narrowest integer their expert count allows (actors/transport/routed.py)."""
         if p.so.routed is None or not p.so.routed.shape[1]:
             raise ValueError("a row asks for routed experts, but the programs return none (enable_return_routed_experts)")
-        ids = np.asarray(p.so.routed)
-        lens = [r.extend_len for r in p.dev_rows]
-        starts = np.concatenate([[0], np.cumsum(lens)]).astype(int)
-        take = [r.sampling.routed for r in p.dev_rows]
-        wire = routed.wire_dtype(self.ex.model_config.num_experts)
-        res.routed_rows = m.i32([n if t else 0 for n, t in zip(lens, take, strict=True)])
-        res.routed = np.concatenate([ids[starts[i] : starts[i + 1]] for i, t in enumerate(take) if t]).astype(wire).tobytes()
+        ids, wire = np.asarray(p.so.routed), routed.wire_dtype(self.ex.model_config.num_experts)
+        rows, res.routed_rows = _asked(p, ids, [r.sampling.routed for r in p.dev_rows])
+        res.routed = rows.astype(wire).tobytes()
         res.routed_shape, res.routed_itemsize = (ids.shape[1], ids.shape[2]), wire.itemsize
 
+
+def _asked(p: Pending, per_token: np.ndarray, take: list[bool]) -> tuple[np.ndarray, bytes]:
+    """The tokens' rows of `per_token` ([T, ...], the step's tokens row after row) of the rows
+    that asked (`take`), and each row's count of them on the wire (0 where it did not ask)."""
+    lens = [r.extend_len for r in p.dev_rows]
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(int)
+    rows = np.concatenate([per_token[starts[i] : starts[i + 1]] for i, t in enumerate(take) if t])
+    return rows, m.i32([n if t else 0 for n, t in zip(lens, take, strict=True)])
