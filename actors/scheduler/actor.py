@@ -30,7 +30,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ringserve.actors.scheduler.batch import ScheduledBatch, StepResult
-from ringserve.actors.scheduler.core import ReqOutput, SchedulerCore
+from ringserve.actors.scheduler.booking import ReqOutput
+from ringserve.actors.scheduler.core import SchedulerCore
 from ringserve.actors.scheduler.grammar import Grammars
 from ringserve.actors.scheduler.logprobs import PromptLogprobs
 from ringserve.actors.scheduler.output import step_msg, token_out

@@ -37,14 +37,16 @@ of its lengths. A request lets go of its KV in one place (`_release_kv`), finish
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from ringserve.actors.scheduler import booking, decode
 from ringserve.actors.scheduler.batch import Row, ScheduledBatch, StepResult
-from ringserve.actors.scheduler.decode import NewTokenRatio, decode_reserve, prepare_decode
+from ringserve.actors.scheduler.booking import ReqOutput, take_output
+from ringserve.actors.scheduler.checks import check_request
+from ringserve.actors.scheduler.decode import NewTokenRatio, decode_reserve, decode_steps, prepare_decode
 from ringserve.actors.scheduler.grammar import Grammars
 from ringserve.actors.scheduler.lora import LoraTable, cache_key
 from ringserve.actors.scheduler.policy import InBatchPrefix, order_waiting
@@ -55,33 +57,10 @@ from ringserve.actors.scheduler.stats import SchedulerStats
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport.messages import StartWeights
 from ringserve.kvmem import KVCache, ReqKV, SessionSlots
-from ringserve.model.compute.step_inputs import BAN_IDS, Buckets
+from ringserve.model.compute.step_inputs import Buckets
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")
-
-
-@dataclasses.dataclass(slots=True)
-class ReqOutput:
-    """New tokens of one request since the last output (what the detokenizer receives)."""
-
-    req: Req
-    new_ids: list[int]
-    finished: bool
-    first: bool  # the request's first output: it opens its detokenizer stream
-    inputs: bool = False  # carries the request's prompt logprobs (once: all of them, or all there are at finish)
-
-
-def _length_reached_in_flight(req: Req) -> bool:
-    """Whether the steps in flight bring `req` to its max_new_tokens: each committed position past
-    its prompt is the input of a sampling row (the last prompt token's too), so it will hold
-    committed_len - origin_len + 1 tokens once they land. Overlap plans the next step before
-    the last one's tokens are in; a decode row for such a request would compute a token that is
-    dropped, and a request arriving after it would wait for that step (a 1-token request
-    in a cold start: a padded 64-row decode step, ~0.27 s for SmolLM2 f32). A session's turn
-    still gets that row: it writes the last token's KV, which the session keeps for its next
-    turn (tests/engine/test_sessions.py counts every earlier token as cached)."""
-    return req.committed_len - req.origin_len + 1 >= req.max_new_tokens
 
 
 class SchedulerCore:
@@ -117,26 +96,11 @@ class SchedulerCore:
         """Queue `req`; `lora_path` names its LoRA adapter (ValueError if none such is loaded)."""
         if req.rid in self.by_rid:
             raise ValueError(f"rid {req.rid!r} is already in use by a live request")
+        check_request(self.args, req)
         if lora_path is not None:
             if self.loras is None:
                 raise ValueError(f"lora_path={lora_path!r}: this server serves no LoRA adapters (start it with enable_lora)")
             req.lora = self.loras.get(lora_path)
-        if req.return_hidden_states:
-            if not self.args.enable_return_hidden_states:
-                raise ValueError("return_hidden_states: this server returns none (start it with enable_return_hidden_states)")
-            if req.session_id is not None:
-                raise ValueError("return_hidden_states: not with a session turn (its earlier turns' KV is reused)")
-        if req.routed is not None:
-            if not self.args.enable_return_routed_experts:
-                raise ValueError("return_routed_experts: this server returns none (start it with enable_return_routed_experts)")
-            if req.session_id is not None:
-                raise ValueError("return_routed_experts: not with a session turn (its earlier turns' KV is reused)")
-            if not 0 <= req.routed.first <= req.origin_len:
-                raise ValueError(f"routed_experts_start_len={req.routed.first}: must be in [0, {req.origin_len}] "
-                                 "(the prompt's length)")  # fmt: skip
-        if req.sampling.min_new_tokens and len(req.sampling.held_back(req.eos_ids)) > BAN_IDS:
-            raise ValueError(f"min_new_tokens: EOS ids and stop_token_ids together are more than the {BAN_IDS} the "
-                             "programs hold back")  # fmt: skip
         if req.sampling.constraint is not None:
             if self.grammars is None:
                 raise ValueError("this scheduler serves no output constraints (no grammar backend)")
@@ -396,20 +360,6 @@ class SchedulerCore:
         return ScheduledBatch(0, rows, [], is_decode=True, multistep=rows[0].drafts > 0 and not self.args.speculative
                               ) if rows else None  # fmt: skip
 
-    def _decode_steps(self, reqs: list[Req]) -> int:
-        """How many decode steps a decode batch of `reqs` runs on the device: decode_steps where
-        multi-step decode applies (nothing waits to prefill, at most decode_steps_max_batch
-        rows, none constrained by a grammar or a session's turn, each with that many tokens to
-        go past the steps in flight and room in its context), else 1."""
-        a, k = self.args, self.args.decode_steps
-        if k == 1 or self.waiting or self.chunked is not None or not 0 < len(reqs) <= a.decode_steps_max_batch:
-            return 1
-        for r in reqs:
-            to_go = r.max_new_tokens - (r.committed_len - r.origin_len + 1)  # (_length_reached_in_flight)
-            if r.grammar is not None or r.session_id is not None or to_go < k or r.committed_len + k > a.context_length:
-                return 1
-        return k
-
     def _retract_chunked(self) -> bool:
         """Free the KV of a half-prefilled request so that decoding can go on."""
         if self.chunked is None:
@@ -425,8 +375,9 @@ class SchedulerCore:
         a = self.args
         need = 1 + (a.speculative_num_draft_tokens if a.speculative else 0)
         if need == 1:  # (a verify round books drafts it may give back: no exact count in flight)
-            reqs = [r for r in reqs if r.session_id is not None or not _length_reached_in_flight(r)]
-            need = self._decode_steps(reqs) if multistep else 1
+            reqs = [r for r in reqs if r.session_id is not None or not decode.length_reached_in_flight(r)]
+            others = bool(self.waiting) or self.chunked is not None  # something waits to prefill
+            need = decode_steps(a, reqs, others) if multistep else 1
         places = np.full(need - 1, NO_DRAFT, np.int32) if need > 1 and not a.speculative else None
         retracted_before = self.stats.num_retracted
         grants = prepare_decode(self.cache, reqs, self._retract, spare, defer_last=spare is None,
@@ -456,10 +407,10 @@ class SchedulerCore:
             current = row.retractions == req.retractions
             if row.logprob_span is not None:
                 if current and not req.finished:
-                    self._record_prompt_logprobs(req, row.logprob_span, at, result)
+                    booking.record_prompt_logprobs(req, row.logprob_span, at, result)
                 at += row.logprob_span[1]
             if current and not req.finished:
-                self._record_tapes(req, row, i, accepted if row.drafts and not batch.multistep else None, result)
+                booking.record_tapes(req, row, i, accepted if row.drafts and not batch.multistep else None, result)
             if row.sample and current and req.spec is not None:
                 req.spec.resolved(accepted + 1)  # this step is no longer in flight
             if req.finished or not current or not row.sample:
@@ -484,41 +435,8 @@ class SchedulerCore:
             if reason is not None:
                 outs.append(self._finish(req, reason))
             elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
-                outs.append(self._output(req, False))
+                outs.append(take_output(req, False))
         return outs
-
-    @staticmethod
-    def _record_prompt_logprobs(req: Req, span: tuple[int, int], at: int, result: StepResult) -> None:
-        """A row's prompt positions' logprobs (result entries [at, at + count)) into its request."""
-        assert req.prompt_lp is not None and result.input_logprobs is not None
-        first, n = span
-        top = None
-        if req.top_logprobs_num and result.input_top_ids is not None and result.input_top_logprobs is not None:
-            k = req.top_logprobs_num
-            lps, ids = result.input_top_logprobs[at : at + n, :k].tolist(), result.input_top_ids[at : at + n, :k].tolist()
-            top = [list(zip(lp, t, strict=True)) for lp, t in zip(lps, ids, strict=True)]
-        ids_lp = None
-        if req.token_ids_logprob is not None and result.input_ids_logprobs is not None:
-            ids_lp = result.input_ids_logprobs[at : at + n, : len(req.token_ids_logprob)]
-        req.prompt_lp.record(first, result.input_logprobs[at : at + n], top, ids_lp)
-
-    @staticmethod
-    def _record_tapes(req: Req, row: Row, i: int, accepted: int | None, result: StepResult) -> None:
-        """Row i's tokens' hidden states and routed experts into its request, when it asked: an
-        extend or decode row's at its positions; a verify round's (`accepted` drafts) its input
-        token's and the accepted drafts', from its true position (its committed length is a
-        bound): its request's last token's (the results come in order: the round's input token
-        is booked)."""
-        for tape, values, starts in ((req.hidden, result.hidden, result.hidden_starts),
-                                     (req.routed, result.routed, result.routed_starts)):  # fmt: skip
-            if tape is None or values is None:
-                continue
-            assert starts is not None
-            v = values[starts[i] : starts[i + 1]]
-            if accepted is not None:
-                tape.record(req.fill_len - 1, v[: accepted + 1])
-            else:
-                tape.record(row.committed_len, v)
 
     def _append(self, req: Req, token: int, j: int, result: StepResult) -> FinishReason | None:
         """One output token (result index j for its logprobs); why the request finishes now."""
@@ -529,30 +447,8 @@ class SchedulerCore:
         req.output_ids.append(token)
         if req.grammar is not None:
             req.grammar.accept(token)
-        if req.return_logprob and result.logprobs is not None:
-            req.output_logprobs.append(float(result.logprobs[j]))
-            if req.top_logprobs_num and result.top_ids is not None and result.top_logprobs is not None:
-                n = req.top_logprobs_num
-                top = zip(result.top_logprobs[j, :n].tolist(), result.top_ids[j, :n].tolist(), strict=True)
-                req.output_top_logprobs.append(list(top))
-            if req.token_ids_logprob is not None and result.ids_logprobs is not None:
-                req.output_ids_logprobs.append(result.ids_logprobs[j, : len(req.token_ids_logprob)].tolist())
-        if req.sampling.return_top_p_token_ids:
-            ks = result.kept_starts
-            req.kept.append(result.kept_ids[ks[j] : ks[j + 1]] if ks is not None and result.kept_ids is not None
-                            else np.zeros(0, np.int32))  # fmt: skip
+        booking.book_token_extras(req, j, result)
         return req.stop_reason(self.decode_tail)
-
-    def _output(self, req: Req, finished: bool) -> ReqOutput:
-        new = req.output_ids[req.sent_len :]
-        req.sent_len = len(req.output_ids)
-        first, req.opened = not req.opened, True
-        lp = req.prompt_lp
-        inputs = lp is not None and not lp.sent and (lp.complete or finished)
-        if inputs:
-            assert lp is not None
-            lp.sent = True
-        return ReqOutput(req, new, finished, first, inputs)
 
     # ---- the one release, finish and retract paths ---------------------------------------------
     def _cache_prefix(self, req: Req) -> None:
@@ -586,7 +482,7 @@ class SchedulerCore:
         self._unlist(req)
         req.status = ReqStatus.FINISHED
         self.by_rid.pop(req.rid, None)
-        return self._output(req, True)
+        return take_output(req, True)
 
     def _retract(self, req: Req) -> None:
         """Back to the front of the waiting queue without KV; its output so far is kept and

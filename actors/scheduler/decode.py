@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ringserve.actors.scheduler.req import Req
+from ringserve.actors.server_args import ServerArgs
 from ringserve.kvmem import KVCache
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's decode reservation (as SGLang)
@@ -24,6 +25,33 @@ def decode_reserve(req: Req, ratio: float) -> float:
     clipped, times the current new_token_ratio. The one estimate prefill admission uses."""
     left = max(0, req.max_new_tokens - len(req.output_ids))
     return min(left, CLIP_MAX_NEW_TOKENS) * ratio
+
+
+def length_reached_in_flight(req: Req) -> bool:
+    """Whether the steps in flight bring `req` to its max_new_tokens: each committed position past
+    its prompt is the input of a sampling row (the last prompt token's too), so it will hold
+    committed_len - origin_len + 1 tokens once they land. Overlap plans the next step before
+    the last one's tokens are in; a decode row for such a request would compute a token that is
+    dropped, and a request arriving after it would wait for that step (a 1-token request
+    in a cold start: a padded 64-row decode step, ~0.27 s for SmolLM2 f32). A session's turn
+    still gets that row: it writes the last token's KV, which the session keeps for its next
+    turn (tests/engine/test_sessions.py counts every earlier token as cached)."""
+    return req.committed_len - req.origin_len + 1 >= req.max_new_tokens
+
+
+def decode_steps(args: ServerArgs, reqs: list[Req], others_waiting: bool) -> int:
+    """How many decode steps a decode batch of `reqs` runs on the device: decode_steps where
+    multi-step decode applies (nothing waits to prefill, at most decode_steps_max_batch
+    rows, none constrained by a grammar or a session's turn, each with that many tokens to
+    go past the steps in flight and room in its context), else 1."""
+    k = args.decode_steps
+    if k == 1 or others_waiting or not 0 < len(reqs) <= args.decode_steps_max_batch:
+        return 1
+    for r in reqs:
+        to_go = r.max_new_tokens - (r.committed_len - r.origin_len + 1)  # (length_reached_in_flight)
+        if r.grammar is not None or r.session_id is not None or to_go < k or r.committed_len + k > args.context_length:
+            return 1
+    return k
 
 
 @dataclasses.dataclass(slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringserve.actors.scheduler.batch import Row, ScheduledBatch
-from ringserve.actors.scheduler.core import ReqOutput
+from ringserve.actors.scheduler.booking import ReqOutput
 from ringserve.actors.scheduler.req import Req
 from ringserve.actors.transport.messages import (
     MoreLogprobs,

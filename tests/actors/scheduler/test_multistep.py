@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ringserve.actors.scheduler.decode import decode_steps
 from tests.actors.scheduler.fake_runner import reference
 from tests.actors.scheduler.test_scheduler import VOCAB, assert_exact_under_retraction, drive, make, req
 
@@ -74,13 +75,12 @@ def test_which_batches_run_multi_step():
     core, runner, _ = multi()
     r = req("a", [5, 6, 7], 40)
     r.kv = core.cache.admit(r.prefix_ids(), "")  # (committed_len 0: 40 tokens to go)
-    assert core._decode_steps([r]) == K
+    assert decode_steps(core.args, [r], False) == K
     r.session_id = "s"  # a session's turn keeps its KV: one step at a time
-    assert core._decode_steps([r]) == 1
+    assert decode_steps(core.args, [r], False) == 1
     r.session_id = None
-    assert core._decode_steps([r] * 5) == 1  # more rows than decode_steps_max_batch
-    core.add_request(req("w", [1], 3))
-    assert core._decode_steps([r]) == 1  # a request waits to prefill
+    assert decode_steps(core.args, [r] * 5, False) == 1  # more rows than decode_steps_max_batch
+    assert decode_steps(core.args, [r], True) == 1  # a request waits to prefill
 
 
 def test_a_request_waiting_stops_multi_step_until_it_is_admitted():
