@@ -237,7 +237,7 @@ def bench(argv: list[str] | None = None, prog: str = "python -m ringserve.bench.
 
 
 def _bench_model(a: argparse.Namespace) -> list[dict]:
-    from ringserve.actors.server_args import OPTIONS
+    from ringserve.actors.server_options import OPTIONS
     from ringserve.model.checkpoints.resolve import resolve_model
     from ringserve.model.families import read_config
 

@@ -137,11 +137,11 @@ def _room(mod: str) -> str | None:
 
 def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """(importer, imported) pairs where a process folder imports another process folder, or
-    the floor below them (actors.transport, actors.server_args) imports a process folder."""
+    the floor below them (actors.transport, actors.server_args, .server_options) imports a process folder."""
     bad = []
     for mod, deps in graph.items():
         mine = _room(mod)
-        below = mod.startswith(("ringserve.actors.transport", "ringserve.actors.server_args"))
+        below = mod.startswith(("ringserve.actors.transport", "ringserve.actors.server_args", "ringserve.actors.server_options"))
         for d in deps:
             theirs = _room(d)
             if theirs is not None and (below or (mine is not None and theirs != mine)):

@@ -165,7 +165,8 @@ def main(argv: list[str]) -> int:
     chip = chip_of(args.topology)
     ensure_libtpu()
     from ringserve.actors.runner.core import executor_config
-    from ringserve.actors.server_args import OPTIONS, ServerArgs
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.server_options import OPTIONS
     from ringserve.actors.transport.memory import size_pool
     from ringserve.model.checkpoints.config_shapes import model_config
     from ringserve.model.compute.tpu_topology import tpu_topology

@@ -55,7 +55,8 @@ def chat_prompts(tok, texts: list[str], no_chat: bool) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from ringserve.actors.server_args import OPTIONS, ServerArgs
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.server_options import OPTIONS
 
     ap = _parser("ringserve generate", "generate text through the engine (every actor)")
     ServerArgs.add_cli_args(ap, skip=("model_path",))

@@ -56,7 +56,8 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 
 def main(argv: list[str]) -> int:
-    from ringserve.actors.server_args import OPTIONS, ServerArgs
+    from ringserve.actors.server_args import ServerArgs
+    from ringserve.actors.server_options import OPTIONS
     from ringserve.actors.transport.launcher import remove_stale
 
     args = parser().parse_args(argv)

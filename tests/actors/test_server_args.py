@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from ringserve.actors.server_args import SECTIONS, ServerArgs
+from ringserve.actors.server_args import ServerArgs
+from ringserve.actors.server_options import SECTIONS
 from ringserve.model.compute.options import ComputeOptions, flat_fields
 
 
