@@ -31,7 +31,7 @@ def _models(argv: list[str]) -> int:
 
 
 def _cleanup(argv: list[str]) -> int:
-    from ringserve.actors.transport.launcher import cleanup_main
+    from ringserve.actors.transport.cleanup import cleanup_main
 
     return cleanup_main(argv)
 

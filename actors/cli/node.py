@@ -1,6 +1,6 @@
 """`ringserve serve --nnodes N --node-rank K` for K > 0: a host that serves no requests itself.
 
-It runs what feeds its runner (start_node, actors/transport/launcher.py: a relay-in from host 0
+It runs what feeds its runner (start_node, actors/transport/topology.py: a relay-in from host 0
 and the runner), prints their log lines on stderr (at --log-level), and serves an HTTP
 `/health` for an orchestrator's probes (200 once its runner is ready, 503 before). It ends when host 0 stops (exit 0), or when anything here dies or host 0
 is gone (exit 1): no partial recovery, the orchestrator restarts every host.
@@ -18,8 +18,8 @@ from typing import Any
 def serve_node(server_args: dict[str, Any], stop: threading.Event) -> int:
     from ringserve.actors.server_args import ServerArgs
     from ringserve.actors.transport import messages as m
-    from ringserve.actors.transport.launcher import start_node
     from ringserve.actors.transport.memory import resolve_memory
+    from ringserve.actors.transport.topology import start_node
     from ringserve.model.checkpoints.resolve import resolve_model
 
     args = ServerArgs.from_kwargs(**server_args)

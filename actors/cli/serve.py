@@ -58,7 +58,7 @@ def bind_http(host: str, port: int) -> socket.socket:
 def main(argv: list[str]) -> int:
     from ringserve.actors.server_args import ServerArgs
     from ringserve.actors.server_options import OPTIONS
-    from ringserve.actors.transport.launcher import remove_stale
+    from ringserve.actors.transport.cleanup import remove_stale
 
     args = parser().parse_args(argv)
     server_args = {k: v for k, v in vars(args).items() if k in OPTIONS}

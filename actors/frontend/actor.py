@@ -46,8 +46,8 @@ from ringserve.actors.frontend.lora import LoraAPI
 from ringserve.actors.frontend.weights import WeightsAPI
 from ringserve.actors.server_args import ServerArgs
 from ringserve.actors.transport import messages as m
-from ringserve.actors.transport.launcher import EngineLinks
 from ringserve.actors.transport.ring import RingClosed
+from ringserve.actors.transport.topology import EngineLinks
 
 log = logging.getLogger("ringserve.frontend")
 

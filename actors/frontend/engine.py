@@ -1,5 +1,5 @@
 """`Engine`: the in-process API, a facade. Starts the scheduler, runner and detokenizer actors
-over shared-memory rings (`start_engine`, actors/transport/launcher.py) and serves every verb
+over shared-memory rings (`start_engine`, actors/transport/topology.py) and serves every verb
 through the frontend (actors/frontend/actor.py).
 
     with Engine("tiny", page_size=16) as engine:
@@ -44,8 +44,8 @@ READY_TIMEOUT_S = 900.0  # model load + compiling every bucket, on a slow CPU
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         from ringserve.actors.transport.devices import group_envs
-        from ringserve.actors.transport.launcher import start_engine
         from ringserve.actors.transport.memory import resolve_memory
+        from ringserve.actors.transport.topology import start_engine
         from ringserve.model.checkpoints.generation import read_sampling_defaults
         from ringserve.model.checkpoints.resolve import resolve_model
         from ringserve.model.checkpoints.tokenizer import load_encoder
@@ -110,7 +110,7 @@ class Engine:
     def runner_info(self) -> dict[str, Any]:
         """The serving runner's ready info (devices, compiled programs, KV pool): the newest
         group's, after a restart."""
-        from ringserve.actors.transport.launcher import actor_name
+        from ringserve.actors.transport.topology import actor_name
 
         return json.loads(self.supervisor.ready.get(actor_name("runner", 0, self.args.dp_size)) or b"{}")
 

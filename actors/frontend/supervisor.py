@@ -64,7 +64,8 @@ from typing import Any
 from ringserve.actors.frontend.errors import EngineDead
 from ringserve.actors.frontend.journal import Journal
 from ringserve.actors.transport import messages as m
-from ringserve.actors.transport.launcher import ActorFailed, ActorGroup, EngineLinks, OnFailure, describe_exit
+from ringserve.actors.transport.launcher import ActorFailed, ActorGroup, OnFailure, describe_exit
+from ringserve.actors.transport.topology import EngineLinks
 
 log = logging.getLogger("ringserve.supervisor")
 

@@ -241,7 +241,7 @@ class FakeRing:
 def tm(tiny_dir):
     from ringserve.actors.frontend.actor import TokenizerManager
     from ringserve.actors.server_args import ServerArgs
-    from ringserve.actors.transport.launcher import EngineLinks
+    from ringserve.actors.transport.topology import EngineLinks
     from ringserve.model.checkpoints.tokenizer import load_tokenizer
 
     t = TokenizerManager(load_tokenizer(tiny_dir("llama")), EngineLinks([FakeRing()], [FakeRing()]),
@@ -251,7 +251,7 @@ def tm(tiny_dir):
 
 
 def test_reattach_sends_the_state_then_every_request_then_the_calls_that_wait(tm):
-    from ringserve.actors.transport.launcher import EngineLinks
+    from ringserve.actors.transport.topology import EngineLinks
 
     async def scenario():
         a, b = (tm.core.add(spec(r, stream=True), now=0.0) for r in ("A", "B"))
@@ -331,7 +331,7 @@ class FakeGroup:
         from ringserve.actors.transport.launcher import ActorFailed
 
         self.on_failure, self.failure, self.down = on_failure, None, threading.Event()
-        from ringserve.actors.transport.launcher import EngineLinks
+        from ringserve.actors.transport.topology import EngineLinks
 
         self.rings = EngineLinks([FakeRing(self.down)], [FakeRing(self.down)])
         self.start_error = ActorFailed("runner", 1, "Traceback: no device") if fail_start else None

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.actors.transport.launcher import ActorFailed, ActorGroup, _pid_alive, cleanup_main
+from ringserve.actors.transport.cleanup import _pid_alive, cleanup_main
+from ringserve.actors.transport.launcher import ActorFailed, ActorGroup
 from ringserve.actors.transport.ring import Ring, RingClosed
 
 ROOT = Path(__file__).resolve().parents[3]
