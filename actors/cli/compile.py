@@ -131,16 +131,6 @@ def select(ex: Any, families: str | None, ends: bool, programs: str | None = Non
     return picked
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LayoutFootprint(Footprint):
-    """A Footprint whose KV bytes a token are the attention layout's (padded heads and lanes)."""
-
-    layout_kv_bytes: int = 0
-
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        return self.layout_kv_bytes
-
-
 def _line(p: dict[str, Any]) -> str:
     gib = 1 << 30
     name = f"{p['family']:<9} T={p['tokens']:<5} R={p['rows']:<4}" + (
@@ -178,20 +168,12 @@ def main(argv: list[str]) -> int:
     if server.max_total_tokens is None:  # sized as the server sizes it, against the chips' HBM
         need = server.replace(max_total_tokens=server.min_pages * server.page_size)
         ex = AbstractExecutor(mc, executor_config(need), topo.devices)
-        fp = Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, ex.num_params())
-        hbm = chip.hbm_bytes * server.tp_size
-        pool = size_pool(
-            server,
-            LayoutFootprint(**dataclasses.asdict(fp), layout_kv_bytes=ex.kv_layout_bytes_per_token()),
-            "tpu",
-            hbm,
-        )
-        served = size_pool(server, fp, "tpu", hbm)
-        if served.max_total_tokens > pool.max_total_tokens:
-            print(f"ringserve compile: the server would size its KV pool at {served.max_total_tokens:,} tokens "
-                  f"({served.kv_bytes_per_token:,} B a token, actors/transport/memory.py), but the {ex.plan.attention} "
-                  f"layout holds {pool.kv_bytes_per_token:,} B a token: compiled with {pool.max_total_tokens:,}, what "
-                  f"fits", file=sys.stderr, flush=True)  # fmt: skip
+        fp = Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, ex.num_params(), mc.num_heads)
+        pool = size_pool(server, fp, "tpu", chip.hbm_bytes * server.tp_size)
+        if pool.kv_bytes_per_token != ex.kv_layout_bytes_per_token():  # the sizing's rules and the arrays' disagree
+            raise RuntimeError(f"ringserve compile: the server sizes {ex.plan.attention}'s KV at {pool.kv_bytes_per_token:,} B "
+                               f"a token (model/compute/attention/layout.py), its arrays hold "
+                               f"{ex.kv_layout_bytes_per_token():,}")  # fmt: skip
         server = server.replace(
             max_total_tokens=pool.max_total_tokens, mem_fraction_static=pool.mem_fraction_static
         )

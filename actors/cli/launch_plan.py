@@ -145,11 +145,11 @@ def attention_backend(cfg: ModelConfig, tp: int) -> tuple[str, str]:
     the lanes), with why. jax's pads head_dim to 128 lanes and a device's KV heads to what it tiles
     (SmolLM2, 3 heads of 64: 2.67x the KV bytes), cannot split KV heads fewer than tp, and
     does not compile for head_dim 256 (Gemma 2) on libtpu 0.0.42."""
-    from ringserve.model.compute.attention.pallas_tpu import padded_kv_heads
+    from ringserve.model.compute.attention.layout import padded_kv_heads
 
     local = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 0
     lanes = -(-cfg.head_dim // 128) * 128
-    if local and local == padded_kv_heads(local, "bfloat16") and cfg.head_dim == 128:
+    if local and local == padded_kv_heads(local, 2) and cfg.head_dim == 128:
         return "pallas", "jax's kernel stores this model's KV unpadded"
     if cfg.head_dim > 128:  # Mosaic: "The last dim size is not 128 in original base memref" (Gemma-2-2B, v5e)
         return "pallas_ragged", f"head_dim {cfg.head_dim}: jax's kernel does not compile past 128 lanes"
@@ -157,7 +157,7 @@ def attention_backend(cfg: ModelConfig, tp: int) -> tuple[str, str]:
         return "pallas", f"head_dim {cfg.head_dim}: ringserve's kernel is exact from 64 lanes up"
     if not local:
         return "pallas_ragged", f"{cfg.num_kv_heads} KV heads over tp {tp}: replicated, as jax's kernel cannot"
-    padded = padded_kv_heads(local, "bfloat16") * lanes
+    padded = padded_kv_heads(local, 2) * lanes
     return "pallas_ragged", (f"jax's kernel would store {padded / (local * cfg.head_dim):.2f}x the KV bytes "
                              f"(head_dim {cfg.head_dim}, {local} KV head(s) a chip)")  # fmt: skip
 

@@ -5,6 +5,7 @@ before any actor starts, and handed down as a concrete `max_total_tokens` so the
     need    = (max_running_requests x cdiv(context_length, page_size) + 1 sink page) x page_size
               every running request at full context at once: more is never used
     budget  = (mem_fraction_static x memory of one group - weight bytes) // KV bytes per token
+              (in the attention backend's layout: model/compute/attention/layout.py)
               memory of one group: CPU, the host's available RAM / dp_size (groups share it);
               GPU/TPU, JAX's bytes_limit x tp_size (weights and KV are sharded over tp)
     pool    = min(need, budget), rounded down to pages       (an explicit max_total_tokens wins)
@@ -77,7 +78,8 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
     """The pool for `args` (pure: the memory is given). ValueError naming the fields and the
     numbers when not even one request of context_length plus a page fits."""
     fraction = args.mem_fraction_static or default_fraction(plat)
-    kv_token, weights = fp.kv_bytes_per_token(args.dtype), fp.weight_bytes(args.dtype, args.quantization)
+    kv_token = fp.kv_bytes_per_token(args.dtype, args.attention_backend, plat, args.tp_size)  # the backend's layout
+    weights = fp.weight_bytes(args.dtype, args.quantization)
     need = need_tokens(args)
     budget = None
     if group_memory_bytes is not None:
@@ -92,7 +94,8 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
     where = (f"mem_fraction_static={fraction:g} x {group_memory_bytes:,} B of "
              f"{memory_name(plat)} - {weights:,} B of weights "
              f"= {budget:,} tokens at {kv_token:,} B a token ({fp.num_layers} layers x {fp.num_kv_heads} KV heads x "
-             f"head_dim {fp.head_dim} x K and V, {args.dtype})") if budget is not None else ""  # fmt: skip
+             f"head_dim {fp.head_dim} x K and V, {args.dtype}, in {args.attention_backend} attention's layout)"
+             ) if budget is not None else ""  # fmt: skip
     if by == "mem_fraction_static" and tokens < least:
         raise ValueError(f"the KV pool does not fit: {where}, fewer than the {least:,} tokens one request of "
                          f"context_length={args.context_length} plus a page needs; raise mem_fraction_static, "

@@ -199,8 +199,8 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return config | fam.gguf.config, tensors
 
 
-def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int]:
-    """(layers, KV heads, head_dim, weight elements) from a GGUF's metadata and tensor shapes,
+def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int, int]:
+    """(layers, KV heads, head_dim, weight elements, query heads) from a GGUF's metadata and tensor shapes,
     nothing dequantized (model/checkpoints/footprint.py)."""
     meta = _open(Path(path))
     arch, _ = _family(meta)
@@ -208,7 +208,7 @@ def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int]:
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
     head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta.need(f"{arch}.embedding_length")) // heads)
     params = sum(int(np.prod(t.shape)) for t in meta.reader.tensors if t.name != _ROPE_FREQS)
-    return int(meta.need(f"{arch}.block_count")), kv_heads, head_dim, params
+    return int(meta.need(f"{arch}.block_count")), kv_heads, head_dim, params, heads
 
 
 def _rope_parameters(meta: _Meta, arch: str, head_dim: int, rope_freqs: np.ndarray | None) -> dict[str, Any]:

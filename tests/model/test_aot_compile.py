@@ -70,25 +70,6 @@ def test_a_topology_or_shape_not_known_is_refused():
         model_config("gpt-5")
 
 
-def test_the_pool_is_sized_by_the_layouts_kv_bytes():
-    """SmolLM2 on a v5e: the checkpoint's 23,040 B a token would size a pool the TPU layout's
-    61,440 B a token cannot hold (35.5 GB of 16); the layout's bytes size one that fits."""
-    import dataclasses
-
-    from ringserve.actors.cli.compile import LayoutFootprint
-    from ringserve.actors.server_args import ServerArgs
-    from ringserve.actors.transport.memory import size_pool
-    from ringserve.model.checkpoints.footprint import Footprint
-
-    fp = Footprint(30, 3, 64, 134_515_008)
-    args = ServerArgs(page_size=64, max_running_requests=256, dtype="bfloat16")
-    layout = size_pool(
-        args, LayoutFootprint(**dataclasses.asdict(fp), layout_kv_bytes=61_440), "tpu", 16 * 10**9
-    )
-    assert layout.max_total_tokens * 61_440 + fp.weight_bytes("bfloat16") <= 0.85 * 16e9
-    assert size_pool(args, fp, "tpu", 16 * 10**9).max_total_tokens * 61_440 > 16e9
-
-
 # ---- compiled by libtpu ---------------------------------------------------------------------------
 
 

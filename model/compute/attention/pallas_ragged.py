@@ -28,19 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from ringserve.model.compute.attention import tpu_fit, tpu_ragged
 from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry
+from ringserve.model.compute.attention.layout import ragged_kv_layout
 from ringserve.model.compute.attention.pallas_tpu import device_kind
 
 QUERY_BLOCK = 32  # query tokens a tile of an extend program holds (at most; a power of two)
 INTERPRET_KV_PAGES = 8  # KV pages a block reads in the interpreter (no chip to size against)
 
 
-def kv_layout(num_kv_heads: int, num_heads: int, tp: int) -> tuple[int, int]:
-    """(tp the heads split over, copies of each KV head): the module docstring's three cases."""
-    if num_kv_heads % tp == 0:
-        return tp, 1
-    if tp % num_kv_heads == 0 and num_heads % tp == 0:
-        return tp, tp // num_kv_heads
-    return 1, 1
+kv_layout = ragged_kv_layout  # (tp the heads split over, copies of each KV head): layout.py
 
 
 class PallasRaggedAttention(AttentionBackend):

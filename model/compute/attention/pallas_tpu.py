@@ -49,22 +49,7 @@ from jax.sharding import PartitionSpec as P
 from ringserve.kvmem.allocator import cdiv
 from ringserve.model.compute.attention import tpu_fit
 from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry
-
-
-def _tiles(n: int, packing: int) -> bool:
-    if n % packing:
-        return False
-    n //= packing
-    return n in (1, 2, 4, 8) or n % 8 == 0
-
-
-def padded_kv_heads(kv_heads: int, dtype) -> int:
-    """The fewest KV heads >= kv_heads whose K+V head count the kernel tiles."""
-    packing = 4 // jnp.dtype(dtype).itemsize  # values per 32-bit word
-    h = kv_heads
-    while not _tiles(2 * h, packing):
-        h += 1
-    return h
+from ringserve.model.compute.attention.layout import padded_kv_heads
 
 
 @functools.cache
@@ -123,7 +108,7 @@ class PallasTPUAttention(AttentionBackend):
         # Heads are split over `tp` only when it divides them; otherwise every device runs all.
         self.tp = tp if geo.num_kv_heads % tp == 0 else 1
         self.local_kv = geo.num_kv_heads // self.tp
-        self.local_kv_pad = padded_kv_heads(self.local_kv, geo.dtype)
+        self.local_kv_pad = padded_kv_heads(self.local_kv, jnp.dtype(geo.dtype).itemsize)
         self.d_pad = cdiv(geo.head_dim, 128) * 128
         if interpret:
             _interpret_shim()

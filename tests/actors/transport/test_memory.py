@@ -11,8 +11,8 @@ from ringserve.actors.transport import memory
 from ringserve.actors.transport.memory import need_tokens, resolve_memory, size_pool
 from ringserve.model.checkpoints.footprint import Footprint, read_footprint
 
-TINY = Footprint(num_layers=4, num_kv_heads=4, head_dim=32, num_params=3_279_104)  # the tiny Llama
-SMOLLM2 = Footprint(num_layers=30, num_kv_heads=3, head_dim=64, num_params=134_515_008)  # SmolLM2-135M
+TINY = Footprint(num_layers=4, num_kv_heads=4, head_dim=32, num_params=3_279_104, num_heads=8)  # the tiny Llama
+SMOLLM2 = Footprint(num_layers=30, num_kv_heads=3, head_dim=64, num_params=134_515_008, num_heads=9)  # SmolLM2-135M
 GIB = 1 << 30
 
 
@@ -33,6 +33,25 @@ def test_the_tiny_models_footprint_is_read_from_its_directory(tiny_dir):
     assert fp == TINY
     assert fp.kv_bytes_per_token("float32") == 2 * 4 * 4 * 32 * 4 == 4096
     assert fp.kv_bytes_per_token("bfloat16") == 2048 and fp.weight_bytes("float32") == 4 * 3_279_104
+
+
+def test_a_token_costs_what_the_attention_backends_layout_holds():
+    """The pool is sized in the layout of the backend that will hold it (model/compute/attention/
+    layout.py): SmolLM2 (3 KV heads of 64) in jax's TPU kernel pads to 4 heads of 128 lanes
+    (2.67x), ringserve's holds it unpadded; KV heads fewer than tp are copied by ringserve's."""
+    assert SMOLLM2.kv_bytes_per_token("bfloat16") == 30 * 3 * 2 * 64 * 2 == 23_040
+    assert SMOLLM2.kv_bytes_per_token("bfloat16", "auto", "tpu") == 30 * 4 * 256 * 2 == 61_440  # pallas
+    assert SMOLLM2.kv_bytes_per_token("bfloat16", "pallas_ragged", "tpu") == 23_040
+    assert SMOLLM2.kv_bytes_per_token("bfloat16", "auto", "cuda") == 23_040
+    qwen3_moe = Footprint(num_layers=48, num_kv_heads=4, head_dim=128, num_params=1, num_heads=32)
+    assert qwen3_moe.kv_bytes_per_token("bfloat16", "pallas_ragged", "tpu", tp=8) == 48 * 8 * 256 * 2  # 2 copies
+    assert qwen3_moe.kv_bytes_per_token("bfloat16", "pallas", "tpu", tp=8) == 48 * 4 * 256 * 2  # (not split)
+    args = ServerArgs(page_size=64, max_running_requests=256, dtype="bfloat16")  # the launcher's, on a v5e
+    jax_kernel = size_pool(args, SMOLLM2, "tpu", 16 * 10**9)
+    assert jax_kernel.kv_bytes_per_token == 61_440
+    assert jax_kernel.max_total_tokens * 61_440 + SMOLLM2.weight_bytes("bfloat16") <= 0.85 * 16e9
+    ours = size_pool(args.replace(attention_backend="pallas_ragged"), SMOLLM2, "tpu", 16 * 10**9)
+    assert ours.max_total_tokens > 2.6 * jax_kernel.max_total_tokens
 
 
 def test_the_tiny_model_gets_what_its_requests_need(tiny_dir, monkeypatch):
