@@ -16,7 +16,15 @@ What a GGUF does differently from an HF checkpoint, and how it is undone here:
 - no output.weight means the LM head is tied to token_embd;
 - Gemma's norms (weight w, scaled by 1 + w) are stored as 1 + w (`GGUFNames.norms_plus_one`),
   and its window, layer pattern, soft caps and query scale come from metadata and llama.cpp's
-  own rules (model/families/gemma.py).
+  own rules (model/families/gemma.py);
+- a mixture of experts (qwen3moe, qwen2moe, and Mixtral as `llama` with `llama.expert_count`;
+  model/families/base.py `GGUFMoe`) stacks each layer's experts in one tensor [E, out, in]
+  (`blk.N.ffn_gate_exps.weight`, ...), split here into HF's per-expert tensors (views, no copy;
+  quantized blocks run along `in`, so each expert dequantizes from its own rows); older Mixtral
+  files hold one tensor per expert (`blk.N.ffn_gate.E.weight`). The counts and sizes come from
+  metadata, and top-k renormalization from llama.cpp's fixed rule per architecture. Refused,
+  naming file and key or tensor: dense layers among the sparse ones (`leading_dense_block_count`,
+  or a layer's `ffn_up.weight`), a router weight scale other than 1 (`expert_weights_scale`).
 
 `load_checkpoint(path.gguf)` converts in memory on each load (weights never touch disk): the
 user's file stays the single source, and a dequantized f32 cache would be ~5x its size.
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +45,7 @@ import numpy as np
 from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
 from ringserve.model.config import RopeConfig, rope_inv_freq
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
-from ringserve.model.families.base import GGUF_TOP
+from ringserve.model.families.base import GGUF_TOP, GGUFMoe
 
 SUPPORTED = (
     "F32",
@@ -112,11 +121,12 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, np.nd
 
 
 def _family(meta: _Meta) -> tuple[str, Family]:
-    """llama.cpp's architecture name of the file and the family that serves it."""
+    """llama.cpp's architecture name of the file and the family that serves it (a `llama` file
+    with experts is Mixtral's)."""
     arch = meta.get("general.architecture")
-    fam = gguf_family(str(arch))
+    fam = gguf_family(str(arch), moe=bool(meta.get(f"{arch}.expert_count")))
     if fam is None:
-        known = sorted(f.gguf.arch for f in FAMILIES.values() if f.gguf)
+        known = sorted({f.gguf.arch for f in FAMILIES.values() if f.gguf})
         raise ValueError(f"{meta.path}: unsupported GGUF architecture {arch!r}; supported: {known}")
     return str(arch), fam
 
@@ -136,12 +146,17 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise ValueError(
             f"{path}: partial RoPE ({arch}.rope.dimension_count={rot_dim} != head_dim={head_dim}) is not supported"
         )
+    moe = fam.gguf.moe
     for t in reader.tensors:  # refuse before spending time dequantizing anything
+        if moe is not None and (dense := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", t.name)):
+            raise ValueError(f"{path}: layer {dense[1]} has a dense MLP ({t.name!r}) where {arch!r} has experts; "
+                             f"ringserve serves mixtures of experts whose every layer is sparse")  # fmt: skip
         if t.tensor_type.name not in SUPPORTED:
             raise ValueError(
                 f"{path}: tensor {t.name!r} is quantized as {t.tensor_type.name}, which ringserve cannot "
                 f"dequantize; supported types: {', '.join(SUPPORTED)}"
             )
+    moe_config = _moe_config(meta, arch, moe) if moe is not None else {}
     tensors: dict[str, np.ndarray] = {}
     rope_freqs = None
     for t in reader.tensors:
@@ -150,9 +165,17 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         if t.name == _ROPE_FREQS:
             rope_freqs = a
             continue
-        hf = _hf_name(t.name, fam.gguf.layer)
-        if hf is None:
+        named = _hf_name(t.name, fam.gguf.layer)
+        if named is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
+        hf, expert = named
+        if "{e}" in hf and expert is None:  # the layer's experts stacked: [E, out, in]
+            if a.ndim != 3 or a.shape[0] != meta.get(f"{arch}.expert_count"):
+                raise ValueError(f"{path}: tensor {t.name!r} has shape {list(a.shape)}, expected "
+                                 f"[{arch}.expert_count, out, in]")  # fmt: skip
+            tensors |= {hf.format(e=e): a[e] for e in range(a.shape[0])}
+            continue
+        hf = hf.format(e=expert) if expert is not None else hf
         if fam.gguf.permuted_qk and ".q_proj." in hf:
             a = unpermute_rope_rows(a, heads)
         elif fam.gguf.permuted_qk and ".k_proj." in hf:
@@ -196,7 +219,31 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     }
     if fam.gguf.read_config is not None:
         config |= fam.gguf.read_config(meta.get, config)
-    return config | fam.gguf.config, tensors
+    return config | moe_config | fam.gguf.config, tensors
+
+
+def _moe_config(meta: _Meta, arch: str, moe: GGUFMoe) -> dict[str, Any]:
+    """config.json's MoE fields (the family's names) from a MoE file's metadata, as llama.cpp reads
+    it: where a size is left out, its default (feed_forward_length / expert_used_count for each
+    expert, feed_forward_length for the shared one). What llama.cpp would compute differently
+    from the family is refused, naming the key."""
+    dense = meta.get(f"{arch}.leading_dense_block_count")
+    if dense:
+        raise ValueError(f"{meta.path}: {arch}.leading_dense_block_count={dense}: the first {dense} layers have dense "
+                         f"MLPs; ringserve serves mixtures of experts whose every layer is sparse")  # fmt: skip
+    scale = meta.get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):  # llama.cpp scales the routing weights by it (0 and 1: not at all)
+        raise ValueError(f"{meta.path}: {arch}.expert_weights_scale={scale:g} is not supported (routing weights "
+                         f"scaled; the {arch} models served are unscaled)")  # fmt: skip
+    ff, k = int(meta.need(f"{arch}.feed_forward_length")), int(meta.need(f"{arch}.expert_used_count"))
+    out: dict[str, Any] = {moe.experts_field: int(meta.need(f"{arch}.expert_count")), "num_experts_per_tok": k}
+    if moe.expert_size:
+        out["moe_intermediate_size"] = int(meta.get(f"{arch}.expert_feed_forward_length") or ff // k)
+    if moe.shared:
+        out["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or ff)
+    if moe.norm_topk_prob is not None:
+        out["norm_topk_prob"] = moe.norm_topk_prob
+    return out
 
 
 def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int]:
@@ -255,14 +302,19 @@ def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, p
     )
 
 
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
-    """The HF name of a GGUF tensor (`layer_names`: the family's, after "blk.N.")."""
+def _hf_name(name: str, layer_names: dict[str, str]) -> tuple[str, int | None] | None:
+    """The HF name of a GGUF tensor (`layer_names`: the family's, after "blk.N.") and, for one
+    expert's tensor of an older file (`blk.N.ffn_gate.E.weight`), its expert E. A name with "{e}"
+    and no expert is a stack of every expert's tensor."""
     if name in GGUF_TOP:
-        return GGUF_TOP[name]
+        return GGUF_TOP[name], None
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
         if rest in layer_names:
-            return f"model.layers.{idx}.{layer_names[rest]}"
+            return f"model.layers.{idx}.{layer_names[rest]}", None
+        one = re.fullmatch(r"(\w+)\.(\d+)\.weight", rest)
+        if one and (key := f"{one[1]}.{{e}}.weight") in layer_names:
+            return f"model.layers.{idx}.{layer_names[key]}", int(one[2])
     return None
 
 
