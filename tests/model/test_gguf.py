@@ -104,11 +104,12 @@ def llama3_divisors(rope: dict, head_dim: int) -> np.ndarray:
 
 def write_gguf(
     src: Path, out: Path, *, pre: str = "gpt2", qtype=None, add_bos: bool = False, tensor_type=None,
-    per_expert: bool = False,
+    per_expert: bool = False, moe_meta: dict | None = None, extra=None,
 ) -> Path:
     """Write the HF checkpoint `src` as a llama.cpp-style GGUF (F32 unless `qtype` for 2-D and 3-D
     weights, the router aside, as llama.cpp's converter keeps it F32). A mixture of experts'
-    experts stacked per layer (`per_expert`: one tensor each, as older Mixtral files)."""
+    experts stacked per layer (`per_expert`: one tensor each, as older Mixtral files); `moe_meta`
+    overrides its `{arch}.expert_*` keys (None: left out). `extra(writer)` adds more."""
     cfg = json.loads((src / "config.json").read_text())
     mc = parse_config(cfg)
     _, tensors = load_checkpoint(src)
@@ -127,12 +128,14 @@ def write_gguf(
     w.add_layer_norm_rms_eps(mc.rms_norm_eps)
     w.add_vocab_size(mc.vocab_size)
     if mc.num_experts:  # Mixtral's each expert's size is feed_forward_length (its intermediate_size)
-        w.add_expert_count(mc.num_experts)
-        w.add_expert_used_count(mc.num_experts_per_tok)
-        if arch != "llama":
-            w.add_expert_feed_forward_length(mc.moe_intermediate_size)
-        if mc.shared_expert_intermediate_size:
-            w.add_expert_shared_feed_forward_length(mc.shared_expert_intermediate_size)
+        moe = {"expert_count": mc.num_experts, "expert_used_count": mc.num_experts_per_tok,
+               "expert_feed_forward_length": mc.moe_intermediate_size if arch != "llama" else None,
+               "expert_shared_feed_forward_length": mc.shared_expert_intermediate_size or None}  # fmt: skip
+        for key, v in (moe | (moe_meta or {})).items():
+            if v is not None:
+                w.add_uint32(f"{arch}.{key}", v)
+    if extra is not None:
+        extra(w)
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.__getitem__)
