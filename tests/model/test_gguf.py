@@ -291,7 +291,7 @@ def test_unsupported_architecture_and_pre_tokenizer(tiny_dir, tmp_path):
     w.close()
     with pytest.raises(
         ValueError,
-        match=r"phi\.gguf: unsupported GGUF architecture 'phi3'; supported: \['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3'\]",
+        match=r"phi\.gguf: unsupported GGUF architecture 'phi3'; supported: \['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]",
     ):
         load_checkpoint(tmp_path / "phi.gguf")
     path = write_gguf(tiny_dir("qwen2"), tmp_path / "t.gguf", pre="tekken")

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from ringserve.model.checkpoints.footprint import read_footprint
-from ringserve.model.checkpoints.gguf import read_gguf_weights
+from ringserve.model.checkpoints.gguf import gguf_to_hf_dir, read_gguf_weights
 from ringserve.model.checkpoints.load import load_checkpoint
 from ringserve.model.compute.step_inputs import DeviceRow
 from ringserve.model.runtime.executor import ModelExecutor
 from ringserve.model.runtime.weight_sync import WeightSync
+from tests.hf_ref import hf_logits
 from tests.model.test_gguf import CFG, Q, write_gguf
 
 MOE = ["qwen3_moe", "qwen2_moe", "mixtral"]
@@ -82,6 +83,17 @@ def test_a_moe_gguf_loads_to_the_directorys_config_tensors_and_logits(tiny_dir, 
     for e in range(8):
         name = next(k for k in got if k.startswith("model.layers.1.") and k.endswith(f".experts.{e}.{down}.weight"))
         np.testing.assert_array_equal(got[name], every[e], err_msg=name)
+
+
+@pytest.mark.parametrize("family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.sweep) for f in MOE])
+def test_a_moe_ggufs_hf_directory_reads_as_the_original_in_hf(tiny_dir, tmp_path, family):
+    """`gguf_to_hf_dir` (what fetch-model writes): HF transformers reads its config.json as the
+    original's, e.g. Qwen3-MoE's norm_topk_prob, which HF defaults to false and llama.cpp's
+    qwen3moe holds true: HF's logits equal the original directory's."""
+    src = tiny_dir(family)
+    hf_dir = gguf_to_hf_dir(write_gguf(src, tmp_path / "f.gguf"), tmp_path / "hf")
+    want = hf_logits(src, PROMPT)
+    np.testing.assert_allclose(hf_logits(hf_dir, PROMPT), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 def test_older_mixtral_files_hold_one_tensor_per_expert(tiny_dir, tmp_path):
