@@ -236,11 +236,12 @@ def _moe_config(meta: _Meta, arch: str, moe: GGUFMoe) -> dict[str, Any]:
         raise ValueError(f"{meta.path}: {arch}.expert_weights_scale={scale:g} is not supported (routing weights "
                          f"scaled; the {arch} models served are unscaled)")  # fmt: skip
     ff, k = int(meta.need(f"{arch}.feed_forward_length")), int(meta.need(f"{arch}.expert_used_count"))
-    out: dict[str, Any] = {moe.experts_field: int(meta.need(f"{arch}.expert_count")), "num_experts_per_tok": k}
+    out: dict[str, Any] = {moe.experts_field: int(meta.need(f"{arch}.expert_count")), "num_experts_per_tok": k}  # fmt: skip
     if moe.expert_size:
         out["moe_intermediate_size"] = int(meta.get(f"{arch}.expert_feed_forward_length") or ff // k)
     if moe.shared:
-        out["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or ff)
+        shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+        out["shared_expert_intermediate_size"] = int(shared or ff)
     if moe.norm_topk_prob is not None:
         out["norm_topk_prob"] = moe.norm_topk_prob
     return out

@@ -239,7 +239,10 @@ GGUF_LLAMA_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-GGUF_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+GGUF_QK_NORM = {  # Qwen3's q/k norms
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 
 
 # ---- mixture of experts (model/layers/moe.py): what Qwen3-MoE, Qwen2-MoE and Mixtral share ----

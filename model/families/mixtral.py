@@ -41,7 +41,10 @@ MIXTRAL = Family(
     lora_modules=MOE_LORA_MODULES,
     # llama.cpp writes Mixtral as `llama` with `llama.expert_count`, q/k permuted as Llama's, each
     # expert's size as feed_forward_length; older files hold one tensor per expert (ffn_gate.E.weight)
-    gguf=GGUFNames("llama", gguf_moe_layer(prefix="block_sparse_moe", names=("w1", "w3", "w2"), per_expert=True),
-                   permuted_qk=True, moe=GGUFMoe(norm_topk_prob=None, experts_field="num_local_experts",
-                                                 expert_size=False)),  # fmt: skip
+    gguf=GGUFNames(
+        "llama",
+        gguf_moe_layer(prefix="block_sparse_moe", names=("w1", "w3", "w2"), per_expert=True),
+        permuted_qk=True,
+        moe=GGUFMoe(norm_topk_prob=None, experts_field="num_local_experts", expert_size=False),
+    ),
 )

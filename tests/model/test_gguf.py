@@ -54,7 +54,7 @@ MOE_LAYER = {"mlp.gate.weight": "ffn_gate_inp", "block_sparse_moe.gate.weight": 
              "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
              "mlp.shared_expert.up_proj.weight": "ffn_up_shexp", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp"}  # fmt: skip
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-EXPERT_FFN = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+EXPERT_FFN = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}  # fmt: skip
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -103,8 +103,16 @@ def llama3_divisors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(
-    src: Path, out: Path, *, pre: str = "gpt2", qtype=None, add_bos: bool = False, tensor_type=None,
-    per_expert: bool = False, moe_meta: dict | None = None, extra=None,
+    src: Path,
+    out: Path,
+    *,
+    pre: str = "gpt2",
+    qtype=None,
+    add_bos: bool = False,
+    tensor_type=None,
+    per_expert: bool = False,
+    moe_meta: dict | None = None,
+    extra=None,
 ) -> Path:
     """Write the HF checkpoint `src` as a llama.cpp-style GGUF (F32 unless `qtype` for 2-D and 3-D
     weights, the router aside, as llama.cpp's converter keeps it F32). A mixture of experts'
@@ -175,7 +183,8 @@ def write_gguf(
         name = hf if hf.startswith("blk.") else gguf_name(hf, arch)
         if tensor_type is not None and a.ndim == 2:  # raw bytes of that type (content irrelevant)
             block, size = gguf.GGML_QUANT_SIZES[tensor_type]
-            w.add_tensor(name, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8), raw_dtype=tensor_type)
+            raw = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
+            w.add_tensor(name, raw, raw_dtype=tensor_type)
         elif qtype is not None and a.ndim >= 2 and ".ffn_gate_inp." not in name:
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:

@@ -81,11 +81,15 @@ def test_a_moe_gguf_loads_to_the_directorys_config_tensors_and_logits(tiny_dir, 
     _, got = read_gguf_weights(quantized)
     down = "down_proj" if family != "mixtral" else "w2"
     for e in range(8):
-        name = next(k for k in got if k.startswith("model.layers.1.") and k.endswith(f".experts.{e}.{down}.weight"))
+        name = next(
+            k for k in got if k.startswith("model.layers.1.") and k.endswith(f".experts.{e}.{down}.weight")
+        )
         np.testing.assert_array_equal(got[name], every[e], err_msg=name)
 
 
-@pytest.mark.parametrize("family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.sweep) for f in MOE])
+@pytest.mark.parametrize(
+    "family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.sweep) for f in MOE]
+)
 def test_a_moe_ggufs_hf_directory_reads_as_the_original_in_hf(tiny_dir, tmp_path, family):
     """`gguf_to_hf_dir` (what fetch-model writes): HF transformers reads its config.json as the
     original's, e.g. Qwen3-MoE's norm_topk_prob, which HF defaults to false and llama.cpp's
@@ -122,17 +126,32 @@ def test_what_a_moe_gguf_may_not_hold(tiny_dir, tmp_path):
     file and the key or tensor."""
     src = tiny_dir("qwen3_moe")
     dense = write_gguf(src, tmp_path / "d.gguf", extra=lambda w: w.add_leading_dense_block_count(1))
-    with pytest.raises(ValueError, match=r"d\.gguf: qwen3moe\.leading_dense_block_count=1: the first 1 layers have dense MLPs"):
+    with pytest.raises(
+        ValueError,
+        match=r"d\.gguf: qwen3moe\.leading_dense_block_count=1: the first 1 layers have dense MLPs",
+    ):
         load_checkpoint(dense)
-    mlp = write_gguf(src, tmp_path / "m.gguf", extra=lambda w: w.add_tensor("blk.2.ffn_up.weight", np.zeros((4, 32), np.float32)))
-    with pytest.raises(ValueError, match=r"m\.gguf: layer 2 has a dense MLP \('blk\.2\.ffn_up\.weight'\) where 'qwen3moe' has experts"):
+    mlp = write_gguf(
+        src,
+        tmp_path / "m.gguf",
+        extra=lambda w: w.add_tensor("blk.2.ffn_up.weight", np.zeros((4, 32), np.float32)),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"m\.gguf: layer 2 has a dense MLP \('blk\.2\.ffn_up\.weight'\) where 'qwen3moe' has experts",
+    ):
         load_checkpoint(mlp)
     scaled = write_gguf(src, tmp_path / "s.gguf", extra=lambda w: w.add_expert_weights_scale(2.5))
     with pytest.raises(ValueError, match=r"s\.gguf: qwen3moe\.expert_weights_scale=2\.5 is not supported"):
         load_checkpoint(scaled)
     for key, value in (("expert_count", None), ("expert_count", 4)):
         bad = write_gguf(src, tmp_path / "e.gguf", moe_meta={key: value})
-        msg = r"missing GGUF metadata 'qwen3moe\.expert_count'" if value is None else (
-            r"tensor 'blk\.0\.ffn_(gate|up|down)_exps\.weight' has shape \[8, \d+, \d+\], expected \[qwen3moe\.expert_count")
+        msg = (
+            r"missing GGUF metadata 'qwen3moe\.expert_count'"
+            if value is None
+            else (
+                r"tensor 'blk\.0\.ffn_(gate|up|down)_exps\.weight' has shape \[8, \d+, \d+\], expected \[qwen3moe\.expert_count"
+            )
+        )
         with pytest.raises(ValueError, match=r"e\.gguf: " + msg):
             load_checkpoint(bad)
