@@ -12,7 +12,8 @@ What a GGUF does differently from an HF checkpoint, and how it is undone here:
   `unpermute_rope_rows` inverts it. qwen2/qwen3 files are not permuted (NeoX-style RoPE);
 - config comes from metadata (`llama.embedding_length`, ...); llama3 RoPE scaling is stored
   only as a `rope_freqs` tensor of per-frequency divisors, from which the llama3 parameters are
-  recovered (and checked to reproduce every frequency) or the file is refused;
+  recovered (and checked to reproduce every frequency) or the file is refused
+  (model/checkpoints/gguf_rope.py);
 - no output.weight means the LM head is tied to token_embd;
 - Gemma's norms (weight w, scaled by 1 + w) are stored as 1 + w (`GGUFNames.norms_plus_one`),
   and its window, layer pattern, soft caps and query scale come from metadata and llama.cpp's
@@ -42,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from ringserve.model.checkpoints.gguf_rope import rope_parameters
 from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
-from ringserve.model.config import RopeConfig, rope_inv_freq
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
 from ringserve.model.families.base import GGUF_TOP, GGUFMoe
 
@@ -209,7 +210,7 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         # GGUF stores f32: print the shortest decimal that round-trips (1e-05, not 9.99999974e-06)
         "rms_norm_eps": float(str(np.float32(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")))),
         "max_position_embeddings": int(meta.need(f"{arch}.context_length")),
-        "rope_parameters": _rope_parameters(meta, arch, head_dim, rope_freqs),
+        "rope_parameters": rope_parameters(meta.get, meta.path, arch, head_dim, rope_freqs),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -257,50 +258,6 @@ def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int]:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta.need(f"{arch}.embedding_length")) // heads)
     params = sum(int(np.prod(t.shape)) for t in meta.reader.tensors if t.name != _ROPE_FREQS)
     return int(meta.need(f"{arch}.block_count")), kv_heads, head_dim, params
-
-
-def _rope_parameters(meta: _Meta, arch: str, head_dim: int, rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ValueError(f"{meta.path}: RoPE scaling {scaling!r} is not supported (only linear and llama3)")
-    if scaling == "linear":
-        return {
-            "rope_type": "linear",
-            "rope_theta": theta,
-            "factor": float(meta.need(f"{arch}.rope.scaling.factor")),
-        }
-    if rope_freqs is None or np.all(rope_freqs == 1.0):
-        return {"rope_type": "default", "rope_theta": theta}
-    return _llama3_from_rope_freqs(rope_freqs, theta, head_dim, meta.path)
-
-
-def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
-    """Recover llama3 RoPE parameters from llama.cpp's per-frequency divisors.
-
-    llama.cpp rotates frequency i by base_i / divisors[i]; the llama3 rule makes the divisor 1
-    above the high-frequency cutoff, `factor` below the low one, and blends between them. The
-    divisors fix `factor` (their max); the cutoffs depend on original_max_position_embeddings,
-    low_freq_factor and high_freq_factor, taken from the values every Llama 3.x release uses
-    (1, 4 and a power of two), and accepted only if they reproduce every frequency."""
-
-    base = rope_inv_freq(RopeConfig(theta=theta), head_dim)
-    if divisors.shape != base.shape:
-        raise ValueError(f"{path}: rope_freqs has {divisors.size} entries, expected head_dim/2 = {base.size}")
-    want = base / divisors
-    factor = float(divisors.max())
-    for original in (2**k for k in range(8, 18)):
-        params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": original}  # fmt: skip
-        cfg = RopeConfig(
-            theta=theta, rope_type="llama3", factor=factor, original_max_position_embeddings=original
-        )
-        if np.allclose(rope_inv_freq(cfg, head_dim), want, rtol=1e-6, atol=0.0):
-            return params
-    raise ValueError(
-        f"{path}: rope_freqs (per-frequency RoPE divisors, max {factor:g}) do not match llama3 scaling with "
-        f"low_freq_factor=1, high_freq_factor=4 and any power-of-two original context; not supported"
-    )
 
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> tuple[str, int | None] | None:

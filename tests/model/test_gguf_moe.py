@@ -155,3 +155,26 @@ def test_what_a_moe_gguf_may_not_hold(tiny_dir, tmp_path):
         )
         with pytest.raises(ValueError, match=r"e\.gguf: " + msg):
             load_checkpoint(bad)
+
+
+def test_every_familys_gguf_names_are_llama_cpps():
+    """Each family's GGUF layer table against gguf-py's own tensor map (llama.cpp's converter maps
+    HF names through it; a merged expert stack is HF's name without the expert index), so the
+    tables and `write_gguf` (written out independently) cannot agree on a name llama.cpp does not
+    write. Gemma 2 shares Gemma 3's table, whose q/k norms it lacks."""
+    from ringserve.model.families import FAMILIES
+
+    lacking = {("gemma2", "attn_q_norm.weight"), ("gemma2", "attn_k_norm.weight")}
+    checked = 0
+    for fam in FAMILIES.values():
+        if fam.gguf is None:
+            continue
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == fam.gguf.arch)
+        names = gguf.get_tensor_name_map(arch, 1)
+        for key, hf in fam.gguf.layer.items():
+            if "{e}" in key:  # older Mixtral files' one tensor per expert: no longer in the map
+                continue
+            got = names.get_name(f"model.layers.0.{hf.replace('.{e}', '')}", try_suffixes=(".weight", ".bias"))
+            assert got == (None if (fam.name, key) in lacking else f"blk.0.{key}"), (fam.name, key, hf)
+            checked += 1
+    assert checked > 60
