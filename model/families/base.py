@@ -8,7 +8,8 @@ is asked of it, and nothing outside the family's file branches on a family:
     HF layout        `layer_tensors`: each decoder layer's HF tensors (names, transposes, shapes);
                      `layout` adds the embedding, final norm and LM head (model/weights/state.py
                      builds the state from it; a weight update by HF name checks against it)
-    GGUF             `gguf`: llama.cpp's architecture name, tensor names, q/k row permutation
+    GGUF             `gguf`: llama.cpp's architecture name, tensor names, q/k row permutation,
+                     a mixture of experts' stacked experts and metadata (`GGUFMoe`)
     tiny model       `tiny`: transformers' config class and the fields of `make-tiny-model`'s
                      random checkpoint (model/checkpoints/tiny.py makes its weights from the layout)
     adapters         `lora_modules`: the projections a PEFT adapter may train
