@@ -12,11 +12,20 @@ What a GGUF does differently from an HF checkpoint, and how it is undone here:
   `unpermute_rope_rows` inverts it. qwen2/qwen3 files are not permuted (NeoX-style RoPE);
 - config comes from metadata (`llama.embedding_length`, ...); llama3 RoPE scaling is stored
   only as a `rope_freqs` tensor of per-frequency divisors, from which the llama3 parameters are
-  recovered (and checked to reproduce every frequency) or the file is refused;
+  recovered (and checked to reproduce every frequency) or the file is refused
+  (model/checkpoints/gguf_rope.py);
 - no output.weight means the LM head is tied to token_embd;
 - Gemma's norms (weight w, scaled by 1 + w) are stored as 1 + w (`GGUFNames.norms_plus_one`),
   and its window, layer pattern, soft caps and query scale come from metadata and llama.cpp's
-  own rules (model/families/gemma.py).
+  own rules (model/families/gemma.py);
+- a mixture of experts (qwen3moe, qwen2moe, and Mixtral as `llama` with `llama.expert_count`;
+  model/families/base.py `GGUFMoe`) stacks each layer's experts in one tensor [E, out, in]
+  (`blk.N.ffn_gate_exps.weight`, ...), split here into HF's per-expert tensors (views, no copy;
+  quantized blocks run along `in`, so each expert dequantizes from its own rows); older Mixtral
+  files hold one tensor per expert (`blk.N.ffn_gate.E.weight`). The counts and sizes come from
+  metadata, and top-k renormalization from llama.cpp's fixed rule per architecture. Refused,
+  naming file and key or tensor: dense layers among the sparse ones (`leading_dense_block_count`,
+  or a layer's `ffn_up.weight`), a router weight scale other than 1 (`expert_weights_scale`).
 
 `load_checkpoint(path.gguf)` converts in memory on each load (weights never touch disk): the
 user's file stays the single source, and a dequantized f32 cache would be ~5x its size.
@@ -28,15 +37,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ringserve.model.checkpoints.gguf_rope import rope_parameters
 from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
-from ringserve.model.config import RopeConfig, rope_inv_freq
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
-from ringserve.model.families.base import GGUF_TOP
+from ringserve.model.families.base import GGUF_TOP, GGUFMoe
 
 SUPPORTED = (
     "F32",
@@ -112,11 +122,12 @@ def read_gguf_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, np.nd
 
 
 def _family(meta: _Meta) -> tuple[str, Family]:
-    """llama.cpp's architecture name of the file and the family that serves it."""
+    """llama.cpp's architecture name of the file and the family that serves it (a `llama` file
+    with experts is Mixtral's)."""
     arch = meta.get("general.architecture")
-    fam = gguf_family(str(arch))
+    fam = gguf_family(str(arch), moe=bool(meta.get(f"{arch}.expert_count")))
     if fam is None:
-        known = sorted(f.gguf.arch for f in FAMILIES.values() if f.gguf)
+        known = sorted({f.gguf.arch for f in FAMILIES.values() if f.gguf})
         raise ValueError(f"{meta.path}: unsupported GGUF architecture {arch!r}; supported: {known}")
     return str(arch), fam
 
@@ -136,12 +147,17 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise ValueError(
             f"{path}: partial RoPE ({arch}.rope.dimension_count={rot_dim} != head_dim={head_dim}) is not supported"
         )
+    moe = fam.gguf.moe
     for t in reader.tensors:  # refuse before spending time dequantizing anything
+        if moe is not None and (dense := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", t.name)):
+            raise ValueError(f"{path}: layer {dense[1]} has a dense MLP ({t.name!r}) where {arch!r} has experts; "
+                             f"ringserve serves mixtures of experts whose every layer is sparse")  # fmt: skip
         if t.tensor_type.name not in SUPPORTED:
             raise ValueError(
                 f"{path}: tensor {t.name!r} is quantized as {t.tensor_type.name}, which ringserve cannot "
                 f"dequantize; supported types: {', '.join(SUPPORTED)}"
             )
+    moe_config = _moe_config(meta, arch, moe) if moe is not None else {}
     tensors: dict[str, np.ndarray] = {}
     rope_freqs = None
     for t in reader.tensors:
@@ -150,9 +166,17 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         if t.name == _ROPE_FREQS:
             rope_freqs = a
             continue
-        hf = _hf_name(t.name, fam.gguf.layer)
-        if hf is None:
+        named = _hf_name(t.name, fam.gguf.layer)
+        if named is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
+        hf, expert = named
+        if "{e}" in hf and expert is None:  # the layer's experts stacked: [E, out, in]
+            if a.ndim != 3 or a.shape[0] != meta.get(f"{arch}.expert_count"):
+                raise ValueError(f"{path}: tensor {t.name!r} has shape {list(a.shape)}, expected "
+                                 f"[{arch}.expert_count, out, in]")  # fmt: skip
+            tensors |= {hf.format(e=e): a[e] for e in range(a.shape[0])}
+            continue
+        hf = hf.format(e=expert) if expert is not None else hf
         if fam.gguf.permuted_qk and ".q_proj." in hf:
             a = unpermute_rope_rows(a, heads)
         elif fam.gguf.permuted_qk and ".k_proj." in hf:
@@ -186,7 +210,7 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         # GGUF stores f32: print the shortest decimal that round-trips (1e-05, not 9.99999974e-06)
         "rms_norm_eps": float(str(np.float32(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")))),
         "max_position_embeddings": int(meta.need(f"{arch}.context_length")),
-        "rope_parameters": _rope_parameters(meta, arch, head_dim, rope_freqs),
+        "rope_parameters": rope_parameters(meta.get, meta.path, arch, head_dim, rope_freqs),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -196,7 +220,32 @@ def _weights(meta: _Meta) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     }
     if fam.gguf.read_config is not None:
         config |= fam.gguf.read_config(meta.get, config)
-    return config | fam.gguf.config, tensors
+    return config | moe_config | fam.gguf.config, tensors
+
+
+def _moe_config(meta: _Meta, arch: str, moe: GGUFMoe) -> dict[str, Any]:
+    """config.json's MoE fields (the family's names) from a MoE file's metadata, as llama.cpp reads
+    it: where a size is left out, its default (feed_forward_length / expert_used_count for each
+    expert, feed_forward_length for the shared one). What llama.cpp would compute differently
+    from the family is refused, naming the key."""
+    dense = meta.get(f"{arch}.leading_dense_block_count")
+    if dense:
+        raise ValueError(f"{meta.path}: {arch}.leading_dense_block_count={dense}: the first {dense} layers have dense "
+                         f"MLPs; ringserve serves mixtures of experts whose every layer is sparse")  # fmt: skip
+    scale = meta.get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):  # llama.cpp scales the routing weights by it (0 and 1: not at all)
+        raise ValueError(f"{meta.path}: {arch}.expert_weights_scale={scale:g} is not supported (routing weights "
+                         f"scaled; the {arch} models served are unscaled)")  # fmt: skip
+    ff, k = int(meta.need(f"{arch}.feed_forward_length")), int(meta.need(f"{arch}.expert_used_count"))
+    out: dict[str, Any] = {moe.experts_field: int(meta.need(f"{arch}.expert_count")), "num_experts_per_tok": k}  # fmt: skip
+    if moe.expert_size:
+        out["moe_intermediate_size"] = int(meta.get(f"{arch}.expert_feed_forward_length") or ff // k)
+    if moe.shared:
+        shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+        out["shared_expert_intermediate_size"] = int(shared or ff)
+    if moe.norm_topk_prob is not None:
+        out["norm_topk_prob"] = moe.norm_topk_prob
+    return out
 
 
 def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int, int]:
@@ -211,58 +260,19 @@ def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int, int]:
     return int(meta.need(f"{arch}.block_count")), kv_heads, head_dim, params, heads
 
 
-def _rope_parameters(meta: _Meta, arch: str, head_dim: int, rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ValueError(f"{meta.path}: RoPE scaling {scaling!r} is not supported (only linear and llama3)")
-    if scaling == "linear":
-        return {
-            "rope_type": "linear",
-            "rope_theta": theta,
-            "factor": float(meta.need(f"{arch}.rope.scaling.factor")),
-        }
-    if rope_freqs is None or np.all(rope_freqs == 1.0):
-        return {"rope_type": "default", "rope_theta": theta}
-    return _llama3_from_rope_freqs(rope_freqs, theta, head_dim, meta.path)
-
-
-def _llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
-    """Recover llama3 RoPE parameters from llama.cpp's per-frequency divisors.
-
-    llama.cpp rotates frequency i by base_i / divisors[i]; the llama3 rule makes the divisor 1
-    above the high-frequency cutoff, `factor` below the low one, and blends between them. The
-    divisors fix `factor` (their max); the cutoffs depend on original_max_position_embeddings,
-    low_freq_factor and high_freq_factor, taken from the values every Llama 3.x release uses
-    (1, 4 and a power of two), and accepted only if they reproduce every frequency."""
-
-    base = rope_inv_freq(RopeConfig(theta=theta), head_dim)
-    if divisors.shape != base.shape:
-        raise ValueError(f"{path}: rope_freqs has {divisors.size} entries, expected head_dim/2 = {base.size}")
-    want = base / divisors
-    factor = float(divisors.max())
-    for original in (2**k for k in range(8, 18)):
-        params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": original}  # fmt: skip
-        cfg = RopeConfig(
-            theta=theta, rope_type="llama3", factor=factor, original_max_position_embeddings=original
-        )
-        if np.allclose(rope_inv_freq(cfg, head_dim), want, rtol=1e-6, atol=0.0):
-            return params
-    raise ValueError(
-        f"{path}: rope_freqs (per-frequency RoPE divisors, max {factor:g}) do not match llama3 scaling with "
-        f"low_freq_factor=1, high_freq_factor=4 and any power-of-two original context; not supported"
-    )
-
-
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
-    """The HF name of a GGUF tensor (`layer_names`: the family's, after "blk.N.")."""
+def _hf_name(name: str, layer_names: dict[str, str]) -> tuple[str, int | None] | None:
+    """The HF name of a GGUF tensor (`layer_names`: the family's, after "blk.N.") and, for one
+    expert's tensor of an older file (`blk.N.ffn_gate.E.weight`), its expert E. A name with "{e}"
+    and no expert is a stack of every expert's tensor."""
     if name in GGUF_TOP:
-        return GGUF_TOP[name]
+        return GGUF_TOP[name], None
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
         if rest in layer_names:
-            return f"model.layers.{idx}.{layer_names[rest]}"
+            return f"model.layers.{idx}.{layer_names[rest]}", None
+        one = re.fullmatch(r"(\w+)\.(\d+)\.weight", rest)
+        if one and (key := f"{one[1]}.{{e}}.weight") in layer_names:
+            return f"model.layers.{idx}.{layer_names[key]}", int(one[2])
     return None
 
 

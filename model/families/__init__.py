@@ -70,9 +70,12 @@ def read_config(path: str | Path) -> ModelConfig:
     return parse_config(d, source=str(cfg))
 
 
-def gguf_family(arch: str) -> Family | None:
-    """The family llama.cpp's `general.architecture` names (model/checkpoints/gguf.py)."""
-    return next((f for f in FAMILIES.values() if f.gguf is not None and f.gguf.arch == arch), None)
+def gguf_family(arch: str, moe: bool = False) -> Family | None:
+    """The family llama.cpp's `general.architecture` names (model/checkpoints/gguf.py); `moe`:
+    the file has experts (`{arch}.expert_count` > 0), which tells Mixtral from Llama (both
+    `llama`). An architecture only one family writes is that family's either way."""
+    named = [f for f in FAMILIES.values() if f.gguf is not None and f.gguf.arch == arch]
+    return next((f for f in named if (f.gguf.moe is not None) == moe), named[0] if named else None)  # type: ignore[union-attr]
 
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "Family", "family", "family_of", "gguf_family", "parse_config", "read_config"]

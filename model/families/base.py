@@ -8,7 +8,8 @@ is asked of it, and nothing outside the family's file branches on a family:
     HF layout        `layer_tensors`: each decoder layer's HF tensors (names, transposes, shapes);
                      `layout` adds the embedding, final norm and LM head (model/weights/state.py
                      builds the state from it; a weight update by HF name checks against it)
-    GGUF             `gguf`: llama.cpp's architecture name, tensor names, q/k row permutation
+    GGUF             `gguf`: llama.cpp's architecture name, tensor names, q/k row permutation,
+                     a mixture of experts' stacked experts and metadata (`GGUFMoe`)
     tiny model       `tiny`: transformers' config class and the fields of `make-tiny-model`'s
                      random checkpoint (model/checkpoints/tiny.py makes its weights from the layout)
     adapters         `lora_modules`: the projections a PEFT adapter may train
@@ -59,13 +60,34 @@ class MoeTensor:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GGUFMoe:
+    """How llama.cpp writes a family's mixture of experts (model/checkpoints/gguf.py reads it).
+
+    Tensors: each layer's experts stacked, `blk.N.ffn_{gate,up,down}_exps.weight` [E, out, in]
+    (ggml ne [in, out, E]); HF's per-expert names carry "{e}" in the layer table (`gguf_moe_layer`),
+    and the reader splits the stack along E. Metadata: `{arch}.expert_count` (config.json's
+    `experts_field`), `{arch}.expert_used_count`, each expert's size `{arch}.expert_feed_forward_length`
+    (`expert_size`; Mixtral's files use `feed_forward_length` itself) and, with `shared`, the shared
+    expert's `{arch}.expert_shared_feed_forward_length`. Whether the top-k weights are renormalized is
+    not in the file: llama.cpp fixes it per architecture (its build_moe_ffn's norm_w: qwen3moe
+    always, qwen2moe never), written as `norm_topk_prob` (None: the family fixes it itself)."""
+
+    norm_topk_prob: bool | None
+    experts_field: str = "num_experts"
+    expert_size: bool = True
+    shared: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GGUFNames:
     """How llama.cpp writes a family: `general.architecture`, the layer tensors' names (after
     "blk.N.") as HF names (after "model.layers.N."), whether q/k rows are permuted for
     adjacent-pair RoPE (model/checkpoints/gguf.py undoes it), and config.json fields its
     converter sets: fixed (`config`), or read from the file's metadata (`read_config`: given
     `get(key)` and the config read so far, the family's own fields). `norms_plus_one`: its
-    converter stores every norm's weight plus 1 (Gemma's (1 + w) norms), which loading undoes."""
+    converter stores every norm's weight plus 1 (Gemma's (1 + w) norms), which loading undoes.
+    `moe`: a mixture of experts' layout (also what tells Mixtral's `llama` files, which have
+    `llama.expert_count`, from Llama's: model/families/__init__.py `gguf_family`)."""
 
     arch: str
     layer: dict[str, str]
@@ -73,6 +95,7 @@ class GGUFNames:
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     read_config: Callable[[Callable[[str], Any], dict[str, Any]], dict[str, Any]] | None = None
     norms_plus_one: bool = False
+    moe: GGUFMoe | None = None
 
 
 # llama.cpp's names of the tensors outside the layers (every family so far)
@@ -217,6 +240,10 @@ GGUF_LLAMA_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+GGUF_QK_NORM = {  # Qwen3's q/k norms
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 
 
 # ---- mixture of experts (model/layers/moe.py): what Qwen3-MoE, Qwen2-MoE and Mixtral share ----
@@ -277,3 +304,22 @@ def moe_decoder(cfg: ModelConfig, plan: Any, backend: Any, *, bias: bool = False
 
 # adapters train attention alone on MoE families (experts' adapters are refused: model/checkpoints/peft.py)
 MOE_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def gguf_moe_layer(*, prefix: str = "mlp", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                   shared: bool = False, per_expert: bool = False) -> dict[str, str]:  # fmt: skip
+    """llama.cpp's names of a MoE layer's tensors (after "blk.N.") as HF's (`moe_tensors`' names and
+    arguments): Llama's attention and norms, the router `ffn_gate_inp`, the stacked experts
+    `ffn_{gate,up,down}_exps` ("{e}" in the HF name: one tensor per expert), with `shared` Qwen2-MoE's
+    shared expert (`ffn_*_shexp`) and its gate (`ffn_gate_inp_shexp`), with `per_expert` the one
+    tensor per expert of llama.cpp's older Mixtral files (`ffn_gate.E.weight`, "{e}" both sides)."""
+    out = {k: v for k, v in GGUF_LLAMA_LAYER.items() if not v.startswith("mlp.")}
+    out["ffn_gate_inp.weight"] = f"{prefix}.gate.weight"
+    for ggml, hf in zip(("gate", "up", "down"), names, strict=True):
+        out[f"ffn_{ggml}_exps.weight"] = f"{prefix}.experts.{{e}}.{hf}.weight"
+        if per_expert:
+            out[f"ffn_{ggml}.{{e}}.weight"] = f"{prefix}.experts.{{e}}.{hf}.weight"
+    if shared:
+        out |= {f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}
+        out["ffn_gate_inp_shexp.weight"] = "mlp.shared_expert_gate.weight"
+    return out

@@ -9,7 +9,10 @@ from typing import Any
 from ringserve.model.families.base import (
     MOE_LORA_MODULES,
     Family,
+    GGUFMoe,
+    GGUFNames,
     Tiny,
+    gguf_moe_layer,
     moe_decoder,
     moe_layer_tensors,
     moe_options,
@@ -36,4 +39,12 @@ MIXTRAL = Family(
                                 "sliding_window": None,
                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),  # fmt: skip
     lora_modules=MOE_LORA_MODULES,
+    # llama.cpp writes Mixtral as `llama` with `llama.expert_count`, q/k permuted as Llama's, each
+    # expert's size as feed_forward_length; older files hold one tensor per expert (ffn_gate.E.weight)
+    gguf=GGUFNames(
+        "llama",
+        gguf_moe_layer(prefix="block_sparse_moe", names=("w1", "w3", "w2"), per_expert=True),
+        permuted_qk=True,
+        moe=GGUFMoe(norm_topk_prob=None, experts_field="num_local_experts", expert_size=False),
+    ),
 )

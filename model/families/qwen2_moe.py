@@ -9,7 +9,10 @@ from typing import Any
 from ringserve.model.families.base import (
     MOE_LORA_MODULES,
     Family,
+    GGUFMoe,
+    GGUFNames,
     Tiny,
+    gguf_moe_layer,
     moe_decoder,
     moe_layer_tensors,
     moe_options,
@@ -37,4 +40,6 @@ QWEN2_MOE = Family(
                                  "norm_topk_prob": False, "use_sliding_window": False,
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),  # fmt: skip
     lora_modules=MOE_LORA_MODULES,
+    # llama.cpp's qwen2moe never renormalizes the top-k weights (norm_topk_prob is not in the file)
+    gguf=GGUFNames("qwen2moe", gguf_moe_layer(shared=True), moe=GGUFMoe(norm_topk_prob=False, shared=True)),
 )

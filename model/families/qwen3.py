@@ -7,6 +7,7 @@ from typing import Any
 
 from ringserve.model.families.base import (
     GGUF_LLAMA_LAYER,
+    GGUF_QK_NORM,
     Family,
     GGUFNames,
     Tiny,
@@ -31,6 +32,5 @@ QWEN3 = Family(
     # head_dim decoupled from hidden/heads, as in real Qwen3
     tiny=Tiny("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 48,
                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),  # fmt: skip
-    gguf=GGUFNames("qwen3", GGUF_LLAMA_LAYER | {"attn_q_norm.weight": "self_attn.q_norm.weight",
-                                               "attn_k_norm.weight": "self_attn.k_norm.weight"}),  # fmt: skip
+    gguf=GGUFNames("qwen3", GGUF_LLAMA_LAYER | GGUF_QK_NORM),
 )

@@ -8,9 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from ringserve.model.families.base import (
+    GGUF_QK_NORM,
     MOE_LORA_MODULES,
     Family,
+    GGUFMoe,
+    GGUFNames,
     Tiny,
+    gguf_moe_layer,
     moe_decoder,
     moe_layer_tensors,
     moe_options,
@@ -37,4 +41,6 @@ QWEN3_MOE = Family(
                                  "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),  # fmt: skip
     lora_modules=MOE_LORA_MODULES,
+    # llama.cpp's qwen3moe renormalizes the top-k weights always (norm_topk_prob is not in the file)
+    gguf=GGUFNames("qwen3moe", gguf_moe_layer() | GGUF_QK_NORM, moe=GGUFMoe(norm_topk_prob=True)),
 )

@@ -48,6 +48,7 @@ def test_what_other_parts_ask_of_a_family(tiny_dir):
     assert module_dims(cfg, "q_proj") == (cfg.hidden_size, cfg.q_size) and module_block(cfg, "q_proj") == "self_attn"
     assert module_dims(cfg, "down_proj") == (cfg.intermediate_size, cfg.hidden_size) and module_block(cfg, "down_proj") == "mlp"
     assert gguf_family("llama") is FAMILIES["llama"] and gguf_family("qwen3") is FAMILIES["qwen3"] and gguf_family("gpt2") is None
+    assert gguf_family("llama", moe=True) is FAMILIES["mixtral"] and gguf_family("qwen3moe") is FAMILIES["qwen3_moe"]  # fmt: skip
     assert "self_attn.q_norm.weight" in FAMILIES["qwen3"].gguf.layer.values()  # type: ignore[union-attr]
     assert "self_attn.q_norm.weight" not in FAMILIES["qwen2"].gguf.layer.values()  # type: ignore[union-attr]
     layout = FAMILIES["qwen3"].layout(cfg)
@@ -67,6 +68,8 @@ def test_ringserve_models_lists_every_architecture_with_its_capabilities():
         assert {k: row[k] for k in fam.capabilities} == fam.capabilities
     assert rows["Qwen3ForCausalLM"]["gguf"] == "qwen3" and rows["MistralForCausalLM"]["gguf"] is None
     assert rows["Gemma2ForCausalLM"]["gguf"] == "gemma2" and rows["Gemma3ForCausalLM"]["gguf"] == "gemma3"
+    moe_gguf = [rows[f"{a}ForCausalLM"]["gguf"] for a in ("Qwen3Moe", "Qwen2Moe", "Mixtral")]
+    assert moe_gguf == ["qwen3moe", "qwen2moe", "llama"]  # Mixtral's: llama's, with llama.expert_count
     table = subprocess.run([sys.executable, "-m", "ringserve.actors.cli.main", "models"], capture_output=True, text=True,
                            timeout=120).stdout  # fmt: skip
     assert table.splitlines()[0].split() == ["architecture", "family", "tp", "MoE", "LoRA", "int8", "GGUF", "attention"]

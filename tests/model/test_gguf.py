@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -46,14 +47,40 @@ LAYER = {
 GEMMA_LAYER = LAYER | {"post_attention_layernorm.weight": "post_attention_norm", "pre_feedforward_layernorm.weight": "ffn_norm",
                        "post_feedforward_layernorm.weight": "post_ffw_norm"}  # fmt: skip
 GEMMA = ("gemma2", "gemma3")
+# mixtures of experts: llama.cpp's architecture (Mixtral's is llama's, with llama.expert_count), the
+# router and Qwen2-MoE's shared expert; each expert's tensors (HF's w1/w3/w2: Mixtral's) stacked
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+MOE_LAYER = {"mlp.gate.weight": "ffn_gate_inp", "block_sparse_moe.gate.weight": "ffn_gate_inp",
+             "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp"}  # fmt: skip
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_FFN = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}  # fmt: skip
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in TOP:
         return TOP[hf]
     _, _, i, rest = hf.split(".", 3)
-    name = (GEMMA_LAYER if arch in GEMMA else LAYER)[rest]
+    name = (GEMMA_LAYER if arch in GEMMA else LAYER | MOE_LAYER)[rest]
     return f"blk.{i}.{name}" + ("" if name.endswith(".bias") else ".weight")
+
+
+def stack_experts(tensors: dict, per_expert: bool) -> dict:
+    """llama.cpp's MoE layout of HF tensors: each layer's experts' gate, up and down projections
+    stacked [E, out, in] as `blk.N.ffn_gate_exps.weight` (`per_expert`: older Mixtral files,
+    `blk.N.ffn_gate.E.weight` each); every other tensor keeps its HF name."""
+    out, stacks = {}, {}
+    for name, a in tensors.items():
+        if m := EXPERT.fullmatch(name):
+            layer, e, proj = m.groups()
+            ffn = EXPERT_FFN[proj]
+            if per_expert:
+                out[f"blk.{layer}.ffn_{ffn}.{e}.weight"] = a
+            else:
+                stacks.setdefault(f"blk.{layer}.ffn_{ffn}_exps.weight", {})[int(e)] = a
+        else:
+            out[name] = a
+    return out | {k: np.stack([v[e] for e in range(len(v))]) for k, v in stacks.items()}
 
 
 def llama3_divisors(rope: dict, head_dim: int) -> np.ndarray:
@@ -76,13 +103,25 @@ def llama3_divisors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(
-    src: Path, out: Path, *, pre: str = "gpt2", qtype=None, add_bos: bool = False, tensor_type=None
+    src: Path,
+    out: Path,
+    *,
+    pre: str = "gpt2",
+    qtype=None,
+    add_bos: bool = False,
+    tensor_type=None,
+    per_expert: bool = False,
+    moe_meta: dict | None = None,
+    extra=None,
 ) -> Path:
-    """Write the HF checkpoint `src` as a llama.cpp-style GGUF (F32 unless `qtype` for 2-D weights)."""
+    """Write the HF checkpoint `src` as a llama.cpp-style GGUF (F32 unless `qtype` for 2-D and 3-D
+    weights, the router aside, as llama.cpp's converter keeps it F32). A mixture of experts'
+    experts stacked per layer (`per_expert`: one tensor each, as older Mixtral files); `moe_meta`
+    overrides its `{arch}.expert_*` keys (None: left out). `extra(writer)` adds more."""
     cfg = json.loads((src / "config.json").read_text())
     mc = parse_config(cfg)
     _, tensors = load_checkpoint(src)
-    arch = mc.family
+    arch = GGUF_ARCH.get(mc.family, mc.family)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(mc.num_layers)
     w.add_context_length(mc.max_position_embeddings)
@@ -96,6 +135,15 @@ def write_gguf(
     w.add_rope_freq_base(mc.rope.theta)
     w.add_layer_norm_rms_eps(mc.rms_norm_eps)
     w.add_vocab_size(mc.vocab_size)
+    if mc.num_experts:  # Mixtral's each expert's size is feed_forward_length (its intermediate_size)
+        moe = {"expert_count": mc.num_experts, "expert_used_count": mc.num_experts_per_tok,
+               "expert_feed_forward_length": mc.moe_intermediate_size if arch != "llama" else None,
+               "expert_shared_feed_forward_length": mc.shared_expert_intermediate_size or None}  # fmt: skip
+        for key, v in (moe | (moe_meta or {})).items():
+            if v is not None:
+                w.add_uint32(f"{arch}.{key}", v)
+    if extra is not None:
+        extra(w)
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -124,25 +172,23 @@ def write_gguf(
             w.add_sliding_window_pattern(list(mc.sliding_layers))
     if mc.rope.rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_divisors(cfg["rope_parameters"], mc.head_dim))
-    for name, a in tensors.items():
+    for hf, a in stack_experts(tensors, per_expert).items():
         a = np.asarray(a, np.float32)
-        if arch == "llama" and ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in hf:
             a = permute_rope_rows(a, mc.num_heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in hf:
             a = permute_rope_rows(a, mc.num_kv_heads)
-        elif arch in GEMMA and name.endswith("norm.weight"):
+        elif arch in GEMMA and hf.endswith("norm.weight"):
             a = a + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
+        name = hf if hf.startswith("blk.") else gguf_name(hf, arch)
         if tensor_type is not None and a.ndim == 2:  # raw bytes of that type (content irrelevant)
             block, size = gguf.GGML_QUANT_SIZES[tensor_type]
-            w.add_tensor(
-                gguf_name(name, arch),
-                np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
-                raw_dtype=tensor_type,
-            )
-        elif qtype is not None and a.ndim == 2:
-            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            raw = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
+            w.add_tensor(name, raw, raw_dtype=tensor_type)
+        elif qtype is not None and a.ndim >= 2 and ".ffn_gate_inp." not in name:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name, arch), a)
+            w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -254,7 +300,7 @@ def test_unsupported_architecture_and_pre_tokenizer(tiny_dir, tmp_path):
     w.close()
     with pytest.raises(
         ValueError,
-        match=r"phi\.gguf: unsupported GGUF architecture 'phi3'; supported: \['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3'\]",
+        match=r"phi\.gguf: unsupported GGUF architecture 'phi3'; supported: \['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]",
     ):
         load_checkpoint(tmp_path / "phi.gguf")
     path = write_gguf(tiny_dir("qwen2"), tmp_path / "t.gguf", pre="tekken")
