@@ -50,9 +50,12 @@ def ragged_kv_layout(num_kv_heads: int, num_heads: int, tp: int) -> tuple[int, i
 def kv_token_bytes(backend: str, platform: str, *, num_layers: int, num_kv_heads: int, num_heads: int, head_dim: int,
                    tp: int, itemsize: int) -> int:  # fmt: skip
     """Cache bytes one token holds over every layer and every device of a group together, in the
-    layout of `backend` ("auto": the platform's first automatic backend, as the plan picks)."""
+    layout of `backend` ("auto": the first registered backend `auto` names for the platform, as
+    the plan picks where it runs; model/compute/plan.py `resolve_backend`)."""
     if backend == "auto":
-        backend = "pallas" if platform_of(platform) == "tpu" else "native"
+        from ringserve.model.compute.attention import REGISTRY
+
+        backend = next((b.name for b in REGISTRY.values() if platform_of(platform) in b.auto), "native")
     if backend == "pallas":
         split = tp if num_kv_heads % tp == 0 else 1
         heads = split * padded_kv_heads(num_kv_heads // split, itemsize)
