@@ -37,7 +37,13 @@ KW = dict(SMALL, max_running_requests=8, max_prefill_tokens=128, page_size=16, c
           enable_deterministic_inference=True, constrained_json_disable_any_whitespace=True)  # fmt: skip
 MAX_NEW = 10
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": MAX_NEW}
-SEEDED = {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 17, "ignore_eos": True, "max_new_tokens": MAX_NEW}
+SEEDED = {
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "sampling_seed": 17,
+    "ignore_eos": True,
+    "max_new_tokens": MAX_NEW,
+}
 PROMPTS = random_prompts(3, seed=81, lo=20, hi=70)  # past the window of 24, chunked at 32
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b", "c"]}},
@@ -55,7 +61,9 @@ class Served:
 
 
 # CI's fast run (RINGSERVE_FAST=1) keeps one family: each engine compiles for a minute on 2 cores
-@pytest.fixture(scope="module", params=[f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+@pytest.fixture(
+    scope="module", params=[f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
 def served(request, tiny_dir, tmp_path_factory):
     from ringserve import Engine
     from ringserve.model.checkpoints.tiny import make_tiny_model
@@ -153,7 +161,9 @@ def test_the_deterministic_mode_gives_the_same_bits_whatever_runs_beside(engine)
     alone = [run([t])[0] for t in targets]
     assert run(others[:3] + targets + others[3:])[3:5] == alone
     assert engine.flush_cache()["success"]
-    engine.generate(input_ids=[t[:21] for t in targets], sampling_params={"max_new_tokens": 1})  # another split
+    engine.generate(
+        input_ids=[t[:21] for t in targets], sampling_params={"max_new_tokens": 1}
+    )  # another split
     assert run(targets[::-1])[::-1] == alone
 
 
