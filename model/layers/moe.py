@@ -118,12 +118,16 @@ class SparseMoe(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, plan: Any, *, shared: bool = False):
         h, e, dt, tp = cfg.hidden_size, cfg.num_experts, plan.jnp_dtype, plan.tp
-        self.gate = Linear(h, e, dt)  # the router: replicated, never int8 (HF's routing to the bit)
+        # The gates (router, shared expert's) in float, replicated, never int8 (HF's routing to the
+        # bit), by XLA's dot; in the deterministic mode by its batch-invariant one, else a token's
+        # routing weights would depend on the step's other rows.
+        gates = plan.dot if plan.dot.invariant else Dot()
+        self.gate = Linear(h, e, dt, dot=gates)
         self.experts = Experts(cfg, plan)
         i = cfg.shared_expert_intermediate_size
         self.shared_expert = nnx.data(
             GatedMLP(h, i, dt, tp_split(2, 1, i, tp), tp_split(2, 0, i, tp), plan.dot, plan.quant) if shared else None)
-        self.shared_expert_gate = nnx.data(Linear(h, 1, dt) if shared else None)
+        self.shared_expert_gate = nnx.data(Linear(h, 1, dt, dot=gates) if shared else None)
         self.k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.grouped = plan.grouped
 

@@ -8,7 +8,8 @@ Prompts run past the window several times; prefill chunks (16) are smaller than 
 a chunk's queries see keys of earlier chunks only partly. Both attention paths CPU serves
 (native: pure JAX; cpu_kernel: the C++ kernel, the window an operand per layer) and both layer
 loops (unrolled: the layer a Python int; scan: traced, the windows a table it indexes).
-Tolerance as tests/model/test_hf_parity.py: 1e-5 of the logit scale.
+Tolerance as tests/model/test_hf_parity.py: 1e-5 of the logit scale. Tensor parallel (tp 2 on
+forced CPU devices) in a subprocess, as tests/model/test_moe.py runs it.
 """
 
 from __future__ import annotations
@@ -214,3 +215,54 @@ def test_a_real_gemma3_270m_gguf_matches_hf(tmp_path):
     assert np.abs(ours[0] - ref).max() <= 1e-5 * np.abs(ref).max()
     prompts = [prompt[:600] + p for p in ([5], prompt[600:])]
     assert parity.greedy_with_cached_prefix(ex, prompts, 592, 16) == hf_greedy(str(tmp_path), prompts, 16)
+
+
+TP_SCRIPT = r"""
+import dataclasses, json, sys
+import numpy as np
+from ringserve.model.compute.step_inputs import DeviceRow
+from ringserve.model.runtime.executor import ModelExecutor
+from tests.model.test_hf_parity import CFG, greedy_with_cached_prefix, prompts_with_shared_prefix
+path, loop, backend = sys.argv[1:4]
+ex = ModelExecutor(path, dataclasses.replace(CFG, tp_size=2, layer_loop=loop, attention_backend=backend))
+layer = ex.params["layers"] if loop == "scan" else ex.params["layers"][0]
+prompt = np.random.default_rng(7).integers(3, 2000, 100).tolist()
+logits, _ = ex.logits([DeviceRow(np.array(prompt, np.int32), 0, np.arange(1, 8, dtype=np.int32))])
+np.save(sys.argv[4], np.asarray(logits[0]))
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts_with_shared_prefix(32, [3, 40, 90]), 32, 16),
+                  "q_proj": repr(tuple(layer["self_attn"]["q_proj"]["weight"].sharding.spec)),
+                  "devices": len(layer["self_attn"]["q_proj"]["weight"].sharding.device_set)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, loop", [("gemma2", "unrolled"), ("gemma3", "scan"),
+                                          pytest.param("gemma2", "scan", marks=pytest.mark.sweep),
+                                          pytest.param("gemma3", "unrolled", marks=pytest.mark.sweep)])  # fmt: skip
+def test_tensor_parallel_2_matches_hf(tiny_dir, tmp_path, family, loop):
+    """tp 2 on two forced CPU devices (8 query and 4 KV heads split in two; the soft caps, the
+    windows and the (1 + w) norms on each half): the last logits of a 100-token prompt within
+    1e-5 of HF's logit scale, and 16 greedy tokens of prompts past the window after a cached
+    32-token prefix equal HF's; the native path (the C++ kernel takes tp 1 only). CI runs each
+    family and each layer loop once (RINGSERVE_SWEEP=1: every pair)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.hf_ref import hf_greedy
+    from tests.model.test_hf_parity import prompts_with_shared_prefix
+
+    path = str(tiny_dir(family))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    want = hf_greedy(path, prompts_with_shared_prefix(32, [3, 40, 90]), 16)
+    ref = hf_logits(path, np.random.default_rng(7).integers(3, 2000, 100).tolist())[-1]
+    out = tmp_path / "logits.npy"
+    r = subprocess.run([sys.executable, "-c", TP_SCRIPT, path, loop, "native", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["devices"] == 2 and "tp" in got["q_proj"], got
+    assert np.abs(np.load(out) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert got["tokens"] == want

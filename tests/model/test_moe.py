@@ -222,3 +222,21 @@ def test_host_lazy_and_device_states_agree(tiny_dir, stacked, quant):
     same = jax.tree.map(lambda h, lz, d: np.array_equal(h, lz[(slice(None),) * h.ndim]) and np.array_equal(h, np.asarray(d)),
                         host, lazy, dev, is_leaf=lambda x: hasattr(x, "shape"))  # fmt: skip
     assert all(jax.tree.leaves(same))
+
+
+
+def test_the_deterministic_mode_routes_by_the_batch_invariant_dot(tiny_dir):
+    """enable_deterministic_inference: every projection of the layers multiplies by the
+    batch-invariant dot (model/compute/dots.py `rowwise`), the router and Qwen2-MoE's
+    shared-expert gate included. They were left on XLA's dot, whose bits follow the step's
+    other rows: a seeded request's logprobs then differed alone and in a batch
+    (tests/engine/test_families_features.py's deterministic test, Qwen2-MoE)."""
+    from flax import nnx
+
+    from ringserve.model.layers.linear import Linear
+
+    ex = ModelExecutor(tiny_dir("qwen2_moe"), dataclasses.replace(CFG, enable_deterministic_inference=True))
+    layers = ex.model.bind(ex.params).layers
+    dots = {".".join(map(str, path)): m.dot.name for path, m in nnx.iter_graph(layers) if isinstance(m, Linear)}
+    assert {"0.mlp.gate", "0.mlp.shared_expert_gate", "3.mlp.gate", "0.self_attn.q_proj"} <= set(dots)
+    assert set(dots.values()) == {"invariant"}, dots
