@@ -60,10 +60,12 @@ class Served:
     want: dict  # HF greedy tokens of PROMPTS: {0: seed 0's, 1: seed 1's}
 
 
-# CI's fast run (RINGSERVE_FAST=1) keeps one family: each engine compiles for a minute on 2 cores
-@pytest.fixture(
-    scope="module", params=[f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
-)
+# each engine compiles for a minute on 2 cores: CI's fast run (RINGSERVE_FAST=1) keeps Gemma 3, CI
+# adds Qwen3-MoE, the sweep (RINGSERVE_SWEEP=1) the other three
+MARKS = {"gemma3": (), "qwen3_moe": (pytest.mark.slow,)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=MARKS.get(f, (pytest.mark.sweep,))) for f in FAMILIES])
 def served(request, tiny_dir, tmp_path_factory):
     from ringserve import Engine
     from ringserve.model.checkpoints.tiny import make_tiny_model
