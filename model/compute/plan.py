@@ -41,9 +41,13 @@ from ringserve.model.compute.platform import platform_of
 log = logging.getLogger(__name__)
 
 # expert parallelism (ep > 1): the fewest step rows (tokens) that route by all_to_all rather than
-# psum, by platform (model/layers/expert_parallel.py; absent: psum only). Measured in
-# bench/RESULTS.md "TPU ahead-of-time compiles" and by bench/moe_ep.py.
-MOE_A2A_ROWS: dict[str, int] = {"cpu": 256, "tpu": 256, "gpu": 256}
+# psum, by platform (model/layers/expert_parallel.py; absent: psum only). None yet: while the
+# attention is tensor-parallel every device already holds every token, so the a2a form's dispatch
+# sends rows the receiver has, in slots padded to the no-drop bound; compiled for Qwen3-30B-A3B on
+# v6e:2x4 (ep 8) it moves 17 MB a layer at 256 rows against psum's 2 MB, at every row count the
+# same ratio (bench/RESULTS.md "TPU ahead-of-time compiles"). It pays where tokens are split
+# (data-parallel attention); a platform's entry here turns it on from that many rows.
+MOE_A2A_ROWS: dict[str, int] = {}
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ComputePlan:

@@ -171,7 +171,7 @@ from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_s
 from ringserve.model.compute import plan
 path, tp, ep, loop, a2a = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
 if a2a is None:
-    plan.MOE_A2A_ROWS.pop("cpu")  # psum only
+    plan.MOE_A2A_ROWS.pop("cpu", None)  # psum only
 else:
     plan.MOE_A2A_ROWS["cpu"] = a2a  # all_to_all for every step whose rows ep divides
 cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,
