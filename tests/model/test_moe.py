@@ -180,7 +180,8 @@ ex = ModelExecutor(path, cfg)
 prompts = prompts_with_shared_prefix(32, [3, 20, 50])
 layers = ex.params["layers"] if loop == "scan" else ex.params["layers"][0]
 spec = repr(tuple(layers["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec))
-print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 12), "experts": spec}))
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 12), "experts": spec,
+                  "a2a_rows": ex.plan.moe_a2a_rows}))
 """
 
 
@@ -200,6 +201,7 @@ def test_tensor_and_expert_parallel_match_hf(tiny_dir):
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout.strip().splitlines()[-1])
         assert got["tokens"] == want, (tp, ep, loop, a2a)
+        assert got["a2a_rows"] == a2a, got  # the form the plan was held to
         split = "('tp', None, None)" if loop == "unrolled" else "(None, 'tp', None, None)"
         assert got["experts"] == (split if ep == 2 else "()"), (tp, ep, loop, got["experts"])
 
