@@ -137,7 +137,7 @@ def write_collectives(tp: int) -> list[str]:
     cache = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, attn.kv_specs(tp)[0]))
     k = jax.ShapeDtypeStruct((CASES["decode"][3], 2, 64), jnp.float32)
     write = jax.jit(lambda c, k, v: attn.write((c,), jnp.int32(1), k, v, fb)[0])
-    text = write.lower(cache, k, k).compile().as_text()
+    text = write.lower(cache, k, k).compile().as_text() or ""
     return [c for c in ("all-gather", "all-reduce", "all-to-all", "collective-permute") if c in text]
 
 
