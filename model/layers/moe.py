@@ -17,9 +17,10 @@ in] + scale [E, out], model/weights/quant.py), loaded from HF's per-expert tenso
 (model/families/base.py `MoeTensor`). With expert parallelism the expert axis is split over the
 mesh's `tp` devices (model/compute/mesh.py `ep_split`) and the pairs reach their experts in one of
 two forms (model/layers/expert_parallel.py): "psum" (every device sorts every token's pairs,
-multiplies its own experts' run, one psum of the combined [T, H]) for steps of few rows, "a2a"
-(each device routes its T / ep tokens, all_to_all to the experts' devices and back, all_gather)
-from the plan's `moe_a2a_rows` on.
+multiplies its own experts' run, one psum of the combined [T, H]) below the plan's
+`moe_a2a_rows`, "a2a" (each device routes its T / ep tokens, all_to_all to the experts' devices
+and back, all_gather) from it on; with tokens replicated by the tensor-parallel attention the
+plan keeps psum at every size (expert_parallel.py says why, with the compiled figures).
 On CPU the grouped product runs the plan's dot per group tile (model/compute/grouped.py "tiles"),
 reading an expert's weight in place from the stack, as the dense projections do. `MoeBlock.__call__` returns the expert ids
 [T, k] for routing replay (model/layers/decoder.py).
