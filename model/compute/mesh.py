@@ -11,7 +11,9 @@ which a plain jit of sharded matmuls fails to type-check). Megatron-style layout
     lm_head                    weight [H, V]     vocab-parallel   (None, "tp")
     embed_tokens, norms                          replicated       ()
     stacked layers (scan)      [L, ...]          the same, after a None: the layer axis is never split
-    experts (ep_size = tp)     [E, ...]          split by expert  ("tp", None, None)  (ep_split)
+    experts (ep_size = tp)     [E, ...]          split by expert  ("tp", None, None)  (ep_split; the
+                                                 tokens reach them by psum or all_to_all under
+                                                 shard_map: model/layers/expert_parallel.py)
     KV cache                   split by KV head (model/compute/attention/base.py)
 
 A dimension that `tp` does not divide (e.g. 2 KV heads on 4 devices) stays replicated: the

@@ -13,6 +13,8 @@ counts them):
     layer_loop           one scan over stacked weights, or unrolled
     grouped, ep          mixture-of-experts layers' grouped matmul (model/compute/grouped.py:
                          ragged_dot, megablox on TPU) and the devices the experts are split over
+    moe_a2a_rows         expert parallelism's form per program (model/layers/expert_parallel.py):
+                         psum below this many rows, all_to_all from it on
     kernels              the CPU custom calls its programs may call (built side by side at
                          start-up, registered before a program is read back from disk)
     the rest             logits' product order, RoPE tables, the sampler's and prompt logprobs'
@@ -38,6 +40,15 @@ from ringserve.model.compute.platform import platform_of
 
 log = logging.getLogger(__name__)
 
+# expert parallelism (ep > 1): the fewest step rows (tokens) that route by all_to_all rather than
+# psum, by platform (model/layers/expert_parallel.py; absent: psum only). None yet: while the
+# attention is tensor-parallel every device already holds every token, so the a2a form's dispatch
+# sends rows the receiver has, in slots padded to the no-drop bound; compiled for Qwen3-30B-A3B on
+# v6e:2x4 (ep 8) it moves 17 MB a layer at 256 rows against psum's 2 MB, at every row count the
+# same ratio (bench/RESULTS.md "TPU ahead-of-time compiles"). It pays where tokens are split
+# (data-parallel attention); a platform's entry here turns it on from that many rows.
+MOE_A2A_ROWS: dict[str, int] = {}
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ComputePlan:
     """Every compute choice of one executor (the module docstring). The defaults are XLA's plain
@@ -53,6 +64,7 @@ class ComputePlan:
     block_norm: Norm = Norm()  # a block's input and post-attention norms
     layer_loop: str = "scan"
     grouped: GroupedDot = GroupedDot()  # the experts' grouped matmul (model/compute/grouped.py)
+    moe_a2a_rows: int | None = None  # ep > 1: steps of at least this many rows route by all_to_all (None: psum only)
     vocab_major_logits: bool = False  # logits as [V, H] x [H, S] (XLA:CPU's faster form for a few rows)
     rope_table_positions: int | None = None  # RoPE's cos and sin gathered from host-made tables of this span
     sample_group: int | None = None  # extend programs sample their producing rows this many at a time (None: all)
@@ -142,6 +154,7 @@ class ComputePlan:
             options=opts, platform=platform, tp=tp, ep=ep, attention=attention, dot=dot, norm=norm, block_norm=block_norm,
             layer_loop=resolve_layer_loop(opts.layer_loop, platform, name),
             grouped=resolve_grouped(platform),
+            moe_a2a_rows=MOE_A2A_ROWS.get(platform),
             vocab_major_logits=cpu and name in ("xla", "kernel") and opts.quantization is None,
             rope_table_positions=rope_positions if cpu else None,
             # extend programs sample their producing rows in groups (model/runtime/step.py

@@ -15,8 +15,12 @@
 Expert weights are one leaf per projection, [E, in, out] ([L, E, in, out] stacked; int8: [E, out,
 in] + scale [E, out], model/weights/quant.py), loaded from HF's per-expert tensors
 (model/families/base.py `MoeTensor`). With expert parallelism the expert axis is split over the
-mesh's `tp` devices (model/compute/mesh.py `ep_split`): each device multiplies its own experts'
-groups and XLA's partitioner sums the devices' parts.
+mesh's `tp` devices (model/compute/mesh.py `ep_split`) and the pairs reach their experts in one of
+two forms (model/layers/expert_parallel.py): "psum" (every device sorts every token's pairs,
+multiplies its own experts' run, one psum of the combined [T, H]) below the plan's
+`moe_a2a_rows`, "a2a" (each device routes its T / ep tokens, all_to_all to the experts' devices
+and back, all_gather) from it on; with tokens replicated by the tensor-parallel attention the
+plan keeps psum at every size (expert_parallel.py says why, with the compiled figures).
 On CPU the grouped product runs the plan's dot per group tile (model/compute/grouped.py "tiles"),
 reading an expert's weight in place from the stack, as the dense projections do. `MoeBlock.__call__` returns the expert ids
 [T, k] for routing replay (model/layers/decoder.py).
@@ -29,13 +33,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from ringserve.model.compute.dots import Dot
 from ringserve.model.compute.grouped import GroupedDot
-from ringserve.model.compute.mesh import ep_mesh, ep_split, tp_split
+from ringserve.model.compute.mesh import ep_split, tp_split
 from ringserve.model.config import ModelConfig
 from ringserve.model.layers.attention import Attention
+from ringserve.model.layers.expert_parallel import combine_pairs, expert_parallel
 from ringserve.model.layers.linear import Linear, Sharding, param
 from ringserve.model.layers.lora import LayerLora
 from ringserve.model.layers.mlp import GatedMLP, silu
@@ -73,7 +77,9 @@ def expert_product(xs: jax.Array, sizes: jax.Array, row0: Any, w: tuple[jax.Arra
 
 
 class Experts(nnx.Module):
-    """gate_proj, up_proj, down_proj of every expert (SwiGLU each)."""
+    """gate_proj, up_proj, down_proj of every expert (SwiGLU each), and how the routed tokens
+    reach them: one device (ep 1), or split by expert over the `tp` devices in one of two forms
+    (model/layers/expert_parallel.py), chosen per program by its rows (`a2a_rows`)."""
 
     def __init__(self, cfg: ModelConfig, plan: Any):
         e, h, i, dt, q = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, plan.jnp_dtype, plan.quant
@@ -82,35 +88,36 @@ class Experts(nnx.Module):
         self.up_proj = ExpertProj(e, h, i, dt, split, dot, q)
         self.down_proj = ExpertProj(e, i, h, dt, split, dot, q)
         self.ep = plan.ep if split else 1  # devices the experts are split over
+        self.a2a_rows = plan.moe_a2a_rows  # the fewest tokens a step routes by all-to-all (None: never)
 
-    def __call__(self, xs: jax.Array, sizes: jax.Array, grouped: GroupedDot, layer: Any) -> jax.Array:
+    def mlp(self, xs: jax.Array, sizes: jax.Array, row0: Any, arrays: Any, layer: Any, grouped: GroupedDot) -> jax.Array:
         """down(silu(gate(xs)) * up(xs)) of each row's expert, xs [P, H] grouped by expert
-        (`sizes` [E]). Expert parallel (ep > 1): every device holds every row (the tokens are
-        replicated between the tensor-parallel layers) and E / ep experts; it multiplies its own
-        experts' rows (one contiguous run of the sorted rows), zeros elsewhere, and a psum over
-        the devices puts every row's result everywhere."""
+        (`sizes` [G] of them from row `row0` on; `arrays`: the three projections' weights, all
+        experts or a device's G), zero outside those rows."""
         p = self.gate_proj
-        arrays = (p.arrays, self.up_proj.arrays, self.down_proj.arrays)
+        wg, wu, wd = arrays
+        h = silu(expert_product(xs, sizes, row0, wg, layer, grouped, p.dot, p.transposed))
+        h = h * expert_product(xs, sizes, row0, wu, layer, grouped, p.dot, p.transposed)
+        return expert_product(h, sizes, row0, wd, layer, grouped, p.dot, p.transposed)
 
-        def mlp(xs, sizes, row0, arrays, layer):
-            wg, wu, wd = arrays
-            h = silu(expert_product(xs, sizes, row0, wg, layer, grouped, p.dot, p.transposed))
-            h = h * expert_product(xs, sizes, row0, wu, layer, grouped, p.dot, p.transposed)
-            return expert_product(h, sizes, row0, wd, layer, grouped, p.dot, p.transposed)
-
+    def form(self, tokens: int) -> str:
+        """How a step of `tokens` rows reaches the experts: "local" (ep 1), "a2a" (at least
+        `a2a_rows` tokens, split evenly over the devices) or "psum"."""
         if self.ep == 1:
-            return mlp(xs, sizes, 0, arrays, layer)
+            return "local"
+        a2a = self.a2a_rows is not None and tokens >= self.a2a_rows and tokens % self.ep == 0
+        return "a2a" if a2a else "psum"
 
-        def local(xs, sizes, arrays, layer):
-            mine = sizes.shape[0] // self.ep
-            first = jax.lax.axis_index("tp") * mine
-            row0 = (jnp.cumsum(sizes) - sizes)[first]
-            return jax.lax.psum(mlp(xs, jax.lax.dynamic_slice(sizes, (first,), (mine,)), row0, arrays, layer), "tp")
-
-        # by expert: a weight [(L,) E, ..] and a scale [(L,) E, out] (the layer axis: a stack read in place)
-        specs = tuple(tuple(P(*(None,) * (a.ndim - (3 if j == 0 else 2)), "tp") for j, a in enumerate(t)) for t in arrays)
-        run = jax.shard_map(local, mesh=ep_mesh(self.ep), in_specs=(P(), P(), specs, P()), out_specs=P(), check_vma=False)
-        return run(xs, sizes, arrays, jnp.asarray(0 if layer is None else layer, jnp.int32))
+    def __call__(self, x: jax.Array, top_p: jax.Array, top_i: jax.Array, grouped: GroupedDot, layer: Any) -> jax.Array:
+        """sum_j top_p[t, j] * expert_{top_i[t, j]}(x[t]), float32 [T, H], for x [T, H] (the same on
+        every device between the tensor-parallel layers) and its routing [T, k]."""
+        arrays = (self.gate_proj.arrays, self.up_proj.arrays, self.down_proj.arrays)
+        form = self.form(x.shape[0])
+        if form == "local":
+            e = arrays[0][0].shape[-3]
+            return combine_pairs(x, top_p, top_i, e, lambda xs, sizes: self.mlp(xs, sizes, 0, arrays, layer, grouped))
+        layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+        return expert_parallel(form, self.ep, self.mlp, grouped, x, top_p, top_i, arrays, layer)
 
 
 class SparseMoe(nnx.Module):
@@ -133,19 +140,11 @@ class SparseMoe(nnx.Module):
 
     def __call__(self, x: jax.Array, layer: Any = None) -> tuple[jax.Array, jax.Array]:
         """x [T, H] -> (the MoE output [T, H], each token's expert ids [T, k] int32)."""
-        t, k = x.shape[0], self.k
-        e = self.gate.weight.shape[-1]
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
-        top_p, top_i = jax.lax.top_k(probs, k)  # [T, k], largest first (torch.topk's order)
+        top_p, top_i = jax.lax.top_k(probs, self.k)  # [T, k], largest first (torch.topk's order)
         if self.norm_topk:
             top_p = top_p / top_p.sum(axis=-1, keepdims=True)
-        pair_expert = top_i.reshape(-1)  # pair p = t * k + j
-        order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert
-        sizes = jnp.bincount(pair_expert, length=e).astype(jnp.int32)
-        xs = jnp.take(x, order // k, axis=0)  # [T * k, H]
-        ys = self.experts(xs, sizes, self.grouped, layer)  # [T * k, H], grouped
-        back = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # token order
-        out = jnp.einsum("tkh,tk->th", back.astype(jnp.float32), top_p)
+        out = self.experts(x, top_p, top_i, self.grouped, layer)  # [T, H] f32
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             g = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = out + g * self.shared_expert(x, None, layer).astype(jnp.float32)

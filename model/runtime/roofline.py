@@ -7,10 +7,15 @@ and this reports that floor with the term that sets it (HBM, MXU or ICI).
                        the head is tied to it) + the KV the attention reads, in the backend's
                        layout (padded heads and lanes included) + the step's new KV written
     flops (per chip) = 2 x tokens x the layers' matmul weights + 2 x sampled rows x the head's
-                       + attention's 4 x heads x head_dim per (query, key) pair, over tp
+                       + attention's 4 x heads x head_dim per (query, key) pair, over tp; a
+                       mixture of experts' expert weights count k / E of theirs (a token
+                       multiplies its k experts; routing taken as balanced over the devices)
     ICI              = the compiled program's collectives (result bytes; a scanned layer body
                        counted once per layer) moved over half the chip's ICI (a ring: two of
-                       its links), plus LATENCY_S each
+                       its links), plus LATENCY_S each; a device keeps 1 / tp of an all-gather's
+                       result and of an all-to-all's (its own slot run), an all-reduce moves
+                       2 (tp - 1) / tp of it (expert parallelism's two forms:
+                       model/layers/expert_parallel.py)
     step             = max(bytes / HBM, flops / peak) + ICI (a decode step's collectives wait
                        for the layer before them and the next layer waits for them)
 
@@ -50,7 +55,9 @@ def estimate(
     embed = [x for x in leaves if "embed" in x[0]]
     head = embed if tied else [x for x in leaves if "lm_head" in x[0]]
     layers = [x for x in leaves if "embed" not in x[0] and "lm_head" not in x[0]]
-    layer_elems = sum(e for _, _, e in layers)  # norms are a rounding error against the matmuls
+    # norms are a rounding error against the matmuls; a token multiplies k of E experts
+    active = mc.num_experts_per_tok / mc.num_experts if mc.num_experts else 1.0
+    layer_elems = sum(e * (active if "['experts']" in n else 1.0) for n, _, e in layers)
     head_elems = sum(e for _, _, e in head)
     weight_bytes = sum(b for _, b, _ in layers) + sum(b for _, b, _ in head)
 

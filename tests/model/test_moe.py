@@ -168,31 +168,40 @@ import json, sys
 import jax
 from ringserve.model.runtime.executor import ExecutorConfig, ModelExecutor
 from tests.model.test_hf_parity import greedy_with_cached_prefix, prompts_with_shared_prefix
-path, tp, ep, loop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+from ringserve.model.compute import plan
+path, tp, ep, loop, a2a = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
+if a2a is None:
+    plan.MOE_A2A_ROWS.pop("cpu", None)  # psum only
+else:
+    plan.MOE_A2A_ROWS["cpu"] = a2a  # all_to_all for every step whose rows ep divides
 cfg = ExecutorConfig(page_size=16, num_pages=128, max_context_len=512, max_batch=8, max_extend_tokens=256, tp_size=tp,
                      ep_size=ep, precompile=False, layer_loop=loop)
 ex = ModelExecutor(path, cfg)
 prompts = prompts_with_shared_prefix(32, [3, 20, 50])
 layers = ex.params["layers"] if loop == "scan" else ex.params["layers"][0]
 spec = repr(tuple(layers["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec))
-print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 12), "experts": spec}))
+print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts, 32, 12), "experts": spec,
+                  "a2a_rows": ex.plan.moe_a2a_rows}))
 """
 
 
 @pytest.mark.slow
 def test_tensor_and_expert_parallel_match_hf(tiny_dir):
     """tp 2 (experts on every device) and ep 2 (the experts split over the two devices under
-    shard_map, each multiplying its own experts' rows, a psum after; attention tensor-parallel),
-    scanned and unrolled, give HF's greedy tokens (Qwen2-MoE: a shared expert and biases too)."""
+    shard_map; attention tensor-parallel) in both forms (model/layers/expert_parallel.py: psum
+    only, and all_to_all for every step of an even row count), scanned and unrolled, give HF's
+    greedy tokens (Qwen2-MoE: a shared expert and biases too)."""
     path = str(tiny_dir("qwen2_moe"))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     want = hf_greedy(path, prompts_with_shared_prefix(32, [3, 20, 50]), 12)
-    for tp, ep, loop in ((2, 1, "unrolled"), (2, 2, "unrolled"), (2, 2, "scan")):
-        r = subprocess.run([sys.executable, "-c", PARALLEL_SCRIPT, path, str(tp), str(ep), loop], env=env,
+    for tp, ep, loop, a2a in ((2, 1, "unrolled", None), (2, 2, "unrolled", None), (2, 2, "scan", None),
+                              (2, 2, "unrolled", 0), (2, 2, "scan", 0)):  # fmt: skip
+        r = subprocess.run([sys.executable, "-c", PARALLEL_SCRIPT, path, str(tp), str(ep), loop, json.dumps(a2a)], env=env,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout.strip().splitlines()[-1])
-        assert got["tokens"] == want, (tp, ep, loop)
+        assert got["tokens"] == want, (tp, ep, loop, a2a)
+        assert got["a2a_rows"] == a2a, got  # the form the plan was held to
         split = "('tp', None, None)" if loop == "unrolled" else "(None, 'tp', None, None)"
         assert got["experts"] == (split if ep == 2 else "()"), (tp, ep, loop, got["experts"])
 

@@ -58,4 +58,42 @@ def test_ragged_replicates_kv_heads_over_tp():
     """2 KV heads over tp 4 (each stored on the 2 devices of its query heads), head_dim 128."""
     args = {"topology": "v5e:2x2", "tp": 4, "backend": "pallas_ragged", "heads": 8, "kv_heads": 2, "head_dim": 128,
             "page": 64, "context": 4096, "programs": [[256, 256], [4096, 256]]}  # fmt: skip
-    assert [(r["tokens"], r["ok"]) for r in aot(args)] == [(256, True), (4096, True)]
+    recs = aot(args)
+    assert [(r["tokens"], r["ok"]) for r in recs] == [(256, True), (4096, True)]
+    for r in recs:  # each device writes its own heads: the pool is never gathered (172 GB on v6e:2x4)
+        assert r["temp_mib"] < 2 * r["kv_mib"], r
+
+
+# Qwen3-30B-A3B's layer, reduced: 16 experts of 8 a token (2 a device at ep 8), 4 KV heads over tp 8
+MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
+       "attention_bias": False, "rms_norm_eps": 1e-6, "dtype": "bfloat16", "vocab_size": 4096, "hidden_size": 512,
+       "intermediate_size": 1024, "moe_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 8,
+       "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
+       "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "tie_word_embeddings": False,
+       "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}  # fmt: skip
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("form", ["psum", "a2a"])
+def test_moe_compiles_at_ep_8_in_both_forms(tmp_path, form):
+    """A reduced Qwen3-MoE at ep 8 on v6e:2x4 (tools/launch_tpu.sh's flags for Qwen3-30B-A3B):
+    decode (256 rows) and extend (64 tokens) compile in each expert-parallel form, whose
+    collectives are in the layer body (psum: an all-reduce; a2a: two all-to-alls and an all-gather)."""
+    (tmp_path / "config.json").write_text(json.dumps(MOE))
+    out = tmp_path / "report.json"
+    flags = ["--topology", "v6e:2x4", "--tp-size", "8", "--ep-size", "8", "--page-size", "64",
+             "--max-running-requests", "256", "--decode-bucket-step", "0", "--max-prefill-tokens", "4096",
+             "--chunked-prefill-size", "4096", "--extend-block", "64", "--context-length", "4096",
+             "--attention-backend", "pallas_ragged", "--dtype", "bfloat16", "--max-total-tokens", "65536",
+             "--programs", "decode:max,extend:min", "--jobs", "1", "--json", str(out)]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "tests.model.aot_moe", str(tmp_path), form, *flags],
+                         env=libtpu_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    recs = json.loads(out.read_text())
+    assert [(r["family"], r["tokens"], r["ok"]) for r in recs] == [("decode", 256, True), ("extend", 64, True)]
+    for r in recs:
+        layer = r["collectives_per_layer"]
+        if form == "a2a":
+            assert layer.get("all-to-all", 0) >= 3 and layer.get("all-gather", 0) >= 1, layer  # pairs, tags, back
+        else:
+            assert "all-to-all" not in layer and layer.get("all-reduce", 0) >= 1, layer

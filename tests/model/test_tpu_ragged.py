@@ -121,9 +121,30 @@ def test_kernel_matches_dense(case, window, soft_cap):
     check(case, window, soft_cap)
 
 
+def write_collectives(tp: int) -> list[str]:
+    """The collectives in the compiled program of the backend's write alone over a `tp` mesh (4
+    query heads, 2 KV heads stored tp / 2 times): none, each device scatters into its own shard
+    (a flattening reshape of the head-split cache all-gathered the whole pool: Qwen3-30B-A3B on
+    v6e:2x4, 172 GB of temporaries)."""
+    from jax.sharding import NamedSharding
+
+    geo = AttnGeometry(num_layers=2, num_pages=NUM_PAGES, page_size=PAGE, num_heads=4, num_kv_heads=2, head_dim=64,
+                       max_pages=MAX_PAGES, dtype=jnp.float32, windows=None)  # fmt: skip
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    attn = PallasRaggedAttention(geo, interpret=True, tp=tp, mesh=mesh)
+    fb = batch(*CASES["decode"])
+    aval = attn.kv_avals()[0]
+    cache = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, attn.kv_specs(tp)[0]))
+    k = jax.ShapeDtypeStruct((CASES["decode"][3], 2, 64), jnp.float32)
+    write = jax.jit(lambda c, k, v: attn.write((c,), jnp.int32(1), k, v, fb)[0])
+    text = write.lower(cache, k, k).compile().as_text() or ""
+    return [c for c in ("all-gather", "all-reduce", "all-to-all", "collective-permute") if c in text]
+
+
 TP_SCRIPT = """
-from tests.model.test_tpu_ragged import check
+from tests.model.test_tpu_ragged import check, write_collectives
 check("decode", 24, None, heads=(4, 2), tp=4)  # each KV head stored on the 2 devices of its query heads
+assert write_collectives(4) == [], write_collectives(4)
 print("ok")
 """
 

@@ -81,12 +81,25 @@ class PallasRaggedAttention(AttentionBackend):
         # one row scatter into the cache seen as [L*P * Hkv'' * page, 2D] rows (a bitcast of its
         # row-major layout): scattered as [L*P, Hkv'', page, 2D] with (page, offset) indices, XLA
         # laid the scan's cache out heads-minor for the scatter and copied the whole cache to the
-        # kernel's layout and back every layer (tiny model: 1.5 GiB of temporaries a step)
-        t, h = rows.shape[:2]
+        # kernel's layout and back every layer (tiny model: 1.5 GiB of temporaries a step).
+        # Over `tp` each device scatters its own heads into its own shard (shard_map): the
+        # flattening reshape of a cache split on its head axis is not a bitcast of any one
+        # device's shard, and XLA's partitioner all-gathered the whole pool for it
+        # (Qwen3-30B-A3B, 4 KV heads stored 8 times over v6e:2x4: 172 GB of temporaries)
         page = fb.out_loc // g.page_size + layer * g.num_pages
-        at = (page[:, None] * h + jnp.arange(h)[None, :]) * g.page_size + (fb.out_loc % g.page_size)[:, None]  # [T, h]
-        flat = cache.reshape(-1, self.lanes).at[at.reshape(-1)].set(rows.reshape(t * h, self.lanes))
-        return (flat.reshape(cache.shape),)
+        offset = fb.out_loc % g.page_size
+
+        def scatter(cache, rows, page, offset):
+            t, h = rows.shape[:2]
+            at = (page[:, None] * h + jnp.arange(h)[None, :]) * g.page_size + offset[:, None]  # [T, h]
+            flat = cache.reshape(-1, self.lanes).at[at.reshape(-1)].set(rows.reshape(t * h, self.lanes))
+            return flat.reshape(cache.shape)
+
+        if self.tp > 1:
+            heads = P(None, "tp", None, None)
+            scatter = jax.shard_map(scatter, mesh=self.mesh, in_specs=(heads, P(None, "tp", None), P(), P()),
+                                    out_specs=heads, check_vma=False)  # fmt: skip
+        return (scatter(cache, rows, page, offset),)
 
     # ---- per program ---------------------------------------------------------------------------
     def query_block(self, tokens: int, rows: int) -> int:
