@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -94,18 +95,19 @@ def model_dims(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
             "dense-active": ("qwen3", shared | {"intermediate_size": near16(a.topk * a.moe_inter + router)})}  # fmt: skip
 
 
-def param_counts(model_dir: Path, cfg: dict) -> dict[str, int]:
+def param_counts(model_dir: Path) -> dict[str, int]:
     """Total parameters (every tensor of the safetensors) and active ones: what one token reads,
     all but the (E - k) experts of each layer it is not routed to."""
     from safetensors import safe_open
+
+    from ringserve.model.families import read_config
 
     total = 0
     with safe_open(str(model_dir / "model.safetensors"), "np") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             total += int(np.prod(f.get_slice(name).get_shape()))
-    idle = 0
-    if "num_experts" in cfg:
-        idle = cfg["num_hidden_layers"] * (cfg["num_experts"] - cfg["num_experts_per_tok"]) * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+    c = read_config(model_dir)
+    idle = c.num_layers * (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
     return {"total_params": total, "active_params": total - idle}
 
 
@@ -257,12 +259,12 @@ def main(argv: list[str] | None = None) -> dict:
     work = tempfile.TemporaryDirectory(prefix="moebench-") if a.models_dir is None else None
     root = Path(a.models_dir or work.name)  # type: ignore[union-attr]
     rows: list[dict] = []
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()
     try:
         for name, (family, dims) in model_dims(a).items():
             model_dir = make_tiny_model(root / name, family, seed=0, **dims)
             cfg = json.loads((model_dir / "config.json").read_text())
-            counts = param_counts(model_dir, cfg)
+            counts = param_counts(model_dir)
             shapes = Shapes(a, cfg["vocab_size"])
             print(f"{name}: {family}, intermediate {cfg['intermediate_size']}, {counts['total_params'] / 1e6:.1f}M "
                   f"parameters, {counts['active_params'] / 1e6:.1f}M active", file=sys.stderr, flush=True)  # fmt: skip
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     out = {"processor": processor(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "jax": jax.__version__, "args": vars(a), "wall_s": round(time.perf_counter() - t_start, 1), "runs": rows}  # fmt: skip
+           "jax": jax.__version__, "args": vars(a), "wall_s": round(time.perf_counter() - t_start, 1),
+           "loadavg_start_end": [load_start, os.getloadavg()], "runs": rows}  # fmt: skip
     try:
         import torch
         import transformers
