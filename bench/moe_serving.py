@@ -55,7 +55,9 @@ MODELS = ("moe", "dense-total", "dense-active")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ringserve.bench.moe_serving", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m ringserve.bench.moe_serving", description=__doc__.split("\n")[0]
+    )
     a = ap.add_argument
     a("--hidden", type=int, default=512)
     a("--layers", type=int, default=8)
@@ -71,8 +73,19 @@ def parser() -> argparse.ArgumentParser:
     a("--prefill-prompts", type=int, default=4)
     a("--prefill-len", type=int, default=256)
     a("--repeat", type=int, default=3)
-    a("--hf", nargs="*", default=["moe", "dense-total"], choices=MODELS, help="checkpoints transformers runs too")
+    a(
+        "--hf",
+        nargs="*",
+        default=["moe", "dense-total"],
+        choices=MODELS,
+        help="checkpoints transformers runs too",
+    )
     a("--hf-threads", type=int, default=2)
+    a(
+        "--hf-experts",
+        default=None,
+        help="transformers' experts_implementation (eager, grouped_mm; default: its own)",
+    )
     a("--models-dir", default=None, help="where the checkpoints are written (default: a temporary directory)")
     a("--output-json", default="bench/results/moe_serving.json")
     return ap
@@ -107,7 +120,9 @@ def param_counts(model_dir: Path) -> dict[str, int]:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             total += int(np.prod(f.get_slice(name).get_shape()))
     c = read_config(model_dir)
-    idle = c.num_layers * (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+    idle = (
+        c.num_layers * (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+    )
     return {"total_params": total, "active_params": total - idle}
 
 
@@ -124,7 +139,11 @@ def processor() -> str:
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
     flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
     cores = info.count("processor\t:")
-    return f"{name}, {cores} cores" + (", AMX" if " amx_tile" in flags else "") + (", AVX-512" if " avx512f" in flags else "")
+    return (
+        f"{name}, {cores} cores"
+        + (", AMX" if " amx_tile" in flags else "")
+        + (", AVX-512" if " avx512f" in flags else "")
+    )
 
 
 class Shapes:
@@ -176,13 +195,16 @@ class Transformers:
         import torch
 
         from ringserve.bench.hf_backend import load_model
+        from ringserve.model.families import read_config
 
         torch.set_num_threads(a.hf_threads)
         t0 = time.perf_counter()
-        self.model = load_model(str(model_dir))
+        moe = read_config(model_dir).num_experts > 0
+        extra = {"experts_implementation": a.hf_experts} if a.hf_experts and moe else {}
+        self.model = load_model(str(model_dir), **extra)
         self.startup_s = time.perf_counter() - t0
         impl = getattr(self.model, "get_experts_implementation", None)
-        self.experts = impl() if impl and "num_experts" in self.model.config.to_dict() else None
+        self.experts = impl() if impl and moe else None
 
     def run(self, ps: list[list[int]], new: int) -> list[list[int]]:
         from ringserve.bench.hf_backend import generate_batch
@@ -230,13 +252,19 @@ def table(rows: list[dict], a: argparse.Namespace) -> str:
     """Medians in tokens/s, then the ratios the issue asks for."""
     cols = _cols(a)
     med = {(r["model"], r["server"]): {c: statistics.median(r[c]) for c in cols} for r in rows}
-    out = [f"{'model':13} {'server':12} {'params':>7} {'active':>7} " + " ".join(f"{c:>10}" for c in cols) + "  same"]
+    out = [
+        f"{'model':13} {'server':12} {'params':>7} {'active':>7} "
+        + " ".join(f"{c:>10}" for c in cols)
+        + "  same"
+    ]
     for r in rows:
         m = med[(r["model"], r["server"])]
         out.append(f"{r['model']:13} {r['server']:12} {r['total_params'] / 1e6:6.2f}M {r['active_params'] / 1e6:6.2f}M "
                    + " ".join(f"{m[c]:10.1f}" for c in cols) + f"  {r.get('same', '')}")  # fmt: skip
-    out.append("tokens/s, medians of " + str(a.repeat) + "; gen_B: B requests x "
-               f"{a.output_len} new tokens after {a.prompt_len}; prefill: {a.prefill_prompts} x {a.prefill_len} tokens")
+    out.append(
+        "tokens/s, medians of " + str(a.repeat) + "; gen_B: B requests x "
+        f"{a.output_len} new tokens after {a.prompt_len}; prefill: {a.prefill_prompts} x {a.prefill_len} tokens"
+    )
 
     def ratio(x: tuple[str, str], y: tuple[str, str]) -> None:
         if x in med and y in med:
