@@ -169,9 +169,14 @@ class Ringserve:
         from ringserve import Engine
 
         t0 = time.perf_counter()
-        ctx = -(-max(a.prompt_len + a.output_len, a.prefill_len + 1) // 64) * 64
+
+        def up64(n: int) -> int:  # a multiple of every page and extend block
+            return -(-n // 64) * 64
+
+        ctx = up64(max(a.prompt_len + a.output_len, a.prefill_len + 1))
+        # a prefill step takes the largest batch's prompts at once, or one prefill prompt
         self.engine = Engine(str(model_dir), max_running_requests=max(a.batches), context_length=ctx,
-                             max_prefill_tokens=max(a.prefill_len, max(a.batches) * a.prompt_len), log_level="warning",
+                             max_prefill_tokens=up64(max(a.prefill_len, max(a.batches) * a.prompt_len)), log_level="warning",
                              max_total_tokens=max(max(a.batches) * ctx, a.prefill_prompts * ctx) + 64 * 16)  # fmt: skip
         self.engine.wait_compiled()
         self.startup_s = time.perf_counter() - t0
