@@ -1,9 +1,10 @@
 """A mixture of experts served whole, against dense models of its total and of its active size and
 against HF transformers, in one sitting (one process, one machine state):
 
-    python -m ringserve.bench.moe_serving                              # the defaults below, ~15 min
+    python -m ringserve.bench.moe_serving                  # the defaults below: 30 min on 2 busy cores
+    python -m ringserve.bench.moe_serving --only moe --hf moe --hf-experts eager   # transformers' eager experts
     python -m ringserve.bench.moe_serving --hidden 64 --layers 2 --experts 4 --topk 2 --moe-inter 32 \\
-        --batches 1 2 --repeat 1 --output-len 4                        # a smoke run (tests/bench)
+        --batches 1 2 --repeat 1 --output-len 4            # a smoke run (tests/bench/test_moe_serving.py)
 
 Three random checkpoints (`make-tiny-model`, seed 0), Qwen3-MoE's layout scaled down from
 Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, expert intermediate 768 = 0.375 hidden):
@@ -73,6 +74,13 @@ def parser() -> argparse.ArgumentParser:
     a("--prefill-prompts", type=int, default=4)
     a("--prefill-len", type=int, default=256)
     a("--repeat", type=int, default=3)
+    a(
+        "--only",
+        nargs="+",
+        default=list(MODELS),
+        choices=MODELS,
+        help="the checkpoints to run (default: all three)",
+    )
     a(
         "--hf",
         nargs="*",
@@ -295,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_start, load_start = time.perf_counter(), os.getloadavg()
     try:
         for name, (family, dims) in model_dims(a).items():
+            if name not in a.only:
+                continue
             model_dir = make_tiny_model(root / name, family, seed=0, **dims)
             cfg = json.loads((model_dir / "config.json").read_text())
             counts = param_counts(model_dir)
