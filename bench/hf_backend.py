@@ -20,11 +20,13 @@ from ringserve.bench.metrics import RequestRecord
 from ringserve.bench.workload import Request
 
 
-def load_model(model_dir: str) -> Any:
+def load_model(model_dir: str, **kwargs: Any) -> Any:
+    """The checkpoint in f32, for inference; `kwargs` go to `from_pretrained` (such as
+    `experts_implementation`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
 
 
 def _step_clock() -> tuple[Any, list[float]]:

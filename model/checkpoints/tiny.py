@@ -47,6 +47,10 @@ DEFAULT_DIMS = dict(
     num_key_value_heads=4,
     max_position_embeddings=8192,
 )
+# a family's own fields (`Family.tiny`) a caller may set too: a mixture of experts' sizes, head_dim;
+# each only where the family has it (flags default to the family's value)
+FAMILY_DIMS = ("head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)
@@ -84,8 +88,8 @@ def _hf_config(fam: Family, dims: dict, seed: int) -> dict:
     import transformers
 
     cls = getattr(transformers, fam.tiny.config_class)
-    extra: dict = dict(bos_token_id=None, eos_token_id=2, pad_token_id=0) | fam.tiny.fields
-    cfg = cls(**dims, rms_norm_eps=1e-5, **extra)
+    fields: dict = dict(bos_token_id=None, eos_token_id=2, pad_token_id=0) | fam.tiny.fields | dims
+    cfg = cls(**fields, rms_norm_eps=1e-5)
     d = cfg.to_dict()
     d["architectures"] = [fam.architectures[0]]
     d["dtype"] = "float32"
@@ -142,12 +146,17 @@ RESIDUAL_OUT = ("o_proj", "down_proj")
 
 
 def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, **dims) -> Path:
-    """Write a tiny random checkpoint of `family` into `out_dir` (atomically) and return it."""
+    """Write a tiny random checkpoint of `family` into `out_dir` (atomically) and return it.
+    `dims`: DEFAULT_DIMS's sizes, and of FAMILY_DIMS those the family has (they replace its own)."""
     from safetensors.numpy import save_file
 
     if family not in FAMILIES:
         raise ValueError(f"--arch {family!r} is not supported; choose one of {list(FAMILIES)}")
     fam = FAMILIES[family]
+    foreign = [k for k in dims if k not in DEFAULT_DIMS and not (k in FAMILY_DIMS and k in fam.tiny.fields)]
+    if foreign:
+        raise ValueError(f"--arch {family} has no {', '.join(foreign)}: its sizes are {list(DEFAULT_DIMS)} "
+                         f"and {[k for k in FAMILY_DIMS if k in fam.tiny.fields]}")  # fmt: skip
     out = Path(out_dir)
     merged = {**DEFAULT_DIMS, **dims}
     from tokenizers import Tokenizer
@@ -191,7 +200,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     for k, v in DEFAULT_DIMS.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    for k in FAMILY_DIMS:
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="default: the family's own")
     args = ap.parse_args(argv)
     dims = {k: getattr(args, k) for k in DEFAULT_DIMS}
+    dims |= {k: getattr(args, k) for k in FAMILY_DIMS if getattr(args, k) is not None}
     print(make_tiny_model(args.out_dir, args.arch, args.seed, **dims))
     return 0

@@ -103,3 +103,17 @@ def test_gemmas_own_fields_and_refusals():
         parse_config(base | {"model_type": "gemma3_text", "use_bidirectional_attention": True})
     gguf = FAMILIES["gemma2"].gguf
     assert gguf is not None and gguf.norms_plus_one and gguf.layer["post_ffw_norm.weight"] == "post_feedforward_layernorm.weight"
+
+
+def test_make_tiny_model_takes_a_familys_own_sizes_only_where_it_has_them(tmp_path):
+    """make-tiny-model's FAMILY_DIMS flags (a mixture of experts' sizes, head_dim) replace the
+    family's tiny fields; one the family does not have is refused, naming those it has."""
+    from ringserve.model.checkpoints.tiny import main
+
+    assert main([str(tmp_path / "moe"), "--arch", "qwen3_moe", "--num-experts", "6", "--num-experts-per-tok", "3",
+                 "--moe-intermediate-size", "40", "--head-dim", "32", "--num-hidden-layers", "1"]) == 0  # fmt: skip
+    cfg = read_config(tmp_path / "moe")
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (6, 3)
+    assert (cfg.moe_intermediate_size, cfg.head_dim) == (40, 32)
+    with pytest.raises(ValueError, match=r"--arch llama has no num_experts: .* and \[\]"):
+        main([str(tmp_path / "llama"), "--arch", "llama", "--num-experts", "4"])
