@@ -62,7 +62,8 @@ def floor_mlp(x, g, u, d):
     return (silu(x @ g) * (x @ u)) @ d
 
 
-def _time(f, *args, repeat: int) -> float:
+def median_s(f, *args, repeat: int) -> float:
+    """Median seconds of `repeat` calls of jitted `f` after one warm call (bench/moe_ep.py too)."""
     jax.block_until_ready(f(*args))
     ts = []
     for _ in range(repeat):
@@ -110,8 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name, f in fns.items():
             diff = float(jnp.abs(f(x, router, wg, wu, wd).astype(jnp.float32) - want.astype(jnp.float32)).max())
             assert diff <= 1e-3 * float(jnp.abs(want).max()) + 1e-3, (name, diff)
-            row[name + "_ms"] = 1e3 * _time(f, x, router, wg, wu, wd, repeat=args.repeat)
-        row["floor_ms"] = 1e3 * _time(floor, x, fg, fu, fd, repeat=args.repeat)
+            row[name + "_ms"] = 1e3 * median_s(f, x, router, wg, wu, wd, repeat=args.repeat)
+        row["floor_ms"] = 1e3 * median_s(floor, x, fg, fu, fd, repeat=args.repeat)
         rows.append(row)
     names = [*fns, "floor"]
     print(f"H={h} I={i} E={e} k={k} {args.dtype} on {jax.devices()[0].device_kind}; ms per MoE MLP")

@@ -20,27 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ringserve.bench.moe import median_s
 from ringserve.model.compute.dots import Dot
 from ringserve.model.compute.grouped import GroupedDot
 from ringserve.model.layers.expert_parallel import combine_pairs, expert_parallel
 from ringserve.model.layers.mlp import silu
 from ringserve.model.layers.moe import expert_product
-
-
-def median_s(f, *args, repeat: int) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main() -> None:
