@@ -19,6 +19,13 @@ page table's regions and kvmem/req_kv.py for the record.
   partial last page included), the lock is dropped, the slot is freed.
 - `trim(kv, keep_len)`: seed 001's page-aligned tail free, for a slot that lives on.
 
+With a local page space (`local_pages` > 0: the sliding layers' own pages, kvmem/local.py) every
+slot also has a local page table of the same length: `admit` starts it with the tree's local
+pages of the matched prefix's last window, `reserve` drops what fell out of the window before it
+appends one local page per global page (tombstoning the tree's unread local pages when the local
+pool is short), and the tree adopts both at an insert. The local pool is sized so that the
+windows of every slot fit at once (actors/transport/memory.py): it never refuses a reserve.
+
 Who owns a page table's pages: the request (HELD) or the tree (TREE, kept alive by the request's lock
 on `kv.node`, whose root path holds those pages at the same indices). A live page table is
 append-only: where the tree already holds a prefix under other pages, the request keeps its own.
@@ -32,6 +39,7 @@ import numpy as np
 
 from ringserve.kvmem.allocator import KVUsageError, PageAllocator, cdiv
 from ringserve.kvmem.integrity import check_integrity
+from ringserve.kvmem.local import LocalTables, first_needed
 from ringserve.kvmem.radix import InsertResult, RadixCache, TreeNode
 from ringserve.kvmem.req_kv import ReqKV
 from ringserve.kvmem.slots import SlotPool
@@ -40,11 +48,16 @@ _EMPTY = np.zeros(0, np.int32)
 
 
 class KVCache:
-    def __init__(self, num_pages: int, page_size: int, max_slots: int, disable_radix_cache: bool = False):
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, disable_radix_cache: bool = False,
+                 local_pages: int = 0, window: int = 0, slack: int = 0):  # fmt: skip
+        """`local_pages` > 0: the sliding layers' own page space of that many pages (the sink
+        included), for their `window`; `slack`: positions a step may commit and take back."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages, page_size)
         self.slots = SlotPool(max_slots, self.allocator)
-        self.tree = RadixCache(page_size, self.allocator, disable=disable_radix_cache)
+        self.local = LocalTables(local_pages, page_size, max_slots, window, slack) if local_pages else None
+        self.tree = RadixCache(page_size, self.allocator, disable=disable_radix_cache,
+                               local=self.local.allocator if self.local else None, window=window)  # fmt: skip
 
     # ---- sizes ------------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -66,30 +79,59 @@ class KVCache:
         m = self.tree.match_prefix(prefix_ids, extra_key)
         self.tree.inc_lock_ref(m.node)
         self.slots.append(slot, m.pages, owned=False)
+        if self.local is not None:
+            self.local.start(slot, m.local, first_needed(m.length, self.local.window, self.page_size))
         return ReqKV(slot, m.node, extra_key, m.length, m.length, m.length)
 
     def pages(self, kv: ReqKV) -> np.ndarray:
         """The page table's page ids (a view: copy it to keep it)."""
         return self.slots.pages(kv.slot)
 
+    def local_pages(self, kv: ReqKV, last: int | None = None) -> np.ndarray:
+        """The local page table (a view; 0 where dropped), or its `last` entries; empty without
+        a local space."""
+        if self.local is None:
+            return _EMPTY
+        n = int(self.slots.n_pages[kv.slot])
+        table = self.local.pages(kv.slot, n)
+        return table if last is None else table[n - last :]
+
     def reserve(self, kv: ReqKV, extend_len: int) -> np.ndarray | None:
         target = kv.committed_len + extend_len
         if target <= kv.allocated_len:
             return _EMPTY
-        need = cdiv(target, self.page_size) - int(self.slots.n_pages[kv.slot])
+        n = int(self.slots.n_pages[kv.slot])
+        need = cdiv(target, self.page_size) - n
         pages = _EMPTY
+        if self.local is not None:
+            self.local.drop_before(kv.slot, kv.committed_len)
         if need > 0:
             short = need - self.allocator.num_free
             if short > 0:
                 if short > self.tree.evictable_pages:
                     return None
                 self.tree.evict(short * self.page_size)
+            if self.local is not None and not self._local_room(need):
+                return None
             got = self.allocator.alloc(need)
             assert got is not None, f"eviction freed too little for {need} pages"
             self.slots.append(kv.slot, got, owned=True)
+            if self.local is not None:
+                local = self.local.allocator.alloc(need)
+                assert local is not None
+                self.local.append(kv.slot, n, local)
             pages = got
         kv.allocated_len = target
         return pages
+
+    def _local_room(self, need: int) -> bool:
+        """`need` free local pages, tombstoning the tree's unread ones if short."""
+        assert self.local is not None
+        short = need - self.local.allocator.num_free
+        if short > 0:
+            live = np.flatnonzero(self.slots.live)
+            self.tree.evict_local(short, self.local.protected(live, self.slots.n_pages))
+        return self.local.allocator.num_free >= need
 
     def commit(self, kv: ReqKV, n: int) -> None:
         if kv.committed_len + n > kv.allocated_len:
@@ -132,6 +174,8 @@ class KVCache:
         )
         if token_ids is not None and len(token_ids) >= self.page_size:
             self._adopt_table(kv, token_ids)
+        if self.local is not None:
+            self.local.cut(kv.slot, 0, int(self.slots.n_pages[kv.slot]))
         with self.allocator.free_group():
             self.slots.free_tail(kv.slot, 0)
         self.tree.dec_lock_ref(kv.node)
@@ -142,10 +186,16 @@ class KVCache:
         """Cut a live record to `keep_len` tokens: committed_len and allocated_len are capped at
         keep_len and pages wholly past ceil(keep_len / page_size) are freed (seed 001). The
         partially kept page stays; if the tree owns it, the cut moves back to its start, since
-        the slot's next turn will write into the rest of that page. Returns pages freed."""
+        the slot's next turn will write into the rest of that page. With a local space, a cut
+        whose window's local pages were dropped goes back to 0 (nothing before it can be
+        recomputed alone). Returns pages freed."""
         page, n = self.page_size, int(self.slots.n_pages[kv.slot])
         if keep_len % page and keep_len // page < n and not self.slots.owned[kv.slot, keep_len // page]:
             keep_len -= keep_len % page
+        if self.local is not None:
+            if first_needed(keep_len, self.local.window, page) < self.local.first[kv.slot]:
+                keep_len = 0
+            self.local.cut(kv.slot, cdiv(keep_len, page), n)
         freed = self.slots.free_tail(kv.slot, keep_len)
         kv.allocated_len = min(kv.allocated_len, keep_len)
         kv.committed_len = min(kv.committed_len, keep_len)
@@ -156,12 +206,16 @@ class KVCache:
         """Insert the page table's page-aligned prefix of `token_ids`; the pages the tree takes from
         the page table stop being the request's (the page table itself is unchanged)."""
         n_pages = len(token_ids) // self.page_size
+        local = None if self.local is None else self.local.pages(kv.slot, n_pages)
         res = self.tree.insert(
             np.asarray(token_ids[: n_pages * self.page_size], np.int32),
             self.slots.pages(kv.slot)[:n_pages],
             kv.extra_key,
+            local,
         )
         self.slots.disown(kv.slot, res.adopted_from, n_pages)
+        if self.local is not None:
+            self.local.disown(kv.slot, res.adopted_from, n_pages)
         return res
 
     # ---- whole pool -------------------------------------------------------------------------
@@ -173,8 +227,10 @@ class KVCache:
         self.tree.reset()
         self.allocator.reset()
         self.slots.reset()
+        if self.local is not None:
+            self.local.reset()
 
     def check_integrity(self, live: Iterable[ReqKV], locks: Iterable[TreeNode] = ()) -> None:
         """`live`: the record of every slot in use (running requests and sessions' kept slots);
         `locks`: nodes locked by other callers of `tree.inc_lock_ref`, one entry per lock."""
-        check_integrity(self.allocator, self.slots, self.tree, live, locks)
+        check_integrity(self.allocator, self.slots, self.tree, live, locks, self.local)

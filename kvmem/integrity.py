@@ -8,6 +8,11 @@ and free + tree + held == capacity. A page table's tree-owned pages are the page
 root path holds at the same index. Slots: the live slots are exactly the holders' slots.
 Locks: lock_ref(node) == locks held on it directly + the children's lock_refs, and the direct
 locks are exactly the holders' nodes plus `locks`. Tree sizes match the counters.
+
+A local page space (kvmem/local.py) is checked alike: every local page but the sink is free, in
+exactly one node's `local`, or owned by exactly one live slot's local table; a slot's entries
+before its `first` are 0, from it on present, and the ones it shares are its locked path's at
+the same index.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ringserve.kvmem.allocator import FREE, HELD, SINK, STATE_NAMES, TREE, PageAllocator, cdiv
+from ringserve.kvmem.local import LocalTables
 from ringserve.kvmem.radix import RadixCache, TreeNode
 from ringserve.kvmem.req_kv import ReqKV
 from ringserve.kvmem.slots import SlotPool
@@ -37,13 +43,17 @@ def check_integrity(
     tree: RadixCache,
     holders: Iterable[ReqKV],
     locks: Iterable[TreeNode] = (),
+    local: LocalTables | None = None,
 ) -> None:
+    holders = list(holders)
+    if local is not None:
+        _check_local(local, slots, tree, holders)
     n_pages, state = allocator.num_pages, allocator.state
     if state[0] != SINK or np.count_nonzero(state == SINK) != 1:
         _fail(f"page 0 must be the only sink (state[0]={int(state[0])})")
     free = _check_free(allocator)
     tree_pages, direct = _check_tree(tree, state)
-    held = _check_rows(slots, tree, list(holders), state, direct, list(locks))
+    held = _check_rows(slots, tree, holders, state, direct, list(locks))
     total = len(free) + len(tree_pages) + held
     if total != allocator.capacity:
         _fail(
@@ -196,3 +206,47 @@ def _check_rows(
     if missing:
         _fail(f"node {min(missing)} is locked by a holder but not in the tree")
     return len(owned)
+
+
+def _check_local(local: LocalTables, slots: SlotPool, tree: RadixCache, holders: list[ReqKV]) -> None:
+    alloc = local.allocator
+    state = alloc.state
+    if state[0] != SINK or np.count_nonzero(state == SINK) != 1:
+        _fail(f"local page 0 must be the only sink (state[0]={int(state[0])})")
+    free = _check_free(alloc)
+    parts = []
+    for node in tree.nodes():
+        if node.local is None or len(node.local) != len(node.pages):
+            _fail(f"{node}: local pages {node.local} do not match its {len(node.pages)} pages")
+        parts.append(node.local[node.local != 0])
+    in_tree = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    owned_parts = []
+    for kv in holders:
+        s, n = kv.slot, int(slots.n_pages[kv.slot])
+        first = int(local.first[s])
+        table, own = local.table[s, :n], local.owned[s, :n]
+        if first > n or (table[:first] != 0).any() or (table[first:] == 0).any() or own[:first].any():
+            _fail(f"local table of slot {s}: entries {table.tolist()} with first={first}: dropped ones must be 0, "
+                  "the rest present")  # fmt: skip
+        if (local.table[s, n:] != 0).any():
+            _fail(f"local table of slot {s}: entries past its {n} pages")
+        shared = np.flatnonzero(~own[first:]) + first
+        if shared.size:
+            path = tree._path_local(kv.node)
+            if shared[-1] >= len(path) or (path[shared] != table[shared]).any():
+                _fail(f"local table of slot {s}: its shared entries {shared.tolist()} are not its locked path's "
+                      f"({kv.node})")  # fmt: skip
+        owned_parts.append(table[own])
+    owned = np.concatenate(owned_parts) if owned_parts else np.zeros(0, np.int32)
+    for pages, want, what in ((in_tree, TREE, "the tree"), (owned, HELD, "a slot")):
+        counts = np.bincount(pages, minlength=len(state))
+        if (counts > 1).any():
+            _fail(f"local page {_first(counts > 1)} is held twice by {what}")
+        if (state[pages] != want).any():
+            p = int(pages[state[pages] != want][0])
+            _fail(f"local page {p} is held by {what} but {STATE_NAMES[int(state[p])]}")
+        lost = (state == want) & (counts == 0)
+        if lost.any():
+            _fail(f"local page {_first(lost)} is {STATE_NAMES[want]} but {what} does not hold it (leak)")
+    if len(free) + len(in_tree) + len(owned) != alloc.capacity:
+        _fail(f"local pages: free {len(free)} + tree {len(in_tree)} + held {len(owned)} != {alloc.capacity}")

@@ -15,6 +15,13 @@ Ownership and locks (the contract):
 - `evict` frees least recently used unlocked leaves (a parent left childless and unlocked
   becomes a leaf in turn). Sizes are in pages: total == evictable + protected.
 - `disable=True`: matches nothing and adopts nothing (every request computes everything).
+
+With a local page space (kvmem/local.py: the sliding layers' own pages) every node also holds
+`local`, the local page of each of its pages, 0 where it was dropped (a tombstone). A match ends
+only where every page of the last `window` positions before it has its local page (a sliding
+layer's KV there cannot be recomputed without the positions before it), so it may be shorter
+than the tokens the global pages match. `evict_local` tombstones the least recently used local
+pages no live slot reads; evicting a node frees its local pages with its global ones.
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ _ids = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("id", "key", "pages", "parent", "children", "lock_ref", "last_access", "extra_key", "alive")
+    __slots__ = ("id", "key", "pages", "parent", "children", "lock_ref", "last_access", "extra_key", "alive", "local")
 
-    def __init__(self, key: np.ndarray, pages: np.ndarray, parent: TreeNode | None, extra_key: str | None):
+    def __init__(self, key: np.ndarray, pages: np.ndarray, parent: TreeNode | None, extra_key: str | None,
+                 local: np.ndarray | None = None):  # fmt: skip
         self.id = next(_ids)
         self.key = key  # int32 token ids of this edge, len == len(pages) * page_size
         self.pages = pages  # int32 page ids holding those tokens' KV
@@ -45,6 +53,7 @@ class TreeNode:
         self.last_access = 0
         self.extra_key = extra_key
         self.alive = True
+        self.local = local  # int32 local page of each page, 0 = dropped; None without a local space
 
     def __repr__(self) -> str:
         head = self.key[:8].tolist()
@@ -56,6 +65,7 @@ class MatchResult:
     pages: np.ndarray  # int32 pages of the matched prefix, in order
     node: TreeNode  # deepest matched node (ends exactly at the match); the root if none
     page_size: int
+    local: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # int32 their local pages (0: dropped)
 
     @property
     def length(self) -> int:
@@ -80,11 +90,14 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator, disable: bool = False):
+    def __init__(self, page_size: int, allocator: PageAllocator, disable: bool = False,
+                 local: PageAllocator | None = None, window: int = 0):  # fmt: skip
         assert allocator.page_size == page_size, "the tree and the allocator disagree on page_size"
         self.page_size = page_size
         self.allocator = allocator
         self.disable = disable
+        self.local = local  # the local page space's allocator (kvmem/local.py); None: none
+        self.window = window  # the sliding layers' window (tokens), with a local space
         self.root = TreeNode(_EMPTY, _EMPTY, None, None)
         self.evictable_pages = 0  # pages of nodes with lock_ref == 0
         self.protected_pages = 0  # pages of nodes with lock_ref > 0
@@ -103,17 +116,50 @@ class RadixCache:
         key = np.asarray(key, np.int32)
         if self.disable:
             return MatchResult(_EMPTY, self.root, self.page_size)
+        if self.local is not None:
+            key = key[: self.prefix_len(key, extra_key)]
         self._clock += 1
         node, parts, _ = self._walk(key, extra_key, split=True, touch=True)
         if not node.children and node.lock_ref == 0 and node is not self.root:
             self._push(node)
-        return MatchResult(np.concatenate(parts) if parts else _EMPTY, node, self.page_size)
+        pages = np.concatenate(parts) if parts else _EMPTY
+        local = self._path_local(node) if self.local is not None else _EMPTY
+        return MatchResult(pages, node, self.page_size, local)
 
     def prefix_len(self, key: np.ndarray, extra_key: str | None = None) -> int:
         """Tokens `match_prefix` would match now, changing nothing (for scheduling order)."""
         if self.disable:
             return 0
-        return self._walk(np.asarray(key, np.int32), extra_key, split=False, touch=False)[2]
+        key = np.asarray(key, np.int32)
+        node, _, n = self._walk(key, extra_key, split=False, touch=False)
+        if self.local is None or n == 0:
+            return n
+        local = self._path_local(node)  # the pages of whole matched nodes; a part of the next:
+        if len(local) * self.page_size < n:
+            child = node.children[self._child_key(node, key[len(local) * self.page_size :][: self.page_size], extra_key)]
+            assert child.local is not None
+            local = np.concatenate([local, child.local[: n // self.page_size - len(local)]])
+        return self._windowed(local) * self.page_size
+
+    def _windowed(self, local: np.ndarray) -> int:
+        """The most pages j <= len(local) whose last window's local pages are all there."""
+        page = self.page_size
+        gone = np.flatnonzero(local == 0)
+        if gone.size == 0:
+            return len(local)
+        j = np.arange(len(local), 0, -1)
+        last_gone = np.searchsorted(gone, j) - 1  # the last dropped page before j
+        before = np.where(last_gone >= 0, gone[np.maximum(last_gone, 0)], -1)
+        ok = before < np.maximum(0, j * page - self.window + 1) // page  # local.first_needed of each j
+        return int(j[ok][0]) if ok.any() else 0
+
+    def _path_local(self, node: TreeNode) -> np.ndarray:
+        parts = []
+        while node is not self.root:
+            assert node.local is not None and node.parent is not None
+            parts.append(node.local)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else _EMPTY
 
     def _walk(
         self, key: np.ndarray, extra_key: str | None, split: bool, touch: bool
@@ -156,8 +202,10 @@ class RadixCache:
             stack.extend(node.children.values())
 
     # ---- insert -----------------------------------------------------------------------------
-    def insert(self, key: np.ndarray, pages: np.ndarray, extra_key: str | None = None) -> InsertResult:
-        """Cache `key` (page-aligned) whose KV lives in `pages` (state HELD, the caller's)."""
+    def insert(self, key: np.ndarray, pages: np.ndarray, extra_key: str | None = None,
+               local: np.ndarray | None = None) -> InsertResult:  # fmt: skip
+        """Cache `key` (page-aligned) whose KV lives in `pages` (state HELD, the caller's), and
+        with a local space in `local` (the caller's local pages; 0: dropped)."""
         page = self.page_size
         key = np.asarray(key, np.int32)
         if len(key) % page or len(pages) * page != len(key):
@@ -169,7 +217,12 @@ class RadixCache:
         self._clock += 1
         node, _, pos = self._walk(key, extra_key, split=True, touch=True)
         if pos < len(key):
-            leaf = TreeNode(key[pos:].copy(), np.array(pages[pos // page :], np.int32), node, extra_key)
+            leaf_local = None
+            if self.local is not None:
+                assert local is not None and len(local) == len(pages), "an insert needs its local pages"
+                leaf_local = np.array(local[pos // page :], np.int32)
+                self.local.adopt(leaf_local[leaf_local != 0])
+            leaf = TreeNode(key[pos:].copy(), np.array(pages[pos // page :], np.int32), node, extra_key, leaf_local)
             self.allocator.adopt(leaf.pages)  # raises before attaching unless they are HELD
             leaf.last_access = self._clock
             node.children[self._child_key(node, leaf.key[:page], extra_key)] = leaf
@@ -187,10 +240,13 @@ class RadixCache:
         """Cut `child` after `m` tokens (0 < m < len, page-aligned); returns the upper part."""
         page, parent = self.page_size, child.parent
         assert parent is not None
-        upper = TreeNode(child.key[:m], child.pages[: m // page], parent, child.extra_key)
+        local = None if child.local is None else child.local[: m // page]
+        upper = TreeNode(child.key[:m], child.pages[: m // page], parent, child.extra_key, local)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         parent.children[self._child_key(parent, child.key[:page], child.extra_key)] = upper
         child.key, child.pages, child.parent = child.key[m:], child.pages[m // page :], upper
+        if child.local is not None:
+            child.local = child.local[m // page :]
         upper.children[self._child_key(upper, child.key[:page], child.extra_key)] = child
         self.num_nodes += 1
         return upper
@@ -238,12 +294,33 @@ class RadixCache:
                 self._delete_leaf(node)
         return freed * self.page_size
 
+    def evict_local(self, num_pages: int, protected: np.ndarray) -> int:
+        """Drop (tombstone) the local pages of the least recently used nodes, none of
+        `protected` (what live slots read), until `num_pages` are freed or none is left.
+        Returns the local pages freed."""
+        assert self.local is not None
+        freed = 0
+        with self.local.free_group():
+            for node in sorted(self.nodes(), key=lambda n: n.last_access):
+                if freed >= num_pages:
+                    break
+                assert node.local is not None
+                drop = (node.local != 0) & ~np.isin(node.local, protected)
+                if drop.any():
+                    self.local.free_tree(node.local[drop])
+                    node.local = np.where(drop, 0, node.local).astype(np.int32)
+                    freed += int(drop.sum())
+        return freed
+
     def _delete_leaf(self, node: TreeNode) -> None:
         if node.lock_ref:
             raise KVUsageError(f"free of {node}'s pages: it is locked")
         parent = node.parent
         assert parent is not None and not node.children
         self.allocator.free_tree(node.pages)
+        if node.local is not None:
+            assert self.local is not None
+            self.local.free_tree(node.local[node.local != 0])
         del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
         node.alive = False
         self.evictable_pages -= len(node.pages)
@@ -267,6 +344,9 @@ class RadixCache:
             raise KVUsageError(f"reset of the radix cache: {locked[0]} is locked; its pages cannot be freed")
         if nodes:
             self.allocator.free_tree(np.concatenate([n.pages for n in nodes]))
+            if self.local is not None:
+                local = np.concatenate([n.local for n in nodes if n.local is not None])
+                self.local.free_tree(local[local != 0])
         for n in nodes:
             n.alive = False
         self.root.children = {}

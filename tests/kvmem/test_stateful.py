@@ -5,6 +5,11 @@ beyond the integrity check it verifies the data end to end: every live row holds
 its own tokens, every tree node's pages hold its key, a prefix match or a session's next turn
 is granted only KV written for exactly those tokens, and live rows are append-only.
 
+Some examples run with a local page space (the sliding layers' own pages, kvmem/local.py) of a
+small window, shadowed alike: a live row's local pages hold its own tokens over its window, a
+match or a session's next turn is granted a window whose local KV holds exactly those tokens,
+and the local row as the runner mirrors it only grows (dropped entries keep their stale ids).
+
 RINGSERVE_KVMEM_STEPS sets the number of steps (default 2,000; e.g. 100000 for a long run).
 """
 
@@ -26,6 +31,7 @@ from hypothesis.stateful import (
 )
 
 from ringserve.kvmem import KVCache, KVUsageError, ReqKV, SessionSlots, TreeNode, token_locations
+from ringserve.kvmem.local import first_needed
 
 STEPS = int(os.environ.get("RINGSERVE_KVMEM_STEPS", "2000"))
 STEPS_PER_EXAMPLE = 60
@@ -54,6 +60,7 @@ class Live:
     session: str | None = None
     resumed: bool = False  # a session turn started from the slot its session kept
     ran: bool = False  # reserved, computed or cached anything since its admission
+    local_row: list[int] = dataclasses.field(default_factory=list)  # its local row, mirrored alike
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -62,12 +69,18 @@ class KVMachine(RuleBasedStateMachine):
         num_pages=st.integers(4, 40),
         max_slots=st.integers(1, 5),
         disable=st.sampled_from([False] * 5 + [True]),
+        window=st.sampled_from([0, 0, 1, 3, 6]),
+        local_short=st.integers(0, 3),
     )
-    def setup(self, page, num_pages, max_slots, disable):
-        self.c = KVCache(num_pages, page, max_slots, disable_radix_cache=disable)
+    def setup(self, page, num_pages, max_slots, disable, window, local_short):
+        local_pages = max(2, num_pages - local_short) if window else 0
+        self.c = KVCache(num_pages, page, max_slots, disable_radix_cache=disable, local_pages=local_pages,
+                         window=window, slack=2)  # fmt: skip
         self.s = SessionSlots(self.c)
         self.page = page
+        self.window = window
         self.store = np.full(num_pages * page, -1, np.int64)
+        self.local_store = np.full(max(local_pages, 1) * page, -1, np.int64)
         self.reqs: list[Live] = []
         self.locks: list[TreeNode] = []
         self.turns: dict[str, tuple[list[int], list[int]]] = {}  # kept session: (T tokens, overshoot)
@@ -86,6 +99,15 @@ class KVMachine(RuleBasedStateMachine):
         self.store[token_locations(self.c.slots.pages(r.kv.slot), self.page, start + len(tokens))[start:]] = (
             tokens
         )
+        if self.window:
+            local = self.c.local_pages(r.kv)
+            assert self.c.local.owned[r.kv.slot, pos // self.page].all(), "writing into a local page not its own"
+            self.local_store[token_locations(local, self.page, start + len(tokens))[start:]] = tokens
+
+    def read_window(self, kv: ReqKV, n: int) -> list[int]:
+        """The tokens the local KV of the window before position n holds."""
+        lo = first_needed(n, self.window, self.page) * self.page
+        return self.local_store[token_locations(self.c.local_pages(kv), self.page, n)[lo:]].tolist()
 
     def read(self, slot: int, n: int) -> list[int]:
         return self.store[token_locations(self.c.slots.pages(slot), self.page, n)].tolist()
@@ -106,8 +128,12 @@ class KVMachine(RuleBasedStateMachine):
             assert self.c.slots.num_free == 0
             return None
         assert self.read(kv.slot, kv.cached_len) == tokens[: kv.cached_len], "granted KV of other tokens"
+        if self.window:
+            lo = first_needed(kv.cached_len, self.window, self.page) * self.page
+            assert self.read_window(kv, kv.cached_len) == tokens[lo : kv.cached_len], "granted local KV of other tokens"
         r = Live(kv, list(tokens), len(tokens), self.c.slots.pages(kv.slot).tolist(), session,
-                 resumed=session is not None and kept is not None)
+                 resumed=session is not None and kept is not None,
+                 local_row=self.c.local_pages(kv).tolist())  # fmt: skip
         self.reqs.append(r)
         return r
 
@@ -153,11 +179,13 @@ class KVMachine(RuleBasedStateMachine):
         pages = self.c.reserve(kv, n + extra)
         need = -(-(kv.committed_len + n + extra) // self.page) - len(r.row)
         if pages is None:
-            assert need > free + evictable and kv.allocated_len <= kv.committed_len + n + extra
+            short_local = self.window and self.c.local.allocator.num_free < need
+            assert (need > free + evictable or short_local) and kv.allocated_len <= kv.committed_len + n + extra
             return
         r.ran = True
         assert len(pages) == max(0, need)
         r.row += pages.tolist()
+        r.local_row += self.c.local_pages(kv, len(pages)).tolist()
         written = r.tokens[kv.committed_len : kv.committed_len + n] + (
             drafts[: min(accepted, extra)] if last else []
         )
@@ -181,6 +209,7 @@ class KVMachine(RuleBasedStateMachine):
         pages = self.c.reserve(r.kv, n)
         if pages is not None:
             r.row += pages.tolist()
+            r.local_row += self.c.local_pages(r.kv, len(pages)).tolist()
             r.ran = True
 
     @precondition(lambda self: self.reqs)
@@ -283,13 +312,17 @@ class KVMachine(RuleBasedStateMachine):
         if pages is None:
             return
         self.store[token_locations(pages, self.page, n * self.page)] = tokens[: n * self.page]
-        res = self.c.tree.insert(np.asarray(tokens[: n * self.page], np.int32), pages, ns)
+        local = np.zeros(n, np.int32) if self.window else None  # no local KV: every page a tombstone
+        res = self.c.tree.insert(np.asarray(tokens[: n * self.page], np.int32), pages, ns, local)
         self.c.allocator.free(pages[: res.adopted_from])
 
     @rule(tokens=prompts, ns=st.sampled_from([None, "v2"]))
     def lock(self, tokens, ns):
         m = self.c.tree.match_prefix(np.asarray(tokens, np.int32), ns)
         assert self.store[m.locations()].tolist() == tokens[: m.length]
+        if self.window and m.length:
+            lo = first_needed(m.length, self.window, self.page) * self.page
+            assert self.local_store[token_locations(m.local, self.page, m.length)[lo:]].tolist() == tokens[lo : m.length]
         self.c.tree.inc_lock_ref(m.node)
         self.locks.append(m.node)
 
@@ -333,8 +366,16 @@ class KVMachine(RuleBasedStateMachine):
         for r in self.reqs:
             assert c.slots.pages(r.kv.slot).tolist() == r.row, "a live row was rewritten"
             assert self.read(r.kv.slot, r.kv.committed_len) == r.tokens[: r.kv.committed_len]
+            if self.window:
+                local, first = c.local_pages(r.kv), int(c.local.first[r.kv.slot])
+                assert local[first:].tolist() == r.local_row[first:], "a live local row was rewritten"
+                lo = first_needed(r.kv.committed_len, self.window, self.page) * self.page
+                assert self.read_window(r.kv, r.kv.committed_len) == r.tokens[lo : r.kv.committed_len]
         for kept in self.s.kept.values():
             assert self.read(kept.kv.slot, kept.kv.committed_len) == kept.token_ids.tolist()
+            if self.window:
+                lo = first_needed(kept.kv.committed_len, self.window, self.page) * self.page
+                assert self.read_window(kept.kv, kept.kv.committed_len) == kept.token_ids[lo:].tolist()
         for node in c.tree.nodes():
             assert (
                 self.store[token_locations(node.pages, self.page, len(node.key))].tolist()
