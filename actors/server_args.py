@@ -114,6 +114,14 @@ class ServerArgs:
             need(self.num_pages >= self.min_pages,
                  f"max_total_tokens={self.max_total_tokens}: the KV pool must hold one request of context_length="
                  f"{self.context_length} plus a page ({self.min_pages * self.page_size} tokens)")  # fmt: skip
+        need(self.swa_window >= 0, f"swa_window={self.swa_window}: must be >= 0")
+        need(self.max_swa_tokens is None or self.max_swa_tokens >= 0,
+             f"max_swa_tokens={self.max_swa_tokens}: must be >= 0 (0: no pool of the sliding layers' own)")  # fmt: skip
+        if self.max_swa_tokens and self.swa_window:  # the window is the model's, known once resolved
+            need(self.max_swa_tokens >= self.swa_need_tokens,
+                 f"max_swa_tokens={self.max_swa_tokens}: must hold every running request's window, a prefill chunk "
+                 f"and two pages ({self.swa_need_tokens} tokens for max_running_requests={self.max_running_requests}, "
+                 f"swa_window={self.swa_window}, chunked_prefill_size={self.chunked_prefill_size})")  # fmt: skip
         need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static <= 1.0,
              f"mem_fraction_static={self.mem_fraction_static}: must be in (0, 1]")  # fmt: skip
         need(
@@ -242,6 +250,23 @@ class ServerArgs:
         return self.max_total_tokens // self.page_size
 
     @property
+    def swa_slack(self) -> int:
+        """Positions a step may commit as an upper bound and take back (a verify round's drafts,
+        twice: one round in flight), which the local pool keeps beyond the window."""
+        verify = self.speculative_num_draft_tokens + 1 if self.speculative else 1
+        return 2 * max(verify, self.decode_steps)
+
+    @property
+    def swa_need_tokens(self) -> int:
+        """The local pool that never refuses a reserve (kvmem/local.py): once swept, a slot holds
+        the pages of its last window - 1 + slack positions before the step, of what it reserved
+        ahead (< slack) and of its share of the step's tokens (all slots together: the largest
+        program's), with three pages of rounding; and the sink page."""
+        step = max(self.max_extend_tokens, self.max_running_requests * self.swa_slack)
+        slot = cdiv(self.swa_window - 1 + 2 * self.swa_slack, self.page_size) + 3
+        return (self.max_running_requests * slot + cdiv(step, self.page_size) + 1) * self.page_size
+
+    @property
     def max_extend_tokens(self) -> int:
         """Tokens of the largest extend program: a prefill batch's budget with a block of room per
         running request (mixed decode rows), or a verify step's rounds, whichever is more."""
@@ -272,6 +297,7 @@ class ServerArgs:
             decode_steps=self.decode_steps, decode_steps_rows=self.decode_steps_max_batch,
             processed_logprobs=self.logprobs_mode == "processed_logprobs", hidden_states=self.enable_return_hidden_states,
             routed_experts=self.enable_return_routed_experts,
+            local_pages=(self.max_swa_tokens or 0) // self.page_size,
         )  # fmt: skip
 
     @property

@@ -54,6 +54,16 @@ class MemoryOptions(_Section):
         "and TPU, 0.2 on CPU, where the 'device' is the host's available RAM and also holds the OS, the other "
         "processes, XLA's compile scratch and the runner's host copy of the checkpoint"
     )
+    max_swa_tokens: int | None = _opt(
+        None, "the sliding-window layers' own KV pool in tokens, for models that mix sliding and global layers "
+        "(Gemma 2 and 3): their pages wholly outside the window are freed (kvmem/local.py); None: sized at start-up "
+        "to every running request's window plus a prefill chunk, where that is less than the global pool "
+        "(actors/transport/memory.py); 0: the sliding layers keep every page, in the global pool"
+    )
+    swa_window: int = _opt(
+        0, "the sliding layers' window in tokens: read from the model at start-up with max_swa_tokens (set it by "
+        "hand only with max_swa_tokens)"
+    )
     max_running_requests: int = _opt(64, "requests decoded together (largest decode bucket; slot pool rows)")
     context_length: int = _opt(4096, "longest prompt + output of one request")
 

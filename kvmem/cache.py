@@ -58,6 +58,8 @@ class KVCache:
         self.local = LocalTables(local_pages, page_size, max_slots, window, slack) if local_pages else None
         self.tree = RadixCache(page_size, self.allocator, disable=disable_radix_cache,
                                local=self.local.allocator if self.local else None, window=window)  # fmt: skip
+        self.records: dict[int, ReqKV] = {}  # slot -> its live record (a running request or a kept session)
+        self.step = 0  # the step being planned (`begin_step`)
 
     # ---- sizes ------------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -81,7 +83,13 @@ class KVCache:
         self.slots.append(slot, m.pages, owned=False)
         if self.local is not None:
             self.local.start(slot, m.local, first_needed(m.length, self.local.window, self.page_size))
-        return ReqKV(slot, m.node, extra_key, m.length, m.length, m.length)
+        kv = self.records[slot] = ReqKV(slot, m.node, extra_key, m.length, m.length, m.length)
+        return kv
+
+    def begin_step(self) -> None:
+        """The scheduler starts planning a new step: the lengths its records have now were
+        committed by steps that run before it on the device (what a local sweep may drop)."""
+        self.step += 1
 
     def pages(self, kv: ReqKV) -> np.ndarray:
         """The page table's page ids (a view: copy it to keep it)."""
@@ -104,7 +112,9 @@ class KVCache:
         need = cdiv(target, self.page_size) - n
         pages = _EMPTY
         if self.local is not None:
-            self.local.drop_before(kv.slot, kv.committed_len)
+            if kv.step != self.step:
+                kv.step, kv.step_len = self.step, kv.committed_len
+            self.local.drop_before(kv.slot, kv.step_len)
         if need > 0:
             short = need - self.allocator.num_free
             if short > 0:
@@ -127,11 +137,15 @@ class KVCache:
     def _local_room(self, need: int) -> bool:
         """`need` free local pages, tombstoning the tree's unread ones if short."""
         assert self.local is not None
-        short = need - self.local.allocator.num_free
+        local = self.local
+        if need > local.allocator.num_free:  # every slot up to its length before this step
+            for kv in self.records.values():
+                local.drop_before(kv.slot, kv.step_len if kv.step == self.step else kv.committed_len)
+        short = need - local.allocator.num_free
         if short > 0:
             live = np.flatnonzero(self.slots.live)
-            self.tree.evict_local(short, self.local.protected(live, self.slots.n_pages))
-        return self.local.allocator.num_free >= need
+            self.tree.evict_local(short, local.protected(live, self.slots.n_pages))
+        return local.allocator.num_free >= need
 
     def commit(self, kv: ReqKV, n: int) -> None:
         if kv.committed_len + n > kv.allocated_len:
@@ -181,6 +195,7 @@ class KVCache:
         self.tree.dec_lock_ref(kv.node)
         kv.node = self.tree.root
         self.slots.free_slot(kv.slot)
+        del self.records[kv.slot]
 
     def trim(self, kv: ReqKV, keep_len: int) -> int:
         """Cut a live record to `keep_len` tokens: committed_len and allocated_len are capped at

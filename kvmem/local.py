@@ -12,7 +12,10 @@ positions [i * page_size, (i + 1) * page_size)):
 
 At each `KVCache.reserve` the pages wholly before `committed_len - keep` are dropped (own ones
 freed, the tree's only no longer referenced), `keep = window - 1 + slack`: the slack covers
-positions a verify round commits as an upper bound and takes back. The runner's mirror keeps
+positions a verify round commits as an upper bound and takes back. When the local pool runs
+short, every live slot is swept alike first, each up to its length before the step being
+planned (`KVCache.begin_step`): what that step's queries read stays, what earlier steps (still
+running on the device, in stream order before it) read may go. The runner's mirror keeps
 the dropped ids (another request may own them by now): no query of the row sees a key there
 unmasked (model/compute/attention/base.py). The tree keeps local pages beside its global ones,
 0 where dropped (a tombstone); a prefix is matched only where its last window's local pages are

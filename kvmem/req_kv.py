@@ -21,6 +21,8 @@ class ReqKV:
     cached_len: int = 0  # prefix granted at admission (tree match or a session's kept slot)
     committed_len: int = 0  # positions whose KV is written (or scheduled to be, in stream order)
     allocated_len: int = 0  # positions reserved; the page table holds ceil(allocated_len / page) pages
+    step: int = -1  # the KVCache step of its latest reserve (kvmem/local.py: what a sweep may drop)
+    step_len: int = 0  # committed_len when that reserve came
 
     def check_lengths(self) -> None:
         assert 0 <= self.cached_len <= self.committed_len <= self.allocated_len, (

@@ -83,7 +83,7 @@ class RunnerCore:
     def __init__(self, executor: ModelExecutor, max_slots: int, top_n: int, trace: bool = False,
                  groups: UpdateGroups | None = None):  # fmt: skip
         self.ex = executor
-        self.mirrors = SlotMirrors(max_slots)
+        self.mirrors = SlotMirrors(max_slots, local_space=executor.cfg.shapes.local_pages > 0)
         self.top_n = top_n
         self.weights = WeightSync(executor, all_ok)
         self.groups = groups or UpdateGroups(0, 600)  # the trainers' update groups joined (weight_group.py)

@@ -2,7 +2,8 @@
 
 Per slot the runner keeps what the scheduler stops sending after a request's first step:
 its page table (grown by appended pages), its committed length (advanced by each row's tokens),
-its sampling parameters and its LoRA adapter's pool slot. A step message then only names the slot, the row's tokens (a
+its sampling parameters and its LoRA adapter's pool slot (and, where the sliding layers have their
+own pages, its local page table: kvmem/local.py; the entries the scheduler dropped keep their ids). A step message then only names the slot, the row's tokens (a
 decode row: FUTURE(slot), the token the slot sampled last, read on device) and any new pages,
 and the mirror turns every row, whatever its kind, into a `model.step_inputs.DeviceRow` the
 executor runs.
@@ -36,6 +37,7 @@ UNKNOWN = -1  # committed_len after a verify round: the device's FutureMap holds
 @dataclasses.dataclass(slots=True)
 class _Slot:
     pages: np.ndarray  # int32 page table; append-only while the slot lives
+    local: np.ndarray | None  # int32 local page table (kvmem/local.py), the same length; None: no local space
     committed_len: int  # KV tokens written (after the steps applied so far)
     sampling: DeviceSampling
     logprob_ids: np.ndarray | None = None  # int32 token_ids_logprob
@@ -43,8 +45,9 @@ class _Slot:
 
 
 class SlotMirrors:
-    def __init__(self, max_slots: int):
+    def __init__(self, max_slots: int, local_space: bool = False):
         self.max_slots = max_slots
+        self.local_space = local_space  # the sliding layers have their own pages (kvmem/local.py)
         self.slots: dict[int, _Slot] = {}
 
     def apply(self, msg: StepMsg) -> list[DeviceRow]:
@@ -55,10 +58,14 @@ class SlotMirrors:
             if not 0 <= st.slot < self.max_slots:
                 raise ValueError(f"slot {st.slot} outside [0, {self.max_slots})")
             ids = as_i32(st.logprob_ids).copy() if st.logprob_ids else None
-            self.slots[st.slot] = _Slot(as_i32(st.prefix_pages).copy(), UNKNOWN, st.sampling, ids, st.lora_slot)
+            local = as_i32(st.prefix_local).copy() if self.local_space else None
+            self.slots[st.slot] = _Slot(as_i32(st.prefix_pages).copy(), local, UNKNOWN, st.sampling, ids, st.lora_slot)
         slots, committed = as_i32(msg.slots), as_i32(msg.committed)
         counts, tokens = as_i32(msg.token_counts), as_i32(msg.tokens)
         page_counts, pages = as_i32(msg.page_counts), as_i32(msg.pages)
+        local = as_i32(msg.local_pages)
+        if self.local_space and len(local) != len(pages):
+            raise ValueError(f"{len(local)} local pages for {len(pages)} pages appended")
         keep = as_u8(msg.keep)
         t_end, p_end = np.cumsum(counts).tolist(), np.cumsum(page_counts).tolist()
         masks = self._masks(msg, len(slots))
@@ -77,11 +84,13 @@ class SlotMirrors:
                 raise ValueError(f"slot {slot}: scheduler says committed_len={c}, runner has {s.committed_len}")
             if page_counts[r]:
                 s.pages = np.concatenate([s.pages, pages[p_end[r] - page_counts[r] : p_end[r]]])
+                if s.local is not None:
+                    s.local = np.concatenate([s.local, local[p_end[r] - page_counts[r] : p_end[r]]])
             ids = tokens[t_end[r] - counts[r] : t_end[r]]
             lp_start, lp_targets = spans.get(r, (0, None))
             rows.append(DeviceRow(ids, c, s.pages, s.sampling, future_slot=slot if keep[r] else -1, mask=masks.get(r),
                                   logprob_start=lp_start, logprob_targets=lp_targets, logprob_ids=s.logprob_ids,
-                                  lora_slot=s.lora_slot))  # fmt: skip
+                                  lora_slot=s.lora_slot, local_pages=s.local))  # fmt: skip
             if s.committed_len != UNKNOWN:
                 s.committed_len += len(ids)
         return rows

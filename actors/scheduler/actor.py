@@ -107,7 +107,9 @@ class SchedulerActor:
                  loads: LoadBoard | None = None, dp_rank: int = 0):  # fmt: skip
         self.args = args
         self.eos = frozenset(eos_ids)
-        cache = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache)
+        cache = KVCache(args.num_pages, args.page_size, args.max_running_requests, args.disable_radix_cache,
+                        local_pages=(args.max_swa_tokens or 0) // args.page_size, window=args.swa_window,
+                        slack=args.swa_slack)  # fmt: skip
         self.core = SchedulerCore(args, cache, decode_tail, grammars)
         self.stats = self.core.stats
         self.inbox, self.to_runner, self.from_runner, self.to_detok = inbox, to_runner, from_runner, to_detok

@@ -47,6 +47,8 @@ class Row:
     retractions: int  # req.retractions when scheduled: a result for an older one is dropped
     new_pages: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 pages appended this step
     prefix_pages: np.ndarray | None = None  # int32 whole table at (re)admission, else None
+    new_local: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 local pages appended (kvmem/local.py)
+    prefix_local: np.ndarray = dataclasses.field(default_factory=lambda: _NO_PAGES)  # int32 local table at (re)admission
     drafts: int = 0  # a verify round: the k tokens after FUTURE(slot) are drafts (NO_DRAFT pads)
     mask: np.ndarray | None = None  # a grammar's [1 + drafts, W] int32 allowed tokens per sampled position
     logprob_span: tuple[int, int] | None = None  # (first position, count) of prompt logprobs this row computes

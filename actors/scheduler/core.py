@@ -233,6 +233,7 @@ class SchedulerCore:
     def get_next_batch(self) -> ScheduledBatch | None:
         if self.paused or self.memory_released:
             return None
+        self.cache.begin_step()
         batch = self._prefill_batch()
         if batch is None and self.running:
             batch = self._decode_batch()
@@ -328,6 +329,7 @@ class SchedulerCore:
             assert req.kv is not None
             if id(req) in new:
                 row.prefix_pages = self.cache.pages(req.kv).copy()
+                row.prefix_local = self.cache.local_pages(req.kv).copy()
                 if req.retractions == 0 and req.resumed is None:  # (a resumed one reports its first run's)
                     req.cached_tokens = req.cached_len
                 req.status = ReqStatus.RUNNING
@@ -337,6 +339,7 @@ class SchedulerCore:
                 f"prefill budget admitted {req.rid} but the pool refused {row.extend_len} tokens"
             )
             row.new_pages = pages
+            row.new_local = self.cache.local_pages(req.kv, len(pages)).copy()
             self.cache.commit(req.kv, row.extend_len)
             rows.append(row)
             if row.sample:  # the last chunk: the request decodes from its next step on
@@ -390,7 +393,9 @@ class SchedulerCore:
                 assert r.kv is not None
                 valid = r.grammar.valid_drafts if r.grammar is not None else None
                 drafts = r.spec.scheduled(r.fill_ids(0, r.fill_len), valid) if r.spec is not None else places
-                rows.append(Row.decode(r, grants[id(r)], drafts))
+                row = Row.decode(r, grants[id(r)], drafts)
+                row.new_local = self.cache.local_pages(r.kv, len(row.new_pages)).copy()
+                rows.append(row)
                 self.cache.commit(r.kv, need)
         return rows
 

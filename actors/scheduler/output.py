@@ -51,6 +51,8 @@ def _slot_start(r: Row) -> SlotStart:
     assert r.prefix_pages is not None
     st = SlotStart(r.slot, i32(r.prefix_pages), _device_sampling(req), _ids(req.token_ids_logprob),
                    req.lora.slot if req.lora is not None else 0)  # fmt: skip
+    if len(r.prefix_local):
+        st.prefix_local = i32(r.prefix_local)
     if req.sampling.penalized:
         st.counts_ids, st.counts_origin = i32(req.fill_ids(0, req.fill_len)), req.origin_len
     return st
@@ -79,6 +81,7 @@ def step_msg(batch: ScheduledBatch) -> StepMsg:
         masks=i32(np.stack(list(masks.values()))) if masks else b"",
         prompt=_prompt_positions(rows),
         multistep=batch.multistep,
+        local_pages=i32(np.concatenate([r.new_local for r in rows])) if any(len(r.new_local) for r in rows) else b"",
     )
 
 

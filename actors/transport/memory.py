@@ -10,6 +10,16 @@ before any actor starts, and handed down as a concrete `max_total_tokens` so the
               GPU/TPU, JAX's bytes_limit x tp_size (weights and KV are sharded over tp)
     pool    = min(need, budget), rounded down to pages       (an explicit max_total_tokens wins)
 
+A model that mixes sliding-window and global layers (Gemma 2 and 3) gives its sliding layers a
+pool of their own (kvmem/local.py), `swa_need` = every running request's window plus a prefill
+chunk (ServerArgs.swa_need_tokens: such a pool never refuses a reserve), where that is less than
+the global pool; the budget then pays the global layers' bytes for the global pool and the
+sliding layers' for theirs:
+
+    global x global_bytes + min(swa_need, global) x sliding_bytes <= budget bytes
+
+(an explicit max_swa_tokens wins; 0 turns the local pool off).
+
 SGLang sizes its pool by the fraction alone and derives the running requests from it; ringserve's
 running requests and context are flags of their own, so the fraction is a cap and a pool never
 outgrows what they can use (`ringserve serve --context-length 512 --max-running-requests 16`
@@ -54,15 +64,22 @@ class PoolSize:
     weight_bytes: int
     group_memory_bytes: int | None  # the memory one group's weights + KV may take a share of
     mem_fraction_static: float
+    swa_tokens: int = 0  # the sliding layers' own pool (kvmem/local.py); 0: none, they share the global one
+    swa_bytes_per_token: int = 0  # the sliding layers' share of kv_bytes_per_token (with swa_tokens)
 
     @property
     def kv_bytes(self) -> int:
-        return self.max_total_tokens * self.kv_bytes_per_token
+        if not self.swa_tokens:
+            return self.max_total_tokens * self.kv_bytes_per_token
+        glob = self.kv_bytes_per_token - self.swa_bytes_per_token
+        return self.max_total_tokens * glob + self.swa_tokens * self.swa_bytes_per_token
 
     def summary(self) -> str:
         gib = 1 << 30
+        swa = (f" (the sliding layers' {self.swa_bytes_per_token:,} B in their own pool of {self.swa_tokens:,} tokens)"
+               if self.swa_tokens else "")  # fmt: skip
         return (f"{self.max_total_tokens:,} tokens = {self.kv_bytes / gib:.2f} GiB at {self.kv_bytes_per_token:,} B a "
-                f"token (sized by {self.sized_by}: need {self.need_tokens:,}, mem_fraction_static "
+                f"token{swa} (sized by {self.sized_by}: need {self.need_tokens:,}, mem_fraction_static "
                 f"{self.mem_fraction_static:g} allows {'?' if self.budget_tokens is None else f'{self.budget_tokens:,}'})")  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,15 +98,29 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
     kv_token = fp.kv_bytes_per_token(args.dtype, args.attention_backend, plat, args.tp_size)  # the backend's layout
     weights = fp.weight_bytes(args.dtype, args.quantization)
     need = need_tokens(args)
+    if args.max_swa_tokens and not fp.sliding_layers:
+        raise ValueError(f"max_swa_tokens={args.max_swa_tokens}: the model does not mix sliding-window and global "
+                         "layers; leave it unset")  # fmt: skip
+    swa_token = fp.kv_bytes_per_token(args.dtype, args.attention_backend, plat, args.tp_size, layers=fp.sliding_layers)
+    swa_need = 0
+    if fp.sliding_layers and args.max_swa_tokens is None:
+        swa_need = args.replace(swa_window=fp.sliding_window).swa_need_tokens
     budget = None
     if group_memory_bytes is not None:
-        budget = max(0, int(fraction * group_memory_bytes) - weights) // kv_token // args.page_size * args.page_size
+        room = max(0, int(fraction * group_memory_bytes) - weights)
+        budget = room // kv_token // args.page_size * args.page_size
+        if swa_need:  # the global pool when the sliding layers keep swa_need tokens of their own
+            split = (room - swa_need * swa_token) // (kv_token - swa_token) // args.page_size * args.page_size
+            budget = split if split > swa_need else budget
     if args.max_total_tokens is not None:
         tokens, by = args.max_total_tokens, "max_total_tokens"
     elif args.multihost or budget is None:
         tokens, by = need, "need"
     else:
         tokens, by = (need, "need") if need <= budget else (budget, "mem_fraction_static")
+    swa = args.max_swa_tokens or 0
+    if swa_need:  # the sliding layers' own pool where it is smaller than the global one
+        swa = swa_need if swa_need < tokens else 0
     least = args.min_pages * args.page_size
     where = (f"mem_fraction_static={fraction:g} x {group_memory_bytes:,} B of "
              f"{memory_name(plat)} - {weights:,} B of weights "
@@ -104,7 +135,8 @@ def size_pool(args: ServerArgs, fp: Footprint, plat: str, group_memory_bytes: in
         raise ValueError(f"max_total_tokens: on many hosts the KV pool is sized by need, max_running_requests="
                          f"{args.max_running_requests} x context_length={args.context_length} = {need:,} tokens, "
                          f"but this host holds {where}; lower them or set max_total_tokens")  # fmt: skip
-    return PoolSize(tokens, by, need, budget, kv_token, weights, group_memory_bytes, fraction)
+    return PoolSize(tokens, by, need, budget, kv_token, weights, group_memory_bytes, fraction, swa,
+                    swa_token if swa else 0)  # fmt: skip
 
 
 def group_memory(args: ServerArgs, plat: str, env: Mapping[str, str] | None = None) -> int | None:
@@ -126,4 +158,5 @@ def resolve_memory(args: ServerArgs, model_path: str | Path,
         log.warning("the %s memory could not be told: the KV pool is sized by need alone (%s tokens)",
                     plat, f"{pool.need_tokens:,}")  # fmt: skip
     return args.for_platform(plat).replace(max_total_tokens=pool.max_total_tokens,
-                               mem_fraction_static=pool.mem_fraction_static), pool  # fmt: skip
+                               mem_fraction_static=pool.mem_fraction_static, max_swa_tokens=pool.swa_tokens,
+                               swa_window=fp.sliding_window if pool.swa_tokens else args.swa_window), pool  # fmt: skip

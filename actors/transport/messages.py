@@ -234,6 +234,7 @@ class SlotStart(msgspec.Struct, **_S):
     # slot's token counts start from (model/runtime/sampler.py); empty otherwise
     counts_ids: bytes = b""  # int32
     counts_origin: int = 0
+    prefix_local: bytes = b""  # int32 its local page table (sliding layers' own pages, kvmem/local.py); 0: dropped
 
 
 class PromptPositions(msgspec.Struct, **_S):
@@ -255,6 +256,8 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
 
         row r:  slots[r], committed[r], tokens[ts[r]:ts[r+1]], pages[ps[r]:ps[r+1]], keep[r]
                 (ts / ps: running sums of token_counts / page_counts)
+                local_pages[ps[r]:ps[r+1]]: the local pages appended with them, where the
+                sliding layers have their own (kvmem/local.py); empty otherwise
 
     A token id `-(slot + 1)` (FUTURE) is the token the slot sampled last: the runner reads it from
     the FutureMap on device. Extend rows carry ids, a decode row is [FUTURE], a verify round
@@ -288,6 +291,7 @@ class StepMsg(msgspec.Struct, tag="step", **_S):
     masks: bytes = b""  # int32 [M, 1 + drafts, W] their allowed tokens, packed bits
     prompt: PromptPositions | None = None  # the prompt positions whose logprobs rows want
     multistep: bool = False  # the rows are 1 + drafts decode steps run one after another (exact lengths)
+    local_pages: bytes = b""  # int32 [sum of page_counts] the sliding layers' pages appended (or empty)
 
 
 class RunnerShutdown(msgspec.Struct, tag="shutdown", **_S):

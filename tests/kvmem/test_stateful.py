@@ -291,6 +291,11 @@ class KVMachine(RuleBasedStateMachine):
         again = self.admit(r.tokens, r.kv.extra_key, None)
         assert again is not None and again.kv.slot == r.kv.slot  # the slot it just gave back
 
+    @rule()
+    def begin_step(self):
+        """The scheduler plans its next step (a local sweep may then drop what earlier ones read)."""
+        self.c.begin_step()
+
     @rule(sid=st.sampled_from(SESSIONS))
     def close_session(self, sid):
         if sid in self.s.kept:
