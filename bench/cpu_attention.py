@@ -72,8 +72,8 @@ def run_case(kind: str, b: int, n: int, dtype: str, layers: int, repeats: int, p
 
     def one(q, k, v, layer, table, row_start, kv_len, positions):
         return jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-            q, k, v, table, row_start, kv_len, positions, layer, np.int32(0),
-            num_pages=np.int64(pages), scale=np.float32(d**-0.5), softcap=np.float32(0))  # fmt: skip
+            q, k, v, table, row_start, kv_len, positions, layer * pages, np.int32(0),  # the layer's base page
+            scale=np.float32(d**-0.5), softcap=np.float32(0))  # fmt: skip
 
     @jax.jit
     def step(q, k, v, table, row_start, kv_len, positions):

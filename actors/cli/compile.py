@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from ringserve.model.checkpoints.config_shapes import NAMES
-from ringserve.model.checkpoints.footprint import Footprint
+from ringserve.model.checkpoints.footprint import footprint_of
 
 
 def parser() -> argparse.ArgumentParser:
@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
     if server.max_total_tokens is None:  # sized as the server sizes it, against the chips' HBM
         need = server.replace(max_total_tokens=server.min_pages * server.page_size)
         ex = AbstractExecutor(mc, executor_config(need), topo.devices)
-        fp = Footprint(mc.num_layers, mc.num_kv_heads, mc.head_dim, ex.num_params(), mc.num_heads)
+        fp = footprint_of(mc, ex.num_params())
         pool = size_pool(server, fp, "tpu", chip.hbm_bytes * server.tp_size)
         if pool.kv_bytes_per_token != ex.kv_layout_bytes_per_token():  # the sizing's rules and the arrays' disagree
             raise RuntimeError(f"ringserve compile: the server sizes {ex.plan.attention}'s KV at {pool.kv_bytes_per_token:,} B "

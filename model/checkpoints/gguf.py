@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ringserve.model.checkpoints.footprint import Footprint, sliding_of
 from ringserve.model.checkpoints.gguf_rope import rope_parameters
 from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
@@ -248,16 +249,29 @@ def _moe_config(meta: _Meta, arch: str, moe: GGUFMoe) -> dict[str, Any]:
     return out
 
 
-def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int, int]:
-    """(layers, KV heads, head_dim, weight elements, query heads) from a GGUF's metadata and tensor shapes,
-    nothing dequantized (model/checkpoints/footprint.py)."""
+def read_gguf_footprint(path: str | Path) -> Footprint:
+    """A GGUF's footprint from its metadata and tensor shapes, nothing dequantized
+    (model/checkpoints/footprint.py): the sliding layers and window as the family reads them
+    from the metadata for its config (Gemma's window and layer pattern)."""
     meta = _open(Path(path))
-    arch, _ = _family(meta)
+    arch, fam = _family(meta)
+    assert fam.gguf is not None
     heads = int(meta.need(f"{arch}.attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta.need(f"{arch}.embedding_length")) // heads)
+    hidden = int(meta.need(f"{arch}.embedding_length"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    layers = int(meta.need(f"{arch}.block_count"))
     params = sum(int(np.prod(t.shape)) for t in meta.reader.tensors if t.name != _ROPE_FREQS)
-    return int(meta.need(f"{arch}.block_count")), kv_heads, head_dim, params, heads
+    sliding = 0, 0
+    if fam.gguf.read_config is not None:  # (the families whose files carry windows)
+        cfg: dict[str, Any] = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+                               "head_dim": head_dim}  # fmt: skip
+        cfg |= fam.gguf.read_config(meta.get, cfg) | fam.gguf.config
+        opts = fam.options(cfg, str(path))
+        if opts.get("sliding_window"):
+            slides = opts.get("sliding_layers") or (True,) * layers
+            sliding = sliding_of(tuple(opts["sliding_window"] if s else 0 for s in slides))
+    return Footprint(layers, kv_heads, head_dim, params, heads, *sliding)
 
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> tuple[str, int | None] | None:

@@ -75,6 +75,7 @@ class ProgramShapes:
 
     page_size: int = 16
     num_pages: int = 2048  # including the sink page 0
+    local_pages: int = 0  # pages of each sliding layer's own space, sink included (mixed models); 0: none
     max_context_len: int = 4096
     max_batch: int = 64  # largest decode bucket (= max running requests)
     max_extend_tokens: int = 1024  # largest extend bucket, in packed tokens
@@ -148,6 +149,9 @@ class DeviceRow:
     logprob_targets: np.ndarray | None = None  # int32 [n]: the token after each of tokens [start, start + n)
     logprob_ids: np.ndarray | None = None  # int32 [<= K] token_ids_logprob of the request
     lora_slot: int = 0  # the request's LoRA adapter slot in the pool (model/weights/lora.py); 0 = none
+    # int32 page table of the sliding layers' own space (ProgramShapes.local_pages > 0), indexed as
+    # `pages`; entries of pages wholly before every query's window may be stale (another's page)
+    local_pages: np.ndarray | None = None
 
     @property
     def extend_len(self) -> int:
@@ -167,6 +171,9 @@ class ForwardBatch(NamedTuple):
     sample_idx: Arr  # [R * k1] int32 flat index of each row's last k1 tokens (k1 = max(1, verify))
     sample_slot: Arr  # [R] int32 future slot that receives the row's sampled token (sink = last)
     attn: dict[str, Arr]  # the attention backend's own per-step inputs (its `plan`)
+    # with a local page space (ProgramShapes.local_pages > 0; else None): the sliding layers'
+    local_pages: Arr = None  # [R, max_pages] int32 page table of each row (stale before the window)
+    local_out_loc: Arr = None  # [T] int32 token location to write (0 = sink for padding)
 
 
 class RowSampling(NamedTuple):
@@ -393,11 +400,13 @@ def build_batch(
     ok: Callable[[StepShape], bool] | None = None,
     logprob_ids: int = 0,
     multistep: bool = False,
+    local: bool = False,
 ) -> HostBatch:
     """`verify` = k + 1: the rows are verify rounds of that many tokens (sampled at each), or
     with `multistep` that many decode steps run one after another on the device; `ok`: which
     shapes may be picked (default: any); `logprob_ids`: K, the token_ids_logprob columns
-    compiled in."""
+    compiled in; `local`: the programs have a local page space (every row carries its
+    `local_pages`, the batch its local table and token locations)."""
     if multistep and not verify:
         raise ValueError("a multi-step decode names its steps (verify = steps)")
     if not rows:
@@ -438,13 +447,24 @@ def build_batch(
     loc = np.zeros(t, np.int32)
     p = pos[:total].astype(np.int64)
     loc[:total] = pages[tok_row, p // page_size].astype(np.int64) * page_size + p % page_size
+    local_pages = local_loc = None
+    if local:
+        local_pages = np.zeros((nr, max_pages), np.int32)
+        for i, r in enumerate(rows):
+            if r.local_pages is None or len(r.local_pages) < need_pages[i]:
+                got = "none" if r.local_pages is None else len(r.local_pages)
+                raise ValueError(f"row needs {need_pages[i]} local pages for {kv_len[i]} tokens, got {got}")
+            local_pages[i, : need_pages[i]] = r.local_pages[: need_pages[i]]
+        local_loc = np.zeros(t, np.int32)
+        local_loc[:total] = local_pages[tok_row, p // page_size].astype(np.int64) * page_size + p % page_size
     kv = np.zeros(nr, np.int32)
     kv[:n] = kv_len
     sample_idx = np.zeros((nr, k1), np.int32)
     sample_idx[:n] = start[1 : n + 1, None] - k1 + np.arange(k1)[None, :]
     sample_slot = np.full(nr, sink_slot, np.int32)
     sample_slot[:n] = [r.future_slot if r.future_slot >= 0 else sink_slot for r in rows]
-    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {})
+    fwd = ForwardBatch(ids, pos, loc, start, kv, pages, np.array([n], np.int32), sample_idx.ravel(), sample_slot, {},
+                       local_pages, local_loc)  # fmt: skip
     smp = _row_sampling(rows, nr, k1)
     lb, n_pos = _logprob_batch(rows, start, buckets.positions(shape), nr, logprob_ids)
     lora_slot = np.zeros(nr, np.int32)

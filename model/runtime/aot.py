@@ -107,16 +107,23 @@ class AbstractExecutor(ModelExecutor):
         return sum(_shard_bytes(a) for a in jax.tree.leaves(self.params_avals))
 
     def kv_layout_bytes_per_token(self) -> int:
-        """KV bytes one token holds on all chips together, in the backend's layout (padding included)."""
+        """KV bytes one token holds in every layer on all chips together, in the backend's layout
+        (padding included)."""
         kv, _ = self.kv_avals
-        tokens = self.cfg.shapes.num_pages * self.cfg.shapes.page_size
-        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in kv) // tokens
+        geo = self.attn.geo
+        total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in kv)
+        return total * geo.num_layers // self._places()
 
     def kv_bytes_per_token(self) -> float:
-        """KV bytes one token holds on one chip, in the backend's layout (padding included)."""
+        """KV bytes one token holds in every layer on one chip, in the backend's layout (padding included)."""
         kv, _ = self.kv_avals
-        tokens = self.cfg.shapes.num_pages * self.cfg.shapes.page_size
-        return sum(_shard_bytes(a) for a in kv) / tokens
+        return sum(_shard_bytes(a) for a in kv) * self.attn.geo.num_layers / self._places()
+
+    def _places(self) -> int:
+        """The KV arrays' token places: total_pages x page_size, every layer's pages (a local
+        page space's included), each place one layer's K and V of a token."""
+        geo = self.attn.geo
+        return geo.total_pages * geo.page_size
 
 
 def _shard_bytes(a: Any) -> int:

@@ -203,7 +203,9 @@ class ModelExecutor:
 
     def _build_model(self, mc: ModelConfig) -> None:
         """The attention backend, the model and the logits' vocabulary split of `mc` as the plan
-        says: the server's and `ringserve compile`'s alike (model/runtime/aot.py)."""
+        says: the server's and `ringserve compile`'s alike (model/runtime/aot.py). ValueError
+        where the shapes give a local page space to a model that does not mix sliding and
+        global layers (AttnGeometry)."""
         shapes, plan = self.cfg.shapes, self.plan
         geo = AttnGeometry(
             num_layers=mc.num_layers, num_pages=shapes.num_pages, page_size=shapes.page_size,
@@ -211,7 +213,7 @@ class ModelExecutor:
             max_pages=shapes.max_pages, dtype=plan.jnp_dtype, windows=mc.layer_windows,
             softcap=mc.attn_logit_softcap,
             query_scale=None if mc.query_pre_attn_scalar is None else mc.query_pre_attn_scalar**-0.5,
-            deterministic=plan.deterministic,
+            deterministic=plan.deterministic, local_pages=shapes.local_pages,
         )  # fmt: skip
         self.attn: AttentionBackend = plan.make_backend(geo, self.mesh)
         if shapes.decode_steps > 1 and self.attn.plan_avals(Buckets.multistep_shape(2, shapes.decode_steps)):
@@ -324,7 +326,7 @@ class ModelExecutor:
         """The abstract arguments the program of `shape` compiles against."""
         fwd, smp, lb, row_slot = step_avals(shape, self.attn.plan_avals(shape), self.cfg.shapes.max_pages,
                                             replicated(self.mesh), self.mask_words, self.cfg.shapes.token_ids_logprob_num,
-                                            self.buckets.positions(shape))  # fmt: skip
+                                            self.buckets.positions(shape), self.attn.geo.local_pages > 0)  # fmt: skip
         kv, future = self.kv_avals
         lora = LoraBatch(row_slot, self.lora_avals) if self.lora is not None else None
         return (self.params_avals, kv, future, fwd, smp, lb, lora)
@@ -410,7 +412,7 @@ class ModelExecutor:
             seen = len(self.programs.compiled)  # (a program compiled after this is one more to try)
             try:
                 hb = build_batch(rows, self.buckets, self.cfg.shapes.page_size, self.cfg.shapes.max_pages, self.max_slots, verify, ok,
-                                 self.cfg.shapes.token_ids_logprob_num, multistep)  # fmt: skip
+                                 self.cfg.shapes.token_ids_logprob_num, multistep, self.attn.geo.local_pages > 0)  # fmt: skip
             except NoProgramYet as e:  # (CPU: a prefill longer than the smallest program's) compiled here, now
                 if self._compile_best(e.smallest, need, loaded_only=False) or self.programs.wait_for_more(seen):
                     continue

@@ -56,11 +56,12 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path:
 
 def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sharding: Any,
                mask_words: int, logprob_ids: int = 0,
-               positions: int = 0) -> tuple[ForwardBatch, RowSampling, LogprobBatch, Any]:  # fmt: skip
+               positions: int = 0, local: bool = False) -> tuple[ForwardBatch, RowSampling, LogprobBatch, Any]:  # fmt: skip
     """The abstract inputs of a step program of `shape` (what `build_batch` makes, on device);
     every program takes a grammar mask of `mask_words` (ceil(V / 32)) words per sample and
     `logprob_ids` (K) token_ids_logprob per row; an extend program also takes `positions` (P,
-    `Buckets.positions`) prompt positions to read logprobs at. The last: each row's LoRA adapter
+    `Buckets.positions`) prompt positions to read logprobs at; with `local` (a local page space)
+    the sliding layers' page tables and token locations. The last: each row's LoRA adapter
     slot ([R] int32; used only when the executor serves adapters)."""
 
     def spec(shp: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -73,6 +74,7 @@ def step_avals(shape: StepShape, plan_avals: dict[str, Any], max_pages: int, sha
         row_start=spec((r + 1,), i32), kv_len=spec((r,), i32), pages=spec((r, max_pages), i32),
         num_rows=spec((1,), i32), sample_idx=spec((r * k1,), i32), sample_slot=spec((r,), i32),
         attn={k: spec(a.shape, a.dtype) for k, a in plan_avals.items()},
+        local_pages=spec((r, max_pages), i32) if local else None, local_out_loc=spec((t,), i32) if local else None,
     )  # fmt: skip
     smp = RowSampling(
         temperature=spec((r,), f32), top_k=spec((r,), i32), top_p=spec((r,), f32), min_p=spec((r,), f32),

@@ -125,6 +125,7 @@ def make_step(model: CausalLM, sample_group: int | None, fixed_rows: int | None,
             params = jax.lax.optimization_barrier(params)
             at = first + j
             dfb = fb._replace(input_ids=ids, positions=fb.positions[at], out_loc=fb.out_loc[at],
+                              local_out_loc=None if fb.local_out_loc is None else fb.local_out_loc[at],
                               row_start=jnp.minimum(jnp.arange(r + 1), n).astype(jnp.int32),
                               kv_len=jnp.where(real, fb.kv_len - (k1 - 1) + j, 0), sample_idx=jnp.arange(r, dtype=jnp.int32))  # fmt: skip
             h, kv, experts = forward(params, ids, dfb, kv, lora)
@@ -155,7 +156,7 @@ def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> For
     """A verify program's rows moved to their slots' true lengths (the FutureMap's positions).
 
     The host planned each round at a bound on the slot's length (its rounds in flight taken as
-    all accepted); positions, token locations, kv_len and the attention plan move down by the
+    all accepted); positions, token locations (local ones too), kv_len and the attention plan move down by the
     difference. The pages the bound covers are a superset of what the true length needs."""
     t, r, ps = fb.input_ids.shape[0], fb.kv_len.shape[0], model.attn.geo.page_size
     n = fb.num_rows[0]
@@ -165,10 +166,14 @@ def at_true_positions(model: CausalLM, fb: ForwardBatch, fpos: jax.Array) -> For
     tok_row = jnp.clip(jnp.searchsorted(fb.row_start, flat, side="right") - 1, 0, r - 1)
     real_tok = flat < fb.row_start[n]
     positions = fb.positions - jnp.where(real_tok, shift[tok_row], 0)
-    loc = fb.pages[tok_row, positions // ps] * ps + positions % ps
+
+    def locations(pages: jax.Array, planned: jax.Array) -> jax.Array:
+        return jnp.where(real_tok, pages[tok_row, positions // ps] * ps + positions % ps, planned)
+
+    local = None if fb.local_pages is None else locations(fb.local_pages, fb.local_out_loc)
     return fb._replace(
-        positions=positions, out_loc=jnp.where(real_tok, loc, fb.out_loc), kv_len=fb.kv_len - shift,
-        attn=model.attn.shift_plan(fb.attn, shift),
+        positions=positions, out_loc=locations(fb.pages, fb.out_loc), kv_len=fb.kv_len - shift,
+        attn=model.attn.shift_plan(fb.attn, shift), local_out_loc=local,
     )  # fmt: skip
 
 

@@ -145,8 +145,8 @@ def _kernel_case(d: int, bits: bool, seed: int = 0, heads: tuple[int, int] = (6,
         k, v = jnp.asarray(kf), jnp.asarray(vf)
     scale = 1.0 / np.sqrt(d)
     call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = np.asarray(call(jnp.asarray(q).astype(jnp.bfloat16) if q_bf16 else q, k, v, pages, row_start, kv_len, positions, np.int32(1), np.int32(0),
-                          num_pages=np.int64(num_pages), scale=np.float32(scale), softcap=np.float32(0)))  # fmt: skip
+    out = np.asarray(call(jnp.asarray(q).astype(jnp.bfloat16) if q_bf16 else q, k, v, pages, row_start, kv_len, positions, np.int32(num_pages), np.int32(0),
+                          scale=np.float32(scale), softcap=np.float32(0)))  # fmt: skip
     ref = np.zeros_like(out)
     for r in range(4):
         ids = [pages[r, j // s] + num_pages for j in range(kv_len[r])]  # layer 1's pages
@@ -320,8 +320,8 @@ def _pairs_case(d, heads=(6, 2), window=0, kv_len=(37, 40, 32, 0), new=(1, 21, 1
                 pages=pages, row_start=row_start, kv_len=kv_len, positions=positions)  # fmt: skip
     if env is None:
         call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        out = np.asarray(call(*(jnp.asarray(a) for a in args.values()), np.int32(1), np.int32(window),
-                              num_pages=np.int64(num_pages), scale=np.float32(scale), softcap=np.float32(0)))  # fmt: skip
+        out = np.asarray(call(*(jnp.asarray(a) for a in args.values()), np.int32(num_pages), np.int32(window),
+                              scale=np.float32(scale), softcap=np.float32(0)))  # fmt: skip
     else:
         out = _pairs_in_process(args, num_pages, window, scale, env)
     ref, ref16 = np.zeros_like(out), np.zeros_like(out)
@@ -355,7 +355,7 @@ def _pairs_in_process(args, num_pages, window, scale, env):
             "q = jnp.asarray(a['q']) if a['q'].dtype == np.float32 else jax.lax.bitcast_convert_type(jnp.asarray(a['q']), jnp.bfloat16)\n"
             "call = jax.ffi.ffi_call(cpu_attention.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))\n"
             "out = call(q, *(jnp.asarray(a[n]) for n in ('k', 'v', 'pages', 'row_start', 'kv_len', 'positions')),"
-            f" np.int32(1), np.int32({window}), num_pages=np.int64({num_pages}), scale=np.float32({scale!r}),"
+            f" np.int32({num_pages}), np.int32({window}), scale=np.float32({scale!r}),"
             " softcap=np.float32(0))\n"
             "np.save(sys.argv[2], np.asarray(out))\n"
             "print(cpu_attention.uses_amx())\n"

@@ -230,16 +230,19 @@ def test_tiny_gguf_gives_the_same_config_and_logits_as_the_directory(tiny_dir, t
     np.testing.assert_array_equal(first_logits(path, prompt), first_logits(src, prompt))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_a_ggufs_footprint_is_its_directorys(tiny_dir, tmp_path, family):
     """What the KV pool is sized from (model/checkpoints/footprint.py), read from metadata and
-    tensor shapes only: the same as the directory's (llama: rope_freqs is no weight)."""
+    tensor shapes only: the same as the directory's (llama: rope_freqs is no weight), Gemma's
+    sliding layers and window included (the local page space's share)."""
     from ringserve.model.checkpoints.footprint import read_footprint
 
     src = tiny_dir(family)
     fp = read_footprint(write_gguf(src, tmp_path / f"{family}.gguf"))
     assert fp == read_footprint(src)
     assert fp.num_params == sum(a.size for a in load_checkpoint(src)[1].values())
+    assert (fp.sliding_layers, fp.sliding_window) == {"gemma2": (2, 24), "gemma3": (3, 24)}.get(family, (0, 0))
+    assert fp.kv_bytes_per_token("float32", layers=1) * fp.num_layers == fp.kv_bytes_per_token("float32")
 
 
 def test_permuted_rows_are_not_a_no_op(tiny_dir, tmp_path):

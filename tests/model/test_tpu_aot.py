@@ -64,6 +64,22 @@ def test_ragged_replicates_kv_heads_over_tp():
         assert r["temp_mib"] < 2 * r["kv_mib"], r
 
 
+# Gemma 3 1B's attention (4 heads, 1 KV head of 256, window 512) with a local page space for its
+# sliding layer: one local and one global layer, the layer traced (the scanned loop picks the
+# page space and the window at run time)
+GEMMA3 = {"heads": 4, "kv_heads": 1, "head_dim": 256, "page": 64, "context": 4096, "windows": [512, 0],
+          "geometry": {"local_pages": 257}, "traced_layer": True,
+          "programs": [[256, 256], [4096, 256]]}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["pallas_ragged", "pallas"])
+def test_local_page_space_compiles(backend):
+    recs = aot(GEMMA3 | {"topology": "v6e:1x1", "backend": backend})
+    assert [(r["tokens"], r["ok"]) for r in recs] == [(256, True), (4096, True)], [r["error"] for r in recs]
+    for r in recs:  # the write and the kernel still work in place
+        assert r["cache_copies"] == 0 and r["temp_mib"] < 2 * r["kv_mib"], r
+
+
 # Qwen3-30B-A3B's layer, reduced: 16 experts of 8 a token (2 a device at ep 8), 4 KV heads over tp 8
 MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
        "attention_bias": False, "rms_norm_eps": 1e-6, "dtype": "bfloat16", "vocab_size": 4096, "hidden_size": 512,

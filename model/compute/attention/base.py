@@ -8,18 +8,32 @@ A backend owns four things, so that the model never knows which one runs:
     attend(q, kv, layer, fb)     in the graph: [T, Hq, D] outputs of the step's query tokens
 
 The forward runs the layers under one `lax.scan`, so `layer` is a traced scalar and the cache
-arrays hold every layer: a backend reads layer l's pages by offsetting page ids by
-`l * num_pages` (never by slicing a layer out, which would copy it).
+arrays hold every layer: a backend reads layer l's pages by offsetting page ids by its base,
+`AttnGeometry.layer_base(l)` (never by slicing a layer out, which would copy it).
 
 Paged layout (native, bucketed, pallas_gpu, none):
 
-    k, v : [Hkv, num_layers * num_pages, page_size, D]      (sharded over Hkv on a `tp` mesh)
-           page p of layer l is index l * num_pages + p; page 0 of every layer is the sink that
+    k, v : [Hkv, total_pages, page_size, D]      (sharded over Hkv on a `tp` mesh)
+           page p of layer l is index layer_base(l) + p; page 0 of every layer is the sink that
            padding tokens write to and nothing reads.
     token location (ForwardBatch.out_loc) = page * page_size + offset, within one layer.
 
-The native backend keeps V so and stores K key-major within a page, [Hkv, L * P, D, page_size]
-(same page ids and token locations): its CPU score product then reads a gathered chunk as is.
+The page axis is every layer's own page space, one after another. Without a local space
+(`local_pages` 0) each layer has `num_pages` and base(l) = l * num_pages. With one (Gemma's
+mixed local and global layers: the scheduler keeps a sliding layer's pages only near its
+window), a sliding layer (window > 0) has `local_pages` pages of its own space, addressed by
+its own page table (ForwardBatch.local_pages) and token locations (local_out_loc):
+
+    windows      (w,        0,          w,         0)
+    page axis    | local_pages | num_pages | local_pages | num_pages |      total_pages
+    base         0           LP          LP + P      2LP + P
+
+A local table's entries for pages wholly before every query's window may be stale (another
+request's page now): a backend writes a sliding layer's K/V only at local_out_loc and gives a
+key outside the window no weight (masked; it may read whatever finite values are there).
+Stale ids are still within [0, local_pages). `AttnGeometry.select` picks the layer's table or
+locations, `layer_pages` / `layer_page_slot` add the base, for a Python layer (the unrolled
+loop) and a traced one alike.
 
 Per-step inputs every backend sees (ForwardBatch, built in model/compute/step_inputs.py): the new
 tokens packed densely (row r owns flat tokens row_start[r]:row_start[r+1]), their positions and
@@ -64,6 +78,75 @@ class AttnGeometry:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     query_scale: float | None = None  # the scores' scale where it is not head_dim ** -0.5 (Gemma)
     deterministic: bool = False  # contractions as products and sums whose order no shape changes
+    local_pages: int = 0  # pages of each sliding layer's own space, sink included; 0: they share the global ids
+
+    def __post_init__(self) -> None:
+        if self.local_pages and not self.mixed_windows:
+            raise ValueError(f"local_pages={self.local_pages}: a local KV page space is for models that mix sliding-"
+                             f"window and global layers; this model's layer windows are {self.windows}")  # fmt: skip
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers slide (window > 0) and some attend to every key."""
+        return self.windows is not None and any(self.windows) and not all(self.windows)
+
+    @property
+    def layer_page_counts(self) -> tuple[int, ...]:
+        """Pages of each layer's own space (the sink included)."""
+        if not self.local_pages:
+            return (self.num_pages,) * self.num_layers
+        assert self.windows is not None
+        return tuple(self.local_pages if w else self.num_pages for w in self.windows)
+
+    @property
+    def total_pages(self) -> int:
+        """Length of the caches' page axis: every layer's space (the module docstring)."""
+        return sum(self.layer_page_counts)
+
+    def is_local(self, layer: jax.Array | int) -> jax.Array | bool:
+        """Whether layer `layer` reads and writes the local page space (a Python bool for a
+        Python layer, else a traced one); False for every layer without a local space."""
+        if not self.local_pages:
+            return False
+        assert self.windows is not None
+        if isinstance(layer, int):
+            return self.windows[layer] > 0
+        return jnp.asarray([w > 0 for w in self.windows])[layer]
+
+    def layer_base(self, layer: jax.Array | int) -> jax.Array | int:
+        """Index of layer `layer`'s page 0 on the caches' page axis: l * num_pages without a
+        local space, else the sum of the earlier layers' page counts."""
+        if not self.local_pages:
+            return layer * self.num_pages
+        bases = np.cumsum((0,) + self.layer_page_counts[:-1])
+        if isinstance(layer, int):
+            return int(bases[layer])
+        return jnp.asarray(bases, jnp.int32)[layer]
+
+    def select(self, layer: jax.Array | int, glob: Any, local: Any) -> Any:
+        """Layer `layer`'s own of a (global, local) pair of page tables or token locations:
+        `local` where the layer is local, else `glob` (as is without a local space)."""
+        if not self.local_pages:
+            return glob
+        if isinstance(layer, int):
+            return local if self.is_local(layer) else glob
+        return jnp.where(self.is_local(layer), local, glob)
+
+    def layer_pages(self, layer: jax.Array | int, pages: jax.Array, local_pages: jax.Array | None) -> jax.Array:
+        """Layer `layer`'s page table (global `pages` or `local_pages`, [..., n]) as indices on
+        the caches' page axis."""
+        return self.select(layer, pages, local_pages) + self.layer_base(layer)
+
+    def layer_page_slot(self, layer: jax.Array | int, fb: Any) -> tuple[jax.Array, jax.Array]:
+        """Where the step's new tokens go in layer `layer`: (index on the caches' page axis,
+        slot within the page), from fb.out_loc or, for a local layer, fb.local_out_loc."""
+        loc = self.select(layer, fb.out_loc, fb.local_out_loc)
+        return loc // self.page_size + self.layer_base(layer), loc % self.page_size
+
+    def layer_loc(self, layer: jax.Array | int, fb: Any) -> jax.Array:
+        """Where the step's new tokens go in layer `layer` as token indices on the flattened
+        [total_pages * page_size] axis."""
+        return self.select(layer, fb.out_loc, fb.local_out_loc) + self.layer_base(layer) * self.page_size
 
     @property
     def scale(self) -> float:
@@ -126,7 +209,7 @@ class AttentionBackend:
     # ---- the cache ----------------------------------------------------------------------------
     def kv_avals(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         g = self.geo
-        shape = (g.num_kv_heads, g.num_layers * g.num_pages, g.page_size, g.head_dim)
+        shape = (g.num_kv_heads, g.total_pages, g.page_size, g.head_dim)
         return jax.ShapeDtypeStruct(shape, g.dtype), jax.ShapeDtypeStruct(shape, g.dtype)
 
     def kv_specs(self, tp: int) -> tuple[PartitionSpec, PartitionSpec]:
@@ -166,10 +249,10 @@ class AttentionBackend:
         return self.write_paged(kv[0], k, layer, fb), self.write_paged(kv[1], v, layer, fb)
 
     def write_paged(self, cache: jax.Array, new: jax.Array, layer: jax.Array, fb) -> jax.Array:
-        """new [T, Hkv, D] into a cache of the paged layout [Hkv, L*P, page, D]."""
+        """new [T, Hkv, D] into a cache of the paged layout [Hkv, total_pages, page, D]."""
         g = self.geo
-        flat = (g.num_kv_heads, g.num_layers * g.num_pages * g.page_size, g.head_dim)
-        loc = fb.out_loc + layer * (g.num_pages * g.page_size)
+        flat = (g.num_kv_heads, g.total_pages * g.page_size, g.head_dim)
+        loc = g.layer_loc(layer, fb)
         upd = cache.reshape(flat).at[:, loc].set(to_kv(jnp.swapaxes(new, 0, 1), cache.dtype, g.dtype))
         return upd.reshape(cache.shape)
 
@@ -193,11 +276,6 @@ def to_kv(new: jax.Array, cache_dtype: Any, dtype: Any) -> jax.Array:
 def from_kv(x: jax.Array, dtype: Any) -> jax.Array:
     """Gathered cache entries back in the compute dtype `dtype` (a no-op unless stored as bits)."""
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
-
-
-def layer_pages(pages: jax.Array, layer: jax.Array, num_pages: int) -> jax.Array:
-    """Page ids of layer `layer` in the stacked cache."""
-    return pages + layer * num_pages
 
 
 class NoAttention(AttentionBackend):

@@ -25,7 +25,7 @@ import numpy as np
 
 import ringserve.model.compute.attention.tiles as tiles
 from ringserve.kvmem.allocator import cdiv
-from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry, StepShape, layer_pages
+from ringserve.model.compute.attention.base import AttentionBackend, AttnGeometry, StepShape
 
 
 def context_buckets(geo: AttnGeometry, smallest: int) -> tuple[int, ...]:
@@ -63,29 +63,33 @@ class BucketedAttention(AttentionBackend):
         raise ValueError(f"a row of {max_kv_len} tokens exceeds the longest context {self.buckets[-1]}")
 
     def plan_avals(self, shape: StepShape) -> dict[str, jax.ShapeDtypeStruct]:
-        pages = cdiv(shape.context, self.geo.page_size)
-        return tiles.tile_avals(shape) | {"tables": jax.ShapeDtypeStruct((shape.rows, pages), jnp.int32)}
+        table = jax.ShapeDtypeStruct((shape.rows, cdiv(shape.context, self.geo.page_size)), jnp.int32)
+        return tiles.tile_avals(shape) | {"tables": table} | ({"local_tables": table} if self.geo.local_pages else {})
 
     def plan(self, fb, shape: StepShape) -> dict[str, np.ndarray]:
-        """The tiles, and the page tables cut to the program's context bucket (its static C)."""
-        return tiles.make_tiles(fb, shape)[0] | {"tables": fb.pages[:, : cdiv(shape.context, self.geo.page_size)]}
+        """The tiles, and the page tables (the local ones too) cut to the program's context bucket
+        (its static C)."""
+        width = cdiv(shape.context, self.geo.page_size)
+        local = {"local_tables": fb.local_pages[:, :width]} if self.geo.local_pages else {}
+        return tiles.make_tiles(fb, shape)[0] | {"tables": fb.pages[:, :width]} | local
 
     def attend(self, q, kv, layer, fb):
         p = fb.attn
-        return attend_static(q, kv, layer, p["tables"], p, self.geo, p["tile_pos"].shape[1], self.chunk_tokens,
+        tables = self.geo.layer_pages(layer, p["tables"], p.get("local_tables"))
+        return attend_static(q, kv, layer, tables, p, self.geo, p["tile_pos"].shape[1], self.chunk_tokens,
                              self.unroll_up_to)  # fmt: skip
 
 
 def attend_static(q, kv, layer, pages, plan, geo: AttnGeometry, block: int, chunk_tokens: int, unroll_up_to: int):
-    """Tiles over keys 0..C-1, C = the pages table's width in tokens (static)."""
+    """Tiles over keys 0..C-1, C = the pages table's width in tokens (static); `pages`: layer
+    `layer`'s table as indices on the caches' page axis (AttnGeometry.layer_pages)."""
     ps = geo.page_size
     c_tokens = pages.shape[1] * ps
     cp = max(1, min(chunk_tokens, c_tokens) // ps)
     n_chunks = cdiv(pages.shape[1], cp)
     qt = tiles.query_tiles(q, plan, geo)[:-1]  # [NT, block, Hkv, G, D]; no sink tile needed
     nt = qt.shape[0]
-    tables = layer_pages(pages, layer, geo.num_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, n_chunks * cp - tables.shape[1])), constant_values=layer * geo.num_pages)
+    tables = jnp.pad(pages, ((0, 0), (0, n_chunks * cp - pages.shape[1])), constant_values=geo.layer_base(layer))
     tables = tables[plan["tile_row"]]  # [NT, n_chunks * cp]
     pos = plan["tile_pos"]
     key_off = jnp.arange(cp * ps, dtype=jnp.int32)

@@ -2,7 +2,9 @@
 
 The cache is the native backend's (K key-major within a page, 16-bit floats stored as bits),
 and so is the write; `attend` hands the step's queries, both caches, the page tables, row
-bounds, key counts and positions to the kernel, which needs no host plan: each query token sees
+bounds, key counts and positions, and the layer's base on the caches' page axis
+(AttnGeometry.layer_base: a sliding layer's own page space and table where there is one) to the
+kernel, which needs no host plan: each query token sees
 keys 0..its position (and its layer's sliding window, an operand) of its row's pages, so verify steps (positions
 moved in the graph, model/runtime/step.py) need nothing of their own. A query's sums run page by page
 in key order whatever the batch, so the deterministic mode is served as it is.
@@ -47,7 +49,7 @@ class CpuKernelAttention(NativeAttention):
         if not self.pairs:
             return super().kv_avals()
         g = self.geo
-        pages, bits = g.num_layers * g.num_pages, kv_bits(g.dtype)
+        pages, bits = g.total_pages, kv_bits(g.dtype)
         return (jax.ShapeDtypeStruct((g.num_kv_heads, pages, g.head_dim // 2, 16, 2), bits),
                 jax.ShapeDtypeStruct((g.num_kv_heads, pages, 8, g.head_dim, 2), bits))  # fmt: skip
 
@@ -61,8 +63,7 @@ class CpuKernelAttention(NativeAttention):
         if not self.pairs:
             return super().write(kv, layer, k, v, fb)
         g = self.geo
-        page = fb.out_loc // g.page_size + layer * g.num_pages
-        slot = fb.out_loc % g.page_size
+        page, slot = g.layer_page_slot(layer, fb)
         t = k.shape[0]
         kb = to_kv(k, kv[0].dtype, g.dtype).reshape(t, g.num_kv_heads, g.head_dim // 2, 2)  # [T, Hkv, D/2, 2]
         k_cache = kv[0].at[:, page, :, slot, :].set(kb)
@@ -82,8 +83,8 @@ class CpuKernelAttention(NativeAttention):
         od = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
         window = g.window(layer)  # an operand: the scanned loop's layer is traced
         out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, od))(
-            qk, kv[0], kv[1], fb.pages, fb.row_start, fb.kv_len, fb.positions,
-            jnp.asarray(layer, jnp.int32), jnp.asarray(0 if window is None else window, jnp.int32),
-            num_pages=np.int64(g.num_pages), scale=np.float32(g.scale), softcap=np.float32(g.softcap or 0),
+            qk, kv[0], kv[1], g.select(layer, fb.pages, fb.local_pages), fb.row_start, fb.kv_len, fb.positions,
+            jnp.asarray(g.layer_base(layer), jnp.int32), jnp.asarray(0 if window is None else window, jnp.int32),
+            scale=np.float32(g.scale), softcap=np.float32(g.softcap or 0),
         )  # fmt: skip
         return out.astype(q.dtype)

@@ -47,7 +47,6 @@ from ringserve.model.compute.attention.base import (
     AttnGeometry,
     StepShape,
     kv_bits,
-    layer_pages,
     to_kv,
 )
 
@@ -73,13 +72,13 @@ class NativeAttention(AttentionBackend):
         chunk of keys is then the [D, chunk] operand the score product wants, no transpose."""
         g = self.geo
         bits = kv_bits(g.dtype)  # 16-bit floats stored as their bits: written and read in place on CPU
-        shape_k = (g.num_kv_heads, g.num_layers * g.num_pages, g.head_dim, g.page_size)
+        shape_k = (g.num_kv_heads, g.total_pages, g.head_dim, g.page_size)
         return jax.ShapeDtypeStruct(shape_k, bits), jax.ShapeDtypeStruct(super().kv_avals()[1].shape, bits)
 
     def write(self, kv, layer, k, v, fb):
         g = self.geo
-        page = fb.out_loc // g.page_size + layer * g.num_pages
-        k_cache = kv[0].at[:, page, :, fb.out_loc % g.page_size].set(to_kv(k, kv[0].dtype, g.dtype))  # k: [T, Hkv, D]
+        page, slot = g.layer_page_slot(layer, fb)
+        k_cache = kv[0].at[:, page, :, slot].set(to_kv(k, kv[0].dtype, g.dtype))  # k: [T, Hkv, D]
         return k_cache, self.write_paged(kv[1], v, layer, fb)
 
     def lanes(self, shape: StepShape) -> int:
@@ -162,9 +161,9 @@ class NativeAttention(AttentionBackend):
         pos = jnp.concatenate([p["tile_pos"], jnp.full((1, b), -1, jnp.int32)])
         # This layer's page tables plus an all-sink row for the sink tile, wide enough that a
         # chunk never slices past a row: [R + 1, max_chunks * cp].
-        tables = layer_pages(fb.pages, layer, g.num_pages)
+        tables = g.layer_pages(layer, fb.pages, fb.local_pages)
         width = self.max_chunks * cp
-        tables = jnp.pad(tables, ((0, 1), (0, width - tables.shape[1])), constant_values=layer * g.num_pages)
+        tables = jnp.pad(tables, ((0, 1), (0, width - tables.shape[1])), constant_values=g.layer_base(layer))
         tile_row = jnp.concatenate([p["tile_row"], jnp.full((1,), tables.shape[0] - 1, jnp.int32)])
         key_off = jnp.arange(self.chunk, dtype=jnp.int32)
         window = g.window(layer)

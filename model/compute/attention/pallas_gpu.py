@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ringserve.kvmem.allocator import cdiv
-from ringserve.model.compute.attention.base import AttnGeometry, StepShape, layer_pages
+from ringserve.model.compute.attention.base import AttnGeometry, StepShape
 from ringserve.model.compute.attention.bucketed import BucketedAttention
 
 
@@ -64,12 +64,12 @@ class PallasGPUAttention(BucketedAttention):
         return {"tables": tables}
 
     def attend(self, q, kv, layer, fb):
-        if "tile_pos" in fb.attn:  # an extend program (or a sliding window): the static path
+        if "tile_pos" in fb.attn:  # an extend program (or a sliding window, a local page space too): the static path
             return super().attend(q, kv, layer, fb)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         g = self.geo
-        tables = layer_pages(fb.attn["tables"], layer, g.num_pages)
+        tables = fb.attn["tables"] + g.layer_base(layer)  # (causal only: no local page space)
         pps = tables.shape[1]
         ppcb = min(self.pages_per_compute_block, pps)
         kernel = functools.partial(

@@ -1,7 +1,8 @@
 """TPU: ringserve's own ragged paged attention kernel (model/compute/attention/tpu_ragged.py) over
 K and V stored with no padding, K|V side by side on the lanes:
 
-    kv : [num_layers * num_pages, Hkv'', page_size, 2 * head_dim]      (sharded over Hkv'' on `tp`)
+    kv : [total_pages, Hkv'', page_size, 2 * head_dim]      (sharded over Hkv'' on `tp`; every
+         layer's page space one after another, base.py's AttnGeometry.layer_base)
 
 Bytes a token (all layers) = num_layers x Hkv'' x 2 x head_dim x itemsize: the real K and V,
 against jax's kernel layout (pallas_tpu.py: heads padded to the packing, head_dim to 128), e.g.
@@ -62,13 +63,14 @@ class PallasRaggedAttention(AttentionBackend):
     # ---- the cache -----------------------------------------------------------------------------
     def kv_avals(self):
         g = self.geo
-        return (jax.ShapeDtypeStruct((g.num_layers * g.num_pages, self.heads, g.page_size, self.lanes), g.dtype),)
+        return (jax.ShapeDtypeStruct((g.total_pages, self.heads, g.page_size, self.lanes), g.dtype),)
 
     def kv_specs(self, tp: int):
         return (P(None, "tp", None, None) if self.tp > 1 else P(),)
 
     def kv_bytes_per_token(self) -> int:
-        """Cache bytes a token takes over all layers (every device's share together)."""
+        """Cache bytes a token takes over all layers (every device's share together), every layer
+        counted (a local page space holds fewer pages, not smaller ones)."""
         g = self.geo
         return g.num_layers * self.heads * self.lanes * jnp.dtype(g.dtype).itemsize
 
@@ -86,8 +88,7 @@ class PallasRaggedAttention(AttentionBackend):
         # flattening reshape of a cache split on its head axis is not a bitcast of any one
         # device's shard, and XLA's partitioner all-gathered the whole pool for it
         # (Qwen3-30B-A3B, 4 KV heads stored 8 times over v6e:2x4: 172 GB of temporaries)
-        page = fb.out_loc // g.page_size + layer * g.num_pages
-        offset = fb.out_loc % g.page_size
+        page, offset = g.layer_page_slot(layer, fb)  # (a local layer's: its own space)
 
         def scatter(cache, rows, page, offset):
             t, h = rows.shape[:2]
@@ -137,7 +138,7 @@ class PallasRaggedAttention(AttentionBackend):
         b = self.blocks(self.query_block(t, r))
         tm = tpu_ragged.TileMap(fb.row_start, fb.kv_len, fb.num_rows, t, b.queries)
         qt = tpu_ragged.query_tiles(q, tm, self.heads, g.scale, self.lanes, g.dtype)
-        tables = fb.pages + layer * g.num_pages
+        tables = g.layer_pages(layer, fb.pages, fb.local_pages)
         window = self.window(layer)
         call = functools.partial(tpu_ragged.paged_call, block=b.queries, soft_cap=self.soft_cap, kv_pages=b.kv_pages,
                                  vmem_limit=b.vmem_limit or None, interpret=self.interpret)  # fmt: skip

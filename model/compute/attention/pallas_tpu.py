@@ -1,8 +1,9 @@
 """TPU: jax's Pallas ragged paged attention kernel
 (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), in the KV layout it wants.
 
-    kv : [num_layers * num_pages, page_size, 2 * Hkv', D']      one array, K and V interleaved
-         along the head axis (K0 V0 K1 V1 ...); page p of layer l at index l * num_pages + p.
+    kv : [total_pages, page_size, 2 * Hkv', D']      one array, K and V interleaved
+         along the head axis (K0 V0 K1 V1 ...); page p of layer l at index layer_base(l) + p
+         (base.py: a sliding layer's own page space where there is one).
 
 The kernel's limits shape the layout: D' is head_dim rounded up to 128 (zero-padded: q.k and
 p.v are unchanged), and the combined head count 2 * Hkv' must tile (2 * Hkv' / packing in
@@ -115,7 +116,7 @@ class PallasTPUAttention(AttentionBackend):
 
     def kv_avals(self):
         g = self.geo
-        shape = (g.num_layers * g.num_pages, g.page_size, 2 * self.tp * self.local_kv_pad, self.d_pad)
+        shape = (g.total_pages, g.page_size, 2 * self.tp * self.local_kv_pad, self.d_pad)
         return (jax.ShapeDtypeStruct(shape, g.dtype),)
 
     def kv_specs(self, tp: int):
@@ -150,7 +151,7 @@ class PallasTPUAttention(AttentionBackend):
         kvn = jnp.stack([self._pad_heads(k, 1), self._pad_heads(v, 1)], axis=2)  # [T, Hkv', 2, D']
         kvn = kvn.reshape(k.shape[0], -1, self.d_pad).astype(cache.dtype)  # K0 V0 K1 V1 ...
         flat = cache.reshape(-1, *cache.shape[2:])
-        loc = fb.out_loc + layer * (g.num_pages * g.page_size)
+        loc = g.layer_loc(layer, fb)
         return (flat.at[loc].set(kvn).reshape(cache.shape),)
 
     def attend(self, q, kv, layer, fb):
@@ -159,7 +160,7 @@ class PallasTPUAttention(AttentionBackend):
         g = self.geo
         t = q.shape[0]
         qp = self._pad_heads(q, g.group)
-        tables = fb.pages + layer * g.num_pages
+        tables = g.layer_pages(layer, fb.pages, fb.local_pages)
         args = (qp, kv[0], fb.kv_len, tables, fb.row_start, fb.num_rows)
 
         def run(window: int | None) -> jax.Array:  # the kernel takes the layer's window static

@@ -2,8 +2,8 @@
 
 Cache layout (one array, K and V side by side on the lane axis):
 
-    kv : [num_layers * num_pages, Hkv', page_size, 2 * D]     lanes 0..D-1 K, D..2D-1 V
-         page p of layer l at index l * num_pages + p, as every backend's
+    kv : [total_pages, Hkv', page_size, 2 * D]     lanes 0..D-1 K, D..2D-1 V
+         page p of layer l at index layer_base(l) + p, as every backend's
 
 Heads sit outside the two minor (tiled) dimensions, so nothing is padded to a tile: a token
 costs 2 * Hkv * D values, the real K and V (head_dim 64: 128 lanes a head, as tpu-inference's

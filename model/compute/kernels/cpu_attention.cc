@@ -7,15 +7,16 @@
 //   k_cache  [Hkv, L*P, D, S] f32|u16 keys, key-major within a page (the native backend's layout;
 //                                     u16: bf16 bits)
 //   v_cache  [Hkv, L*P, S, D] f32|u16 values
-//   pages    [R, MP] i32              each row's page table (layer 0's page ids)
+//   pages    [R, MP] i32              each row's page table in the layer's page space
 //   row_start[R + 1] i32              row r owns tokens row_start[r]:row_start[r+1]
 //   kv_len   [R] i32                  keys valid after this step's writes (0: a padding row)
 //   positions[T] i32                  each token's position: it sees keys 0..position
-//   layer    [] i32                   layer l's pages are page id + l * num_pages
+//   base     [] i32                   the layer's page 0 on the caches' page axis: page id + base
+//                                     (attention/base.py's AttnGeometry.layer_base)
 //   window   [] i32                   the layer's sliding window: a query sees keys > position - window
 //                                     (0 = none; an operand, as the scanned loop's layer is traced)
 //   out      [T, H, D] f32|bf16       (tokens of padding rows: zeros; bf16: rounded to nearest even)
-//   attributes: num_pages (per layer), scale, softcap (scores -> softcap * tanh(scores / softcap)
+//   attributes: scale, softcap (scores -> softcap * tanh(scores / softcap)
 //               after scaling, Gemma 2's; 0 = none)
 //
 // Work items are (row, KV head, block of up to 8 query tokens); each walks its row's pages in
@@ -72,7 +73,7 @@ struct Args {
   void* out;     // [T, H, D] f32, or bf16 (`out_bf16`: a bf16 model's, rounded to nearest even)
   bool out_bf16;
   int64_t T, H, D, Hkv, S, MP, R;
-  int64_t layer_offset;  // layer * num_pages
+  int64_t layer_offset;  // the layer's base page
   int64_t pages_per_head;  // L * P: the caches' second axis
   int64_t window;
   float scale;
@@ -780,21 +781,20 @@ void run_any(const Args& a, const Item& it, std::vector<float>& scratch) {
 XLA_FFI_Error* attend(const ringserve::Call& call) {
   using ringserve::Buffer;
   if (call.args() != 9 || call.rets() != 1)
-    return call.error("cpu_attention: q, k_cache, v_cache, pages, row_start, kv_len, positions, layer, window -> out");
+    return call.error("cpu_attention: q, k_cache, v_cache, pages, row_start, kv_len, positions, base, window -> out");
   const Buffer q = call.arg(0), k = call.arg(1), v = call.arg(2), pages = call.arg(3), row_start = call.arg(4),
-               kv_len = call.arg(5), positions = call.arg(6), layer = call.arg(7), win = call.arg(8), out = call.ret(0);
-  for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, layer, win, out})
+               kv_len = call.arg(5), positions = call.arg(6), base = call.arg(7), win = call.arg(8), out = call.ret(0);
+  for (const Buffer& b : {q, k, v, pages, row_start, kv_len, positions, base, win, out})
     if (!b.ok()) return call.error("cpu_attention: buffers expected");
   if ((q.element_type() != DataType::F32 && q.element_type() != DataType::BF16) ||
       (out.element_type() != DataType::F32 && out.element_type() != DataType::BF16))
     return call.error("cpu_attention: q must be f32 or bf16, out f32 or bf16");
-  for (const Buffer& b : {pages, row_start, kv_len, positions, layer, win})
+  for (const Buffer& b : {pages, row_start, kv_len, positions, base, win})
     if (b.element_type() != DataType::S32)
-      return call.error("cpu_attention: pages, row_start, kv_len, positions, layer and window must be s32");
-  int64_t num_pages = 0;
+      return call.error("cpu_attention: pages, row_start, kv_len, positions, base and window must be s32");
   float scale = 0.f, softcap = 0.f;
-  if (!call.attr("num_pages", &num_pages) || !call.attr("scale", &scale) || !call.attr("softcap", &softcap))
-    return call.error("cpu_attention: attributes num_pages (i64), scale (f32), softcap (f32)");
+  if (!call.attr("scale", &scale) || !call.attr("softcap", &softcap))
+    return call.error("cpu_attention: attributes scale (f32), softcap (f32)");
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pages.dimensions();
   const bool pairs = kd.size() == 5;  // the pair layouts: k [Hkv, L*P, D/2, 16, 2], v [Hkv, L*P, 8, D, 2]
   if (qd.size() != 3 || (kd.size() != 4 && !pairs) || vd.size() != kd.size() || pd.size() != 2)
@@ -826,7 +826,7 @@ XLA_FFI_Error* attend(const ringserve::Call& call) {
   a.Hkv = kd[0], a.S = pairs ? 16 : kd[3];
   a.pairs = pairs;
   a.MP = pd[1], a.R = pd[0];
-  a.layer_offset = int64_t(layer.typed_data<const int32_t>()[0]) * num_pages;
+  a.layer_offset = int64_t(base.typed_data<const int32_t>()[0]);
   a.window = std::max<int64_t>(0, win.typed_data<const int32_t>()[0]);
   a.scale = scale;
   a.softcap = softcap;
