@@ -60,11 +60,22 @@ class KVCache:
                                local=self.local.allocator if self.local else None, window=window)  # fmt: skip
         self.records: dict[int, ReqKV] = {}  # slot -> its live record (a running request or a kept session)
         self.step = 0  # the step being planned (`begin_step`)
+        self.local_sweeps = self.local_tombstoned = 0  # the local pool's shortages met (server info)
 
     # ---- sizes ------------------------------------------------------------------------------
     def available_tokens(self) -> int:
         """Tokens allocatable now: free pages plus evictable tree pages."""
         return (self.allocator.num_free + self.tree.evictable_pages) * self.page_size
+
+    def local_available_tokens(self) -> int:
+        """The local pool's tokens allocatable now: free pages plus the tree's pages no live slot
+        reads (0 without a local space)."""
+        if self.local is None:
+            return 0
+        live = np.flatnonzero(self.slots.live)
+        protected = self.local.protected(live, self.slots.n_pages)
+        in_tree = sum(int(np.count_nonzero(n.local)) for n in self.tree.nodes() if n.local is not None)
+        return (self.local.allocator.num_free + in_tree - len(np.unique(protected))) * self.page_size
 
     @property
     def num_free_slots(self) -> int:
@@ -139,12 +150,13 @@ class KVCache:
         assert self.local is not None
         local = self.local
         if need > local.allocator.num_free:  # every slot up to its length before this step
+            self.local_sweeps += 1
             for kv in self.records.values():
                 local.drop_before(kv.slot, kv.step_len if kv.step == self.step else kv.committed_len)
         short = need - local.allocator.num_free
         if short > 0:
             live = np.flatnonzero(self.slots.live)
-            self.tree.evict_local(short, local.protected(live, self.slots.n_pages))
+            self.local_tombstoned += self.tree.evict_local(short, local.protected(live, self.slots.n_pages))
         return local.allocator.num_free >= need
 
     def commit(self, kv: ReqKV, n: int) -> None:

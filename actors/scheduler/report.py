@@ -25,6 +25,11 @@ def server_info(core: SchedulerCore) -> dict:
         "available_kv_tokens": c.available_tokens(),
         "initial_kv_tokens": core.initial_tokens,
         "tree_cache_size": c.tree.total_pages * a.page_size,
+        # the sliding layers' own pool (kvmem/local.py; 0: none)
+        "swa_pool_tokens": 0 if c.local is None else c.local.allocator.capacity * a.page_size,
+        "swa_available_tokens": c.local_available_tokens(),
+        "swa_sweeps": c.local_sweeps,  # times it ran short and swept every slot's window
+        "swa_tombstoned_pages": c.local_tombstoned,  # the tree's local pages dropped for room
         "req_to_token_pool_used": a.max_running_requests - c.num_free_slots,
         "new_token_ratio": round(core.ratio.value, 4),
         "sessions_keeping_kv": len(core.sessions.kept),

@@ -18,6 +18,7 @@ def assert_no_leak(engine) -> dict:
     assert info["running_batch_size"] == 0 and info["waiting_queue_size"] == 0
     assert info["req_to_token_pool_used"] == 0
     assert info["available_kv_tokens"] == info["initial_kv_tokens"]
+    assert info["swa_available_tokens"] == info["swa_pool_tokens"]  # the sliding layers' own pool (or none)
     return info
 
 

@@ -10,7 +10,7 @@ import pytest
 from ringserve.actors.runner.core import RunnerCore
 from ringserve.actors.runner.slot_mirrors import UNKNOWN, SlotMirrors
 from ringserve.actors.transport import messages as m
-from ringserve.model.compute.step_inputs import DeviceSampling
+from ringserve.model.compute.step_inputs import DeviceSampling, ProgramShapes
 from ringserve.model.runtime.executor import StepOut
 from ringserve.model.runtime.sampler import SampleOut
 
@@ -45,6 +45,22 @@ def test_extend_then_decode_rows_from_the_mirror_alone():
     assert [(r.token_ids.tolist(), r.committed_len, r.pages.tolist(), r.future_slot) for r in rows] == [
         ([-3], 19, [4, 9], 2), ([-1], 1, [3, 5], 0)]  # fmt: skip
     assert mirrors.slots[2].committed_len == 20 and mirrors.slots[0].committed_len == 2
+
+
+def test_the_sliding_layers_local_tables_are_mirrored_beside_the_page_tables():
+    """With a local page space the mirror grows each slot's local table with its page table
+    (kvmem/local.py): the entries the scheduler dropped keep their ids here."""
+    mirrors = SlotMirrors(4, local_space=True)
+    msg = step(1, [(1, 8, [5, 6], [9], True)], starts=[(1, [4])])
+    msg.starts[0].prefix_local, msg.local_pages = m.i32([0]), m.i32([7])  # a dropped entry, one new page
+    rows = mirrors.apply(m.to_runner.decode(m.encode(msg)))
+    assert rows[0].pages.tolist() == [4, 9] and rows[0].local_pages.tolist() == [0, 7]
+    msg = step(2, [(1, 10, [-2], [11], True)])
+    msg.local_pages = m.i32([3])
+    assert mirrors.apply(m.to_runner.decode(m.encode(msg)))[0].local_pages.tolist() == [0, 7, 3]
+    with pytest.raises(ValueError, match="0 local pages for 1 pages appended"):
+        mirrors.apply(step(3, [(1, 11, [-2], [12], True)]))
+    assert SlotMirrors(4).apply(step(1, [(0, 0, [5], [2], True)], starts=[(0, [])]))[0].local_pages is None
 
 
 def test_a_message_out_of_order_fails_loudly():
@@ -100,6 +116,7 @@ class FakeExecutor:
         self.num_programs = 1
         self.programs = type("P", (), {"pending": 0, "error": None})()
         self.calls: list[int] = []
+        self.cfg = type("C", (), {"shapes": ProgramShapes()})()  # no local page space
 
     def run_step(self, rows, verify=0, multistep=False):
         k1, padded = max(1, verify), 8

@@ -27,12 +27,12 @@ def mp_bin(n: int) -> int:
 
 def decode_step_bytes(batch: int, step_id: int) -> int:
     """[tag "step", step_id, released=b"", starts=[], slots, committed, token_counts, tokens,
-    page_counts, pages, keep, drafts=0, mask_rows=b"", masks=b"", prompt=None, multistep=False] (16
-    items: a 3-byte array header): five int32 columns and one uint8 column of `batch` rows, and the
+    page_counts, pages, keep, drafts=0, mask_rows=b"", masks=b"", prompt=None, multistep=False,
+    local_pages=b""] (17 items: a 3-byte array header): five int32 columns and one uint8 column of `batch` rows, and the
     pages appended (a context of whole pages: one new page per row); no grammar masks (no row is
     constrained), no prompt positions (one nil byte); nothing depends on the context length."""
     return (3 + (1 + 4) + mp_uint(step_id) + mp_bin(0) + 1 + 5 * mp_bin(4 * batch) + mp_bin(4 * batch)
-            + mp_bin(batch) + 1 + 2 * mp_bin(0) + 1 + 1)  # fmt: skip
+            + mp_bin(batch) + 1 + 2 * mp_bin(0) + 1 + 1 + mp_bin(0))  # fmt: skip
 
 
 def first_decode(context: int, batch: int, page: int = 16):
