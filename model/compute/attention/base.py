@@ -18,6 +18,10 @@ Paged layout (native, bucketed, pallas_gpu, none):
            padding tokens write to and nothing reads.
     token location (ForwardBatch.out_loc) = page * page_size + offset, within one layer.
 
+The native backend keeps V so and stores K key-major within a page, [Hkv, total_pages, D,
+page_size] (same page ids and token locations): its CPU score product then reads a gathered
+chunk as is.
+
 The page axis is every layer's own page space, one after another. Without a local space
 (`local_pages` 0) each layer has `num_pages` and base(l) = l * num_pages. With one (Gemma's
 mixed local and global layers: the scheduler keeps a sliding layer's pages only near its
@@ -32,8 +36,8 @@ A local table's entries for pages wholly before every query's window may be stal
 request's page now): a backend writes a sliding layer's K/V only at local_out_loc and gives a
 key outside the window no weight (masked; it may read whatever finite values are there).
 Stale ids are still within [0, local_pages). `AttnGeometry.select` picks the layer's table or
-locations, `layer_pages` / `layer_page_slot` add the base, for a Python layer (the unrolled
-loop) and a traced one alike.
+locations, `layer_pages` / `layer_page_slot` / `layer_loc` add the base, for a Python layer
+(the unrolled loop) and a traced one alike (a select between the two tables).
 
 Per-step inputs every backend sees (ForwardBatch, built in model/compute/step_inputs.py): the new
 tokens packed densely (row r owns flat tokens row_start[r]:row_start[r+1]), their positions and
