@@ -144,13 +144,18 @@ class AttnGeometry:
     def layer_page_slot(self, layer: jax.Array | int, fb: Any) -> tuple[jax.Array, jax.Array]:
         """Where the step's new tokens go in layer `layer`: (index on the caches' page axis,
         slot within the page), from fb.out_loc or, for a local layer, fb.local_out_loc."""
-        loc = self.select(layer, fb.out_loc, fb.local_out_loc)
+        loc = self.out_loc(layer, fb)
         return loc // self.page_size + self.layer_base(layer), loc % self.page_size
 
     def layer_loc(self, layer: jax.Array | int, fb: Any) -> jax.Array:
         """Where the step's new tokens go in layer `layer` as token indices on the flattened
         [total_pages * page_size] axis."""
-        return self.select(layer, fb.out_loc, fb.local_out_loc) + self.layer_base(layer) * self.page_size
+        return self.out_loc(layer, fb) + self.layer_base(layer) * self.page_size
+
+    def out_loc(self, layer: jax.Array | int, fb: Any) -> jax.Array:
+        """The step's token locations within layer `layer`'s own space (fb.local_out_loc read
+        only where there is a local space)."""
+        return self.select(layer, fb.out_loc, fb.local_out_loc) if self.local_pages else fb.out_loc
 
     @property
     def scale(self) -> float:
