@@ -23,6 +23,13 @@ Every row samples its last `k1` tokens, row after row (sample_idx [R * k1]); k1 
 program: 1, or k + 1 in a verify program (speculative decoding), whose rows are rounds of
 exactly k + 1 tokens. Results are the first `num_rows * k1` samples, in row order.
 
+With a local page space (ProgramShapes.local_pages > 0: Gemma's sliding layers keep only the
+pages near their window, model/compute/attention/base.py) a row also carries `local_pages`,
+its sliding layers' page table in that space, indexed as `pages` (page i covers positions
+[i * page_size, (i + 1) * page_size)); the batch gets it and its tokens' `local_out_loc`.
+Entries of pages wholly before every query's window may be stale: the backends never write
+there and mask what they read there.
+
 Padding tokens write KV to token location 0 (the sink page) and padding rows are ignored.
 Decode programs have one token per row (T = R, query block 1); extend programs take up to
 max_batch rows over T packed tokens (query block = extend_block, the attention tile).

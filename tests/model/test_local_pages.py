@@ -165,3 +165,70 @@ def test_geometry_layout():
         dataclasses.replace(geo, windows=(8, 8, 8, 8))
     with pytest.raises(ValueError, match="mix sliding"):
         dataclasses.replace(geo, windows=None)
+
+
+def test_multistep_decode_writes_and_reads_the_local_space(tiny_dir, reference):
+    """Multi-step decode (4 steps a program, model/runtime/step.py `multi_step`) on the local page
+    space: each step's token location is its own (local_out_loc[at]); the greedy tokens are the
+    shared-ids run's plain decoding's."""
+    from ringserve.model.compute.kernels import cpu_attention
+
+    if (why := cpu_attention.reason()) is not None:
+        pytest.skip(f"the C++ attention kernel: {why}")
+    k = 4
+    cfg = dataclasses.replace(CFG, attention_backend="cpu_kernel", layer_loop="scan", local_pages=LOCAL_PAGES,
+                              decode_steps=k, decode_steps_rows=2)  # fmt: skip
+    ex = ModelExecutor(tiny_dir("gemma3"), cfg)
+    ex.kv_pool.kv = tuple(jnp.full_like(a, GARBAGE) for a in ex.kv_pool.kv)
+    book, done, got = LocalBook(len(PROMPTS)), [0, 0], [[], []]
+    while any(done[r] < len(p) for r, p in enumerate(PROMPTS)):  # the prompts, as `run` prefills them
+        rows = [(r, p[done[r] : done[r] + CHUNK]) for r, p in enumerate(PROMPTS) if done[r] < len(p)]
+        so = ex.run_step([DeviceRow(np.array(ids, np.int32), done[r], GLOBAL[r], future_slot=r,
+                                    local_pages=book.step(r, done[r], done[r] + len(ids))) for r, ids in rows])  # fmt: skip
+        for i, (r, ids) in enumerate(rows):
+            done[r] += len(ids)
+            if done[r] == len(PROMPTS[r]):
+                got[r].append(int(so.out.tokens[i]))
+    while len(got[0]) < DECODE:
+        batch = [DeviceRow(np.array([-(r + 1)] + [-1] * (k - 1), np.int32), done[r], GLOBAL[r], future_slot=r,
+                           local_pages=book.step(r, done[r], done[r] + k)) for r in range(2)]  # fmt: skip
+        hb = ex.prepare(batch, k, multistep=True)
+        assert hb.shape.multistep
+        out = np.asarray(ex.run_host_batch(hb)[0].tokens)[: 2 * k].reshape(2, k)
+        for r in range(2):
+            got[r] += out[r].tolist()
+            done[r] += k
+    assert book.stale >= 6, book.stale
+    want = reference("gemma3")[1]
+    assert [g[:DECODE] for g in got] == [w[:DECODE] for w in want]
+
+
+def test_a_verify_round_moves_its_local_token_locations_too():
+    """model/runtime/step.py `at_true_positions`: a verify round planned at a bound moves down to
+    the slot's true length; its tokens' local locations are read from the local table at the
+    moved positions, as the global ones are from theirs."""
+    from types import SimpleNamespace
+
+    from ringserve.model.compute.step_inputs import ForwardBatch
+    from ringserve.model.runtime.step import at_true_positions
+
+    ps, k1 = 4, 3
+    pages = np.array([[1, 2, 3, 4]], np.int32)
+    local = np.array([[7, 5, 9, 6]], np.int32)
+    pos = np.arange(9, 9 + k1, dtype=np.int32)  # planned at a bound of 9 tokens; the slot holds 6
+    loc = lambda table, p: table[0, p // ps] * ps + p % ps  # noqa: E731
+    fb = ForwardBatch(jnp.zeros(k1, jnp.int32), jnp.asarray(pos), jnp.asarray(loc(pages, pos)),
+                      jnp.asarray([0, k1], jnp.int32), jnp.asarray([9 + k1], jnp.int32), jnp.asarray(pages),
+                      jnp.asarray([1], jnp.int32), jnp.arange(k1, dtype=jnp.int32), jnp.asarray([0], jnp.int32), {},
+                      jnp.asarray(local), jnp.asarray(loc(local, pos)))  # fmt: skip
+    model = SimpleNamespace(attn=SimpleNamespace(geo=SimpleNamespace(page_size=ps), shift_plan=lambda p, s: p))
+    moved = at_true_positions(model, fb, jnp.asarray([6], jnp.int32))
+    true = np.arange(6, 6 + k1)
+    assert np.asarray(moved.positions).tolist() == true.tolist()
+    assert np.asarray(moved.out_loc).tolist() == loc(pages, true).tolist()
+    assert np.asarray(moved.local_out_loc).tolist() == loc(local, true).tolist()
+
+
+def test_a_model_that_does_not_mix_windows_refuses_a_local_space(tiny_dir):
+    with pytest.raises(ValueError, match="mix sliding-window and global layers"):
+        ModelExecutor(tiny_dir("mistral"), dataclasses.replace(CFG, local_pages=LOCAL_PAGES))

@@ -43,7 +43,8 @@ def batch(kv_len, new, rows_padded: int, tokens: int, seed: int = 0):
         out_loc[t] = tables[r, p // PAGE] * PAGE + p % PAGE
     return types.SimpleNamespace(
         row_start=jnp.asarray(row_start), kv_len=jnp.asarray(kv_len), num_rows=jnp.asarray([n], jnp.int32),
-        pages=jnp.asarray(tables), out_loc=jnp.asarray(out_loc), positions=pos, real=len(pos),
+        pages=jnp.asarray(tables), out_loc=jnp.asarray(out_loc), positions=pos, real=len(pos), local_pages=None,
+        local_out_loc=None,
     )  # fmt: skip
 
 

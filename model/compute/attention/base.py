@@ -18,6 +18,10 @@ Paged layout (native, bucketed, pallas_gpu, none):
            padding tokens write to and nothing reads.
     token location (ForwardBatch.out_loc) = page * page_size + offset, within one layer.
 
+The native backend keeps V so and stores K key-major within a page, [Hkv, total_pages, D,
+page_size] (same page ids and token locations): its CPU score product then reads a gathered
+chunk as is.
+
 The page axis is every layer's own page space, one after another. Without a local space
 (`local_pages` 0) each layer has `num_pages` and base(l) = l * num_pages. With one (Gemma's
 mixed local and global layers: the scheduler keeps a sliding layer's pages only near its
@@ -32,8 +36,8 @@ A local table's entries for pages wholly before every query's window may be stal
 request's page now): a backend writes a sliding layer's K/V only at local_out_loc and gives a
 key outside the window no weight (masked; it may read whatever finite values are there).
 Stale ids are still within [0, local_pages). `AttnGeometry.select` picks the layer's table or
-locations, `layer_pages` / `layer_page_slot` add the base, for a Python layer (the unrolled
-loop) and a traced one alike.
+locations, `layer_pages` / `layer_page_slot` / `layer_loc` add the base, for a Python layer
+(the unrolled loop) and a traced one alike (a select between the two tables).
 
 Per-step inputs every backend sees (ForwardBatch, built in model/compute/step_inputs.py): the new
 tokens packed densely (row r owns flat tokens row_start[r]:row_start[r+1]), their positions and
@@ -140,13 +144,18 @@ class AttnGeometry:
     def layer_page_slot(self, layer: jax.Array | int, fb: Any) -> tuple[jax.Array, jax.Array]:
         """Where the step's new tokens go in layer `layer`: (index on the caches' page axis,
         slot within the page), from fb.out_loc or, for a local layer, fb.local_out_loc."""
-        loc = self.select(layer, fb.out_loc, fb.local_out_loc)
+        loc = self.out_loc(layer, fb)
         return loc // self.page_size + self.layer_base(layer), loc % self.page_size
 
     def layer_loc(self, layer: jax.Array | int, fb: Any) -> jax.Array:
         """Where the step's new tokens go in layer `layer` as token indices on the flattened
         [total_pages * page_size] axis."""
-        return self.select(layer, fb.out_loc, fb.local_out_loc) + self.layer_base(layer) * self.page_size
+        return self.out_loc(layer, fb) + self.layer_base(layer) * self.page_size
+
+    def out_loc(self, layer: jax.Array | int, fb: Any) -> jax.Array:
+        """The step's token locations within layer `layer`'s own space (fb.local_out_loc read
+        only where there is a local space)."""
+        return self.select(layer, fb.out_loc, fb.local_out_loc) if self.local_pages else fb.out_loc
 
     @property
     def scale(self) -> float:
