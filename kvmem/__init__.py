@@ -3,6 +3,7 @@
 allocator.py  PageAllocator: whole pages, page 0 the sink, checked free / adopt; cdiv
 slots.py      SlotPool (req_to_token page tables: one request slot per live request)
 radix.py      RadixCache: page-granular prefix tree, lock refs, LRU eviction
+local.py      LocalTables: the sliding layers' own page space (Gemma 2/3), dropped past the window
 req_kv.py     ReqKV: one request's KV record, the owner of its lengths
 integrity.py  check_integrity: every page free, in the tree, or held by one live page table
 cache.py      KVCache: the facade the scheduler calls, with the per-request contract

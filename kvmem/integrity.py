@@ -216,9 +216,10 @@ def _check_local(local: LocalTables, slots: SlotPool, tree: RadixCache, holders:
     free = _check_free(alloc)
     parts = []
     for node in tree.nodes():
-        if node.local is None or len(node.local) != len(node.pages):
-            _fail(f"{node}: local pages {node.local} do not match its {len(node.pages)} pages")
-        parts.append(node.local[node.local != 0])
+        local = node.local
+        if local is None or len(local) != len(node.pages):
+            raise IntegrityError(f"{node}: local pages {local} do not match its {len(node.pages)} pages")
+        parts.append(local[local != 0])
     in_tree = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     owned_parts = []
     for kv in holders:
