@@ -216,10 +216,10 @@ def _check_local(local: LocalTables, slots: SlotPool, tree: RadixCache, holders:
     free = _check_free(alloc)
     parts = []
     for node in tree.nodes():
-        local = node.local
-        if local is None or len(local) != len(node.pages):
-            raise IntegrityError(f"{node}: local pages {local} do not match its {len(node.pages)} pages")
-        parts.append(local[local != 0])
+        held = node.local
+        if held is None or len(held) != len(node.pages):
+            raise IntegrityError(f"{node}: local pages {held} do not match its {len(node.pages)} pages")
+        parts.append(held[held != 0])
     in_tree = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     owned_parts = []
     for kv in holders:
