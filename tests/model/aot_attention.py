@@ -47,13 +47,14 @@ def compile_programs(a: dict) -> list[dict]:
         kv = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
                    for x, s in zip(attn.kv_avals(), attn.kv_specs(tp), strict=True))  # fmt: skip
 
-        def layer(kv, q, k, v, fb, at):
+        def layer(kv, q, k, v, fb, *at):
+            at = at[0] if at else jnp.int32(1)
             kv = attn.write(kv, at, k, v, fb)
             return kv, attn.attend(q, kv, at, fb)
 
         # the layer: 1 (a constant), or with "traced_layer" an argument (the scanned loop's: the
         # local and global page spaces and windows both compiled in, picked at run time)
-        at = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) if a.get("traced_layer") else jnp.int32(1)
+        at = (jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),) if a.get("traced_layer") else ()
         for tokens, rows in a["programs"]:
             shape = StepShape(1 if tokens == rows else 64, tokens, rows)
             fb = step_avals(shape, attn.plan_avals(shape), geo.max_pages, rep, 1, local=geo.local_pages > 0)[0]
@@ -62,7 +63,7 @@ def compile_programs(a: dict) -> list[dict]:
             t0 = time.time()
             rec = {"tokens": tokens, "rows": rows, "ok": True, "error": None}
             try:
-                c = jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb, at).compile()
+                c = jax.jit(layer, donate_argnums=(0,)).lower(kv, q, k, k, fb, *at).compile()
                 mem = c.memory_analysis()
                 rec.update(temp_mib=round(mem.temp_size_in_bytes / 2**20, 1), kv_mib=round(kv[0].size * 2 / 2**20, 1))
                 cache = f"bf16[{','.join(map(str, kv[0].shape))}]"  # a copy of the whole cache (a layout change)
