@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringserve.model.checkpoints.gguf import gguf_tokenizer_dir, load_gguf_tokenizer, read_gguf_vocab
-from ringserve.model.checkpoints.gguf_tokenizer import score_merges
+from ringserve.model.checkpoints.gguf_tokenizer import build_tokenizer, hf_tokenizer, score_merges
 from tests.model.spm_ref import RefSPM
 
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -235,9 +235,9 @@ def test_a_real_gemma3_270m_gguf_tokenizes_as_transformers():
     from transformers import AutoTokenizer
 
     path = _gemma3_270m()
-    ours = load_gguf_tokenizer(path)
+    v = read_gguf_vocab(path)  # (what load_gguf_tokenizer reads: the file is parsed once)
+    ours = hf_tokenizer(*build_tokenizer(v, path))
     theirs = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
-    v = read_gguf_vocab(path)
     ref = RefSPM(v.tokens, v.scores, v.token_types, add_space_prefix=False, bos_id=v.bos_id, add_bos=True)
     texts = gemma_texts(300, seed=0) + ["", " ", "\n", "<start_of_turn>user\nHi<end_of_turn>\n", "x<table>y"]
     for j, text in enumerate(texts):
@@ -252,18 +252,19 @@ def test_a_real_gemma3_270m_gguf_tokenizes_as_transformers():
 @pytest.mark.slow
 @pytest.mark.network
 def test_a_real_gemma3_270m_gguf_serves_text_from_the_gguf_alone():
-    """`Engine(<the .gguf>)`: the tokenizer rebuilt from the file; a chat-formatted prompt (the
-    file holds no chat template: Gemma's turns written out) generates greedily, and the text
-    is the decode of the ids."""
+    """`Engine(<the .gguf>)`: the tokenizer rebuilt from the file encodes the prompts (a Gemma
+    turn, written out: this file holds no chat template; its control tokens parsed whole) and
+    the base model continues a count greedily, decoded back to text."""
     from tests.engine.conftest import engine_ctx
 
     path = _gemma3_270m()
-    prompt = "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    turn = "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
     with engine_ctx(path, context_length=128, max_total_tokens=16 * 64, max_running_requests=2) as engine:
         tok = engine.tokenizer
-        ids = tok.encode(prompt)
-        assert ids[:3] == [2, 105, 2364] and ids.count(2) == 1  # <bos> <start_of_turn> user
-        out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 8})
-        assert out["meta_info"]["prompt_tokens"] == len(ids)
-        assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
-        assert "Paris" in out["text"]
+        # <bos> <start_of_turn> user \n What ▁is ▁the ▁capital ▁of ▁France ? <end_of_turn> \n ...
+        assert tok.encode(turn) == [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
+        outs = engine.generate([turn, "1, 2, 3, 4, 5,"], {"temperature": 0, "max_new_tokens": 8})
+        assert outs[0]["meta_info"]["prompt_tokens"] == 16
+        for out in outs:
+            assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
+        assert outs[1]["text"] == " 6, 7, 8"
