@@ -2,9 +2,9 @@
 (`tokenizer.ggml.model` 'gpt2') or SentencePiece ('llama': Gemma, Llama 2, Mistral v0.1).
 Any other model ('bert', 'rwkv', 't5', ...) is refused by name.
 
-Byte-level BPE. A GGUF stores the tokenizer as data: `tokenizer.ggml.tokens` (the vocabulary in id order, in
-GPT-2's byte-to-unicode alphabet), `token_type` (3 = control, 4 = user-defined: both are added
-special tokens), `merges` ("a b" strings in rank order) and `pre`, the name llama.cpp gives the
+Byte-level BPE. A GGUF stores the tokenizer as data: `tokenizer.ggml.tokens` (the vocabulary in
+id order, in GPT-2's byte-to-unicode alphabet), `token_type` (3 = control, 4 = user-defined: both
+are added special tokens), `merges` ("a b" strings in rank order) and `pre`, the name llama.cpp gives the
 pre-tokenizer. The pre-tokenizer is not stored, only named, so each supported name maps to the
 splits llama.cpp applies for it (src/llama-vocab.cpp), written the way the model's original
 tokenizer.json writes them:
@@ -52,6 +52,13 @@ TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values read here (see the docstring)
+# per model, the token types split off the raw text as added tokens -> whether they are special:
+# SentencePiece's user-defined tokens are text ("\n", runs of spaces, "<table>": never skipped),
+# and llama.cpp splits its unknown token off too
+ADDED_SPECIAL = {
+    "gpt2": {TOKEN_TYPE_CONTROL: True, TOKEN_TYPE_USER_DEFINED: True},
+    "llama": {TOKEN_TYPE_CONTROL: True, TOKEN_TYPE_UNKNOWN: True, TOKEN_TYPE_USER_DEFINED: False},
+}
 
 _LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -125,12 +132,10 @@ def build_tokenizer(v: GGUFVocab, source: str) -> tuple[str, dict[str, Any]]:
         )
     elif v.model == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # control tokens are special (skipped by skip_special_tokens); user-defined ones are text that
-    # is always matched whole (SentencePiece's "\n", runs of spaces, "<table>": never skipped)
-    special = {TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED} if v.model == "gpt2" else {TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN}
-    added_types = special | {TOKEN_TYPE_USER_DEFINED}
+    # added tokens, matched whole in the raw text; special ones are skipped by skip_special_tokens
+    added_types = ADDED_SPECIAL[v.model]
     tok.add_tokens([
-        AddedToken(t, special=ty in special, normalized=False)
+        AddedToken(t, special=added_types[ty], normalized=False)
         for t, ty in zip(v.tokens, v.token_types, strict=True)
         if ty in added_types
     ])  # fmt: skip

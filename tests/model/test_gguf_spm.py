@@ -169,6 +169,18 @@ def test_ringserves_tokenizer_reads_the_gguf_chat_template(tmp_path):
     assert ids == ref.encode(chat, add_special_tokens=False)
 
 
+def test_llguidance_reads_the_gemma_style_vocabulary_as_the_tokenizer_does(tmp_path):
+    """The scheduler's grammar vocabulary (llguidance.hf.from_tokenizer, as in
+    actors/scheduler/actor.py): bytes fall back, '▁' is a space, user-defined tokens are text."""
+    from llguidance.hf import from_tokenizer
+
+    tok = load_gguf_tokenizer(write_spm_gguf(tmp_path / "g.gguf"))
+    ll = from_tokenizer(tok, n_vocab=len(TOKENS))
+    for text in ["abc hello", " a  b\n", "héllo 😀", "ab<sep>c"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ll.decode_bytes(ids) == text.encode() and ll.tokenize_str(text) == ids, text
+
+
 def test_merges_follow_scores():
     """Every split of a token into two tokens is a merge, ranked by the merged token's score."""
     merges = score_merges(["a", "b", "c", "ab", "bc", "abc"], [-1.0, -2.0, -3.0, -6.0, -4.0, -5.0])
