@@ -45,7 +45,7 @@ import numpy as np
 
 from ringserve.model.checkpoints.footprint import Footprint, sliding_of
 from ringserve.model.checkpoints.gguf_rope import rope_parameters
-from ringserve.model.checkpoints.gguf_tokenizer import GGUFVocab, build_tokenizer, hf_tokenizer
+from ringserve.model.checkpoints.gguf_tokenizer import MODELS, GGUFVocab, build_tokenizer, hf_tokenizer
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
 from ringserve.model.families.base import GGUF_TOP, GGUFMoe
 
@@ -297,27 +297,34 @@ def read_gguf_vocab(path: str | Path) -> GGUFVocab:
 def _vocab(meta: _Meta) -> GGUFVocab:
     path = meta.path
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in MODELS:
         raise ValueError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"{path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and "
+            f"SentencePiece 'llama' are)"
         )
     tokens = [str(t) for t in meta.need("tokenizer.ggml.tokens")]
     arch = meta.get("general.architecture")
+    spm = model == "llama"
 
     def opt_id(key: str) -> int | None:
         v = meta.get(key)
         return None if v is None else int(v)
 
     return GGUFVocab(
+        model=str(model),
         tokens=tokens,
         token_types=[int(t) for t in meta.get("tokenizer.ggml.token_type", [1] * len(tokens))],
-        merges=[str(m) for m in meta.need("tokenizer.ggml.merges")],
+        merges=[] if spm else [str(m) for m in meta.need("tokenizer.ggml.merges")],
         pre=str(meta.get("tokenizer.ggml.pre", "default")),
+        scores=[float(x) for x in meta.need("tokenizer.ggml.scores")] if spm else [],
         bos_id=opt_id("tokenizer.ggml.bos_token_id"),
         eos_id=opt_id("tokenizer.ggml.eos_token_id"),
         unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
         pad_id=opt_id("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp's defaults where the file is silent: SentencePiece adds BOS and a prefix space
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=spm and bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
         chat_template=meta.get("tokenizer.chat_template"),
         max_length=int(meta.get(f"{arch}.context_length") or 8192),
     )
