@@ -174,8 +174,9 @@ def main(argv: list[str]) -> int:
             raise RuntimeError(f"ringserve compile: the server sizes {ex.plan.attention}'s KV at {pool.kv_bytes_per_token:,} B "
                                f"a token (model/compute/attention/layout.py), its arrays hold "
                                f"{ex.kv_layout_bytes_per_token():,}")  # fmt: skip
-        server = server.replace(
-            max_total_tokens=pool.max_total_tokens, mem_fraction_static=pool.mem_fraction_static
+        server = server.replace(  # and the sliding layers' own pool where the server would make one
+            max_total_tokens=pool.max_total_tokens, mem_fraction_static=pool.mem_fraction_static,
+            max_swa_tokens=pool.swa_tokens, swa_window=fp.sliding_window if pool.swa_tokens else server.swa_window,
         )
     server = server.for_platform("tpu")
     job = Job(mc, executor_config(server), args.topology,
@@ -183,10 +184,11 @@ def main(argv: list[str]) -> int:
     _init(job)
     ex = _worker["ex"]
     picked = select(ex, args.families, args.ends, args.programs)
+    swa = f" + the sliding layers' own {server.max_swa_tokens:,}" if server.max_swa_tokens else ""
     print(f"ringserve compile: {mc.family} from {source} ({mc.num_layers} layers) on {args.topology} "
           f"({topo.chips} chips, tp {server.tp_size}), {ex.plan.attention} attention, {ex.plan.layer_loop} layers, "
           f"{server.dtype}; {len(picked)} of {len(ex.order)} programs, {args.jobs} at a time; KV pool "
-          f"{server.max_total_tokens:,} tokens (pages of {server.page_size}); estimates at {job.context} tokens "
+          f"{server.max_total_tokens:,} tokens{swa} (pages of {server.page_size}); estimates at {job.context} tokens "
           f"cached per row", flush=True)  # fmt: skip
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []

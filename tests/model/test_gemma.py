@@ -207,7 +207,7 @@ def test_a_real_gemma3_270m_gguf_matches_hf(tmp_path):
     Its weights dequantized by ringserve's GGUF reader (norms stored as 1 + w, the 5:1 layer
     pattern and local RoPE by llama.cpp's rules) and written as an HF directory: the last logits
     of a 701-token prompt (the window of 512 crossed) and 16 greedy tokens after a cached prefix
-    equal HF's on that directory. Its tokenizer (SentencePiece) is not read: token ids in."""
+    equal HF's on that directory (token ids in; its SentencePiece tokenizer: tests/model/test_gguf_spm.py)."""
     import json
     from pathlib import Path
 
