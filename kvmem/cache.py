@@ -199,7 +199,7 @@ class KVCache:
             f"slot {kv.slot}: keeping {len(token_ids)} tokens, committed_len={kv.committed_len}"
         )
         if token_ids is not None and len(token_ids) >= self.page_size:
-            self._adopt_table(kv, token_ids)
+            self._adopt_table(kv, token_ids, refill=True)
         if self.local is not None:
             self.local.cut(kv.slot, 0, int(self.slots.n_pages[kv.slot]))
         with self.allocator.free_group():
@@ -229,7 +229,7 @@ class KVCache:
         kv.cached_len = min(kv.cached_len, kv.committed_len)
         return freed
 
-    def _adopt_table(self, kv: ReqKV, token_ids: np.ndarray) -> InsertResult:
+    def _adopt_table(self, kv: ReqKV, token_ids: np.ndarray, refill: bool = False) -> InsertResult:
         """Insert the page table's page-aligned prefix of `token_ids`; the pages the tree takes from
         the page table stop being the request's (the page table itself is unchanged)."""
         n_pages = len(token_ids) // self.page_size
@@ -239,10 +239,12 @@ class KVCache:
             self.slots.pages(kv.slot)[:n_pages],
             kv.extra_key,
             local,
+            refill,
         )
         self.slots.disown(kv.slot, res.adopted_from, n_pages)
         if self.local is not None:
             self.local.disown(kv.slot, res.adopted_from, n_pages)
+            self.local.owned[kv.slot, res.refilled] = False  # (release: the slot goes next)
         return res
 
     # ---- whole pool -------------------------------------------------------------------------

@@ -80,6 +80,7 @@ class MatchResult:
 class InsertResult:
     adopted_from: int  # pages[adopted_from:] now belong to the tree; the caller keeps the rest
     node: TreeNode  # the node ending exactly at the inserted key (the root for an empty key)
+    refilled: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # page indices whose local pages the tree took
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -203,9 +204,11 @@ class RadixCache:
 
     # ---- insert -----------------------------------------------------------------------------
     def insert(self, key: np.ndarray, pages: np.ndarray, extra_key: str | None = None,
-               local: np.ndarray | None = None) -> InsertResult:  # fmt: skip
+               local: np.ndarray | None = None, refill: bool = False) -> InsertResult:  # fmt: skip
         """Cache `key` (page-aligned) whose KV lives in `pages` (state HELD, the caller's), and
-        with a local space in `local` (the caller's local pages; 0: dropped)."""
+        with a local space in `local` (the caller's local pages; 0: dropped). `refill`: where the
+        tree already holds the prefix but dropped a local page the caller still has (its own),
+        the tree takes it (a caller letting go of its slot: nothing may still read it there)."""
         page = self.page_size
         key = np.asarray(key, np.int32)
         if len(key) % page or len(pages) * page != len(key):
@@ -216,14 +219,18 @@ class RadixCache:
             return InsertResult(len(pages), self.root)
         self._clock += 1
         node, _, pos = self._walk(key, extra_key, split=True, touch=True)
+        refilled = _EMPTY
+        if self.local is not None:
+            assert local is not None and len(local) == len(pages), "an insert needs its local pages"
+            if refill and pos:
+                refilled = self._refill(node, np.asarray(local[: pos // page], np.int32))
         if pos < len(key):
-            leaf_local = None
-            if self.local is not None:
-                assert local is not None and len(local) == len(pages), "an insert needs its local pages"
-                leaf_local = np.array(local[pos // page :], np.int32)
-                self.local.adopt(leaf_local[leaf_local != 0])
+            leaf_local = None if local is None or self.local is None else np.array(local[pos // page :], np.int32)
             leaf = TreeNode(key[pos:].copy(), np.array(pages[pos // page :], np.int32), node, extra_key, leaf_local)
             self.allocator.adopt(leaf.pages)  # raises before attaching unless they are HELD
+            if leaf_local is not None:
+                assert self.local is not None
+                self.local.adopt(leaf_local[leaf_local != 0])
             leaf.last_access = self._clock
             node.children[self._child_key(node, leaf.key[:page], extra_key)] = leaf
             self.evictable_pages += len(leaf.pages)
@@ -231,7 +238,28 @@ class RadixCache:
             node = leaf
         if not node.children and node.lock_ref == 0:
             self._push(node)
-        return InsertResult(pos // page, node)
+        return InsertResult(pos // page, node, refilled)
+
+    def _refill(self, node: TreeNode, local: np.ndarray) -> np.ndarray:
+        """The caller's local pages (`local`, one per page of `node`'s path) where the path's
+        were dropped; returns their page indices."""
+        assert self.local is not None
+        path = []
+        while node is not self.root:
+            assert node.parent is not None
+            path.append(node)
+            node = node.parent
+        taken, at = [], 0
+        for n in reversed(path):
+            assert n.local is not None
+            k = len(n.local)
+            gap = (n.local == 0) & (local[at : at + k] != 0)
+            if gap.any():
+                self.local.adopt(local[at : at + k][gap])  # raises unless they are the caller's (HELD)
+                n.local = np.where(gap, local[at : at + k], n.local).astype(np.int32)
+                taken.append(np.flatnonzero(gap) + at)
+            at += k
+        return np.concatenate(taken) if taken else _EMPTY
 
     def _child_key(self, parent: TreeNode, first_page: np.ndarray, extra_key: str | None) -> object:
         return (extra_key, first_page.tobytes()) if parent is self.root else first_page.tobytes()

@@ -126,3 +126,24 @@ def test_max_swa_tokens_below_what_the_windows_need_is_refused():
         ServerArgs(swa_window=512, max_swa_tokens=64)
     with pytest.raises(ValueError, match="max_swa_tokens=-1"):
         ServerArgs(max_swa_tokens=-1)
+
+
+def test_a_finishing_request_refills_the_trees_dropped_local_pages():
+    """The tree dropped the window of a cached prompt (pressure): a request that recomputed that
+    prompt gives its own local pages to the tree when it lets go of its slot, and the next one
+    matches the whole prompt again."""
+    c = cache()
+    ids = np.arange(100, 140, dtype=np.int32)
+    a = c.admit(ids[:1])
+    run(c, a, 40)
+    c.release(a, ids)
+    assert c.tree.evict_local(100, np.zeros(0, np.int32)) == 10  # every local page dropped
+    assert c.match_len(ids) == 0
+    b = c.admit(ids)
+    run(c, b, 40)  # recomputed: its own local pages for the prompt
+    c.release(b, ids)
+    assert c.match_len(ids) == 40
+    c.check_integrity([])
+    again = c.admit(ids)
+    assert again.cached_len == 40
+    c.check_integrity([again])
