@@ -78,7 +78,7 @@ def test_decode_step_ringserve(benchmark, record, executor, batch):
     record((name, f"decode b{batch} ctx{CONTEXT}", "ringserve"), batch)
 
 
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("batch", [1, 8, pytest.param(64, marks=pytest.mark.sweep)])  # CI's 45 minutes
 def test_decode_step_transformers(benchmark, record, model_dir, hf, batch):
     import torch
 

@@ -50,7 +50,8 @@ def read_footprint(path: str | Path) -> Footprint:
     if path.suffix == ".gguf":
         from ringserve.model.checkpoints.gguf import read_gguf_footprint
 
-        return read_gguf_footprint(path)
+        layers, kv_heads, head_dim, params, heads, windows = read_gguf_footprint(path)
+        return Footprint(layers, kv_heads, head_dim, params, heads, *sliding_of(windows))
     from ringserve.model.checkpoints.load import safetensors_header
 
     mc = read_config(path)

@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from ringserve.model.checkpoints.footprint import Footprint, sliding_of
 from ringserve.model.checkpoints.gguf_rope import rope_parameters
 from ringserve.model.checkpoints.gguf_tokenizer import MODELS, GGUFVocab, build_tokenizer, hf_tokenizer
 from ringserve.model.families import FAMILIES, Family, gguf_family, parse_config
@@ -249,10 +248,11 @@ def _moe_config(meta: _Meta, arch: str, moe: GGUFMoe) -> dict[str, Any]:
     return out
 
 
-def read_gguf_footprint(path: str | Path) -> Footprint:
-    """A GGUF's footprint from its metadata and tensor shapes, nothing dequantized
-    (model/checkpoints/footprint.py): the sliding layers and window as the family reads them
-    from the metadata for its config (Gemma's window and layer pattern)."""
+def read_gguf_footprint(path: str | Path) -> tuple[int, int, int, int, int, tuple[int, ...] | None]:
+    """A GGUF's (layers, KV heads, head_dim, parameters, query heads, per-layer windows or None)
+    from its metadata and tensor shapes, nothing dequantized (model/checkpoints/footprint.py
+    makes the Footprint): the windows as the family reads them from the metadata for its config
+    (Gemma's window and layer pattern)."""
     meta = _open(Path(path))
     arch, fam = _family(meta)
     assert fam.gguf is not None
@@ -262,7 +262,7 @@ def read_gguf_footprint(path: str | Path) -> Footprint:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     layers = int(meta.need(f"{arch}.block_count"))
     params = sum(int(np.prod(t.shape)) for t in meta.reader.tensors if t.name != _ROPE_FREQS)
-    sliding = 0, 0
+    windows = None
     if fam.gguf.read_config is not None:  # (the families whose files carry windows)
         cfg: dict[str, Any] = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
                                "head_dim": head_dim}  # fmt: skip
@@ -270,8 +270,8 @@ def read_gguf_footprint(path: str | Path) -> Footprint:
         opts = fam.options(cfg, str(path))
         if opts.get("sliding_window"):
             slides = opts.get("sliding_layers") or (True,) * layers
-            sliding = sliding_of(tuple(opts["sliding_window"] if s else 0 for s in slides))
-    return Footprint(layers, kv_heads, head_dim, params, heads, *sliding)
+            windows = tuple(opts["sliding_window"] if s else 0 for s in slides)
+    return layers, kv_heads, head_dim, params, heads, windows
 
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> tuple[str, int | None] | None:

@@ -261,7 +261,7 @@ def test_a_real_gemma3_270m_gguf_tokenizes_as_transformers():
             "<end_of_turn>", ""), text  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # 69 s (the gguf package opens the 262k-token file slowly): out of CI's 45 minutes
 @pytest.mark.network
 def test_a_real_gemma3_270m_gguf_serves_text_from_the_gguf_alone():
     """`Engine(<the .gguf>)`: the tokenizer rebuilt from the file encodes the prompts (a Gemma

@@ -123,15 +123,15 @@ def test_a_kernel_refuses_by_name_a_call_it_cannot_read():
     pages = jnp.zeros((1, 1), jnp.int32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     attend = jax.ffi.ffi_call(cpu_attention.TARGET, out)
-    attrs = dict(num_pages=np.int64(1), scale=np.float32(1.0), softcap=np.float32(0.0))
+    attrs = dict(scale=np.float32(1.0), softcap=np.float32(0.0))
     with pytest.raises(Exception, match="q must be f32 or bf16, out f32"):
         attend(q.astype(jnp.float16), cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], i32[0], **attrs)
     with pytest.raises(Exception, match="must be s32"):
         attend(q, cache, cache, pages.astype(jnp.float32), jnp.zeros((2,), jnp.int32), i32, i32, i32[0], i32[0], **attrs)
-    with pytest.raises(Exception, match=r"q, k_cache, v_cache, pages, row_start, kv_len, positions, layer, window -> out"):
+    with pytest.raises(Exception, match=r"q, k_cache, v_cache, pages, row_start, kv_len, positions, base, window -> out"):
         attend(q, cache, cache, pages, **attrs)
-    with pytest.raises(Exception, match=r"attributes num_pages \(i64\), scale \(f32\), softcap \(f32\)"):
-        attend(q, cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], i32[0], num_pages=np.int64(1),
+    with pytest.raises(Exception, match=r"attributes scale \(f32\), softcap \(f32\)"):
+        attend(q, cache, cache, pages, jnp.zeros((2,), jnp.int32), i32, i32, i32[0], i32[0],
                scale=np.int64(3), softcap=np.float32(0.0))  # fmt: skip (3: jax's eager cache takes 1 == 1.0)
 
 

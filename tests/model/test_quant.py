@@ -186,6 +186,7 @@ print(json.dumps({"tokens": greedy_with_cached_prefix(ex, prompts_with_shared_pr
 """
 
 
+@pytest.mark.sweep  # 32 s: out of CI's 45 minutes
 def test_int8_under_tensor_parallelism_matches_tp1(tiny_dir):
     """The scales shard with their weights' output columns (column-parallel: split; row-parallel:
     replicated), and tp 2 serves tp 1's greedy tokens, unrolled and scanned."""

@@ -123,6 +123,7 @@ def test_smollm2_chat_template(tok, chat_ids):
     assert chat_ids[0][-3:] == tok.encode("assistant\n", add_special_tokens=False)
 
 
+@pytest.mark.sweep  # 21 s: out of CI's 45 minutes (prompt logprobs = HF on the tiny models stays in)
 def test_smollm2_prompt_logprobs_match_hf_chunked_and_not(smollm2, chat_ids):
     """SmolLM2's prompt logprobs (and top-3, token_ids_logprob) from its extend steps, two chat
     prompts side by side, chunked at 16 and in one row, cold and after a cached prefix, equal HF's
